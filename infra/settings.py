@@ -1,0 +1,179 @@
+"""The one typed settings model: IMAGELAKE_* environment variables, an optional config file, defaults for one machine."""
+
+from __future__ import annotations
+
+import contextvars
+import json
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import Field, ValidationError, model_validator
+from pydantic.fields import FieldInfo
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+_config_file: contextvars.ContextVar[Path | None] = contextvars.ContextVar("imagelake_config_file", default=None)
+
+
+class SettingsError(ValueError):
+    """Settings that cannot be used; the message names the field or file and what to do."""
+
+
+class _ConfigFileSource(PydanticBaseSettingsSource):
+    """Reads the optional YAML, TOML or JSON config file named by load_settings()."""
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        return None, field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        path = _config_file.get()
+        if path is None:
+            return {}
+        return read_config_file(path)
+
+
+def read_config_file(path: Path) -> dict[str, Any]:
+    """Parse a settings file by its suffix (.yaml/.yml, .toml or .json) into a dict."""
+    if not path.is_file():
+        raise SettingsError(f"config file {path} does not exist: pass an existing .yaml, .toml or .json file")
+    text = path.read_text()
+    suffix = path.suffix.lower()
+    if suffix in (".yaml", ".yml"):
+        data = yaml.safe_load(text) or {}
+    elif suffix == ".toml":
+        data = tomllib.loads(text)
+    elif suffix == ".json":
+        data = json.loads(text)
+    else:
+        raise SettingsError(f"config file {path}: unknown suffix {suffix!r}; use .yaml, .toml or .json")
+    if not isinstance(data, dict):
+        raise SettingsError(f"config file {path} must hold a mapping of setting names to values")
+    return data
+
+
+class Settings(BaseSettings):
+    """Where imagelake runs and how; every field is also IMAGELAKE_<NAME>."""
+
+    model_config = SettingsConfigDict(env_prefix="IMAGELAKE_", extra="forbid", validate_default=True)
+
+    # Where everything embedded lives.
+    workspace: Path = Path(".imagelake")
+
+    # Spark and Delta.
+    spark_master: str = "local[*]"
+    spark_driver_memory: str = "4g"
+    spark_jars: list[str] = Field(default_factory=list, description="Extra jars for Spark, e.g. Delta's, as local paths")
+    delta_writer: Literal["auto", "delta-rs", "spark"] = "auto"
+    table_root: str | None = Field(default=None, description="Folder or object-store URI of the Delta tables")
+    table_name: str = "images"
+
+    # Images.
+    image_size: int = Field(default=224, ge=8, le=2048)
+    resize_mode: Literal["letterbox", "center_crop"] = "letterbox"
+    image_extensions: list[str] = Field(
+        default_factory=lambda: [".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff"]
+    )
+
+    # Split and cache.
+    val_fraction: float = Field(default=0.1, gt=0, lt=1)
+    test_fraction: float = Field(default=0.1, gt=0, lt=1)
+    partitions_per_worker: int = Field(default=2, ge=2)
+    cache_root: str | None = None
+
+    # Training.
+    ray_address: str | None = None
+    num_workers: int = Field(default=2, ge=1)
+    use_gpu: bool = False
+    cpus_per_worker: float = Field(default=1, gt=0)
+    model_arch: Literal["small_cnn"] = "small_cnn"
+    max_epochs: int = Field(default=8, ge=1)
+    batch_size: int = Field(default=32, ge=1, description="Per worker")
+    base_lr: float = Field(default=1e-3, gt=0, description="Learning rate of one worker; scaled by num_workers")
+    early_stopping_patience: int = Field(default=2, ge=0)
+    early_stopping_min_delta: float = Field(default=0.0, ge=0)
+    seed: int = 42
+
+    # Tracking and registry.
+    mlflow_tracking_uri: str | None = None
+    mlflow_registry_uri: str | None = None
+    mlflow_experiment: str = "imagelake"
+    model_name: str = "imagelake-classifier"
+    promotion_margin: float = Field(default=0.0, ge=0, description="Accuracy a candidate must gain over the champion")
+
+    # Orchestration.
+    prefect_api_url: str | None = None
+
+    @model_validator(mode="after")
+    def _check_fractions(self) -> "Settings":
+        if self.val_fraction + self.test_fraction >= 0.9:
+            raise ValueError("val_fraction + test_fraction must leave at least 10% of the images for training")
+        return self
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # Explicit overrides beat the environment, which beats the config file.
+        return init_settings, env_settings, _ConfigFileSource(settings_cls)
+
+    # Derived locations: all under the workspace unless set.
+    @property
+    def workspace_dir(self) -> Path:
+        return self.workspace.expanduser().resolve()
+
+    @property
+    def table_uri(self) -> str:
+        root = self.table_root or str(self.workspace_dir / "tables")
+        return f"{root.rstrip('/')}/{self.table_name}"
+
+    @property
+    def cache_uri(self) -> str:
+        return self.cache_root or str(self.workspace_dir / "cache")
+
+    @property
+    def staging_dir(self) -> Path:
+        return self.workspace_dir / "staging"
+
+    @property
+    def ray_storage_path(self) -> str:
+        return str(self.workspace_dir / "ray_results")
+
+    @property
+    def tracking_uri(self) -> str:
+        return self.mlflow_tracking_uri or f"sqlite:///{self.workspace_dir / 'mlflow.db'}"
+
+    @property
+    def artifact_location(self) -> str | None:
+        """Local artifact folder for the embedded SQLite store; a tracking server chooses its own."""
+        if self.mlflow_tracking_uri:
+            return None
+        return (self.workspace_dir / "mlartifacts").as_uri()
+
+    @property
+    def prefect_results_dir(self) -> Path:
+        return self.workspace_dir / "prefect-results"
+
+
+def load_settings(config_file: str | Path | None = None, overrides: dict[str, Any] | None = None) -> Settings:
+    """Read settings now: overrides, then IMAGELAKE_* variables, then the config file, then defaults."""
+    path = Path(config_file) if config_file else None
+    token = _config_file.set(path)
+    try:
+        return Settings(**(overrides or {}))
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc']) or 'settings'}: {err['msg']}" for err in exc.errors()
+        )
+        source = f" (config file {path})" if path else ""
+        raise SettingsError(
+            f"invalid imagelake settings{source}: {problems}. "
+            "Fix the IMAGELAKE_<NAME> variable, the config file entry or the --set option of that name."
+        ) from None
+    finally:
+        _config_file.reset(token)

@@ -1,0 +1,76 @@
+"""The Spark session factory: one session per process, configured from settings."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from pathlib import Path
+
+from pyspark.sql import SparkSession
+
+from infra.java import ensure_java
+from infra.settings import Settings
+
+DELTA_EXTENSION = "io.delta.sql.DeltaSparkSessionExtension"
+DELTA_CATALOG = "org.apache.spark.sql.delta.catalog.DeltaCatalog"
+
+_lock = threading.Lock()
+
+
+def spark_session(settings: Settings) -> SparkSession:
+    """Get or start the process's SparkSession for these settings."""
+    with _lock:
+        active = SparkSession.getActiveSession()
+        if active is not None:
+            return active
+        ensure_java()
+        # Executors must run this interpreter, or the UDFs cannot import Pillow and pyarrow.
+        os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+        os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+        builder = (
+            SparkSession.builder.master(settings.spark_master)
+            .appName("imagelake")
+            .config("spark.driver.memory", settings.spark_driver_memory)
+            .config("spark.driver.bindAddress", "127.0.0.1" if settings.spark_master.startswith("local") else "0.0.0.0")
+            .config("spark.driver.host", "127.0.0.1" if settings.spark_master.startswith("local") else _hostname())
+            .config("spark.ui.showConsoleProgress", "false")
+            .config("spark.sql.execution.arrow.pyspark.enabled", "true")
+            # Decoded 224x224 images are ~150 KB each: keep Arrow batches small.
+            .config("spark.sql.execution.arrow.maxRecordsPerBatch", "256")
+            .config("spark.sql.shuffle.partitions", str(max(4, (os.cpu_count() or 2) * 2)))
+            .config("spark.sql.session.timeZone", "UTC")
+        )
+        if settings.spark_jars:
+            builder = builder.config("spark.jars", ",".join(settings.spark_jars))
+        if delta_jars_on_classpath(settings):
+            # A catalog class that is missing fails every write, so these are set only when the jars are there.
+            builder = builder.config("spark.sql.extensions", DELTA_EXTENSION).config("spark.sql.catalog.spark_catalog", DELTA_CATALOG)
+        session = builder.getOrCreate()
+        session.sparkContext.setLogLevel("ERROR")
+        return session
+
+
+def delta_jars_on_classpath(settings: Settings) -> bool:
+    """Whether a delta-spark jar is among the configured jars or in the pyspark installation's jars folder."""
+    import pyspark
+
+    bundled = [path.name for path in (Path(pyspark.__file__).parent / "jars").glob("*.jar")]
+    names = [Path(jar).name for jar in settings.spark_jars] + bundled
+    return any(name.startswith(("delta-spark_", "delta-core_")) for name in names)
+
+
+def delta_jars_loaded(spark: SparkSession) -> bool:
+    """Whether Spark's JVM can load Delta Lake's classes (format("delta") works)."""
+    try:
+        # Spark's own class loader also sees jars added through spark.jars.
+        spark._jvm.org.apache.spark.util.Utils.classForName(DELTA_EXTENSION, True, False)  # noqa: SLF001
+    except Exception:  # py4j wraps ClassNotFoundException in its own error type
+        return False
+    return True
+
+
+def _hostname() -> str:
+    import socket
+
+    return socket.gethostname()

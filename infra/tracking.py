@@ -1,0 +1,25 @@
+"""The MLflow client: tracking and registry URIs and the experiment, from settings."""
+
+from __future__ import annotations
+
+import mlflow
+from mlflow import MlflowClient
+
+from infra.settings import Settings
+
+
+def mlflow_client(settings: Settings) -> MlflowClient:
+    """Point MLflow at the settings' tracking and registry stores and return a client for them."""
+    if not settings.mlflow_tracking_uri:
+        settings.workspace_dir.mkdir(parents=True, exist_ok=True)
+    mlflow.set_tracking_uri(settings.tracking_uri)
+    mlflow.set_registry_uri(settings.mlflow_registry_uri or settings.tracking_uri)
+    return MlflowClient(settings.tracking_uri, settings.mlflow_registry_uri or settings.tracking_uri)
+
+
+def experiment_id(client: MlflowClient, settings: Settings) -> str:
+    """The experiment's id, creating it (with local artifacts on the embedded store) if needed."""
+    found = client.get_experiment_by_name(settings.mlflow_experiment)
+    if found is not None:
+        return found.experiment_id
+    return client.create_experiment(settings.mlflow_experiment, artifact_location=settings.artifact_location)

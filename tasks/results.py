@@ -1,0 +1,72 @@
+"""What passes between stages: small, serialisable handles, never data."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel
+
+
+class Ingested(BaseModel):
+    staging_uri: str
+    rows: int
+    labels: list[str]
+    content_fingerprint: str
+
+
+class Resized(BaseModel):
+    staging_uri: str
+    rows: int
+    failed: int
+    failures: dict[str, str]
+    image_size: int
+    content_fingerprint: str
+
+
+class Written(BaseModel):
+    table_uri: str
+    version: int
+    engine: str
+    rows: int
+
+
+class SplitPlan(BaseModel):
+    table_uri: str
+    version: int
+    engine: str
+    labels: list[str]
+    counts: dict[str, int]
+    num_partitions: int
+    val_fraction: float
+    test_fraction: float
+
+
+class CachedSplits(BaseModel):
+    table_uri: str
+    table_version: int
+    cache_dir: str
+    key: str
+    splits: dict[str, str]
+    counts: dict[str, int]
+    labels: list[str]
+    image_size: int
+    num_partitions: int
+    reused: bool
+
+
+class Trained(BaseModel):
+    checkpoint_path: str
+    ray_run_path: str
+    mlflow_run_id: str
+    num_workers: int
+    learning_rate: float
+    epochs_run: int
+    best_val_loss: float
+    val_accuracy: float
+
+
+class Promoted(BaseModel):
+    model_name: str
+    model_version: str
+    alias: str
+    champion_version: str
+    test_accuracy: float
+    previous_champion_accuracy: float | None

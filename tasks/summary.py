@@ -1,0 +1,56 @@
+"""Summary: what one pipeline run did, as a dict and a Prefect markdown artifact."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect.artifacts import create_markdown_artifact
+from prefect.cache_policies import NO_CACHE
+from prefect.runtime import flow_run
+
+from infra.settings import Settings
+from infra.tracking import mlflow_client
+from tasks.promote import champion_accuracy
+from tasks.results import CachedSplits, Promoted, Resized, Trained, Written
+from tasks.stage import stage
+
+
+def run_summary(resized: Resized, written: Written, cached: CachedSplits, trained: Trained, promoted: Promoted, champion_version: str | None) -> dict[str, Any]:
+    """The run's outcome as plain values (this is what `imagelake run --json` prints)."""
+    return {
+        "delta_table": written.table_uri,
+        "delta_version": written.version,
+        "delta_engine": written.engine,
+        "rows": sum(cached.counts.values()),
+        "rows_added": written.rows,
+        "undecodable_files": resized.failed,
+        "split_counts": cached.counts,
+        "labels": cached.labels,
+        "cache_dir": cached.cache_dir,
+        "checkpoint": trained.checkpoint_path,
+        "epochs_run": trained.epochs_run,
+        "val_accuracy": trained.val_accuracy,
+        "mlflow_run_id": trained.mlflow_run_id,
+        "model_name": promoted.model_name,
+        "model_version": promoted.model_version,
+        "model_alias": promoted.alias,
+        "champion_version": champion_version,
+        "test_accuracy": promoted.test_accuracy,
+    }
+
+
+def summary_markdown(summary: dict[str, Any], tracking_uri: str) -> str:
+    """A short markdown table of the summary for the Prefect UI."""
+    rows = "\n".join(f"| {key} | {value} |" for key, value in summary.items())
+    return f"## imagelake run\n\nMLflow: `{tracking_uri}`, run `{summary['mlflow_run_id']}`\n\n| item | value |\n|---|---|\n{rows}\n"
+
+
+@stage("summarize", retries=1, cache_policy=NO_CACHE)
+def summarize(resized: Resized, written: Written, cached: CachedSplits, trained: Trained, promoted: Promoted, settings: Settings) -> dict[str, Any]:
+    """Prefect stage (never cached): read the current champion and publish the run's summary."""
+    champion_version, _ = champion_accuracy(mlflow_client(settings), promoted.model_name)
+    champion_version = str(champion_version) if champion_version is not None else None
+    summary = run_summary(resized, written, cached, trained, promoted, champion_version)
+    summary["flow_run_id"] = str(flow_run.id) if flow_run.id else None
+    create_markdown_artifact(summary_markdown(summary, settings.tracking_uri), key="imagelake-run-summary")
+    return summary
