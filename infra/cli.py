@@ -51,8 +51,13 @@ def run(
     from flows.pipeline import pipeline
     from infra.prefect_env import prefect_for
 
-    with prefect_for(settings):
-        summary = pipeline(source=source, config_file=str(config) if config else None, overrides=overrides or None)
+    try:
+        with prefect_for(settings):
+            summary = pipeline(source=source, config_file=str(config) if config else None, overrides=overrides or None)
+    except (ValueError, FileNotFoundError) as exc:
+        # Bad input or settings: the message says what to do; the traceback is in the log above.
+        typer.secho(f"error: {exc}", err=True, fg="red")
+        raise typer.Exit(2) from None
     typer.echo(format_summary(summary))
     if as_json:
         typer.echo(json.dumps(summary, sort_keys=True))

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Iterator
 
 import numpy as np
 import torch
 from petastorm import make_batch_reader
+
+# Petastorm is pinned with pyarrow 14 on purpose (see pyproject.toml): its legacy-API notices are known and noise.
+warnings.filterwarnings("ignore", category=FutureWarning, module=r"petastorm(\.|$)")
 
 
 def steps_per_epoch(rows: int, batch_size: int, world_size: int) -> int:

@@ -31,6 +31,20 @@ class StageModuleSource(CachePolicy):
 
 STAGE_CACHE = INPUTS + TASK_SOURCE + StageModuleSource()
 
+# Bad input, bad settings and programming errors fail the same way every time: retrying only delays the message.
+PERMANENT_ERRORS: tuple[type[BaseException], ...] = (ValueError, TypeError, KeyError, FileNotFoundError)
+
+
+def retry_transient_only(task: Any, task_run: Any, state: Any) -> bool:
+    """Prefect retry condition: retry unless the stage failed with a permanent error."""
+    try:
+        state.result()
+    except PERMANENT_ERRORS:
+        return False
+    except Exception:  # anything else (I/O, a lost worker, a busy server) may pass on the next attempt
+        return True
+    return True
+
 
 def stage(name: str, *, retries: int = 2, backoff: float = 2.0, cache_policy: CachePolicy = STAGE_CACHE) -> Callable[[F], F]:
     """Declare a pipeline stage: a Prefect task that retries with jittered exponential backoff and caches its result."""
@@ -39,6 +53,7 @@ def stage(name: str, *, retries: int = 2, backoff: float = 2.0, cache_policy: Ca
         retries=retries,
         retry_delay_seconds=exponential_backoff(backoff_factor=backoff),
         retry_jitter_factor=0.5,
+        retry_condition_fn=retry_transient_only,
         cache_policy=cache_policy,
         persist_result=True,
         log_prints=True,

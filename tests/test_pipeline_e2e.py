@@ -1,0 +1,136 @@
+"""The whole pipeline through the `imagelake` command on real Spark, Delta, Ray, MLflow and a Prefect server."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from deltalake import DeltaTable
+from mlflow import MlflowClient
+
+from tests.conftest import cli_env
+
+pytestmark = pytest.mark.slow
+
+IMAGELAKE = str(Path(sys.executable).parent / "imagelake")
+MODEL = "digits-e2e"
+
+
+def run_cli(args: list[str], env: dict[str, str], timeout: int = 900) -> subprocess.CompletedProcess:
+    return subprocess.run([IMAGELAKE, *args], env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def run_pipeline(source: Path, workspace: Path, env: dict[str, str], *extra: str) -> tuple[dict, float]:
+    settings = ["workspace=" + str(workspace), "image_size=32", "max_epochs=4", "num_workers=2", "batch_size=16", f"model_name={MODEL}", *extra]
+    started = time.monotonic()
+    done = run_cli(["run", "--source", str(source), "--json", *[arg for s in settings for arg in ("--set", s)]], env)
+    elapsed = time.monotonic() - started
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    return json.loads(done.stdout.strip().splitlines()[-1]), elapsed
+
+
+def task_states(flow_run_id: str) -> dict[str, str]:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[uuid.UUID(flow_run_id)])))
+    return {run.name.rsplit("-", 1)[0]: run.state.name for run in runs}
+
+
+def test_pipeline_end_to_end_then_everything_is_cached(digits_dir: Path, tmp_path: Path, prefect_api: str) -> None:
+    workspace = tmp_path / "ws"
+    env = cli_env({"PREFECT_API_URL": prefect_api})
+    first, first_seconds = run_pipeline(digits_dir, workspace, env)
+
+    # Delta: one version holding every image.
+    table = DeltaTable(first["delta_table"])
+    assert first["delta_version"] == table.version() == 0
+    assert first["rows"] == table.to_pyarrow_dataset().count_rows() == 300
+    assert first["delta_engine"] == "delta-rs"  # Spark's Delta jars cannot load here
+
+    # Cache: one folder per split, keyed, complete.
+    cache_dir = Path(first["cache_dir"].removeprefix("file://"))
+    assert (cache_dir / "meta.json").is_file()
+    for split in ("train", "val", "test"):
+        assert list((cache_dir / split).glob("*.parquet")), split
+    assert sum(first["split_counts"].values()) == 300
+
+    # Ray: a checkpoint written under the run's storage path.
+    checkpoint = Path(first["checkpoint"])
+    assert checkpoint.is_file() and (workspace / "ray_results") in checkpoint.parents
+
+    # MLflow: a registered champion with lineage tags, metrics logged once per epoch (rank 0 only).
+    client = MlflowClient(f"sqlite:///{workspace / 'mlflow.db'}")
+    champion = client.get_model_version_by_alias(MODEL, "champion")
+    assert champion.version == first["model_version"] == first["champion_version"] == "1"
+    assert champion.tags["delta_table"] == first["delta_table"]
+    assert champion.tags["delta_version"] == "0"
+    assert champion.tags["prefect_flow_run_id"] == first["flow_run_id"]
+    assert champion.tags["mlflow_run_id"] == first["mlflow_run_id"]
+    history = client.get_metric_history(first["mlflow_run_id"], "val_loss")
+    assert sorted(m.step for m in history) == list(range(first["epochs_run"]))
+    assert client.get_run(first["mlflow_run_id"]).data.params["learning_rate"] == str(2e-3)  # 1e-3 x 2 workers
+    assert first["test_accuracy"] > 0.5, f"chance is 0.1; got {first['test_accuracy']}"
+
+    # Second run on unchanged data: every stage is a cache hit; no new Delta version, no new model version.
+    second, second_seconds = run_pipeline(digits_dir, workspace, env)
+    print(f"first run {first_seconds:.0f} s, cached run {second_seconds:.0f} s")
+    assert DeltaTable(first["delta_table"]).version() == 0
+    assert (second["delta_version"], second["model_version"], second["mlflow_run_id"]) == (0, "1", first["mlflow_run_id"])
+    assert len(client.search_model_versions(f"name='{MODEL}'")) == 1
+    states = task_states(second["flow_run_id"])
+    assert {name: state for name, state in states.items() if name != "summarize"} == {
+        stage: "Cached" for stage in ("ingest", "resize", "write", "repartition", "cache", "train", "promote")
+    }
+    assert len(list((workspace / "ray_results").iterdir())) == 1, "no second Ray run"
+
+
+def test_a_weaker_model_stays_challenger_and_new_images_make_a_new_version(digits_dir: Path, tmp_path: Path, prefect_api: str) -> None:
+    workspace = tmp_path / "ws"
+    source = tmp_path / "src"
+    shutil.copytree(digits_dir, source)
+    env = cli_env({"PREFECT_API_URL": prefect_api})
+    first, _ = run_pipeline(source, workspace, env)
+    assert first["model_alias"] == "champion"
+
+    # New files: ingest onward runs again, the table gets a new version, and a one-epoch model must not win.
+    for png in sorted((source / "7").glob("*.png"))[:3]:
+        shutil.copy(png, png.with_name("copy-" + png.name))
+    (source / "7" / "notes.png").write_text("not an image")
+    second, _ = run_pipeline(source, workspace, env, "max_epochs=1", "base_lr=0.00001", "promotion_margin=0.05")
+    assert second["delta_version"] == 1 and second["rows_added"] == 0  # copies have known content hashes
+    assert second["undecodable_files"] == 1
+    assert second["model_version"] == "2" and second["model_alias"] == "challenger"
+    assert second["champion_version"] == "1"
+    client = MlflowClient(f"sqlite:///{workspace / 'mlflow.db'}")
+    assert "does not beat champion" in client.get_model_version(MODEL, "2").tags["promotion_decision"]
+
+
+def test_a_missing_source_fails_with_a_clear_message_and_writes_nothing(tmp_path: Path, prefect_api: str) -> None:
+    workspace = tmp_path / "ws"
+    done = run_cli(["run", "--source", str(tmp_path / "nowhere"), "--set", f"workspace={workspace}"], cli_env({"PREFECT_API_URL": prefect_api}))
+    assert done.returncode == 2
+    assert "nowhere" in done.stderr and "is not a folder" in done.stderr
+    assert not (workspace / "tables").exists()
+
+
+def test_doctor_reports_this_machine_and_names_what_is_missing(tmp_path: Path) -> None:
+    env = cli_env()
+    found = run_cli(["doctor", "--set", f"workspace={tmp_path / 'ws'}"], env, timeout=300)
+    assert found.returncode == 0, found.stdout + found.stderr
+    lines = {line.split()[1]: line for line in found.stdout.splitlines() if len(line.split()) > 1}
+    assert lines["java"].startswith("ok") and "version" in lines["java"]
+    assert "absent" in lines["delta"] and "delta-rs" in lines["delta"]
+    assert "none" in lines["gpu"] or "CUDA" in lines["gpu"]
+    assert lines["ray"].startswith("ok") and lines["pyarrow"].startswith("ok")
+
+    forced = run_cli(["doctor", "--set", f"workspace={tmp_path / 'ws'}", "--set", "delta_writer=spark"], env, timeout=300)
+    assert forced.returncode == 1
+    assert "missing: delta jars" in forced.stderr

@@ -1,0 +1,83 @@
+"""Pure decisions: split by hash, promotion rule, steps per epoch, learning-rate scaling, content hash."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import pytest
+
+from tasks.loader import steps_per_epoch
+from tasks.promote import decide_promotion
+from tasks.repartition import split_of
+from tasks.train import scaled_learning_rate
+
+
+def digest(i: int) -> str:
+    return hashlib.sha256(str(i).encode()).hexdigest()
+
+
+def test_split_is_stable_and_close_to_the_fractions() -> None:
+    splits = [split_of(digest(i), 0.1, 0.2) for i in range(5000)]
+    assert splits == [split_of(digest(i), 0.1, 0.2) for i in range(5000)]
+    share = {name: splits.count(name) / len(splits) for name in ("train", "val", "test")}
+    assert share["test"] == pytest.approx(0.2, abs=0.03)
+    assert share["val"] == pytest.approx(0.1, abs=0.03)
+    assert share["train"] == pytest.approx(0.7, abs=0.03)
+
+
+@pytest.mark.parametrize("prefix,expected", [("00000000", "test"), ("20000000", "val"), ("ffffffff", "train")])
+def test_split_boundaries(prefix: str, expected: str) -> None:
+    # 0x20000000 / 2**32 = 0.125: past test (0.1), inside val (0.1 + 0.1).
+    assert split_of(prefix + "0" * 56, 0.1, 0.1) == expected
+
+
+def test_an_image_keeps_its_split_when_the_data_grows() -> None:
+    before = {digest(i): split_of(digest(i), 0.1, 0.1) for i in range(100)}
+    after = {digest(i): split_of(digest(i), 0.1, 0.1) for i in range(1000)}
+    assert all(after[key] == value for key, value in before.items())
+
+
+@pytest.mark.parametrize("bad", ["", "abc", "zzzzzzzz" + "0" * 56])
+def test_split_rejects_what_is_not_a_hex_digest(bad: str) -> None:
+    with pytest.raises(ValueError, match="sha256"):
+        split_of(bad, 0.1, 0.1)
+
+
+@pytest.mark.parametrize(
+    "candidate,champion,margin,promote",
+    [
+        (0.5, None, 0.0, True),  # no champion yet
+        (0.91, 0.90, 0.0, True),
+        (0.90, 0.90, 0.0, False),  # a tie keeps the champion
+        (0.91, 0.90, 0.02, False),  # inside the margin
+        (0.93, 0.90, 0.02, True),
+        (0.80, 0.90, 0.0, False),
+    ],
+)
+def test_promotion_rule(candidate: float, champion: float | None, margin: float, promote: bool) -> None:
+    decision = decide_promotion(candidate, champion, margin)
+    assert decision.promote is promote
+    assert f"{candidate:.4f}" in decision.reason
+
+
+@pytest.mark.parametrize("candidate,champion,margin", [(math.nan, 0.5, 0.0), (1.5, 0.5, 0.0), (0.5, -0.1, 0.0), (0.5, 0.5, -1.0)])
+def test_promotion_rule_rejects_impossible_metrics(candidate: float, champion: float, margin: float) -> None:
+    with pytest.raises(ValueError, match="must be a number in"):
+        decide_promotion(candidate, champion, margin)
+
+
+@pytest.mark.parametrize("rows,batch,world,steps", [(100, 10, 1, 10), (100, 10, 2, 5), (101, 10, 2, 6), (3, 32, 2, 1)])
+def test_steps_per_epoch_cover_the_split(rows: int, batch: int, world: int, steps: int) -> None:
+    assert steps_per_epoch(rows, batch, world) == steps
+    assert steps * batch * world >= rows
+
+
+def test_steps_per_epoch_refuses_an_empty_split() -> None:
+    with pytest.raises(ValueError, match="empty split"):
+        steps_per_epoch(0, 32, 2)
+
+
+def test_learning_rate_scales_linearly_with_workers() -> None:
+    assert scaled_learning_rate(1e-3, 1) == pytest.approx(1e-3)
+    assert scaled_learning_rate(1e-3, 4) == pytest.approx(4e-3)

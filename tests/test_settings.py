@@ -1,0 +1,80 @@
+"""Settings: defaults, environment, config files, overrides, and errors that name the field."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from infra.cli import parse_overrides
+from infra.settings import SettingsError, load_settings
+
+
+def test_defaults_run_on_one_machine(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.chdir(tmp_path)
+    settings = load_settings()
+    assert settings.spark_master == "local[*]"
+    assert settings.image_size == 224
+    assert settings.ray_address is None
+    assert settings.table_uri == str(tmp_path / ".imagelake" / "tables" / "images")
+    assert settings.tracking_uri == f"sqlite:///{tmp_path / '.imagelake' / 'mlflow.db'}"
+
+
+def test_endpoints_change_by_settings_alone(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("IMAGELAKE_SPARK_MASTER", "spark://10.0.0.1:7077")
+    monkeypatch.setenv("IMAGELAKE_RAY_ADDRESS", "ray://head:10001")
+    monkeypatch.setenv("IMAGELAKE_MLFLOW_TRACKING_URI", "http://mlflow:5000")
+    monkeypatch.setenv("IMAGELAKE_TABLE_ROOT", "s3://bucket/lake")
+    monkeypatch.setenv("IMAGELAKE_PREFECT_API_URL", "http://prefect:4200/api")
+    settings = load_settings()
+    assert settings.spark_master == "spark://10.0.0.1:7077"
+    assert settings.ray_address == "ray://head:10001"
+    assert settings.tracking_uri == "http://mlflow:5000"
+    assert settings.artifact_location is None
+    assert settings.table_uri == "s3://bucket/lake/images"
+    assert settings.prefect_api_url == "http://prefect:4200/api"
+
+
+@pytest.mark.parametrize("suffix", [".yaml", ".toml", ".json"])
+def test_config_file_is_read_and_environment_and_overrides_win(suffix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / f"imagelake{suffix}"
+    values = {"image_size": 96, "num_workers": 3, "batch_size": 8}
+    if suffix == ".toml":
+        path.write_text("\n".join(f"{key} = {value}" for key, value in values.items()))
+    else:
+        path.write_text(json.dumps(values))  # JSON is valid YAML too
+    monkeypatch.setenv("IMAGELAKE_NUM_WORKERS", "4")
+    settings = load_settings(path, overrides={"batch_size": 16})
+    assert (settings.image_size, settings.num_workers, settings.batch_size) == (96, 4, 16)
+
+
+def test_bad_values_name_the_field(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("IMAGELAKE_IMAGE_SIZE", "huge")
+    with pytest.raises(SettingsError, match="image_size"):
+        load_settings()
+
+
+def test_unknown_setting_is_refused() -> None:
+    with pytest.raises(SettingsError, match="image_sise"):
+        load_settings(overrides={"image_sise": 64})
+
+
+def test_fractions_must_leave_training_data() -> None:
+    with pytest.raises(SettingsError, match="val_fraction"):
+        load_settings(overrides={"val_fraction": 0.5, "test_fraction": 0.45})
+
+
+def test_missing_config_file_is_named(tmp_path: Path) -> None:
+    with pytest.raises(SettingsError, match="nope.yaml"):
+        load_settings(tmp_path / "nope.yaml")
+
+
+def test_cli_overrides_parse_json_values_and_reject_malformed_pairs() -> None:
+    assert parse_overrides(["max_epochs=3", "spark_jars=[\"a.jar\"]", "model_name=digits"]) == {
+        "max_epochs": 3,
+        "spark_jars": ["a.jar"],
+        "model_name": "digits",
+    }
+    with pytest.raises(SettingsError, match="NAME=VALUE"):
+        parse_overrides(["max_epochs"])
