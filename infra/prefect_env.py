@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator
 
-from prefect.settings import PREFECT_API_URL, PREFECT_LOCAL_STORAGE_PATH, temporary_settings
+from prefect.settings import PREFECT_API_URL, PREFECT_LOCAL_STORAGE_PATH, PREFECT_SERVER_ANALYTICS_ENABLED, temporary_settings
 
 from infra.settings import Settings
 
@@ -13,7 +13,8 @@ from infra.settings import Settings
 @contextlib.contextmanager
 def prefect_for(settings: Settings) -> Iterator[None]:
     """Results persist under the workspace; the API is the configured server, else Prefect's own default."""
-    updates = {PREFECT_LOCAL_STORAGE_PATH: settings.prefect_results_dir}
+    # No telemetry: an ephemeral server would try to reach the internet on every run.
+    updates = {PREFECT_LOCAL_STORAGE_PATH: settings.prefect_results_dir, PREFECT_SERVER_ANALYTICS_ENABLED: False}
     if settings.prefect_api_url:
         updates[PREFECT_API_URL] = settings.prefect_api_url
     with temporary_settings(updates=updates):

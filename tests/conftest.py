@@ -7,6 +7,9 @@ from pathlib import Path
 
 import pytest
 
+# Before Prefect is imported: the test server must not try to send telemetry.
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+
 from infra.settings import Settings, load_settings
 from tasks.demo_data import write_digits
 

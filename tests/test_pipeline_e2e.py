@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from deltalake import DeltaTable
 from mlflow import MlflowClient
+from PIL import Image, ImageOps
 
 from tests.conftest import cli_env
 
@@ -69,7 +70,7 @@ def test_pipeline_end_to_end_then_everything_is_cached(digits_dir: Path, tmp_pat
     # MLflow: a registered champion with lineage tags, metrics logged once per epoch (rank 0 only).
     client = MlflowClient(f"sqlite:///{workspace / 'mlflow.db'}")
     champion = client.get_model_version_by_alias(MODEL, "champion")
-    assert champion.version == first["model_version"] == first["champion_version"] == "1"
+    assert str(champion.version) == first["model_version"] == first["champion_version"] == "1"
     assert champion.tags["delta_table"] == first["delta_table"]
     assert champion.tags["delta_version"] == "0"
     assert champion.tags["prefect_flow_run_id"] == first["flow_run_id"]
@@ -101,11 +102,14 @@ def test_a_weaker_model_stays_challenger_and_new_images_make_a_new_version(digit
     assert first["model_alias"] == "champion"
 
     # New files: ingest onward runs again, the table gets a new version, and a one-epoch model must not win.
-    for png in sorted((source / "7").glob("*.png"))[:3]:
-        shutil.copy(png, png.with_name("copy-" + png.name))
+    pngs = sorted((source / "7").glob("*.png"))
+    for png in pngs[:3]:
+        shutil.copy(png, png.with_name("copy-" + png.name))  # known content: not written twice
+    for png in pngs[3:5]:
+        ImageOps.mirror(Image.open(png)).save(png.with_name("mirrored-" + png.name))  # new content
     (source / "7" / "notes.png").write_text("not an image")
     second, _ = run_pipeline(source, workspace, env, "max_epochs=1", "base_lr=0.00001", "promotion_margin=0.05")
-    assert second["delta_version"] == 1 and second["rows_added"] == 0  # copies have known content hashes
+    assert (second["delta_version"], second["rows_added"], second["rows"]) == (1, 2, 302)
     assert second["undecodable_files"] == 1
     assert second["model_version"] == "2" and second["model_alias"] == "challenger"
     assert second["champion_version"] == "1"
