@@ -25,6 +25,9 @@ def spark_session(settings: Settings) -> SparkSession:
         if active is not None:
             return active
         ensure_java()
+        if settings.spark_master.startswith("local"):
+            # An embedded Spark listens on loopback only.
+            os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
         # Executors must run this interpreter, or the UDFs cannot import Pillow and pyarrow.
         os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
         os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)

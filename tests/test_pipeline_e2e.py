@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from deltalake import DeltaTable
+import mlflow
 from mlflow import MlflowClient
 from PIL import Image, ImageOps
 
@@ -68,6 +69,7 @@ def test_pipeline_end_to_end_then_everything_is_cached(digits_dir: Path, tmp_pat
     assert checkpoint.is_file() and (workspace / "ray_results") in checkpoint.parents
 
     # MLflow: a registered champion with lineage tags, metrics logged once per epoch (rank 0 only).
+    mlflow.set_tracking_uri(f"sqlite:///{workspace / 'mlflow.db'}")
     client = MlflowClient(f"sqlite:///{workspace / 'mlflow.db'}")
     champion = client.get_model_version_by_alias(MODEL, "champion")
     assert str(champion.version) == first["model_version"] == first["champion_version"] == "1"
@@ -75,6 +77,8 @@ def test_pipeline_end_to_end_then_everything_is_cached(digits_dir: Path, tmp_pat
     assert champion.tags["delta_version"] == "0"
     assert champion.tags["prefect_flow_run_id"] == first["flow_run_id"]
     assert champion.tags["mlflow_run_id"] == first["mlflow_run_id"]
+    logged = mlflow.models.get_model_info(f"models:/{MODEL}/1")
+    assert logged.signature is not None and logged.saved_input_example_info is not None
     history = client.get_metric_history(first["mlflow_run_id"], "val_loss")
     assert sorted(m.step for m in history) == list(range(first["epochs_run"]))
     assert client.get_run(first["mlflow_run_id"]).data.params["learning_rate"] == str(2e-3)  # 1e-3 x 2 workers

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import shutil
 from pathlib import Path
 
@@ -34,6 +35,10 @@ def small_source(digits_dir: Path, tmp_path: Path) -> Path:
 def test_ingest_resize_write_end_to_end_on_spark_and_delta(spark, small_source: Path, tmp_path: Path, settings) -> None:
     ingested = ingest_images(spark, source_uri(str(small_source)), EXTENSIONS, str(tmp_path / "raw"))
     assert ingested.rows == 41 and ingested.labels == ["0", "1", "2", "3"]
+    staged = {Path(row["path"].removeprefix("file:")).name: row for row in spark.read.parquet(ingested.staging_uri).collect()}
+    one = sorted((small_source / "2").glob("*.png"))[0]
+    assert staged[one.name]["sha256"] == hashlib.sha256(one.read_bytes()).hexdigest()
+    assert staged[one.name]["label"] == "2"
 
     resized = resize_images(spark, ingested, 24, "letterbox", str(tmp_path / "resized"))
     assert (resized.rows, resized.failed) == (40, 1)
@@ -77,8 +82,6 @@ def test_bad_sources_are_named(spark, tmp_path: Path, make_source: str) -> None:
 
 
 def test_spark_split_matches_the_pure_rule(spark) -> None:
-    import hashlib
-
     hashes = [hashlib.sha256(str(i).encode()).hexdigest() for i in range(300)]
     frame = spark.createDataFrame([(h,) for h in hashes], "sha256 string").withColumn("split", split_column(0.1, 0.2))
     assert {row["sha256"]: row["split"] for row in frame.collect()} == {h: split_of(h, 0.1, 0.2) for h in hashes}
@@ -108,3 +111,15 @@ def test_cache_is_keyed_reused_and_readable_by_shard(spark, small_source: Path, 
     assert seen == 16
     expected = images_with_split(spark, written.table_uri, written.version, "delta-rs", 32, 0.2, 0.2).where("split = 'train'").count()
     assert expected == plan.counts["train"]
+
+
+def test_spark_delta_writer_has_the_same_semantics_where_its_jars_load(spark, small_source: Path, tmp_path: Path) -> None:
+    from infra.spark import delta_jars_loaded
+
+    if not delta_jars_loaded(spark):
+        pytest.skip("Spark's Delta jars are not on this machine's classpath (add them with IMAGELAKE_SPARK_JARS)")
+    resized = resize_images(spark, ingest_images(spark, source_uri(str(small_source)), EXTENSIONS, str(tmp_path / "raw")), 24, "letterbox", str(tmp_path / "rs"))
+    table = str(tmp_path / "table")
+    assert (write_images(spark, resized, table, "spark").rows, DeltaTable(table).version()) == (40, 0)
+    assert write_images(spark, resized, table, "spark").rows == 0
+    assert read_version(spark, table, 0, "spark").count() == 40
