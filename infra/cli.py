@@ -87,7 +87,7 @@ def doctor(config: Optional[Path] = ConfigOption, set_: Optional[list[str]] = Se
 
     checks = run_checks(settings)
     for check in checks:
-        status = "ok" if check.ok else ("MISSING" if check.required else "info")
+        status = "ok" if check.ok else ("MISSING" if check.required else "absent")
         typer.echo(f"{status:8} {check.name:20} {check.detail}")
     missing = [check for check in checks if check.required and not check.ok]
     if missing:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -42,13 +43,18 @@ def _spark(settings: Settings) -> list[Check]:
     rows = spark.range(10).count()
     jars = delta_jars_loaded(spark)
     needed = settings.delta_writer == "spark"
-    writer = "Spark's Delta writer" if jars and settings.delta_writer != "delta-rs" else "delta-rs (deltalake)"
+    if jars:
+        delta = "loaded; " + ("tables are written with delta-rs (forced)" if settings.delta_writer == "delta-rs" else "tables are written with Spark's Delta writer")
+    elif needed:
+        delta = "absent, but delta_writer=spark needs them: add Delta's jars with IMAGELAKE_SPARK_JARS, or set delta_writer=auto"
+    else:
+        delta = "absent: format('delta') is unavailable; tables are written with delta-rs (deltalake)"
     return [
         Check("spark", rows == 10, f"pyspark {pyspark.__version__}, master {spark.sparkContext.master}, a test job ran"),
         Check(
             "delta jars",
-            jars or not needed,
-            ("loaded" if jars else "absent: format('delta') is unavailable") + f"; tables are written with {writer}",
+            jars,
+            delta,
             required=needed,
         ),
     ]
@@ -58,7 +64,8 @@ def _petastorm(settings: Settings) -> Check:
     import pyarrow as pa
     import pyarrow.parquet as pq
     from petastorm import __version__ as petastorm_version
-    from petastorm import make_batch_reader
+
+    from tasks.loader import make_batch_reader  # the loader's import also quiets Petastorm's pyarrow notices
 
     with tempfile.TemporaryDirectory() as folder:
         pq.write_table(pa.table({"x": list(range(8))}), Path(folder) / "part-0.parquet")
@@ -83,7 +90,10 @@ def _ray(settings: Settings) -> Check:
     cpus, gpus = resources.get("CPU", 0), resources.get("GPU", 0)
     ray.shutdown()
     needed = settings.num_workers * settings.cpus_per_worker
-    return Check("ray", cpus >= needed, f"ray {ray.__version__} ({where}): {cpus:g} CPU, {gpus:g} GPU; {settings.num_workers} workers need {needed:g} CPU")
+    detail = f"ray {ray.__version__} ({where}): {cpus:g} CPU, {gpus:g} GPU; {settings.num_workers} workers need {needed:g} CPU"
+    if not settings.ray_address:
+        detail += f" (logical CPUs on this machine's {os.cpu_count()} cores)"
+    return Check("ray", cpus >= needed, detail)
 
 
 def _gpu(settings: Settings) -> Check:
@@ -92,7 +102,7 @@ def _gpu(settings: Settings) -> Check:
     if torch.cuda.is_available():
         names = ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))
         return Check("gpu", True, f"{torch.cuda.device_count()} CUDA device(s): {names}", required=settings.use_gpu)
-    return Check("gpu", not settings.use_gpu, f"none (torch {torch.__version__}); training runs on CPU", required=settings.use_gpu)
+    return Check("gpu", False, f"none (torch {torch.__version__}); training runs on CPU", required=settings.use_gpu)
 
 
 def _mlflow(settings: Settings) -> Check:

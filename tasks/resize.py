@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import math
 from typing import Iterator, Literal
 
 import numpy as np
@@ -17,6 +18,8 @@ from tasks.results import Ingested, Resized
 from tasks.stage import stage
 
 ResizeMode = Literal["letterbox", "center_crop"]
+
+ROWS_PER_DECODE_TASK = 256
 
 RESIZED_SCHEMA = "path string, label string, sha256 string, width int, height int, image binary, error string"
 
@@ -95,17 +98,19 @@ def resize_batches(batches: Iterator[pa.RecordBatch], size: int, mode: ResizeMod
 
 def resize_images(spark: SparkSession, ingested: Ingested, size: int, mode: ResizeMode, staging_uri: str) -> Resized:
     """Decode and resize every staged file on the executors into staging Parquet."""
-    raw = spark.read.parquet(ingested.staging_uri)
+    # Staged files are packed into few read tasks; spread the rows so every executor core decodes.
+    partitions = max(spark.sparkContext.defaultParallelism * 2, math.ceil(ingested.rows / ROWS_PER_DECODE_TASK))
+    raw = spark.read.parquet(ingested.staging_uri).repartition(partitions)
     resized = raw.mapInArrow(lambda batches: resize_batches(batches, size, mode), RESIZED_SCHEMA)
     resized.write.mode("overwrite").parquet(staging_uri)
     staged = spark.read.parquet(staging_uri)
-    failures = staged.where(F.col("error").isNotNull()).select("path", "error")
-    failed = failures.count()
+    counts = staged.agg(F.count("*").alias("rows"), F.count("error").alias("failed")).first()
+    failures = staged.where(F.col("error").isNotNull()).select("path", "error").limit(20).collect() if counts["failed"] else []
     return Resized(
         staging_uri=staging_uri,
-        rows=staged.count() - failed,
-        failed=failed,
-        failures={row["path"]: row["error"] for row in failures.limit(20).collect()},
+        rows=counts["rows"] - counts["failed"],
+        failed=counts["failed"],
+        failures={row["path"]: row["error"] for row in failures},
         image_size=size,
         content_fingerprint=ingested.content_fingerprint,
     )
