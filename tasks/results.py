@@ -1,12 +1,16 @@
-"""What passes between stages: small, serialisable handles, never data."""
+"""What passes between stages: small, serialisable handles, never data.
+
+Fields marked `exclude=True` say what a run happened to do (rows added, a cache reused, where
+a staging copy sits), not what the data is: they stay out of the next stage's cache key.
+"""
 
 from __future__ import annotations
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 
 class Ingested(BaseModel):
-    staging_uri: str
+    staging_uri: str = Field(exclude=True)
     rows: int
     labels: list[str]
     content_fingerprint: str
@@ -25,7 +29,7 @@ class Written(BaseModel):
     table_uri: str
     version: int
     engine: str
-    rows: int
+    rows: int = Field(exclude=True)
 
 
 class SplitPlan(BaseModel):
@@ -49,7 +53,7 @@ class CachedSplits(BaseModel):
     labels: list[str]
     image_size: int
     num_partitions: int
-    reused: bool
+    reused: bool = Field(exclude=True)
 
 
 class Trained(BaseModel):

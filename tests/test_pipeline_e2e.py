@@ -96,6 +96,15 @@ def test_pipeline_end_to_end_then_everything_is_cached(digits_dir: Path, tmp_pat
     }
     assert len(list((workspace / "ray_results").iterdir())) == 1, "no second Ray run"
 
+    # A file touched but not changed: the listing differs, so ingest runs; its content does not, so nothing else does.
+    touched = sorted((digits_dir / "4").glob("*.png"))[0]
+    touched.touch()
+    third, _ = run_pipeline(digits_dir, workspace, env)
+    states = task_states(third["flow_run_id"])
+    assert states["ingest"] == "Completed"
+    assert {states[stage] for stage in ("resize", "write", "repartition", "cache", "train", "promote")} == {"Cached"}
+    assert (third["delta_version"], third["model_version"]) == (0, "1")
+
 
 def test_a_weaker_model_stays_challenger_and_new_images_make_a_new_version(digits_dir: Path, tmp_path: Path, prefect_api: str) -> None:
     workspace = tmp_path / "ws"

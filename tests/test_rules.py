@@ -81,3 +81,15 @@ def test_steps_per_epoch_refuses_an_empty_split() -> None:
 def test_learning_rate_scales_linearly_with_workers() -> None:
     assert scaled_learning_rate(1e-3, 1) == pytest.approx(1e-3)
     assert scaled_learning_rate(1e-3, 4) == pytest.approx(4e-3)
+
+
+def test_what_a_run_did_stays_out_of_the_next_cache_key() -> None:
+    from prefect.utilities.hashing import hash_objects
+
+    from tasks.results import Written
+
+    first = Written(table_uri="/t", version=3, engine="delta-rs", rows=1797)
+    rerun = Written(table_uri="/t", version=3, engine="delta-rs", rows=0)
+    assert hash_objects(first) == hash_objects(rerun)
+    assert hash_objects(first) != hash_objects(first.model_copy(update={"version": 4}))
+    assert rerun.rows == 0
