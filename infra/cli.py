@@ -69,7 +69,9 @@ def format_summary(summary: dict[str, Any]) -> str:
         [
             f"imagelake run {summary.get('flow_run_id')}",
             f"  Delta table   {summary['delta_table']} v{summary['delta_version']} ({summary['rows']} images, "
-            f"{summary['rows_added']} added, {summary['undecodable_files']} undecodable, writer {summary['delta_engine']})",
+            f"{summary['rows_added']} added, {summary['rows_retired']} retired, writer {summary['delta_engine']})",
+            f"  files         {summary['files_decoded']} decoded, {summary['files_known']} already known, "
+            f"quarantined {summary['quarantined'] or 'none'}",
             f"  splits        {summary['split_counts']}",
             f"  cache         {summary['cache_dir']}",
             f"  training      {summary['epochs_run']} epochs, val accuracy {summary['val_accuracy']:.3f}, MLflow run {summary['mlflow_run_id']}",

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import random
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Literal
 
 import pyarrow as pa
+import pyarrow.compute as pc
 from deltalake import CommitProperties, DeltaTable, write_deltalake
-from deltalake.exceptions import TableNotFoundError
-from pyspark.sql import DataFrame, SparkSession
+from deltalake.exceptions import CommitFailedError, DeltaError, TableNotFoundError
+from pyspark.sql import Column, DataFrame, SparkSession
+from pyspark.sql import functions as F
 
 from infra.settings import Settings
 from infra.spark import delta_jars_loaded
@@ -42,7 +46,7 @@ class WrittenVersion:
     engine: Engine
 
 
-def append_arrow(table_uri: str, batches: pa.RecordBatchReader) -> WrittenVersion:
+def append_arrow(table_uri: str, batches: pa.RecordBatchReader | pa.Table) -> WrittenVersion:
     """Append a stream of Arrow batches with delta-rs in one commit; return the version that commit made."""
     write_id = uuid.uuid4().hex
     write_deltalake(
@@ -54,18 +58,68 @@ def append_arrow(table_uri: str, batches: pa.RecordBatchReader) -> WrittenVersio
     return WrittenVersion(table_uri, _version_of_write(table_uri, write_id), "delta-rs")
 
 
-def append_spark(table_uri: str, frame: DataFrame) -> WrittenVersion:
-    """Append a DataFrame with Spark's Delta writer; return the version that commit made."""
+MERGE_KEY = "t.path = s.path AND t.image_size = s.image_size"
+CONFLICT_RETRIES = 8
+
+
+def merge_arrow(table_uri: str, changes: pa.Table) -> int:
+    """Upsert and delete rows keyed on (path, image_size) with delta-rs in one commit; return its version.
+
+    `changes` carries an `_action` column ('upsert' or 'delete'). Concurrent writers conflict
+    only at commit time: the losing one re-reads the table and merges again.
+    """
     write_id = uuid.uuid4().hex
-    frame.write.format("delta").mode("append").option("userMetadata", write_id).save(table_uri)
-    spark = frame.sparkSession
-    row = (
-        spark.sql(f"DESCRIBE HISTORY delta.`{table_uri}`")
-        .where(f"userMetadata = '{write_id}'")
-        .select("version")
-        .first()
-    )
-    return WrittenVersion(table_uri, int(row["version"]), "spark")
+    properties = CommitProperties(custom_metadata={WRITE_ID_KEY: write_id})
+    for attempt in range(CONFLICT_RETRIES):
+        try:
+            if not table_exists(table_uri):
+                rows = changes.filter(pc.equal(changes["_action"], "upsert")).drop_columns(["_action"])
+                write_deltalake(table_uri, rows, mode="append", commit_properties=properties)
+            else:
+                (
+                    DeltaTable(table_uri)
+                    .merge(changes, MERGE_KEY, source_alias="s", target_alias="t", commit_properties=properties)
+                    .when_matched_update_all(predicate="s._action = 'upsert'", except_cols=["_action"])
+                    .when_matched_delete(predicate="s._action = 'delete'")
+                    .when_not_matched_insert_all(predicate="s._action = 'upsert'", except_cols=["_action"])
+                    .execute()
+                )
+            return _version_of_write(table_uri, write_id)
+        except (CommitFailedError, DeltaError) as exc:
+            if attempt == CONFLICT_RETRIES - 1 or not _is_conflict(exc):
+                raise
+            time.sleep(0.2 * (attempt + 1) + random.random() * 0.3)
+    raise AssertionError("unreachable")
+
+
+def _is_conflict(exc: Exception) -> bool:
+    text = str(exc).lower()
+    return isinstance(exc, CommitFailedError) or "conflict" in text or "version already exists" in text or "already exists" in text
+
+
+def merge_spark(spark: SparkSession, table_uri: str, changes: pa.Table) -> int:
+    """The same merge through delta-spark, where Spark's Delta jars load."""
+    from delta.tables import DeltaTable as SparkDeltaTable
+
+    write_id = uuid.uuid4().hex
+    source = spark.createDataFrame(changes.to_pandas())
+    spark.conf.set("spark.databricks.delta.commitInfo.userMetadata", write_id)
+    try:
+        if not SparkDeltaTable.isDeltaTable(spark, table_uri):
+            source.where("_action = 'upsert'").drop("_action").write.format("delta").mode("append").save(table_uri)
+        else:
+            (
+                SparkDeltaTable.forPath(spark, table_uri).alias("t")
+                .merge(source.alias("s"), MERGE_KEY)
+                .whenMatchedUpdate(condition="s._action = 'upsert'", set={c: f"s.`{c}`" for c in changes.column_names if c != "_action"})
+                .whenMatchedDelete(condition="s._action = 'delete'")
+                .whenNotMatchedInsert(condition="s._action = 'upsert'", values={c: f"s.`{c}`" for c in changes.column_names if c != "_action"})
+                .execute()
+            )
+    finally:
+        spark.conf.unset("spark.databricks.delta.commitInfo.userMetadata")
+    row = spark.sql(f"DESCRIBE HISTORY delta.`{table_uri}`").where(F.col("userMetadata") == write_id).select("version").first()
+    return int(row["version"])
 
 
 def _version_of_write(table_uri: str, write_id: str) -> int:
@@ -85,6 +139,21 @@ def read_version(spark: SparkSession, table_uri: str, version: int, engine: Engi
     if not files:
         raise ValueError(f"Delta table {table_uri} has no data files at version {version}")
     return spark.read.parquet(*files)
+
+
+def read_current(spark: SparkSession, table_uri: str, engine: Engine, columns: list[str], where: Column | None = None) -> pa.Table:
+    """Some columns of the table's current version, as Arrow on the driver (empty if there is no table).
+
+    Spark reads the files: delta-rs rewrites (merge, optimize) store Arrow view types in the
+    Parquet metadata, which the pyarrow that Petastorm needs (14) cannot open.
+    """
+    if not table_exists(table_uri):
+        return pa.table({name: pa.array([], pa.string()) for name in columns})
+    frame = read_version(spark, table_uri, DeltaTable(table_uri).version(), engine).select(*columns)
+    if where is not None:
+        frame = frame.where(where)
+    batches = frame._collect_as_arrow()  # noqa: SLF001 - Spark 3.5's only Arrow collect
+    return pa.Table.from_batches(batches) if batches else pa.table({name: pa.array([], pa.string()) for name in columns})
 
 
 def table_exists(table_uri: str) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextvars
 import json
 import tomllib
+from datetime import date
 from pathlib import Path
 from typing import Any, Literal
 
@@ -75,6 +76,16 @@ class Settings(BaseSettings):
         default_factory=lambda: [".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff"]
     )
 
+    # Incremental runs, backfills and bad input.
+    start_date: date | None = Field(default=None, description="Only source files of dates on or after this one")
+    end_date: date | None = Field(default=None, description="Only source files of dates on or before this one")
+    retire_deleted: bool = Field(default=False, description="Remove rows whose source file is gone")
+    max_file_bytes: int = Field(default=50 * 1024 * 1024, ge=1, description="Larger files are quarantined")
+    max_image_pixels: int = Field(default=64_000_000, ge=1, description="Larger images are quarantined as decompression bombs")
+    max_bad_fraction: float = Field(default=0.2, ge=0, le=1, description="A run with more bad files fails and writes nothing")
+    quarantine_table_name: str = "quarantine"
+    vacuum_retention_hours: float = Field(default=168, ge=0, description="Keep files of table versions this recent")
+
     # Split and cache.
     val_fraction: float = Field(default=0.1, gt=0, lt=1)
     test_fraction: float = Field(default=0.1, gt=0, lt=1)
@@ -108,6 +119,8 @@ class Settings(BaseSettings):
     def _check_fractions(self) -> "Settings":
         if self.val_fraction + self.test_fraction >= 0.9:
             raise ValueError("val_fraction + test_fraction must leave at least 10% of the images for training")
+        if self.start_date and self.end_date and self.start_date > self.end_date:
+            raise ValueError(f"start_date {self.start_date} is after end_date {self.end_date}")
         return self
 
     @classmethod
@@ -131,6 +144,11 @@ class Settings(BaseSettings):
     def table_uri(self) -> str:
         root = self.table_root or str(self.workspace_dir / "tables")
         return f"{root.rstrip('/')}/{self.table_name}"
+
+    @property
+    def quarantine_uri(self) -> str:
+        root = self.table_root or str(self.workspace_dir / "tables")
+        return f"{root.rstrip('/')}/{self.quarantine_table_name}"
 
     @property
     def cache_uri(self) -> str:

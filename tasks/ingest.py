@@ -1,100 +1,264 @@
-"""Ingest: list image files under a source, read their bytes with Spark's binaryFile source, hash the content."""
+"""Ingest: list the source (a folder tree or a manifest CSV), and diff it against the table.
+
+Only new or changed files go on to be read and decoded; unchanged files cost a listing.
+The listing is done with fsspec rather than Spark's file sources, which skip folders whose
+names start with `_` or `.` and read `name=value` folders as partition columns.
+"""
 
 from __future__ import annotations
 
+import csv
 import hashlib
+import io
+import os
+import re
 from dataclasses import dataclass
-from pathlib import Path
+from datetime import date
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import fsspec
+import pyarrow as pa
+import pyarrow.parquet as pq
+from deltalake import DeltaTable
 from prefect.cache_policies import CachePolicy
 from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 
+from infra.delta import Engine, choose_engine, read_current, table_exists
 from infra.settings import Settings
 from infra.spark import spark_session
 from tasks.results import Ingested
 from tasks.stage import STAGE_CACHE, stage
 
+DATE_FOLDER = re.compile(r"^date=(\d{4}-\d{2}-\d{2})$")
+
+LISTING_SCHEMA = pa.schema(
+    [
+        ("path", pa.string()),
+        ("label", pa.string()),
+        ("date", pa.date32()),
+        ("size", pa.int64()),
+        ("mtime", pa.float64()),
+        ("issue", pa.string()),
+        ("action", pa.string()),
+    ]
+)
+
 
 class SourceError(ValueError):
-    """The source folder is missing, unreadable or holds no images."""
+    """The source folder or manifest is missing, unreadable or holds no images."""
+
+
+@dataclass(frozen=True)
+class Scope:
+    """Which files a run looks at: the extensions, an optional date range, the size limit."""
+
+    extensions: tuple[str, ...]
+    start: date | None = None
+    end: date | None = None
+    max_file_bytes: int | None = None
+
+    def in_range(self, day: date | None) -> bool:
+        if self.start is None and self.end is None:
+            return True
+        return day is not None and (self.start is None or day >= self.start) and (self.end is None or day <= self.end)
+
+
+def scope_of(settings: Settings) -> Scope:
+    return Scope(tuple(e.lower() for e in settings.image_extensions), settings.start_date, settings.end_date, settings.max_file_bytes)
 
 
 def source_uri(source: str) -> str:
-    """A URI that Spark and fsspec both read: local paths become absolute file:// URIs."""
+    """A URI that fsspec reads: local paths become absolute file:// URIs; a folder or a .csv manifest."""
     if "://" in source:
         return source
     path = Path(source).expanduser().resolve()
-    if not path.is_dir():
-        raise SourceError(f"source {source!r} is not a folder: pass a folder of images laid out as <label>/<file>")
-    return path.as_uri()
+    if not (path.is_dir() or (path.is_file() and path.suffix.lower() == ".csv")):
+        raise SourceError(
+            f"source {source!r} is not a folder or a manifest .csv: pass a folder of images laid out as "
+            "[date=YYYY-MM-DD/]<label>/<file>, or a CSV with columns path,label[,date]"
+        )
+    return "file://" + str(path)
 
 
-def list_images(uri: str, extensions: list[str]) -> list[tuple[str, int, str]]:
-    """(path, size, modification stamp) of every image file under the source, sorted."""
+def _entry(path: str, label: str | None, day: date | None, size: int, mtime: float, issue: str | None) -> dict[str, Any]:
+    if issue is None and not label:
+        issue = "no_label"
+    return {"path": path, "label": label or "", "date": day, "size": size, "mtime": mtime, "issue": issue, "action": "upsert"}
+
+
+def _parse_day(text: str) -> date | None:
+    try:
+        return date.fromisoformat(text)
+    except ValueError:
+        return None
+
+
+def _folder_entry(fs: Any, root: str, path: str, info: dict[str, Any], scope: Scope) -> dict[str, Any] | None:
+    parts = PurePosixPath(path).relative_to(root).parts
+    folders = parts[:-1]
+    day, issue = None, None
+    for folder in folders:
+        match = DATE_FOLDER.match(folder)
+        if match:
+            day = _parse_day(match.group(1))
+            issue = issue or (None if day else "bad_date_folder")
+    if not scope.in_range(day):
+        return None
+    label_folders = [f for f in folders if not DATE_FOLDER.match(f)]
+    if any(part.startswith(".") for part in parts):
+        issue = "hidden_path"
+    elif info.get("islink") and not os.path.realpath(path).startswith(os.path.realpath(root) + os.sep):
+        issue = "symlink_outside_source"
+    elif info.get("islink") and not os.path.exists(path):
+        issue = "unreadable"
+    size = int(info.get("size") or 0)
+    if issue is None and size == 0:
+        issue = "empty_file"
+    elif issue is None and scope.max_file_bytes and size > scope.max_file_bytes:
+        issue = "file_too_large"
+    return _entry(fs.unstrip_protocol(path), label_folders[-1] if label_folders else None, day, size, float(info.get("mtime") or 0), issue)
+
+
+def list_folder(uri: str, scope: Scope) -> list[dict[str, Any]]:
+    """Every file with an image extension under a folder tree, with label, date and any problem seen so far."""
     fs, root = fsspec.core.url_to_fs(uri)
-    found = fs.find(root, detail=True)
-    wanted = tuple(ext.lower() for ext in extensions)
-    listing = [
-        (path, int(info.get("size") or 0), str(info.get("mtime") or info.get("LastModified") or info.get("ETag") or ""))
-        for path, info in found.items()
-        if info.get("type", "file") == "file" and path.lower().endswith(wanted)
-    ]
-    return sorted(listing)
+    entries = []
+    for path, info in sorted(fs.find(root, detail=True, withdirs=False).items()):
+        if not path.lower().endswith(scope.extensions):
+            continue
+        entry = _folder_entry(fs, root, path, info, scope)
+        if entry is not None:
+            entries.append(entry)
+    return entries
 
 
-def listing_fingerprint(uri: str, extensions: list[str]) -> str:
-    """A hash of the listing (paths, sizes, stamps): changes when files are added, removed or rewritten."""
-    digest = hashlib.sha256(uri.encode())
-    for path, size, stamp in list_images(uri, extensions):
-        digest.update(f"\n{path}\t{size}\t{stamp}".encode())
+def list_manifest(uri: str, scope: Scope) -> list[dict[str, Any]]:
+    """Files named by a manifest CSV (path,label[,date]); relative paths are relative to the manifest."""
+    fs, manifest = fsspec.core.url_to_fs(uri)
+    base = manifest.rsplit("/", 1)[0]
+    with fs.open(manifest, "r", encoding="utf-8") as handle:
+        rows = list(csv.DictReader(io.StringIO(handle.read())))
+    if rows and not {"path", "label"} <= set(rows[0]):
+        raise SourceError(f"manifest {uri} needs the columns path,label[,date]; it has {', '.join(rows[0])}")
+    entries = []
+    for number, row in enumerate(rows, start=2):
+        day = _parse_day(row["date"]) if row.get("date") else None
+        if row.get("date") and day is None:
+            raise SourceError(f"manifest {uri} line {number}: date {row['date']!r} is not YYYY-MM-DD")
+        if not scope.in_range(day):
+            continue
+        target = row["path"] if "://" in row["path"] or row["path"].startswith("/") else f"{base}/{row['path']}"
+        file_fs, file_path = fsspec.core.url_to_fs(target) if "://" in target else (fs, target)
+        try:
+            info = file_fs.info(file_path)
+        except (FileNotFoundError, OSError):
+            entries.append(_entry(file_fs.unstrip_protocol(file_path), row["label"], day, 0, 0.0, "unreadable"))
+            continue
+        entry = _entry(file_fs.unstrip_protocol(file_path), row["label"], day, int(info.get("size") or 0), float(info.get("mtime") or 0), None)
+        if entry["issue"] is None and entry["size"] == 0:
+            entry["issue"] = "empty_file"
+        elif entry["issue"] is None and scope.max_file_bytes and entry["size"] > scope.max_file_bytes:
+            entry["issue"] = "file_too_large"
+        entries.append(entry)
+    return entries
+
+
+def list_source(uri: str, scope: Scope) -> list[dict[str, Any]]:
+    """List a folder tree or a manifest CSV."""
+    return list_manifest(uri, scope) if uri.lower().endswith(".csv") else list_folder(uri, scope)
+
+
+def listing_fingerprint(entries: list[dict[str, Any]]) -> str:
+    """A hash of the listing (paths, sizes, stamps, labels, dates): changes when a file is added, removed or rewritten."""
+    digest = hashlib.sha256()
+    for e in entries:
+        digest.update(f"{e['path']}\t{e['size']}\t{e['mtime']}\t{e['label']}\t{e['date']}\t{e['issue']}\n".encode())
     return digest.hexdigest()
+
+
+def known_files(spark: SparkSession, engine: Engine, table_uri: str, image_size: int, quarantine_uri: str | None = None) -> tuple[int | None, dict[str, tuple[int, float]], set[str]]:
+    """The table's version; each path's (size, mtime) in the table (this image size) or the quarantine; the table's paths."""
+    known: dict[str, tuple[int, float]] = {}
+    if quarantine_uri:
+        rows = read_current(spark, quarantine_uri, "delta-rs", ["path", "size", "mtime"]).to_pydict()
+        known.update({p: (s, m) for p, s, m in zip(rows["path"], rows["size"], rows["mtime"])})
+    rows = read_current(spark, table_uri, engine, ["path", "size", "mtime"], F.col("image_size") == image_size).to_pydict()
+    known.update({p: (s, m) for p, s, m in zip(rows["path"], rows["size"], rows["mtime"])})
+    version = DeltaTable(table_uri).version() if table_exists(table_uri) else None
+    return version, known, set(rows["path"])
+
+
+def diff_listing(entries: list[dict[str, Any]], known: dict[str, tuple[int, float]], retire_missing: bool, scoped_paths: set[str] | None) -> tuple[list[dict[str, Any]], int]:
+    """Entries that are new or changed, plus `delete` entries for table rows whose file is gone; and the unchanged count."""
+    changed = [e for e in entries if known.get(e["path"]) != (e["size"], e["mtime"])]
+    unchanged = len(entries) - len(changed)
+    if retire_missing:
+        listed = {e["path"] for e in entries}
+        gone = sorted(path for path in (scoped_paths if scoped_paths is not None else known) if path not in listed)
+        changed += [{**_entry(path, "-", None, 0, 0.0, None), "action": "delete"} for path in gone]
+    return changed, unchanged
+
+
+def paths_in_dates(spark: SparkSession, engine: Engine, table_uri: str, image_size: int, scope: Scope) -> set[str]:
+    """Table paths whose date lies in the run's date range (what a date-limited run replaces)."""
+    predicate = F.col("image_size") == image_size
+    if scope.start:
+        predicate &= F.col("date") >= F.lit(scope.start)
+    if scope.end:
+        predicate &= F.col("date") <= F.lit(scope.end)
+    return set(read_current(spark, table_uri, engine, ["path"], predicate).column("path").to_pylist())
+
+
+def ingest_listing(
+    spark: SparkSession, engine: Engine, uri: str, scope: Scope, table_uri: str, image_size: int, retire_deleted: bool,
+    staging_dir: str, quarantine_uri: str | None = None,
+) -> Ingested:
+    """List the source, keep what is new or changed since the table's current version, and stage that list."""
+    entries = list_source(uri, scope)
+    if not entries:
+        where = f" dated {scope.start or '...'} to {scope.end or '...'}" if (scope.start or scope.end) else ""
+        raise SourceError(f"no image files ({', '.join(scope.extensions)}){where} under {uri}: lay images out as [date=YYYY-MM-DD/]<label>/<file>")
+    version, known, table_paths = known_files(spark, engine, table_uri, image_size, quarantine_uri)
+    dated = scope.start is not None or scope.end is not None
+    # A date-limited run replaces exactly its dates: files gone from those dates are retired.
+    scoped = paths_in_dates(spark, engine, table_uri, image_size, scope) if dated and version is not None else table_paths
+    todo, unchanged = diff_listing(entries, known, retire_deleted or dated, scoped)
+    fingerprint = hashlib.sha256(f"{listing_fingerprint(entries)}|{table_uri}|{version}|{image_size}".encode()).hexdigest()
+    manifest = f"{staging_dir.rstrip('/')}/ingest-{fingerprint[:20]}.parquet"
+    fs, path = fsspec.core.url_to_fs(manifest)
+    fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+    with fs.open(path, "wb") as out:
+        pq.write_table(pa.Table.from_pylist(todo, schema=LISTING_SCHEMA), out)
+    return Ingested(
+        manifest_uri=manifest,
+        source_uri=uri,
+        listed=len(entries),
+        unchanged=unchanged,
+        candidates=sum(1 for e in todo if e["action"] == "upsert"),
+        retired=sum(1 for e in todo if e["action"] == "delete"),
+        table_version_seen=version,
+        content_fingerprint=fingerprint,
+    )
 
 
 @dataclass
 class SourceListing(CachePolicy):
-    """Cache key part for ingest: a listing of the source, so new or changed files are a miss without reading them."""
+    """Cache key part for ingest: the listing itself, so new or changed files are a miss without reading them."""
 
     def compute_key(self, task_ctx: Any, inputs: dict[str, Any], flow_parameters: dict[str, Any], **kwargs: Any):
         settings: Settings = inputs["settings"]
-        return listing_fingerprint(source_uri(inputs["source"]), settings.image_extensions)
-
-
-def ingest_images(spark: SparkSession, uri: str, extensions: list[str], staging_uri: str) -> Ingested:
-    """Read every image under `uri` (labels from parent folder names) with its sha256 into staging Parquet."""
-    pattern = r"(?i)(" + "|".join(ext.replace(".", r"\.") for ext in extensions) + r")$"
-    files = (
-        spark.read.format("binaryFile")
-        .option("recursiveFileLookup", "true")
-        .load(uri)
-        .where(F.col("path").rlike(pattern))
-        .select(
-            "path",
-            F.regexp_extract("path", r"([^/]+)/[^/]+$", 1).alias("label"),
-            F.sha2("content", 256).alias("sha256"),
-            F.col("length").alias("size"),
-            "content",
-        )
-    )
-    files.write.mode("overwrite").parquet(staging_uri)
-    staged = spark.read.parquet(staging_uri)
-    summary = staged.agg(
-        F.count("*").alias("rows"),
-        F.sort_array(F.collect_set("label")).alias("labels"),
-        F.sha2(F.concat_ws(",", F.sort_array(F.collect_list(F.concat_ws(":", "sha256", "label")))), 256).alias("fp"),
-    ).first()
-    if summary["rows"] == 0:
-        raise SourceError(
-            f"no image files ({', '.join(extensions)}) under {uri}: lay images out as <label>/<file> under the source"
-        )
-    return Ingested(staging_uri=staging_uri, rows=summary["rows"], labels=list(summary["labels"]), content_fingerprint=summary["fp"])
+        version = DeltaTable(settings.table_uri).version() if table_exists(settings.table_uri) else None
+        listing = listing_fingerprint(list_source(source_uri(inputs["source"]), scope_of(settings)))
+        return f"{listing}-{version}"
 
 
 @stage("ingest", cache_policy=STAGE_CACHE + SourceListing())
 def ingest(source: str, settings: Settings) -> Ingested:
-    """Prefect stage: ingest the source folder into staging."""
-    uri = source_uri(source)
-    staging = settings.staging_dir / f"ingest-{listing_fingerprint(uri, settings.image_extensions)[:16]}"
-    return ingest_images(spark_session(settings), uri, settings.image_extensions, str(staging))
+    """Prefect stage: list the source and find what is new or changed."""
+    spark = spark_session(settings)
+    return ingest_listing(
+        spark, choose_engine(settings, spark), source_uri(source), scope_of(settings), settings.table_uri, settings.image_size, settings.retire_deleted,
+        str(settings.staging_dir), settings.quarantine_uri,
+    )

@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import hashlib
 import io
 import math
+import warnings
+from dataclasses import dataclass
 from typing import Iterator, Literal
 
+import fsspec
 import numpy as np
 import pyarrow as pa
-from PIL import Image, ImageOps
+from PIL import Image, ImageOps, UnidentifiedImageError
 from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 
+from infra.delta import Engine, choose_engine, read_current
 from infra.settings import Settings
 from infra.spark import spark_session
 from tasks.results import Ingested, Resized
@@ -21,11 +26,36 @@ ResizeMode = Literal["letterbox", "center_crop"]
 
 ROWS_PER_DECODE_TASK = 256
 
-RESIZED_SCHEMA = "path string, label string, sha256 string, width int, height int, image binary, error string"
+STAGED_ARROW_SCHEMA = pa.schema(
+    [
+        ("path", pa.string()),
+        ("label", pa.string()),
+        ("date", pa.date32()),
+        ("size", pa.int64()),
+        ("mtime", pa.float64()),
+        ("issue", pa.string()),
+        ("action", pa.string()),
+        ("sha256", pa.string()),
+        ("width", pa.int32()),
+        ("height", pa.int32()),
+        ("image", pa.binary()),
+        ("status", pa.string()),
+        ("reason", pa.string()),
+        ("detail", pa.string()),
+    ]
+)
+STAGED_SCHEMA = (
+    "path string, label string, date date, size long, mtime double, issue string, action string, sha256 string, "
+    "width int, height int, image binary, status string, reason string, detail string"
+)
 
 
 class ImageDecodeError(ValueError):
-    """A file that is not a decodable image."""
+    """A file that is not a decodable image; `reason` is the quarantine reason."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
 
 
 def to_rgb(image: Image.Image) -> Image.Image:
@@ -55,70 +85,116 @@ def fit_square(image: Image.Image, size: int, mode: ResizeMode) -> Image.Image:
     return canvas
 
 
-def resize_image(data: bytes, size: int, mode: ResizeMode = "letterbox") -> tuple[np.ndarray, int, int]:
+def resize_image(data: bytes, size: int, mode: ResizeMode = "letterbox", max_pixels: int | None = None) -> tuple[np.ndarray, int, int]:
     """Decode one image file's bytes into size x size x 3 uint8 pixels; also return its oriented width and height."""
     if not data:
-        raise ImageDecodeError("empty file (0 bytes)")
+        raise ImageDecodeError("empty_file", "0 bytes")
     try:
         with Image.open(io.BytesIO(data)) as image:
+            if max_pixels and image.width * image.height > max_pixels:
+                raise ImageDecodeError("decompression_bomb", f"{image.width}x{image.height} is over max_image_pixels={max_pixels}")
             # draft() only helps before pixels load: JPEGs then decode at a reduced scale, still >= size.
             image.draft("RGB", (size, size))
             oriented = ImageOps.exif_transpose(image)
             width, height = oriented.size
             square = fit_square(to_rgb(oriented), size, mode)
-    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
-        raise ImageDecodeError(f"{type(exc).__name__}: {exc}") from None
+    except ImageDecodeError:
+        raise
+    except Image.DecompressionBombError as exc:
+        raise ImageDecodeError("decompression_bomb", str(exc)) from None
+    except (UnidentifiedImageError, SyntaxError) as exc:
+        raise ImageDecodeError("not_an_image", str(exc)) from None
+    except (OSError, ValueError) as exc:
+        reason = "truncated" if "truncated" in str(exc) or "broken data stream" in str(exc) else "undecodable"
+        raise ImageDecodeError(reason, f"{type(exc).__name__}: {exc}") from None
     return np.asarray(square, dtype=np.uint8), width, height
 
 
-def resize_batches(batches: Iterator[pa.RecordBatch], size: int, mode: ResizeMode) -> Iterator[pa.RecordBatch]:
-    """mapInArrow body: resize every image of each Arrow batch; undecodable files get an error instead of pixels."""
+@dataclass(frozen=True)
+class DecodeRules:
+    """What every executor needs to decode one run's files the same way."""
+
+    size: int
+    mode: ResizeMode
+    max_file_bytes: int
+    max_pixels: int
+
+
+def read_bytes(path: str) -> bytes:
+    """A file's bytes through fsspec (local paths and object stores alike)."""
+    with fsspec.open(path, "rb") as handle:
+        return handle.read()
+
+
+def process_file(row: dict, rules: DecodeRules, known: frozenset[str]) -> dict:
+    """One listed file to one staged row: retired, quarantined, already known, or new with its pixels."""
+    out = {**row, "sha256": None, "width": None, "height": None, "image": None, "status": "new", "reason": None, "detail": None}
+    if row["action"] == "delete":
+        return {**out, "status": "delete"}
+    if row["issue"]:
+        return {**out, "status": "quarantined", "reason": row["issue"], "detail": row["issue"].replace("_", " ")}
+    try:
+        data = read_bytes(row["path"])
+    except OSError as exc:
+        return {**out, "status": "quarantined", "reason": "unreadable", "detail": f"{type(exc).__name__}: {exc}"}
+    out["sha256"] = hashlib.sha256(data).hexdigest()
+    if len(data) > rules.max_file_bytes:
+        return {**out, "status": "quarantined", "reason": "file_too_large", "detail": f"{len(data)} bytes > max_file_bytes"}
+    if out["sha256"] in known:
+        return {**out, "status": "known"}
+    try:
+        pixels, width, height = resize_image(data, rules.size, rules.mode, rules.max_pixels)
+    except ImageDecodeError as exc:
+        return {**out, "status": "quarantined", "reason": exc.reason, "detail": str(exc)}
+    return {**out, "width": width, "height": height, "image": pixels.tobytes()}
+
+
+def process_batches(batches: Iterator[pa.RecordBatch], rules: DecodeRules, known: frozenset[str]) -> Iterator[pa.RecordBatch]:
+    """mapInArrow body: read, hash and (only if its hash is new) decode every listed file of each batch."""
+    # Our own check quarantines at max_pixels; Pillow's (warning at 1x, error at 2x) stays as a backstop.
+    Image.MAX_IMAGE_PIXELS = rules.max_pixels
+    warnings.simplefilter("ignore", Image.DecompressionBombWarning)
     for batch in batches:
-        columns = batch.to_pydict()
-        images, widths, heights, errors = [], [], [], []
-        for path, content in zip(columns["path"], columns["content"]):
-            try:
-                pixels, width, height = resize_image(content, size, mode)
-            except ImageDecodeError as exc:
-                images.append(None), widths.append(None), heights.append(None), errors.append(f"{path}: {exc}")
-                continue
-            images.append(pixels.tobytes()), widths.append(width), heights.append(height), errors.append(None)
-        yield pa.RecordBatch.from_pydict(
-            {
-                "path": columns["path"],
-                "label": columns["label"],
-                "sha256": columns["sha256"],
-                "width": pa.array(widths, pa.int32()),
-                "height": pa.array(heights, pa.int32()),
-                "image": pa.array(images, pa.binary()),
-                "error": pa.array(errors, pa.string()),
-            }
-        )
+        rows = [process_file(row, rules, known) for row in batch.to_pylist()]
+        yield pa.RecordBatch.from_pylist(rows, schema=STAGED_ARROW_SCHEMA)
 
 
-def resize_images(spark: SparkSession, ingested: Ingested, size: int, mode: ResizeMode, staging_uri: str) -> Resized:
-    """Decode and resize every staged file on the executors into staging Parquet."""
-    # Staged files are packed into few read tasks; spread the rows so every executor core decodes.
-    partitions = max(spark.sparkContext.defaultParallelism * 2, math.ceil(ingested.rows / ROWS_PER_DECODE_TASK))
-    raw = spark.read.parquet(ingested.staging_uri).repartition(partitions)
-    resized = raw.mapInArrow(lambda batches: resize_batches(batches, size, mode), RESIZED_SCHEMA)
-    resized.write.mode("overwrite").parquet(staging_uri)
-    staged = spark.read.parquet(staging_uri)
-    counts = staged.agg(F.count("*").alias("rows"), F.count("error").alias("failed")).first()
-    failures = staged.where(F.col("error").isNotNull()).select("path", "error").limit(20).collect() if counts["failed"] else []
+def resize_images(spark: SparkSession, ingested: Ingested, rules: DecodeRules, known: frozenset[str], staging_uri: str) -> Resized:
+    """Decode and resize every new or changed file on the executors into staging Parquet."""
+    listed = spark.read.parquet(ingested.manifest_uri)
+    # Spread the list so every executor core reads and decodes.
+    partitions = max(spark.sparkContext.defaultParallelism * 2, math.ceil(max(ingested.candidates, 1) / ROWS_PER_DECODE_TASK))
+    shared = spark.sparkContext.broadcast(known)
+    staged = listed.repartition(partitions).mapInArrow(lambda batches: process_batches(batches, rules, shared.value), STAGED_SCHEMA)
+    staged.write.mode("overwrite").parquet(staging_uri)
+    counts = spark.read.parquet(staging_uri).groupBy("status", "reason").agg(F.count("*").alias("n"), F.first("path").alias("example")).collect()
+    shared.unpersist()
+    by_status = {row["status"]: 0 for row in counts}
+    for row in counts:
+        by_status[row["status"]] += row["n"]
     return Resized(
         staging_uri=staging_uri,
-        rows=counts["rows"] - counts["failed"],
-        failed=counts["failed"],
-        failures={row["path"]: row["error"] for row in failures},
-        image_size=size,
+        image_size=rules.size,
+        decoded=by_status.get("new", 0),
+        known=by_status.get("known", 0),
+        retired=by_status.get("delete", 0),
+        quarantined={row["reason"]: row["n"] for row in counts if row["status"] == "quarantined"},
+        examples={row["reason"]: row["example"] for row in counts if row["status"] == "quarantined"},
         content_fingerprint=ingested.content_fingerprint,
     )
 
 
+def known_hashes(spark: SparkSession, engine: Engine, table_uri: str, image_size: int) -> frozenset[str]:
+    """Content hashes already in the table at this image size: those files are not decoded again."""
+    rows = read_current(spark, table_uri, engine, ["sha256"], F.col("image_size") == image_size)
+    return frozenset(rows.column("sha256").to_pylist())
+
+
 @stage("resize")
 def resize(ingested: Ingested, settings: Settings) -> Resized:
-    """Prefect stage: resize the ingested images to the configured square size."""
+    """Prefect stage: read, hash and resize what ingest found new or changed."""
+    rules = DecodeRules(settings.image_size, settings.resize_mode, settings.max_file_bytes, settings.max_image_pixels)
     key = f"{ingested.content_fingerprint[:16]}-{settings.image_size}-{settings.resize_mode}"
-    staging = settings.staging_dir / f"resize-{key}"
-    return resize_images(spark_session(settings), ingested, settings.image_size, settings.resize_mode, str(staging))
+    spark = spark_session(settings)
+    known = known_hashes(spark, choose_engine(settings, spark), settings.table_uri, settings.image_size)
+    return resize_images(spark, ingested, rules, known, str(settings.staging_dir / f"resize-{key}"))

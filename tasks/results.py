@@ -10,19 +10,29 @@ from pydantic import BaseModel, Field
 
 
 class Ingested(BaseModel):
-    staging_uri: str = Field(exclude=True)
-    rows: int
-    labels: list[str]
+    manifest_uri: str = Field(exclude=True)
+    source_uri: str
+    listed: int
+    unchanged: int
+    candidates: int
+    retired: int
+    table_version_seen: int | None
     content_fingerprint: str
 
 
 class Resized(BaseModel):
     staging_uri: str
-    rows: int
-    failed: int
-    failures: dict[str, str]
     image_size: int
+    decoded: int
+    known: int
+    retired: int
+    quarantined: dict[str, int]
+    examples: dict[str, str] = Field(default_factory=dict, exclude=True)
     content_fingerprint: str
+
+    @property
+    def bad(self) -> int:
+        return sum(self.quarantined.values())
 
 
 class Written(BaseModel):
@@ -30,6 +40,8 @@ class Written(BaseModel):
     version: int
     engine: str
     rows: int = Field(exclude=True)
+    retired: int = Field(default=0, exclude=True)
+    quarantined: int = Field(default=0, exclude=True)
 
 
 class SplitPlan(BaseModel):

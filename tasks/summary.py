@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from prefect.artifacts import create_markdown_artifact
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 
@@ -23,7 +23,10 @@ def run_summary(resized: Resized, written: Written, cached: CachedSplits, traine
         "delta_engine": written.engine,
         "rows": sum(cached.counts.values()),
         "rows_added": written.rows,
-        "undecodable_files": resized.failed,
+        "rows_retired": written.retired,
+        "files_decoded": resized.decoded,
+        "files_known": resized.known,
+        "quarantined": resized.quarantined,
         "split_counts": cached.counts,
         "labels": cached.labels,
         "cache_dir": cached.cache_dir,
@@ -53,4 +56,9 @@ def summarize(resized: Resized, written: Written, cached: CachedSplits, trained:
     summary = run_summary(resized, written, cached, trained, promoted, champion_version)
     summary["flow_run_id"] = str(flow_run.id) if flow_run.id else None
     create_markdown_artifact(summary_markdown(summary, settings.tracking_uri), key="imagelake-run-summary")
+    create_table_artifact(
+        [{"reason": reason, "files": count} for reason, count in sorted(resized.quarantined.items())] or [{"reason": "none", "files": 0}],
+        key="imagelake-quarantine",
+        description=f"Files quarantined by this run, by reason (table {settings.quarantine_uri})",
+    )
     return summary

@@ -123,7 +123,7 @@ def test_a_weaker_model_stays_challenger_and_new_images_make_a_new_version(digit
     (source / "7" / "notes.png").write_text("not an image")
     second, _ = run_pipeline(source, workspace, env, "max_epochs=1", "base_lr=0.00001", "promotion_margin=0.05")
     assert (second["delta_version"], second["rows_added"], second["rows"]) == (1, 2, 302)
-    assert second["undecodable_files"] == 1
+    assert second["quarantined"] == {"not_an_image": 1}
     assert second["model_version"] == "2" and second["model_alias"] == "challenger"
     assert second["champion_version"] == "1"
     client = MlflowClient(f"sqlite:///{workspace / 'mlflow.db'}")

@@ -1,81 +1,209 @@
-"""The data stages on real Spark and real Delta tables, on a few dozen images."""
+"""The data stages on real Spark and real Delta tables: incremental, idempotent, dated, bad-input-proof."""
 
 from __future__ import annotations
 
 import hashlib
+import io
 import shutil
+from datetime import date
 from pathlib import Path
 
 import pytest
 from deltalake import DeltaTable
+from PIL import Image
 
 from infra.delta import read_version
 from tasks.cache import cache_splits
-from tasks.ingest import SourceError, ingest_images, listing_fingerprint, source_uri
+from tasks.ingest import Scope, SourceError, ingest_listing, source_uri
 from tasks.loader import ShardBatches
 from tasks.repartition import images_with_split, plan_splits, split_column, split_of
-from tasks.resize import resize_images
-from tasks.write import write_images
+from tasks.resize import DecodeRules, known_hashes, resize_images
+from tasks.write import TooManyBadFiles, write_images
 
-EXTENSIONS = [".png", ".jpg"]
+SCOPE = Scope((".png", ".jpg", ".jpeg"))
+RULES = DecodeRules(size=24, mode="letterbox", max_file_bytes=10_000_000, max_pixels=10_000_000)
+
+
+class Lake:
+    """A table, a quarantine and a staging folder in one temp directory, and one run of the data stages."""
+
+    def __init__(self, spark, root: Path) -> None:
+        self.spark, self.root = spark, root
+        self.table, self.quarantine = str(root / "tables" / "images"), str(root / "tables" / "quarantine")
+        self.runs = 0
+
+    def run(self, source: Path | str, scope: Scope = SCOPE, rules: DecodeRules = RULES, retire: bool = False, max_bad: float = 0.5):
+        self.runs += 1
+        ingested = ingest_listing(
+            self.spark, "delta-rs", source_uri(str(source)), scope, self.table, rules.size, retire, str(self.root / "staging"), self.quarantine
+        )
+        known = known_hashes(self.spark, "delta-rs", self.table, rules.size)
+        resized = resize_images(self.spark, ingested, rules, known, str(self.root / "staging" / f"resized-{self.runs}"))
+        written = write_images(self.spark, resized, self.table, self.quarantine, "delta-rs", max_bad)
+        return ingested, resized, written
+
+    def read(self, table: str, columns: list[str], version: int | None = None) -> dict[str, list]:
+        """Columns of a table version, read through the Delta log by Spark."""
+        version = DeltaTable(table).version() if version is None else version
+        rows = read_version(self.spark, table, version, "delta-rs").select(*columns).collect()
+        return {name: [row[name] for row in rows] for name in columns}
+
+    def rows(self, version: int | None = None) -> dict[str, str]:
+        data = self.read(self.table, ["path", "sha256"], version)
+        return dict(zip(data["path"], data["sha256"]))
+
+    def quarantined(self) -> dict[str, str]:
+        data = self.read(self.quarantine, ["path", "reason"])
+        return {Path(p).name: r for p, r in zip(data["path"], data["reason"])}
 
 
 @pytest.fixture
-def small_source(digits_dir: Path, tmp_path: Path) -> Path:
-    """40 digits of four labels plus one file that is not an image."""
-    source = tmp_path / "source"
-    for label in ("0", "1", "2", "3"):
-        (source / label).mkdir(parents=True)
-        for png in sorted((digits_dir / label).glob("*.png"))[:10]:
-            shutil.copy(png, source / label / png.name)
-    (source / "3" / "broken.png").write_bytes(b"this is not a png")
-    return source
+def lake(spark, tmp_path: Path) -> Lake:
+    return Lake(spark, tmp_path)
 
 
-def test_ingest_resize_write_end_to_end_on_spark_and_delta(spark, small_source: Path, tmp_path: Path, settings) -> None:
-    ingested = ingest_images(spark, source_uri(str(small_source)), EXTENSIONS, str(tmp_path / "raw"))
-    assert ingested.rows == 41 and ingested.labels == ["0", "1", "2", "3"]
-    staged = {Path(row["path"].removeprefix("file:")).name: row for row in spark.read.parquet(ingested.staging_uri).collect()}
-    one = sorted((small_source / "2").glob("*.png"))[0]
-    assert staged[one.name]["sha256"] == hashlib.sha256(one.read_bytes()).hexdigest()
-    assert staged[one.name]["label"] == "2"
-
-    resized = resize_images(spark, ingested, 24, "letterbox", str(tmp_path / "resized"))
-    assert (resized.rows, resized.failed) == (40, 1)
-    assert any("broken.png" in path for path in resized.failures)
-
-    table = str(tmp_path / "table")
-    written = write_images(spark, resized, table, "delta-rs")
-    assert (written.version, written.rows) == (0, 40)
-    assert DeltaTable(table).to_pyarrow_table().num_rows == 40
-
-    again = write_images(spark, resized, table, "delta-rs")
-    assert (again.version, again.rows) == (0, 0), "rewriting the same images must not add rows or versions"
-    assert read_version(spark, table, 0, "delta-rs").count() == 40
+def copy_digits(digits_dir: Path, target: Path, labels=("0", "1", "2", "3"), per_label: int = 10) -> None:
+    for label in labels:
+        (target / label).mkdir(parents=True, exist_ok=True)
+        for png in sorted((digits_dir / label).glob("*.png"))[:per_label]:
+            shutil.copy(png, target / label / png.name)
 
 
-def test_a_new_file_changes_the_listing_and_adds_only_itself(spark, small_source: Path, tmp_path: Path, digits_dir: Path) -> None:
-    uri = source_uri(str(small_source))
-    before = listing_fingerprint(uri, EXTENSIONS)
-    table = str(tmp_path / "table")
-    first = resize_images(spark, ingest_images(spark, uri, EXTENSIONS, str(tmp_path / "r1")), 24, "letterbox", str(tmp_path / "s1"))
-    write_images(spark, first, table, "delta-rs")
+def jpeg(size=(40, 30), colour=(200, 30, 30), mode="RGB", **params) -> bytes:
+    out = io.BytesIO()
+    Image.new(mode, size, colour).save(out, "JPEG", **params)
+    return out.getvalue()
 
-    shutil.copy(sorted((digits_dir / "5").glob("*.png"))[0], small_source / "0" / "new.png")
-    assert listing_fingerprint(uri, EXTENSIONS) != before
-    second = resize_images(spark, ingest_images(spark, uri, EXTENSIONS, str(tmp_path / "r2")), 24, "letterbox", str(tmp_path / "s2"))
-    written = write_images(spark, second, table, "delta-rs")
-    assert (written.version, written.rows) == (1, 1)
-    assert read_version(spark, table, 0, "delta-rs").count() == 40, "time travel to the first version"
+
+def test_second_run_adds_nothing_and_five_percent_new_files_decode_only_those(lake: Lake, digits_dir: Path, tmp_path: Path) -> None:
+    source = tmp_path / "src"
+    copy_digits(digits_dir, source)
+    ingested, resized, written = lake.run(source)
+    assert (ingested.listed, ingested.candidates, resized.decoded, written.rows, written.version) == (40, 40, 40, 40, 0)
+    one = sorted((source / "2").glob("*.png"))[0]
+    assert lake.rows()["file://" + str(one)] == hashlib.sha256(one.read_bytes()).hexdigest()
+
+    ingested, resized, written = lake.run(source)
+    assert (ingested.unchanged, ingested.candidates, resized.decoded, written.rows, written.version) == (40, 0, 0, 0, 0)
+
+    for png in sorted((digits_dir / "5").glob("*.png"))[:2]:  # 5% new
+        shutil.copy(png, source / "3" / ("new-" + png.name))
+    ingested, resized, written = lake.run(source)
+    assert (ingested.candidates, resized.decoded, written.rows, written.version) == (2, 2, 2, 1)
+    assert len(lake.rows()) == 42
+
+
+def test_a_changed_file_replaces_its_row_and_deleted_files_retire_on_request(lake: Lake, digits_dir: Path, tmp_path: Path) -> None:
+    source = tmp_path / "src"
+    copy_digits(digits_dir, source)
+    lake.run(source)
+    changed = sorted((source / "1").glob("*.png"))[0]
+    old_hash = lake.rows()["file://" + str(changed)]
+    Image.open(changed).rotate(90).save(changed)
+    gone = sorted((source / "0").glob("*.png"))[0]
+    gone.unlink()
+
+    _, _, written = lake.run(source)  # deletions are kept unless asked
+    rows = lake.rows()
+    assert (written.rows, written.retired, len(rows)) == (1, 0, 40)
+    assert rows["file://" + str(changed)] != old_hash
+    assert lake.rows(version=0)["file://" + str(changed)] == old_hash, "time travel still sees the old bytes"
+
+    _, _, written = lake.run(source, retire=True)
+    assert (written.retired, len(lake.rows())) == (1, 39)
+    assert "file://" + str(gone) not in lake.rows()
+
+
+def test_date_partitions_limit_a_run_and_rerunning_a_date_replaces_exactly_it(lake: Lake, digits_dir: Path, tmp_path: Path) -> None:
+    source = tmp_path / "src"
+    copy_digits(digits_dir, source / "date=2024-01-01", labels=("0", "1"), per_label=5)
+    copy_digits(digits_dir, source / "date=2024-01-02", labels=("2", "3"), per_label=5)
+    first = Scope(SCOPE.extensions, start=date(2024, 1, 1), end=date(2024, 1, 1))
+    second = Scope(SCOPE.extensions, start=date(2024, 1, 2), end=date(2024, 1, 2))
+    lake.run(source, scope=first)
+    assert len(lake.rows()) == 10
+    lake.run(source, scope=second)
+    dates = lake.read(lake.table, ["date", "label"])
+    assert sorted(set(zip(dates["date"], dates["label"]))) == [
+        (date(2024, 1, 1), "0"), (date(2024, 1, 1), "1"), (date(2024, 1, 2), "2"), (date(2024, 1, 2), "3")
+    ]
+    # Re-running 2024-01-02 after a file of that date went away replaces that date only.
+    sorted((source / "date=2024-01-02" / "2").glob("*.png"))[0].unlink()
+    _, _, written = lake.run(source, scope=second)
+    assert written.retired == 1 and len(lake.rows()) == 19
+    dates = lake.read(lake.table, ["date"])["date"]
+    assert dates.count(date(2024, 1, 1)) == 10 and dates.count(date(2024, 1, 2)) == 9
+
+
+def test_a_manifest_csv_lists_files_labels_and_dates(lake: Lake, digits_dir: Path, tmp_path: Path) -> None:
+    files = sorted((digits_dir / "7").glob("*.png"))[:3] + sorted((digits_dir / "8").glob("*.png"))[:3]
+    lines = ["path,label,date"] + [f"{f},{f.parent.name},2024-02-0{i % 2 + 1}" for i, f in enumerate(files)]
+    (tmp_path / "list.csv").write_text("\n".join(lines) + "\n")
+    lake.run(tmp_path / "list.csv")
+    data = lake.read(lake.table, ["label", "date"])
+    assert sorted(data["label"]) == ["7", "7", "7", "8", "8", "8"]
+    assert set(data["date"]) == {date(2024, 2, 1), date(2024, 2, 2)}
+
+
+def test_bad_files_are_quarantined_by_reason_and_odd_names_still_land(lake: Lake, digits_dir: Path, tmp_path: Path) -> None:
+    source = tmp_path / "src"
+    copy_digits(digits_dir, source, labels=("0", "1"), per_label=20)
+    good = sorted((digits_dir / "4").glob("*.png"))
+    for folder, name, png in [("_under", "a.png", good[0]), ("with=equals", "b.png", good[1]), ("space é #1 %20", "c #%.png", good[2])]:
+        (source / folder).mkdir()
+        shutil.copy(png, source / folder / name)
+    bad = source / "bad"
+    bad.mkdir()
+    (bad / "zero.jpg").write_bytes(b"")
+    (bad / "text.png").write_text("not an image")
+    (bad / "truncated.jpg").write_bytes(jpeg((300, 200))[:700])
+    (bad / "bomb.jpg").write_bytes(jpeg((400, 400)))
+    (bad / "huge.jpg").write_bytes(jpeg((30, 30)) + b"\0" * 5000)
+    (bad / "dangling.jpg").symlink_to(bad / "missing.jpg")
+    outside = tmp_path / "outside.png"
+    shutil.copy(good[3], outside)
+    (bad / "escape.png").symlink_to(outside)
+    (source / ".hidden").mkdir()
+    shutil.copy(good[4], source / ".hidden" / "h.png")
+
+    rules = DecodeRules(size=24, mode="letterbox", max_file_bytes=4000, max_pixels=100_000)
+    _, resized, written = lake.run(source, rules=rules, max_bad=0.5)
+    assert lake.quarantined() == {
+        "zero.jpg": "empty_file",
+        "text.png": "not_an_image",
+        "truncated.jpg": "truncated",
+        "bomb.jpg": "decompression_bomb",
+        "huge.jpg": "file_too_large",
+        "dangling.jpg": "unreadable",
+        "escape.png": "symlink_outside_source",
+        "h.png": "hidden_path",
+    }
+    assert sum(resized.quarantined.values()) == written.quarantined == 8
+    labels = lake.read(lake.table, ["label"])["label"]
+    assert labels.count("_under") == labels.count("with=equals") == labels.count("space é #1 %20") == 1
+    assert len(labels) == 43
+
+    _, resized, written = lake.run(source, rules=rules, max_bad=0.5)
+    assert (resized.decoded, written.quarantined, written.rows) == (0, 0, 0), "unchanged bad files are not read again"
+
+
+def test_too_many_bad_files_fail_the_run_and_write_nothing(lake: Lake, digits_dir: Path, tmp_path: Path) -> None:
+    source = tmp_path / "src"
+    copy_digits(digits_dir, source, labels=("0",), per_label=4)
+    for i in range(2):
+        (source / "0" / f"junk{i}.png").write_text("junk")
+    with pytest.raises(TooManyBadFiles, match=r"2 of 6 files are bad .*not_an_image: 2.*max_bad_fraction=0.2"):
+        lake.run(source, max_bad=0.2)
+    assert not Path(lake.table).exists() and not Path(lake.quarantine).exists()
 
 
 @pytest.mark.parametrize("make_source", ["missing", "empty"])
-def test_bad_sources_are_named(spark, tmp_path: Path, make_source: str) -> None:
+def test_bad_sources_are_named(lake: Lake, tmp_path: Path, make_source: str) -> None:
     folder = tmp_path / "images"
     if make_source == "empty":
         folder.mkdir()
         with pytest.raises(SourceError, match="no image files"):
-            ingest_images(spark, source_uri(str(folder)), EXTENSIONS, str(tmp_path / "raw"))
+            lake.run(folder)
     else:
         with pytest.raises(SourceError, match="images"):
             source_uri(str(folder))
@@ -87,19 +215,17 @@ def test_spark_split_matches_the_pure_rule(spark) -> None:
     assert {row["sha256"]: row["split"] for row in frame.collect()} == {h: split_of(h, 0.1, 0.2) for h in hashes}
 
 
-def test_cache_is_keyed_reused_and_readable_by_shard(spark, small_source: Path, tmp_path: Path, settings) -> None:
-    uri = source_uri(str(small_source))
-    resized = resize_images(spark, ingest_images(spark, uri, EXTENSIONS, str(tmp_path / "raw")), 32, "letterbox", str(tmp_path / "rs"))
-    written = write_images(spark, resized, str(tmp_path / "table"), "delta-rs")
+def test_cache_is_keyed_reused_and_readable_by_shard(spark, lake: Lake, digits_dir: Path, tmp_path: Path, settings) -> None:
+    source = tmp_path / "src"
+    copy_digits(digits_dir, source)
+    rules = DecodeRules(size=32, mode="letterbox", max_file_bytes=10_000_000, max_pixels=10_000_000)
+    _, _, written = lake.run(source, rules=rules)
     plan = plan_splits(spark, written, settings.model_copy(update={"val_fraction": 0.2, "test_fraction": 0.2}))
     assert sum(plan.counts.values()) == 40 and plan.num_partitions == 4
 
     cached = cache_splits(spark, plan, 32, str(tmp_path / "cache"))
     assert not cached.reused and cached.cache_dir.endswith(cached.key)
-    train_files = list(Path(cached.splits["train"].removeprefix("file://")).glob("*.parquet"))
-    assert 1 <= len(train_files) <= plan.num_partitions
     assert cache_splits(spark, plan, 32, str(tmp_path / "cache")).reused
-
     seen = 0
     for shard in range(2):
         with ShardBatches(cached.splits["train"], shard=shard, shard_count=2, batch_size=4, steps=2, image_size=32, seed=1, shuffle=True, workers=1) as batches:
@@ -111,15 +237,20 @@ def test_cache_is_keyed_reused_and_readable_by_shard(spark, small_source: Path, 
     assert seen == 16
     expected = images_with_split(spark, written.table_uri, written.version, "delta-rs", 32, 0.2, 0.2).where("split = 'train'").count()
     assert expected == plan.counts["train"]
+    assert read_version(spark, written.table_uri, written.version, "delta-rs").count() == 40
 
 
-def test_spark_delta_writer_has_the_same_semantics_where_its_jars_load(spark, small_source: Path, tmp_path: Path) -> None:
+def test_spark_delta_writer_has_the_same_semantics_where_its_jars_load(spark, digits_dir: Path, tmp_path: Path) -> None:
     from infra.spark import delta_jars_loaded
 
     if not delta_jars_loaded(spark):
         pytest.skip("Spark's Delta jars are not on this machine's classpath (add them with IMAGELAKE_SPARK_JARS)")
-    resized = resize_images(spark, ingest_images(spark, source_uri(str(small_source)), EXTENSIONS, str(tmp_path / "raw")), 24, "letterbox", str(tmp_path / "rs"))
-    table = str(tmp_path / "table")
-    assert (write_images(spark, resized, table, "spark").rows, DeltaTable(table).version()) == (40, 0)
-    assert write_images(spark, resized, table, "spark").rows == 0
-    assert read_version(spark, table, 0, "spark").count() == 40
+    source = tmp_path / "src"
+    copy_digits(digits_dir, source)
+    lake = Lake(spark, tmp_path)
+    ingested = ingest_listing(spark, "spark", source_uri(str(source)), SCOPE, lake.table, 24, False, str(tmp_path / "staging"), lake.quarantine)
+    resized = resize_images(spark, ingested, RULES, known_hashes(spark, "spark", lake.table, 24), str(tmp_path / "rs"))
+    assert write_images(spark, resized, lake.table, lake.quarantine, "spark", 0.5).rows == 40
+    assert write_images(spark, resized, lake.table, lake.quarantine, "spark", 0.5).rows == 0
+    assert len(lake.rows()) == 40
+

@@ -1,0 +1,24 @@
+"""A Delta writer in its own process, for the crash and concurrency tests: python tests/writer.py '<json>'."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+from infra.settings import Settings
+from infra.spark import spark_session
+from tasks.results import Resized
+from tasks.write import write_images
+
+if __name__ == "__main__":
+    args = json.loads(sys.argv[1])
+    spark = spark_session(Settings(workspace=Path(args["workspace"]), spark_master="local[1]"))
+    resized = Resized.model_validate(args["resized"])
+    print("READY", flush=True)
+    while args.get("barrier") and not Path(args["barrier"]).exists():
+        time.sleep(0.01)
+    print("WRITING", flush=True)
+    written = write_images(spark, resized, args["table"], args["quarantine"], "delta-rs", 1.0)
+    print(json.dumps({"version": written.version, "rows": written.rows}), flush=True)
