@@ -82,6 +82,18 @@ def format_summary(summary: dict[str, Any]) -> str:
 
 
 @app.command()
+def maintain(config: Optional[Path] = ConfigOption, set_: Optional[list[str]] = SetOption) -> None:
+    """Compact and vacuum the Delta tables (keeping every registered model's table version)."""
+    settings, overrides = _settings_or_exit(config, set_)
+    from flows.maintenance import maintenance
+    from infra.prefect_env import prefect_for
+
+    with prefect_for(settings):
+        report = maintenance(config_file=str(config) if config else None, overrides=overrides or None)
+    typer.echo(json.dumps(report, indent=2, default=str))
+
+
+@app.command()
 def doctor(config: Optional[Path] = ConfigOption, set_: Optional[list[str]] = SetOption) -> None:
     """Check Python, Java, Spark, Delta, Petastorm, Ray, GPUs, MLflow and Prefect for these settings."""
     settings, _ = _settings_or_exit(config, set_)

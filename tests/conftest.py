@@ -40,6 +40,14 @@ def spark(tmp_path_factory: pytest.TempPathFactory):
     session.stop()
 
 
+@pytest.fixture
+def lake(spark, tmp_path: Path):
+    """Empty images and quarantine tables in a temp folder, with the data stages wired to them."""
+    from tests.lake import Lake
+
+    return Lake(spark, tmp_path)
+
+
 @pytest.fixture(scope="session")
 def prefect_api():
     """Prefect's test harness: a temporary Prefect server on 127.0.0.1 with its own SQLite database."""

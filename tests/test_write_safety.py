@@ -19,7 +19,7 @@ from tasks.ingest import Scope, ingest_listing, source_uri
 from tasks.resize import DecodeRules, known_hashes, resize_images
 from tasks.write import write_images
 from tests.conftest import REPO
-from tests.test_stages import copy_digits
+from tests.lake import copy_digits
 
 RULES = DecodeRules(size=64, mode="letterbox", max_file_bytes=10_000_000, max_pixels=10_000_000)
 

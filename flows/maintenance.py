@@ -1,0 +1,19 @@
+"""Table upkeep: compaction and vacuum of the images and quarantine tables."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import flow
+
+from infra.settings import load_settings
+from tasks.maintain import maintain_images, maintain_quarantine
+
+
+@flow(name="imagelake-maintenance", log_prints=True)
+def maintenance(config_file: str | None = None, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Compact small files and vacuum old ones, keeping the versions registered models were trained on."""
+    settings = load_settings(config_file, overrides)
+    images = maintain_images(settings)
+    quarantine = maintain_quarantine(settings)
+    return {"images": images, "quarantine": quarantine}

@@ -1,0 +1,56 @@
+"""A table, a quarantine table and staging in one temp folder, and the data stages run against them."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from deltalake import DeltaTable
+
+from infra.delta import read_version
+from tasks.ingest import Scope, ingest_listing, source_uri
+from tasks.resize import DecodeRules, known_hashes, resize_images
+from tasks.write import write_images
+
+SCOPE = Scope((".png", ".jpg", ".jpeg"))
+RULES = DecodeRules(size=24, mode="letterbox", max_file_bytes=10_000_000, max_pixels=10_000_000)
+
+
+class Lake:
+    """A table, a quarantine and a staging folder in one temp directory, and one run of the data stages."""
+
+    def __init__(self, spark, root: Path) -> None:
+        self.spark, self.root = spark, root
+        self.table, self.quarantine = str(root / "tables" / "images"), str(root / "tables" / "quarantine")
+        self.runs = 0
+
+    def run(self, source: Path | str, scope: Scope = SCOPE, rules: DecodeRules = RULES, retire: bool = False, max_bad: float = 0.5):
+        self.runs += 1
+        ingested = ingest_listing(
+            self.spark, "delta-rs", source_uri(str(source)), scope, self.table, rules.size, retire, str(self.root / "staging"), self.quarantine
+        )
+        known = known_hashes(self.spark, "delta-rs", self.table, rules.size)
+        resized = resize_images(self.spark, ingested, rules, known, str(self.root / "staging" / f"resized-{self.runs}"))
+        written = write_images(self.spark, resized, self.table, self.quarantine, "delta-rs", max_bad)
+        return ingested, resized, written
+
+    def read(self, table: str, columns: list[str], version: int | None = None) -> dict[str, list]:
+        """Columns of a table version, read through the Delta log by Spark."""
+        version = DeltaTable(table).version() if version is None else version
+        rows = read_version(self.spark, table, version, "delta-rs").select(*columns).collect()
+        return {name: [row[name] for row in rows] for name in columns}
+
+    def rows(self, version: int | None = None) -> dict[str, str]:
+        data = self.read(self.table, ["path", "sha256"], version)
+        return dict(zip(data["path"], data["sha256"]))
+
+    def quarantined(self) -> dict[str, str]:
+        data = self.read(self.quarantine, ["path", "reason"])
+        return {Path(p).name: r for p, r in zip(data["path"], data["reason"])}
+
+
+def copy_digits(digits_dir: Path, target: Path, labels=("0", "1", "2", "3"), per_label: int = 10) -> None:
+    for label in labels:
+        (target / label).mkdir(parents=True, exist_ok=True)
+        for png in sorted((digits_dir / label).glob("*.png"))[:per_label]:
+            shutil.copy(png, target / label / png.name)

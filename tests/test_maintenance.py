@@ -1,0 +1,45 @@
+"""Compaction and vacuum keep the table versions that registered models were trained on."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from deltalake import DeltaTable
+from mlflow import MlflowClient
+from PIL import Image
+
+from infra.delta import read_version
+from tasks.maintain import maintain_table, protected_versions
+from tests.lake import Lake, copy_digits
+
+
+def grow_table(lake: Lake, digits_dir: Path, source: Path) -> None:
+    """v0 with 40 images, then three runs that each replace a file (so v0's files stop being current)."""
+    copy_digits(digits_dir, source)
+    lake.run(source)
+    for i in range(3):
+        changed = sorted((source / "1").glob("*.png"))[i]
+        Image.open(changed).rotate(90).save(changed)
+        lake.run(source)
+
+
+@pytest.mark.parametrize("registered", [True, False])
+def test_vacuum_never_removes_a_registered_models_version(lake: Lake, digits_dir: Path, tmp_path: Path, registered: bool) -> None:
+    grow_table(lake, digits_dir, tmp_path / "src")
+    assert DeltaTable(lake.table).version() == 3
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    client.create_registered_model("digits")
+    if registered:
+        client.create_model_version("digits", source=str(tmp_path), tags={"delta_table": lake.table, "delta_version": "0"})
+    keep = protected_versions(client, "digits", lake.table)
+    assert keep == ([0] if registered else [])
+
+    report = maintain_table(lake.table, retention_hours=0, keep_versions=keep)
+    assert report["version"] > 3 and report["files_vacuumed"] > 0
+    assert read_version(lake.spark, lake.table, report["version"], "delta-rs").count() == 40
+    if registered:
+        assert read_version(lake.spark, lake.table, 0, "delta-rs").count() == 40, "the registered version is intact"
+    else:
+        missing = [uri for uri in DeltaTable(lake.table, version=0).file_uris() if not Path(uri.removeprefix("file://")).exists()]
+        assert missing, "without a registered model, retention 0 removes version 0's files"
