@@ -10,7 +10,7 @@ from typing import Literal
 
 import pyarrow as pa
 import pyarrow.compute as pc
-from deltalake import CommitProperties, DeltaTable, write_deltalake
+from deltalake import ColumnProperties, CommitProperties, DeltaTable, WriterProperties, write_deltalake
 from deltalake.exceptions import CommitFailedError, DeltaError, TableNotFoundError
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
@@ -59,6 +59,8 @@ def append_arrow(table_uri: str, batches: pa.RecordBatchReader | pa.Table) -> Wr
 
 
 MERGE_KEY = "t.path = s.path AND t.image_size = s.image_size"
+# Pixels are large unique values: dictionaries and min/max statistics on them only cost time.
+IMAGE_WRITER = WriterProperties(column_properties={"image": ColumnProperties(dictionary_enabled=False, statistics_enabled="NONE")})
 CONFLICT_RETRIES = 8
 
 
@@ -74,11 +76,11 @@ def merge_arrow(table_uri: str, changes: pa.Table) -> int:
         try:
             if not table_exists(table_uri):
                 rows = changes.filter(pc.equal(changes["_action"], "upsert")).drop_columns(["_action"])
-                write_deltalake(table_uri, rows, mode="append", commit_properties=properties)
+                write_deltalake(table_uri, rows, mode="append", commit_properties=properties, writer_properties=IMAGE_WRITER)
             else:
                 (
                     DeltaTable(table_uri)
-                    .merge(changes, MERGE_KEY, source_alias="s", target_alias="t", commit_properties=properties)
+                    .merge(changes, MERGE_KEY, source_alias="s", target_alias="t", commit_properties=properties, writer_properties=IMAGE_WRITER)
                     .when_matched_update_all(predicate="s._action = 'upsert'", except_cols=["_action"])
                     .when_matched_delete(predicate="s._action = 'delete'")
                     .when_not_matched_insert_all(predicate="s._action = 'upsert'", except_cols=["_action"])

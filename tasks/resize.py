@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import io
 import math
+import uuid
 import warnings
 from dataclasses import dataclass
 from typing import Iterator, Literal
@@ -12,7 +13,9 @@ from typing import Iterator, Literal
 import fsspec
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 from PIL import Image, ImageOps, UnidentifiedImageError
+from pyspark import TaskContext
 from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 
@@ -44,10 +47,7 @@ STAGED_ARROW_SCHEMA = pa.schema(
         ("detail", pa.string()),
     ]
 )
-STAGED_SCHEMA = (
-    "path string, label string, date date, size long, mtime double, issue string, action string, sha256 string, "
-    "width int, height int, image binary, status string, reason string, detail string"
-)
+
 
 
 class ImageDecodeError(ValueError):
@@ -149,25 +149,47 @@ def process_file(row: dict, rules: DecodeRules, known: frozenset[str]) -> dict:
     return {**out, "width": width, "height": height, "image": pixels.tobytes()}
 
 
-def process_batches(batches: Iterator[pa.RecordBatch], rules: DecodeRules, known: frozenset[str]) -> Iterator[pa.RecordBatch]:
-    """mapInArrow body: read, hash and (only if its hash is new) decode every listed file of each batch."""
+SUMMARY_SCHEMA = "status string, reason string, path string"
+DICTIONARY_COLUMNS = [name for name in STAGED_ARROW_SCHEMA.names if name != "image"]
+
+
+def process_partition(batches: Iterator[pa.RecordBatch], rules: DecodeRules, known: frozenset[str], staging_uri: str) -> Iterator[pa.RecordBatch]:
+    """mapInArrow body: read, hash and (only if its hash is new) decode every listed file of one partition.
+
+    The staged rows, pixels included, are written here as one Parquet file per partition, so the
+    pixels never pass through the JVM; Spark gets back only (status, reason, path). The file name
+    is the partition's, written under a temporary name and renamed: a retried task replaces it.
+    """
     # Our own check quarantines at max_pixels; Pillow's (warning at 1x, error at 2x) stays as a backstop.
     Image.MAX_IMAGE_PIXELS = rules.max_pixels
     warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-    for batch in batches:
-        rows = [process_file(row, rules, known) for row in batch.to_pylist()]
-        yield pa.RecordBatch.from_pylist(rows, schema=STAGED_ARROW_SCHEMA)
+    partition = TaskContext.get().partitionId()
+    fs, folder = fsspec.core.url_to_fs(staging_uri)
+    final, temporary = f"{folder}/part-{partition:05d}.parquet", f"{folder}/.part-{partition:05d}-{uuid.uuid4().hex}.tmp"
+    with fs.open(temporary, "wb") as out, pq.ParquetWriter(
+        out, STAGED_ARROW_SCHEMA, compression="none", use_dictionary=DICTIONARY_COLUMNS, write_statistics=DICTIONARY_COLUMNS
+    ) as writer:
+        for batch in batches:
+            staged = pa.RecordBatch.from_pylist([process_file(row, rules, known) for row in batch.to_pylist()], schema=STAGED_ARROW_SCHEMA)
+            writer.write_batch(staged)
+            yield staged.select(["status", "reason", "path"])
+    fs.mv(temporary, final)
 
 
 def resize_images(spark: SparkSession, ingested: Ingested, rules: DecodeRules, known: frozenset[str], staging_uri: str) -> Resized:
     """Decode and resize every new or changed file on the executors into staging Parquet."""
+    fs, folder = fsspec.core.url_to_fs(staging_uri)
+    if fs.exists(folder):
+        fs.rm(folder, recursive=True)
+    fs.makedirs(folder, exist_ok=True)
     listed = spark.read.parquet(ingested.manifest_uri)
     # Spread the list so every executor core reads and decodes.
     partitions = max(spark.sparkContext.defaultParallelism * 2, math.ceil(max(ingested.candidates, 1) / ROWS_PER_DECODE_TASK))
     shared = spark.sparkContext.broadcast(known)
-    staged = listed.repartition(partitions).mapInArrow(lambda batches: process_batches(batches, rules, shared.value), STAGED_SCHEMA)
-    staged.write.mode("overwrite").parquet(staging_uri)
-    counts = spark.read.parquet(staging_uri).groupBy("status", "reason").agg(F.count("*").alias("n"), F.first("path").alias("example")).collect()
+    summary = listed.repartition(partitions).mapInArrow(
+        lambda batches: process_partition(batches, rules, shared.value, staging_uri), SUMMARY_SCHEMA
+    )
+    counts = summary.groupBy("status", "reason").agg(F.count("*").alias("n"), F.first("path").alias("example")).collect()
     shared.unpersist()
     by_status = {row["status"]: 0 for row in counts}
     for row in counts:

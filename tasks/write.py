@@ -18,6 +18,7 @@ from pyspark.sql import functions as F
 from infra.delta import Engine, append_arrow, choose_engine, merge_arrow, merge_spark, read_current, table_exists
 from infra.settings import Settings
 from infra.spark import spark_session
+from tasks.resize import STAGED_ARROW_SCHEMA
 from tasks.results import Resized, Written
 from tasks.stage import stage
 
@@ -41,17 +42,25 @@ def check_bad_fraction(resized: Resized, max_bad_fraction: float) -> None:
         )
 
 
+def staged_rows(resized: Resized) -> ds.Dataset:
+    """The resize stage's output (a folder of Parquet files, possibly none when nothing was new)."""
+    return ds.dataset(resized.staging_uri, format="parquet", schema=STAGED_ARROW_SCHEMA)
+
+
 def image_changes(spark: SparkSession, engine: Engine, resized: Resized, table_uri: str) -> pa.Table:
     """Rows to upsert (new content at a path) and to delete (path gone), minus what the table already says."""
-    staged = ds.dataset(resized.staging_uri, format="parquet")
+    staged = staged_rows(resized)
     present = read_current(spark, table_uri, engine, ["path", "sha256"], F.col("image_size") == resized.image_size)
     keys = pc.binary_join_element_wise(present.column("path"), present.column("sha256"), "\x00")
     upserts = staged.to_table(filter=pc.field("status") == "new")
     if upserts.num_rows:
-        # First path wins when one run sees the same new content twice; the same (path, content) is never re-added.
-        upserts = upserts.filter(pc.invert(pc.is_in(pc.binary_join_element_wise(upserts["path"], upserts["sha256"], "\x00"), keys)))
-        first = upserts.group_by("sha256").aggregate([("path", "min")]).column("path_min")
-        upserts = upserts.filter(pc.is_in(upserts["path"], first))
+        # Masks come from the small columns, and the pixels are copied at most once, by a single filter.
+        # The same (path, content) is never re-added; when one run sees the same new content twice, the first path wins.
+        fresh = pc.invert(pc.is_in(pc.binary_join_element_wise(upserts["path"], upserts["sha256"], "\x00"), keys))
+        first = upserts.select(["sha256", "path"]).group_by("sha256").aggregate([("path", "min")]).column("path_min")
+        keep = pc.and_(fresh, pc.is_in(upserts["path"], first))
+        if not pc.all(keep).as_py():
+            upserts = upserts.filter(keep)
     now = pa.scalar(datetime.now(timezone.utc), pa.timestamp("us", tz="UTC"))
     upserts = upserts.select(TABLE_COLUMNS[:8] + ["image"])
     upserts = upserts.add_column(8, "image_size", pa.array([resized.image_size] * upserts.num_rows, pa.int32()))
@@ -67,12 +76,12 @@ def image_changes(spark: SparkSession, engine: Engine, resized: Resized, table_u
 
 def quarantine_rows(spark: SparkSession, resized: Resized, quarantine_uri: str) -> pa.Table:
     """The run's bad files, minus those already quarantined for the same content and reason."""
-    bad = ds.dataset(resized.staging_uri, format="parquet").to_table(
+    bad = staged_rows(resized).to_table(
         columns=["path", "size", "mtime", "sha256", "reason", "detail"], filter=pc.field("status") == "quarantined"
     )
     now = datetime.now(timezone.utc)
     # Problems seen in the listing carry an `issue`; the rest were found while reading or decoding.
-    issue = ds.dataset(resized.staging_uri, format="parquet").to_table(columns=["issue"], filter=pc.field("status") == "quarantined")
+    issue = staged_rows(resized).to_table(columns=["issue"], filter=pc.field("status") == "quarantined")
     bad = bad.append_column("stage", pc.if_else(pc.is_null(issue["issue"]), "resize", "ingest"))
     bad = bad.append_column("quarantined_at", pa.array([now] * bad.num_rows, pa.timestamp("us", tz="UTC")))
     if bad.num_rows and table_exists(quarantine_uri):

@@ -1,0 +1,123 @@
+"""Ingest -> resize -> table throughput against the seed blog's method and the machine's decode limit, side by side.
+
+    .venv/bin/python bench/ingest.py [--images 800] [--size 224]
+
+(a) seed blog: Spark binaryFile + a row-at-a-time Python UDF (open, convert, thumbnail, letterbox), to Parquet
+(b) the limit: a plain Pillow loop with draft() decoding, one process per core, no Spark, nothing written
+(c) imagelake: ingest (listing + diff) -> resize (read, sha256, draft decode on the executors) -> Delta write
+All three run on the same realistic JPEG photos: random crops of scikit-learn's sample photos,
+300 to 1,600 px on the long side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import multiprocessing
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+from pyspark.sql import functions as F
+from pyspark.sql.types import BinaryType
+from sklearn.datasets import load_sample_images
+
+from infra.settings import Settings
+from infra.spark import spark_session
+from tasks.ingest import Scope, ingest_listing, source_uri
+from tasks.resize import DecodeRules, known_hashes, resize_image, resize_images
+from tasks.write import write_images
+
+
+def write_photos(out: Path, count: int, seed: int = 0) -> None:
+    """Random crops of scikit-learn's sample photos, rescaled to 300-1,600 px on the long side, as JPEG."""
+    rng = np.random.default_rng(seed)
+    photos = [Image.fromarray(array) for array in load_sample_images().images]
+    for index in range(count):
+        photo = photos[index % len(photos)]
+        width, height = photo.size
+        crop_w, crop_h = int(rng.integers(width // 2, width)), int(rng.integers(height // 2, height))
+        left, top = int(rng.integers(0, width - crop_w)), int(rng.integers(0, height - crop_h))
+        crop = photo.crop((left, top, left + crop_w, top + crop_h))
+        scale = int(rng.integers(300, 1601)) / max(crop.size)
+        folder = out / f"class{index % 2}"
+        folder.mkdir(parents=True, exist_ok=True)
+        crop.resize((max(1, round(crop.size[0] * scale)), max(1, round(crop.size[1] * scale)))).save(folder / f"{index:05d}.jpg", quality=90)
+
+
+def seed_blog(spark, source: str, out: str, size: int) -> None:
+    """(a) The seed blog's code path: binaryFile, a row-at-a-time UDF, Parquet."""
+
+    def resize_one(content: bytes) -> bytes:
+        image = Image.open(io.BytesIO(content)).convert("RGB")
+        image.thumbnail((size, size))
+        canvas = Image.new("RGB", (size, size))
+        canvas.paste(image, ((size - image.size[0]) // 2, (size - image.size[1]) // 2))
+        return canvas.tobytes()
+
+    udf = F.udf(resize_one, BinaryType())
+    frame = spark.read.format("binaryFile").option("recursiveFileLookup", "true").load(source)
+    frame.select("path", udf("content").alias("image")).write.mode("overwrite").parquet(out)
+
+
+def _decode(args: tuple[str, int]) -> int:
+    path, size = args
+    pixels, _, _ = resize_image(Path(path).read_bytes(), size)
+    return pixels.shape[0]
+
+
+def pillow_limit(files: list[Path], size: int) -> None:
+    """(b) The decode limit: the same Pillow work (draft, orient, RGB, letterbox), one process per core."""
+    with multiprocessing.get_context("spawn").Pool(os.cpu_count()) as pool:
+        pool.map(_decode, [(str(f), size) for f in files], chunksize=16)
+
+
+def imagelake(spark, source: str, root: Path, size: int) -> None:
+    """(c) imagelake's data stages, into a fresh Delta table."""
+    table, quarantine = str(root / "images"), str(root / "quarantine")
+    rules = DecodeRules(size, "letterbox", 50 * 1024 * 1024, 64_000_000)
+    ingested = ingest_listing(spark, "delta-rs", source, Scope((".jpg",)), table, size, False, str(root / "staging"), quarantine)
+    resized = resize_images(spark, ingested, rules, known_hashes(spark, "delta-rs", table, size), str(root / "staging" / "resized"))
+    write_images(spark, resized, table, quarantine, "delta-rs", 0.1)
+
+
+def timed(label: str, images: int, work) -> float:
+    started = time.perf_counter()
+    work()
+    rate = images / (time.perf_counter() - started)
+    print(f"{label:58} {rate:8.1f} images/s", flush=True)
+    return rate
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--images", type=int, default=800)
+    parser.add_argument("--size", type=int, default=224)
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="imagelake-bench-"))
+    try:
+        write_photos(work / "photos", args.images)
+        write_photos(work / "warm", 16, seed=1)
+        files = sorted((work / "photos").rglob("*.jpg"))
+        print(f"{len(files)} JPEG photos, {sum(f.stat().st_size for f in files) / len(files) / 1024:.0f} KB on average, "
+              f"{os.cpu_count()} cores, {args.size}x{args.size} letterbox", flush=True)
+        spark = spark_session(Settings(workspace=work / "ws"))
+        # Warm the JVM, the Python workers and the page cache for every method alike.
+        seed_blog(spark, source_uri(str(work / "warm")), str(work / "warm-a"), args.size)
+        imagelake(spark, source_uri(str(work / "warm")), work / "warm-c", args.size)
+        pillow_limit(sorted((work / "warm").rglob("*.jpg")), args.size)
+        source = source_uri(str(work / "photos"))
+        a = timed("(a) seed blog: binaryFile + row UDF + thumbnail, Parquet", args.images, lambda: seed_blog(spark, source, str(work / "a"), args.size))
+        b = timed("(b) limit: Pillow + draft(), one process per core", args.images, lambda: pillow_limit(files, args.size))
+        c = timed("(c) imagelake: ingest -> resize -> Delta write", args.images, lambda: imagelake(spark, source, work / "c", args.size))
+        print(f"imagelake / limit: {c / b:.2f}   imagelake / seed blog: {c / a:.2f}")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
