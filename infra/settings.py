@@ -91,6 +91,7 @@ class Settings(BaseSettings):
     test_fraction: float = Field(default=0.1, gt=0, lt=1)
     partitions_per_worker: int = Field(default=2, ge=2)
     cache_root: str | None = None
+    staging_root: str | None = Field(default=None, description="Folder or URI for files handed between stages")
 
     # Training.
     ray_address: str | None = None
@@ -155,8 +156,9 @@ class Settings(BaseSettings):
         return self.cache_root or str(self.workspace_dir / "cache")
 
     @property
-    def staging_dir(self) -> Path:
-        return self.workspace_dir / "staging"
+    def staging_uri(self) -> str:
+        """Where stages hand files to each other: must be reachable from every executor on a cluster."""
+        return (self.staging_root or str(self.workspace_dir / "staging")).rstrip("/")
 
     @property
     def ray_storage_path(self) -> str:

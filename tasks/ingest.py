@@ -260,5 +260,5 @@ def ingest(source: str, settings: Settings) -> Ingested:
     spark = spark_session(settings)
     return ingest_listing(
         spark, choose_engine(settings, spark), source_uri(source), scope_of(settings), settings.table_uri, settings.image_size, settings.retire_deleted,
-        str(settings.staging_dir), settings.quarantine_uri,
+        settings.staging_uri, settings.quarantine_uri,
     )

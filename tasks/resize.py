@@ -150,6 +150,7 @@ def process_file(row: dict, rules: DecodeRules, known: frozenset[str]) -> dict:
 
 
 SUMMARY_SCHEMA = "status string, reason string, path string"
+MANIFEST_SCHEMA = "path string, label string, date date, size long, mtime double, issue string, action string"
 DICTIONARY_COLUMNS = [name for name in STAGED_ARROW_SCHEMA.names if name != "image"]
 
 
@@ -182,7 +183,9 @@ def resize_images(spark: SparkSession, ingested: Ingested, rules: DecodeRules, k
     if fs.exists(folder):
         fs.rm(folder, recursive=True)
     fs.makedirs(folder, exist_ok=True)
-    listed = spark.read.parquet(ingested.manifest_uri)
+    # The list is small: the driver reads it, so Spark itself never needs access to the staging store.
+    with fsspec.open(ingested.manifest_uri, "rb") as handle:
+        listed = spark.createDataFrame(pq.read_table(handle).to_pandas(), schema=MANIFEST_SCHEMA)
     # Spread the list so every executor core reads and decodes.
     partitions = max(spark.sparkContext.defaultParallelism * 2, math.ceil(max(ingested.candidates, 1) / ROWS_PER_DECODE_TASK))
     shared = spark.sparkContext.broadcast(known)
@@ -219,4 +222,4 @@ def resize(ingested: Ingested, settings: Settings) -> Resized:
     key = f"{ingested.content_fingerprint[:16]}-{settings.image_size}-{settings.resize_mode}"
     spark = spark_session(settings)
     known = known_hashes(spark, choose_engine(settings, spark), settings.table_uri, settings.image_size)
-    return resize_images(spark, ingested, rules, known, str(settings.staging_dir / f"resize-{key}"))
+    return resize_images(spark, ingested, rules, known, f"{settings.staging_uri}/resize-{key}")

@@ -77,12 +77,11 @@ def image_changes(spark: SparkSession, engine: Engine, resized: Resized, table_u
 def quarantine_rows(spark: SparkSession, resized: Resized, quarantine_uri: str) -> pa.Table:
     """The run's bad files, minus those already quarantined for the same content and reason."""
     bad = staged_rows(resized).to_table(
-        columns=["path", "size", "mtime", "sha256", "reason", "detail"], filter=pc.field("status") == "quarantined"
+        columns=["path", "size", "mtime", "sha256", "reason", "detail", "issue"], filter=pc.field("status") == "quarantined"
     )
     now = datetime.now(timezone.utc)
     # Problems seen in the listing carry an `issue`; the rest were found while reading or decoding.
-    issue = staged_rows(resized).to_table(columns=["issue"], filter=pc.field("status") == "quarantined")
-    bad = bad.append_column("stage", pc.if_else(pc.is_null(issue["issue"]), "resize", "ingest"))
+    bad = bad.append_column("stage", pc.if_else(pc.is_null(bad["issue"]), "resize", "ingest")).drop_columns(["issue"])
     bad = bad.append_column("quarantined_at", pa.array([now] * bad.num_rows, pa.timestamp("us", tz="UTC")))
     if bad.num_rows and table_exists(quarantine_uri):
         seen = read_current(spark, quarantine_uri, "delta-rs", ["path", "sha256", "reason"])
@@ -95,14 +94,14 @@ def write_images(spark: SparkSession, resized: Resized, table_uri: str, quaranti
     """Check the bad share, then merge the images and append the quarantine; return the images table's version."""
     check_bad_fraction(resized, max_bad_fraction)
     changes = image_changes(spark, engine, resized, table_uri)
+    if changes.num_rows == 0 and not table_exists(table_uri):
+        raise TooManyBadFiles(f"no image could be written to {table_uri}: no file of this run is a usable image ({resized.quarantined})")
     bad = quarantine_rows(spark, resized, quarantine_uri)
     if bad.num_rows:
         append_arrow(quarantine_uri, bad)
     added = int(pc.sum(pc.equal(changes["_action"], "upsert")).as_py() or 0)
     removed = changes.num_rows - added
     if changes.num_rows == 0:
-        if not table_exists(table_uri):
-            raise TooManyBadFiles(f"no image could be written to {table_uri}: every file of this run is bad ({resized.quarantined})")
         version = DeltaTable(table_uri).version()
         return Written(table_uri=table_uri, version=version, engine=engine, rows=0, retired=0, quarantined=bad.num_rows)
     if engine == "spark":
