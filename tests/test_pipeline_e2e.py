@@ -46,6 +46,20 @@ def task_states(flow_run_id: str) -> dict[str, str]:
     return {run.name.rsplit("-", 1)[0]: run.state.name for run in runs}
 
 
+def quarantine_artifact(flow_run_id: str) -> list[dict]:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
+
+    with get_client(sync_client=True) as client:
+        found = client.read_artifacts(
+            artifact_filter=ArtifactFilter(
+                key=ArtifactFilterKey(any_=["imagelake-quarantine"]), flow_run_id=ArtifactFilterFlowRunId(any_=[uuid.UUID(flow_run_id)])
+            )
+        )
+    assert len(found) == 1
+    return json.loads(found[0].data) if isinstance(found[0].data, str) else found[0].data
+
+
 def test_pipeline_end_to_end_then_everything_is_cached(digits_dir: Path, tmp_path: Path, prefect_api: str) -> None:
     workspace = tmp_path / "ws"
     env = cli_env({"PREFECT_API_URL": prefect_api})
@@ -126,6 +140,7 @@ def test_a_weaker_model_stays_challenger_and_new_images_make_a_new_version(digit
     second, _ = run_pipeline(source, workspace, env, "max_epochs=1", "base_lr=0.00001", "promotion_margin=0.05")
     assert (second["delta_version"], second["rows_added"], second["rows"]) == (1, 2, 302)
     assert second["quarantined"] == {"not_an_image": 1}
+    assert quarantine_artifact(second["flow_run_id"]) == [{"reason": "not_an_image", "files": 1}]
     assert second["model_version"] == "2" and second["model_alias"] == "challenger"
     assert second["champion_version"] == "1"
     client = MlflowClient(f"sqlite:///{workspace / 'mlflow.db'}")

@@ -46,28 +46,48 @@ def test_exif_orientation_is_applied() -> None:
     assert pixels[:5].mean() > 200 and pixels[-5:].mean() < 50  # white half is now on top
 
 
+def palette_with_transparency() -> Image.Image:
+    image = Image.new("P", (10, 10), 0)
+    image.putpalette([0, 0, 0, 255, 0, 0] + [0] * 762)
+    image.info["transparency"] = 0  # index 0 (black) is transparent
+    return image
+
+
 @pytest.mark.parametrize(
-    "image",
+    "image,fmt,check",
     [
-        Image.new("L", (10, 10), 128),
-        Image.new("RGBA", (10, 10), (255, 0, 0, 0)),
-        Image.new("P", (10, 10), 0),
-        Image.new("I;16", (10, 10), 65535),
-        Image.new("CMYK", (10, 10), (0, 0, 0, 0)),
+        (Image.new("L", (10, 10), 128), "PNG", lambda p: (p == 128).all()),
+        (Image.new("RGBA", (10, 10), (255, 0, 0, 0)), "PNG", lambda p: (p == 255).all()),  # transparent -> white, not black
+        (palette_with_transparency(), "PNG", lambda p: (p == 255).all()),
+        (Image.new("I;16", (10, 10), 65535), "PNG", lambda p: (p == 255).all()),  # 16-bit white stays white
+        (Image.new("I;16", (10, 10), 32768), "PNG", lambda p: (p == 128).all()),
+        (Image.new("CMYK", (10, 10), (0, 0, 0, 0)), "JPEG", lambda p: p.min() > 245),  # no ink is white
+        (Image.new("CMYK", (10, 10), (0, 0, 0, 255)), "JPEG", lambda p: p.max() < 10),  # full black ink is black
     ],
-    ids=["grey", "rgba-transparent", "palette", "16-bit", "cmyk"],
+    ids=["grey", "rgba-transparent", "palette-transparent", "16-bit-white", "16-bit-grey", "cmyk-white", "cmyk-black"],
 )
-def test_colour_modes_convert_to_sensible_rgb(image: Image.Image) -> None:
-    data = encode(image, "JPEG" if image.mode == "CMYK" else ("TIFF" if image.mode == "I;16" else "PNG"))
+def test_colour_modes_convert_to_the_right_rgb(image: Image.Image, fmt: str, check) -> None:
+    data = encode(image, fmt, **({"transparency": 0} if image.mode == "P" else {}))
     pixels, _, _ = resize_image(data, 8, "center_crop")
     assert pixels.shape == (8, 8, 3)
-    if image.mode == "RGBA":
-        assert pixels.min() == 255  # fully transparent composites onto white, not black
-    if image.mode in ("I;16", "CMYK"):
-        assert pixels.min() > 200  # 16-bit white stays white; CMYK (0,0,0,0) is white
+    assert check(pixels), pixels[0, 0]
 
 
-@pytest.mark.parametrize("data", [b"", b"not an image at all", encode(Image.new("RGB", (64, 64)), "JPEG")[:200]])
-def test_bad_bytes_raise_a_decode_error(data: bytes) -> None:
-    with pytest.raises(ImageDecodeError):
+@pytest.mark.parametrize(
+    "data,reason",
+    [
+        (b"", "empty_file"),
+        (b"not an image at all", "not_an_image"),
+        (encode(Image.effect_noise((300, 300), 64).convert("RGB"), "JPEG")[:3000], "truncated"),
+    ],
+)
+def test_bad_bytes_raise_a_decode_error_with_its_reason(data: bytes, reason: str) -> None:
+    with pytest.raises(ImageDecodeError) as raised:
         resize_image(data, 16)
+    assert raised.value.reason == reason
+
+
+def test_images_over_the_pixel_limit_are_decompression_bombs() -> None:
+    with pytest.raises(ImageDecodeError) as raised:
+        resize_image(encode(Image.new("RGB", (500, 500)), "PNG"), 16, max_pixels=100_000)
+    assert raised.value.reason == "decompression_bomb"
