@@ -149,7 +149,7 @@ def process_file(row: dict, rules: DecodeRules, known: frozenset[str]) -> dict:
     return {**out, "width": width, "height": height, "image": pixels.tobytes()}
 
 
-SUMMARY_SCHEMA = "status string, reason string, path string"
+SUMMARY_SCHEMA = "status string, reason string, files long, example string"
 MANIFEST_SCHEMA = "path string, label string, date date, size long, mtime double, issue string, action string"
 DICTIONARY_COLUMNS = [name for name in STAGED_ARROW_SCHEMA.names if name != "image"]
 
@@ -158,8 +158,9 @@ def process_partition(batches: Iterator[pa.RecordBatch], rules: DecodeRules, kno
     """mapInArrow body: read, hash and (only if its hash is new) decode every listed file of one partition.
 
     The staged rows, pixels included, are written here as one Parquet file per partition, so the
-    pixels never pass through the JVM; Spark gets back only (status, reason, path). The file name
-    is the partition's, written under a temporary name and renamed: a retried task replaces it.
+    pixels never pass through the JVM; Spark gets back only counts by (status, reason) with an
+    example path. The file name is the partition's, written under a temporary name and renamed:
+    a retried task replaces it.
     """
     # Our own check quarantines at max_pixels; Pillow's (warning at 1x, error at 2x) stays as a backstop.
     Image.MAX_IMAGE_PIXELS = rules.max_pixels
@@ -167,14 +168,20 @@ def process_partition(batches: Iterator[pa.RecordBatch], rules: DecodeRules, kno
     partition = TaskContext.get().partitionId()
     fs, folder = fsspec.core.url_to_fs(staging_uri)
     final, temporary = f"{folder}/part-{partition:05d}.parquet", f"{folder}/.part-{partition:05d}-{uuid.uuid4().hex}.tmp"
+    counts: dict[tuple[str, str | None], list] = {}
     with fs.open(temporary, "wb") as out, pq.ParquetWriter(
         out, STAGED_ARROW_SCHEMA, compression="none", use_dictionary=DICTIONARY_COLUMNS, write_statistics=DICTIONARY_COLUMNS
     ) as writer:
         for batch in batches:
-            staged = pa.RecordBatch.from_pylist([process_file(row, rules, known) for row in batch.to_pylist()], schema=STAGED_ARROW_SCHEMA)
-            writer.write_batch(staged)
-            yield staged.select(["status", "reason", "path"])
+            rows = [process_file(row, rules, known) for row in batch.to_pylist()]
+            writer.write_batch(pa.RecordBatch.from_pylist(rows, schema=STAGED_ARROW_SCHEMA))
+            for row in rows:
+                counts.setdefault((row["status"], row["reason"]), [0, row["path"]])[0] += 1
     fs.mv(temporary, final)
+    yield pa.RecordBatch.from_pylist(
+        [{"status": status, "reason": reason, "files": n, "example": example} for (status, reason), (n, example) in counts.items()],
+        schema=pa.schema([("status", pa.string()), ("reason", pa.string()), ("files", pa.int64()), ("example", pa.string())]),
+    )
 
 
 def resize_images(spark: SparkSession, ingested: Ingested, rules: DecodeRules, known: frozenset[str], staging_uri: str) -> Resized:
@@ -186,25 +193,28 @@ def resize_images(spark: SparkSession, ingested: Ingested, rules: DecodeRules, k
     # The list is small: the driver reads it, so Spark itself never needs access to the staging store.
     with fsspec.open(ingested.manifest_uri, "rb") as handle:
         listed = spark.createDataFrame(pq.read_table(handle).to_pandas(), schema=MANIFEST_SCHEMA)
-    # Spread the list so every executor core reads and decodes.
-    partitions = max(spark.sparkContext.defaultParallelism * 2, math.ceil(max(ingested.candidates, 1) / ROWS_PER_DECODE_TASK))
+    # Spread a long list so every executor core reads and decodes; a short one is already split per core.
+    partitions = math.ceil(ingested.candidates / ROWS_PER_DECODE_TASK)
+    if partitions > listed.rdd.getNumPartitions():
+        listed = listed.repartition(partitions)
     shared = spark.sparkContext.broadcast(known)
-    summary = listed.repartition(partitions).mapInArrow(
-        lambda batches: process_partition(batches, rules, shared.value, staging_uri), SUMMARY_SCHEMA
-    )
-    counts = summary.groupBy("status", "reason").agg(F.count("*").alias("n"), F.first("path").alias("example")).collect()
+    summary = listed.mapInArrow(lambda batches: process_partition(batches, rules, shared.value, staging_uri), SUMMARY_SCHEMA)
+    counts: dict[tuple[str, str | None], tuple[int, str]] = {}
+    for row in summary.collect():
+        n, example = counts.get((row["status"], row["reason"]), (0, row["example"]))
+        counts[(row["status"], row["reason"])] = (n + row["files"], example)
     shared.unpersist()
-    by_status = {row["status"]: 0 for row in counts}
-    for row in counts:
-        by_status[row["status"]] += row["n"]
+    by_status: dict[str, int] = {}
+    for (status, _), (n, _) in counts.items():
+        by_status[status] = by_status.get(status, 0) + n
     return Resized(
         staging_uri=staging_uri,
         image_size=rules.size,
         decoded=by_status.get("new", 0),
         known=by_status.get("known", 0),
         retired=by_status.get("delete", 0),
-        quarantined={row["reason"]: row["n"] for row in counts if row["status"] == "quarantined"},
-        examples={row["reason"]: row["example"] for row in counts if row["status"] == "quarantined"},
+        quarantined={reason: n for (status, reason), (n, _) in counts.items() if status == "quarantined"},
+        examples={reason: example for (status, reason), (_, example) in counts.items() if status == "quarantined"},
         content_fingerprint=ingested.content_fingerprint,
     )
 

@@ -61,11 +61,10 @@ def image_changes(spark: SparkSession, engine: Engine, resized: Resized, table_u
         keep = pc.and_(fresh, pc.is_in(upserts["path"], first))
         if not pc.all(keep).as_py():
             upserts = upserts.filter(keep)
-    now = pa.scalar(datetime.now(timezone.utc), pa.timestamp("us", tz="UTC"))
-    upserts = upserts.select(TABLE_COLUMNS[:8] + ["image"])
-    upserts = upserts.add_column(8, "image_size", pa.array([resized.image_size] * upserts.num_rows, pa.int32()))
-    upserts = upserts.append_column("ingested_at", pa.array([now.as_py()] * upserts.num_rows, now.type))
-    upserts = upserts.append_column("_action", pa.array(["upsert"] * upserts.num_rows, pa.string()))
+    rows = upserts.num_rows
+    upserts = upserts.append_column("image_size", pa.array([resized.image_size] * rows, pa.int32()))
+    upserts = upserts.append_column("ingested_at", pa.array([datetime.now(timezone.utc)] * rows, pa.timestamp("us", tz="UTC")))
+    upserts = upserts.append_column("_action", pa.array(["upsert"] * rows, pa.string())).select(TABLE_COLUMNS + ["_action"])
     deletes = staged.to_table(columns=["path"], filter=pc.field("status") == "delete").column("path")
     deletes = deletes.filter(pc.is_in(deletes, present.column("path"))).to_pylist()
     gone = pa.Table.from_pylist(
