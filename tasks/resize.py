@@ -17,11 +17,13 @@ import pyarrow.parquet as pq
 from PIL import Image, ImageOps, UnidentifiedImageError
 from pyspark import TaskContext
 from pyspark.sql import SparkSession
+from pyspark.sql.pandas.types import from_arrow_schema
 from pyspark.sql import functions as F
 
 from infra.delta import Engine, choose_engine, read_current
 from infra.settings import Settings
 from infra.spark import spark_session
+from tasks.ingest import LISTING_SCHEMA
 from tasks.results import Ingested, Resized
 from tasks.stage import stage
 
@@ -29,15 +31,10 @@ ResizeMode = Literal["letterbox", "center_crop"]
 
 ROWS_PER_DECODE_TASK = 256
 
+# The listing's columns, then what reading and decoding found.
 STAGED_ARROW_SCHEMA = pa.schema(
-    [
-        ("path", pa.string()),
-        ("label", pa.string()),
-        ("date", pa.date32()),
-        ("size", pa.int64()),
-        ("mtime", pa.float64()),
-        ("issue", pa.string()),
-        ("action", pa.string()),
+    list(LISTING_SCHEMA)
+    + [
         ("sha256", pa.string()),
         ("width", pa.int32()),
         ("height", pa.int32()),
@@ -150,7 +147,6 @@ def process_file(row: dict, rules: DecodeRules, known: frozenset[str]) -> dict:
 
 
 SUMMARY_SCHEMA = "status string, reason string, files long, example string"
-MANIFEST_SCHEMA = "path string, label string, date date, size long, mtime double, issue string, action string"
 DICTIONARY_COLUMNS = [name for name in STAGED_ARROW_SCHEMA.names if name != "image"]
 
 
@@ -192,7 +188,7 @@ def resize_images(spark: SparkSession, ingested: Ingested, rules: DecodeRules, k
     fs.makedirs(folder, exist_ok=True)
     # The list is small: the driver reads it, so Spark itself never needs access to the staging store.
     with fsspec.open(ingested.manifest_uri, "rb") as handle:
-        listed = spark.createDataFrame(pq.read_table(handle).to_pandas(), schema=MANIFEST_SCHEMA)
+        listed = spark.createDataFrame(pq.read_table(handle).to_pandas(), schema=from_arrow_schema(LISTING_SCHEMA))
     # Spread a long list so every executor core reads and decodes; a short one is already split per core.
     partitions = math.ceil(ingested.candidates / ROWS_PER_DECODE_TASK)
     if partitions > listed.rdd.getNumPartitions():
