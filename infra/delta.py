@@ -5,7 +5,6 @@ from __future__ import annotations
 import random
 import time
 import uuid
-from dataclasses import dataclass
 from typing import Literal
 
 import pyarrow as pa
@@ -39,14 +38,7 @@ def choose_engine(settings: Settings, spark: SparkSession) -> Engine:
     return "spark" if jars else "delta-rs"
 
 
-@dataclass(frozen=True)
-class WrittenVersion:
-    table_uri: str
-    version: int
-    engine: Engine
-
-
-def append_arrow(table_uri: str, batches: pa.RecordBatchReader | pa.Table) -> WrittenVersion:
+def append_arrow(table_uri: str, batches: pa.RecordBatchReader | pa.Table) -> int:
     """Append a stream of Arrow batches with delta-rs in one commit; return the version that commit made."""
     write_id = uuid.uuid4().hex
     write_deltalake(
@@ -55,7 +47,7 @@ def append_arrow(table_uri: str, batches: pa.RecordBatchReader | pa.Table) -> Wr
         mode="append",
         commit_properties=CommitProperties(custom_metadata={WRITE_ID_KEY: write_id}),
     )
-    return WrittenVersion(table_uri, _version_of_write(table_uri, write_id), "delta-rs")
+    return _version_of_write(table_uri, write_id)
 
 
 MERGE_KEY = "t.path = s.path AND t.image_size = s.image_size"

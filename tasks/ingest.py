@@ -82,8 +82,12 @@ def source_uri(source: str) -> str:
     return "file://" + str(path)
 
 
-def _entry(path: str, label: str | None, day: date | None, size: int, mtime: float, issue: str | None) -> dict[str, Any]:
-    if issue is None and not label:
+def _entry(path: str, label: str | None, day: date | None, size: int, mtime: float, issue: str | None, max_bytes: int | None = None) -> dict[str, Any]:
+    if issue is None and size == 0:
+        issue = "empty_file"
+    elif issue is None and max_bytes and size > max_bytes:
+        issue = "file_too_large"
+    elif issue is None and not label:
         issue = "no_label"
     return {"path": path, "label": label or "", "date": day, "size": size, "mtime": mtime, "issue": issue, "action": "upsert"}
 
@@ -113,12 +117,8 @@ def _folder_entry(fs: Any, root: str, path: str, info: dict[str, Any], scope: Sc
         issue = "symlink_outside_source"
     elif info.get("islink") and not os.path.exists(path):
         issue = "unreadable"
-    size = int(info.get("size") or 0)
-    if issue is None and size == 0:
-        issue = "empty_file"
-    elif issue is None and scope.max_file_bytes and size > scope.max_file_bytes:
-        issue = "file_too_large"
-    return _entry(fs.unstrip_protocol(path), label_folders[-1] if label_folders else None, day, size, float(info.get("mtime") or 0), issue)
+    size, mtime = int(info.get("size") or 0), float(info.get("mtime") or 0)
+    return _entry(fs.unstrip_protocol(path), label_folders[-1] if label_folders else None, day, size, mtime, issue, scope.max_file_bytes)
 
 
 def list_folder(uri: str, scope: Scope) -> list[dict[str, Any]]:
@@ -156,12 +156,8 @@ def list_manifest(uri: str, scope: Scope) -> list[dict[str, Any]]:
         except (FileNotFoundError, OSError):
             entries.append(_entry(file_fs.unstrip_protocol(file_path), row["label"], day, 0, 0.0, "unreadable"))
             continue
-        entry = _entry(file_fs.unstrip_protocol(file_path), row["label"], day, int(info.get("size") or 0), float(info.get("mtime") or 0), None)
-        if entry["issue"] is None and entry["size"] == 0:
-            entry["issue"] = "empty_file"
-        elif entry["issue"] is None and scope.max_file_bytes and entry["size"] > scope.max_file_bytes:
-            entry["issue"] = "file_too_large"
-        entries.append(entry)
+        size, mtime = int(info.get("size") or 0), float(info.get("mtime") or 0)
+        entries.append(_entry(file_fs.unstrip_protocol(file_path), row["label"], day, size, mtime, None, scope.max_file_bytes))
     return entries
 
 
@@ -190,13 +186,13 @@ def known_files(spark: SparkSession, engine: Engine, table_uri: str, image_size:
     return version, known, set(rows["path"])
 
 
-def diff_listing(entries: list[dict[str, Any]], known: dict[str, tuple[int, float]], retire_missing: bool, scoped_paths: set[str] | None) -> tuple[list[dict[str, Any]], int]:
+def diff_listing(entries: list[dict[str, Any]], known: dict[str, tuple[int, float]], retire_missing: bool, scoped_paths: set[str]) -> tuple[list[dict[str, Any]], int]:
     """Entries that are new or changed, plus `delete` entries for table rows whose file is gone; and the unchanged count."""
     changed = [e for e in entries if known.get(e["path"]) != (e["size"], e["mtime"])]
     unchanged = len(entries) - len(changed)
     if retire_missing:
         listed = {e["path"] for e in entries}
-        gone = sorted(path for path in (scoped_paths if scoped_paths is not None else known) if path not in listed)
+        gone = sorted(path for path in scoped_paths if path not in listed)
         changed += [{**_entry(path, "-", None, 0, 0.0, None), "action": "delete"} for path in gone]
     return changed, unchanged
 

@@ -23,7 +23,6 @@ from tasks.results import Resized, Written
 from tasks.stage import stage
 
 TABLE_COLUMNS = ["path", "label", "date", "size", "mtime", "sha256", "width", "height", "image_size", "image", "ingested_at"]
-QUARANTINE_COLUMNS = ["path", "size", "mtime", "sha256", "reason", "detail", "stage", "quarantined_at"]
 
 
 class TooManyBadFiles(ValueError):
