@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import json
 import random
 import time
 import uuid
 from typing import Literal
 
+import fsspec
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 from deltalake import ColumnProperties, CommitProperties, DeltaTable, WriterProperties, write_deltalake
+from deltalake import Schema as DeltaSchema
 from deltalake.exceptions import CommitFailedError, DeltaError, TableNotFoundError
+from deltalake.transaction import AddAction, RemoveAction, create_table_with_add_actions
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 
@@ -86,6 +91,81 @@ def merge_arrow(table_uri: str, changes: pa.Table) -> int:
     raise AssertionError("unreachable")
 
 
+def commit_files(table_uri: str, schema: pa.Schema, files: list[str]) -> int:
+    """Commit Parquet files already written in the table's folder as one append (creating the table if needed).
+
+    This is how executors' output lands without being rewritten: the files were written in the
+    table's schema, and until this commit no reader sees them. Returns the commit's version.
+    """
+    fs, folder = fsspec.core.url_to_fs(table_uri)
+    actions = [_add_action(fs, folder, name) for name in files]
+    write_id = uuid.uuid4().hex
+    properties = CommitProperties(custom_metadata={WRITE_ID_KEY: write_id})
+    for attempt in range(CONFLICT_RETRIES):
+        try:
+            if table_exists(table_uri):
+                DeltaTable(table_uri).create_write_transaction(actions, "append", DeltaSchema.from_arrow(schema), commit_properties=properties)
+            else:
+                create_table_with_add_actions(table_uri, DeltaSchema.from_arrow(schema), actions, mode="append", commit_properties=properties)
+            return _version_of_write(table_uri, write_id)
+        except (CommitFailedError, DeltaError) as exc:
+            # Two first writes race to create the table: the loser appends to the winner's.
+            if attempt == CONFLICT_RETRIES - 1 or not _is_conflict(exc):
+                raise
+            time.sleep(0.1 * (attempt + 1) + random.random() * 0.2)
+    raise AssertionError("unreachable")
+
+
+def uncommit_files(table_uri: str, files: list[str]) -> int:
+    """Remove files this run committed (one commit); their rows leave the current version, older versions keep them."""
+    now = int(time.time() * 1000)
+    write_id = uuid.uuid4().hex
+    table = DeltaTable(table_uri)
+    actions = [RemoveAction(name, True, now) for name in files]
+    table.create_write_transaction(actions, "append", table.schema(), commit_properties=CommitProperties(custom_metadata={WRITE_ID_KEY: write_id}))
+    return _version_of_write(table_uri, write_id)
+
+
+def ever_committed(table_uri: str, files: list[str]) -> set[str]:
+    """Which of these data files any commit in the table's log added (the log's JSON commits are searched for their names)."""
+    if not files or not table_exists(table_uri):
+        return set()
+    fs, folder = fsspec.core.url_to_fs(table_uri)
+    found: set[str] = set()
+    for commit in fs.glob(f"{folder}/_delta_log/*.json"):
+        text = fs.cat_file(commit).decode("utf-8")
+        found |= {name for name in files if f'"{name}"' in text}
+    return found
+
+
+def _add_action(fs, folder: str, name: str) -> AddAction:
+    """An add action with the statistics Delta uses to skip files: row count, and min/max of the small typed columns."""
+    info = fs.info(f"{folder}/{name}")
+    with fs.open(f"{folder}/{name}", "rb") as handle:
+        meta = pq.ParquetFile(handle).metadata
+    stats: dict = {"numRecords": meta.num_rows, "minValues": {}, "maxValues": {}, "nullCount": {}}
+    for index in range(meta.num_columns):
+        column = meta.schema.column(index)
+        if column.path not in STATS_COLUMNS:
+            continue
+        groups = [meta.row_group(g).column(index).statistics for g in range(meta.num_row_groups)]
+        if any(g is None for g in groups):
+            continue
+        stats["nullCount"][column.path] = sum(g.null_count for g in groups)
+        valued = [g for g in groups if g.has_min_max]
+        if valued:
+            low, high = min(g.min for g in valued), max(g.max for g in valued)
+            stats["minValues"][column.path] = low.isoformat() if hasattr(low, "isoformat") else low
+            stats["maxValues"][column.path] = high.isoformat() if hasattr(high, "isoformat") else high
+    mtime = info.get("mtime") or info.get("LastModified") or time.time()
+    mtime = mtime.timestamp() if hasattr(mtime, "timestamp") else float(mtime)
+    return AddAction(name, int(info["size"]), {}, int(mtime * 1000), True, json.dumps(stats))
+
+
+# Columns whose min/max go into a committed file's statistics (exact values of simple types).
+STATS_COLUMNS = ("date", "image_size", "size", "width", "height")
+
+
 def _is_conflict(exc: Exception) -> bool:
     text = str(exc).lower()
     return isinstance(exc, CommitFailedError) or "conflict" in text or "version already exists" in text or "already exists" in text
@@ -135,15 +215,17 @@ def read_version(spark: SparkSession, table_uri: str, version: int, engine: Engi
     return spark.read.parquet(*files)
 
 
-def read_current(spark: SparkSession, table_uri: str, engine: Engine, columns: list[str], where: Column | None = None) -> pa.Table:
-    """Some columns of the table's current version, as Arrow on the driver (empty if there is no table).
+def read_current(
+    spark: SparkSession, table_uri: str, engine: Engine, columns: list[str], where: Column | None = None, version: int | None = None
+) -> pa.Table:
+    """Some columns of the table's current version (or of `version`), as Arrow on the driver (empty if there is no table).
 
     Spark reads the files: delta-rs rewrites (merge, optimize) store Arrow view types in the
     Parquet metadata, which the pyarrow that Petastorm needs (14) cannot open.
     """
     if not table_exists(table_uri):
         return pa.table({name: pa.array([], pa.string()) for name in columns})
-    frame = read_version(spark, table_uri, DeltaTable(table_uri).version(), engine).select(*columns)
+    frame = read_version(spark, table_uri, DeltaTable(table_uri).version() if version is None else version, engine).select(*columns)
     if where is not None:
         frame = frame.where(where)
     batches = frame._collect_as_arrow()  # noqa: SLF001 - Spark 3.5's only Arrow collect

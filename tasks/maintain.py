@@ -33,12 +33,17 @@ def compact_table(table_uri: str) -> dict:
 
 
 def vacuum_table(table_uri: str, retention_hours: float, keep_versions: list[int]) -> list[str]:
-    """Delete files no longer referenced by the table's recent versions or by any version in `keep_versions`."""
+    """Delete files no longer referenced by the table's recent versions or by any version in `keep_versions`.
+
+    Full mode also deletes files that no commit ever added and that are older than the retention:
+    data files left by a run killed between its resize and its write.
+    """
     return DeltaTable(table_uri).vacuum(
         retention_hours=math.ceil(retention_hours),
         dry_run=False,
         enforce_retention_duration=False,
         keep_versions=keep_versions,
+        full=True,
     )
 
 

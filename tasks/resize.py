@@ -8,7 +8,8 @@ import math
 import uuid
 import warnings
 from dataclasses import dataclass
-from typing import Iterator, Literal
+from datetime import datetime, timezone
+from typing import Iterator, Literal, Self
 
 import fsspec
 import numpy as np
@@ -29,7 +30,8 @@ from tasks.stage import stage
 
 ResizeMode = Literal["letterbox", "center_crop"]
 
-ROWS_PER_DECODE_TASK = 256
+# Rows per decode task beyond one task per core: small enough to balance a long list, large enough to amortise a task.
+ROWS_PER_DECODE_TASK = 2048
 
 # The listing's columns, then what reading and decoding found.
 STAGED_ARROW_SCHEMA = pa.schema(
@@ -38,12 +40,30 @@ STAGED_ARROW_SCHEMA = pa.schema(
         ("sha256", pa.string()),
         ("width", pa.int32()),
         ("height", pa.int32()),
-        ("image", pa.binary()),
         ("status", pa.string()),
         ("reason", pa.string()),
         ("detail", pa.string()),
+        ("data_file", pa.string()),
     ]
 )
+
+# The Delta table of images, one row per (path, image size).
+IMAGE_TABLE_SCHEMA = pa.schema(
+    [
+        ("path", pa.string()),
+        ("label", pa.string()),
+        ("date", pa.date32()),
+        ("size", pa.int64()),
+        ("mtime", pa.float64()),
+        ("sha256", pa.string()),
+        ("width", pa.int32()),
+        ("height", pa.int32()),
+        ("image_size", pa.int32()),
+        ("image", pa.binary()),
+        ("ingested_at", pa.timestamp("us", tz="UTC")),
+    ]
+)
+STAGED_IMAGE_COLUMNS = [name for name in IMAGE_TABLE_SCHEMA.names if name not in ("image_size", "image", "ingested_at")]
 
 
 
@@ -82,8 +102,8 @@ def fit_square(image: Image.Image, size: int, mode: ResizeMode) -> Image.Image:
     return canvas
 
 
-def resize_image(data: bytes, size: int, mode: ResizeMode = "letterbox", max_pixels: int | None = None) -> tuple[np.ndarray, int, int]:
-    """Decode one image file's bytes into size x size x 3 uint8 pixels; also return its oriented width and height."""
+def decode_square(data: bytes, size: int, mode: ResizeMode = "letterbox", max_pixels: int | None = None) -> tuple[Image.Image, int, int]:
+    """Decode one image file's bytes into a size x size RGB image; also return its oriented width and height."""
     if not data:
         raise ImageDecodeError("empty_file", "0 bytes")
     try:
@@ -104,6 +124,12 @@ def resize_image(data: bytes, size: int, mode: ResizeMode = "letterbox", max_pix
     except (OSError, ValueError) as exc:
         reason = "truncated" if "truncated" in str(exc) or "broken data stream" in str(exc) else "undecodable"
         raise ImageDecodeError(reason, f"{type(exc).__name__}: {exc}") from None
+    return square, width, height
+
+
+def resize_image(data: bytes, size: int, mode: ResizeMode = "letterbox", max_pixels: int | None = None) -> tuple[np.ndarray, int, int]:
+    """Decode one image file's bytes into size x size x 3 uint8 pixels; also return its oriented width and height."""
+    square, width, height = decode_square(data, size, mode, max_pixels)
     return np.asarray(square, dtype=np.uint8), width, height
 
 
@@ -123,78 +149,163 @@ def read_bytes(path: str) -> bytes:
         return handle.read()
 
 
-def process_file(row: dict, rules: DecodeRules, known: frozenset[str]) -> dict:
-    """One listed file to one staged row: retired, quarantined, already known, or new with its pixels."""
-    out = {**row, "sha256": None, "width": None, "height": None, "image": None, "status": "new", "reason": None, "detail": None}
+def process_file(row: dict, rules: DecodeRules, known: frozenset[str]) -> tuple[dict, bytes | None]:
+    """One listed file to one staged row (retired, quarantined, already known, or new) and, if new, its pixels."""
+    out = {**row, "sha256": None, "width": None, "height": None, "status": "new", "reason": None, "detail": None, "data_file": None}
     if row["action"] == "delete":
-        return {**out, "status": "delete"}
+        return {**out, "status": "delete"}, None
     if row["issue"]:
-        return {**out, "status": "quarantined", "reason": row["issue"], "detail": row["issue"].replace("_", " ")}
+        return {**out, "status": "quarantined", "reason": row["issue"], "detail": row["issue"].replace("_", " ")}, None
     try:
         data = read_bytes(row["path"])
     except OSError as exc:
-        return {**out, "status": "quarantined", "reason": "unreadable", "detail": f"{type(exc).__name__}: {exc}"}
+        return {**out, "status": "quarantined", "reason": "unreadable", "detail": f"{type(exc).__name__}: {exc}"}, None
     out["sha256"] = hashlib.sha256(data).hexdigest()
     if len(data) > rules.max_file_bytes:
-        return {**out, "status": "quarantined", "reason": "file_too_large", "detail": f"{len(data)} bytes > max_file_bytes"}
+        return {**out, "status": "quarantined", "reason": "file_too_large", "detail": f"{len(data)} bytes > max_file_bytes"}, None
     if out["sha256"] in known:
-        return {**out, "status": "known"}
+        return {**out, "status": "known"}, None
     try:
-        pixels, width, height = resize_image(data, rules.size, rules.mode, rules.max_pixels)
+        square, width, height = decode_square(data, rules.size, rules.mode, rules.max_pixels)
     except ImageDecodeError as exc:
-        return {**out, "status": "quarantined", "reason": exc.reason, "detail": str(exc)}
-    return {**out, "width": width, "height": height, "image": pixels.tobytes()}
+        return {**out, "status": "quarantined", "reason": exc.reason, "detail": str(exc)}, None
+    return {**out, "width": width, "height": height}, square.tobytes()
 
 
 SUMMARY_SCHEMA = "status string, reason string, files long, example string"
-DICTIONARY_COLUMNS = [name for name in STAGED_ARROW_SCHEMA.names if name != "image"]
 
 
-def process_partition(batches: Iterator[pa.RecordBatch], rules: DecodeRules, known: frozenset[str], staging_uri: str) -> Iterator[pa.RecordBatch]:
+def binary_column(values: list[bytes]) -> pa.Array:
+    """A binary Arrow array over one joined buffer: the pixels are copied once, not once per value."""
+    offsets = np.zeros(len(values) + 1, dtype=np.int32)
+    np.cumsum([len(v) for v in values], out=offsets[1:])
+    return pa.Array.from_buffers(pa.binary(), len(values), [None, pa.py_buffer(offsets), pa.py_buffer(b"".join(values))])
+
+
+def image_rows(staged: list[dict], pixels: list[bytes], image_size: int, ingested_at: datetime) -> pa.Table:
+    """The table's rows for newly decoded files."""
+    columns = {name: pa.array([row[name] for row in staged], IMAGE_TABLE_SCHEMA.field(name).type) for name in STAGED_IMAGE_COLUMNS}
+    columns["image_size"] = pa.array([image_size] * len(staged), pa.int32())
+    columns["image"] = binary_column(pixels)
+    columns["ingested_at"] = pa.array([ingested_at] * len(staged), pa.timestamp("us", tz="UTC"))
+    return pa.table([columns[name] for name in IMAGE_TABLE_SCHEMA.names], schema=IMAGE_TABLE_SCHEMA)
+
+
+class ImageFileWriter:
+    """One uncommitted Parquet data file of new images in the table's folder, written a small row group at a time.
+
+    Writing each few images while their pixels are still in the CPU cache costs a third of
+    writing them all at the end. The file is created only if the partition has a new image.
+    """
+
+    ROWS_PER_GROUP = 16
+
+    def __init__(self, table_uri: str, partition: int, image_size: int, ingested_at: datetime) -> None:
+        self.table_uri, self.image_size, self.ingested_at = table_uri, image_size, ingested_at
+        self.name = f"part-{partition:05d}-{uuid.uuid4()}-c000.imagelake.parquet"
+        self.rows: list[dict] = []
+        self.pixels: list[bytes] = []
+        self.handle = self.writer = None
+
+    def __enter__(self) -> Self:
+        return self
+
+    def add(self, row: dict, pixels: bytes) -> None:
+        row["data_file"] = self.name
+        self.rows.append(row)
+        self.pixels.append(pixels)
+        if len(self.rows) >= self.ROWS_PER_GROUP:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.rows:
+            return
+        if self.writer is None:
+            fs, folder = fsspec.core.url_to_fs(self.table_uri)
+            fs.makedirs(folder, exist_ok=True)
+            self.handle = fs.open(f"{folder}/{self.name}", "wb")
+            small = [n for n in IMAGE_TABLE_SCHEMA.names if n != "image"]
+            # Raw pixels hardly compress and are never filtered on: no compression, dictionary or statistics.
+            self.writer = pq.ParquetWriter(
+                self.handle, IMAGE_TABLE_SCHEMA, compression={n: ("none" if n == "image" else "snappy") for n in IMAGE_TABLE_SCHEMA.names},
+                use_dictionary=small, write_statistics=small,
+            )
+        self.writer.write_table(image_rows(self.rows, self.pixels, self.image_size, self.ingested_at))
+        self.rows, self.pixels = [], []
+
+    def __exit__(self, kind, value, traceback) -> None:
+        if kind is None:
+            self.flush()
+        if self.writer is not None:
+            self.writer.close()
+            self.handle.close()
+
+
+def process_partition(
+    batches: Iterator[pa.RecordBatch], rules: DecodeRules, known: frozenset[str], staging_uri: str, table_uri: str, ingested_at: datetime
+) -> Iterator[pa.RecordBatch]:
     """mapInArrow body: read, hash and (only if its hash is new) decode every listed file of one partition.
 
-    The staged rows, pixels included, are written here as one Parquet file per partition, so the
-    pixels never pass through the JVM; Spark gets back only counts by (status, reason) with an
-    example path. The file name is the partition's, written under a temporary name and renamed:
-    a retried task replaces it.
+    New images are written here, in the table's own schema, as one Parquet data file in the
+    table's folder; the write stage commits that file to the Delta log (or, if the run replaces
+    rows, merges its rows). Uncommitted, it is invisible to every reader. Every listed file also
+    gets a small staged row (no pixels) for the write stage's bookkeeping. The pixels never pass
+    through the JVM: Spark gets back only counts by (status, reason) with an example path.
     """
     # Our own check quarantines at max_pixels; Pillow's (warning at 1x, error at 2x) stays as a backstop.
     Image.MAX_IMAGE_PIXELS = rules.max_pixels
     warnings.simplefilter("ignore", Image.DecompressionBombWarning)
     partition = TaskContext.get().partitionId()
-    fs, folder = fsspec.core.url_to_fs(staging_uri)
-    final, temporary = f"{folder}/part-{partition:05d}.parquet", f"{folder}/.part-{partition:05d}-{uuid.uuid4().hex}.tmp"
-    counts: dict[tuple[str, str | None], list] = {}
-    with fs.open(temporary, "wb") as out, pq.ParquetWriter(
-        out, STAGED_ARROW_SCHEMA, compression="none", use_dictionary=DICTIONARY_COLUMNS, write_statistics=DICTIONARY_COLUMNS
-    ) as writer:
+    staged: list[dict] = []
+    with ImageFileWriter(table_uri, partition, rules.size, ingested_at) as images:
         for batch in batches:
-            rows = [process_file(row, rules, known) for row in batch.to_pylist()]
-            writer.write_batch(pa.RecordBatch.from_pylist(rows, schema=STAGED_ARROW_SCHEMA))
-            for row in rows:
-                counts.setdefault((row["status"], row["reason"]), [0, row["path"]])[0] += 1
+            for row in batch.to_pylist():
+                out, decoded = process_file(row, rules, known)
+                staged.append(out)
+                if decoded is not None:
+                    images.add(out, decoded)
+    fs, folder = fsspec.core.url_to_fs(staging_uri)
+    # Under a temporary name, then renamed: a retried task replaces its partition's file.
+    final, temporary = f"{folder}/part-{partition:05d}.parquet", f"{folder}/.part-{partition:05d}-{uuid.uuid4().hex}.tmp"
+    with fs.open(temporary, "wb") as out:
+        pq.write_table(pa.Table.from_pylist(staged, schema=STAGED_ARROW_SCHEMA), out)
     fs.mv(temporary, final)
+    counts: dict[tuple[str, str | None], list] = {}
+    for row in staged:
+        counts.setdefault((row["status"], row["reason"]), [0, row["path"]])[0] += 1
     yield pa.RecordBatch.from_pylist(
         [{"status": status, "reason": reason, "files": n, "example": example} for (status, reason), (n, example) in counts.items()],
         schema=pa.schema([("status", pa.string()), ("reason", pa.string()), ("files", pa.int64()), ("example", pa.string())]),
     )
 
 
-def resize_images(spark: SparkSession, ingested: Ingested, rules: DecodeRules, known: frozenset[str], staging_uri: str) -> Resized:
-    """Decode and resize every new or changed file on the executors into staging Parquet."""
+def balanced_partitions(rows: list[dict], partitions: int) -> list[list[dict]]:
+    """Deal the files largest first, in a snake order, so every task gets a similar count and a similar number of bytes."""
+    groups: list[list[dict]] = [[] for _ in range(partitions)]
+    for index, row in enumerate(sorted(rows, key=lambda r: -(r["size"] or 0))):
+        turn, position = divmod(index, partitions)
+        groups[position if turn % 2 == 0 else partitions - 1 - position].append(row)
+    return [group for group in groups if group]
+
+
+def resize_images(spark: SparkSession, ingested: Ingested, rules: DecodeRules, known: frozenset[str], staging_uri: str, table_uri: str) -> Resized:
+    """Decode and resize every new or changed file on the executors: pixels into uncommitted table files, the rest to staging."""
     fs, folder = fsspec.core.url_to_fs(staging_uri)
     if fs.exists(folder):
         fs.rm(folder, recursive=True)
     fs.makedirs(folder, exist_ok=True)
     # The list is small: the driver reads it, so Spark itself never needs access to the staging store.
     with fsspec.open(ingested.manifest_uri, "rb") as handle:
-        listed = spark.createDataFrame(pq.read_table(handle).to_pandas(), schema=from_arrow_schema(LISTING_SCHEMA))
-    # Spread a long list so every executor core reads and decodes; a short one is already split per core.
-    partitions = math.ceil(ingested.candidates / ROWS_PER_DECODE_TASK)
-    if partitions > listed.rdd.getNumPartitions():
-        listed = listed.repartition(partitions)
+        listed = pq.read_table(handle).to_pylist()
+    # One task per core, more for a long list; each gets a fair share of the bytes to decode.
+    cores = spark.sparkContext.defaultParallelism
+    groups = balanced_partitions(listed, cores * max(1, math.ceil(len(listed) / (cores * ROWS_PER_DECODE_TASK))))
+    names = LISTING_SCHEMA.names
+    rows = spark.sparkContext.parallelize(groups, max(1, len(groups))).flatMap(lambda group: [tuple(r[n] for n in names) for r in group])
+    frame = spark.createDataFrame(rows, schema=from_arrow_schema(LISTING_SCHEMA))
     shared = spark.sparkContext.broadcast(known)
-    summary = listed.mapInArrow(lambda batches: process_partition(batches, rules, shared.value, staging_uri), SUMMARY_SCHEMA)
+    ingested_at = datetime.now(timezone.utc)
+    summary = frame.mapInArrow(lambda batches: process_partition(batches, rules, shared.value, staging_uri, table_uri, ingested_at), SUMMARY_SCHEMA)
     counts: dict[tuple[str, str | None], tuple[int, str]] = {}
     for row in summary.collect():
         n, example = counts.get((row["status"], row["reason"]), (0, row["example"]))
@@ -205,6 +316,7 @@ def resize_images(spark: SparkSession, ingested: Ingested, rules: DecodeRules, k
         by_status[status] = by_status.get(status, 0) + n
     return Resized(
         staging_uri=staging_uri,
+        table_uri=table_uri,
         image_size=rules.size,
         decoded=by_status.get("new", 0),
         known=by_status.get("known", 0),
@@ -228,4 +340,4 @@ def resize(ingested: Ingested, settings: Settings) -> Resized:
     key = f"{ingested.content_fingerprint[:16]}-{settings.image_size}-{settings.resize_mode}"
     spark = spark_session(settings)
     known = known_hashes(spark, choose_engine(settings, spark), settings.table_uri, settings.image_size)
-    return resize_images(spark, ingested, rules, known, f"{settings.staging_uri}/resize-{key}")
+    return resize_images(spark, ingested, rules, known, f"{settings.staging_uri}/resize-{key}", settings.table_uri)

@@ -22,6 +22,7 @@ class Ingested(BaseModel):
 
 class Resized(BaseModel):
     staging_uri: str
+    table_uri: str  # where the run's uncommitted data files were written
     image_size: int
     decoded: int
     known: int

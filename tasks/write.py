@@ -1,29 +1,33 @@
-"""Write: merge new and changed images into the Delta table, retire what the source lost, quarantine bad files.
+"""Write: land new and changed images in the Delta table, retire what the source lost, quarantine bad files.
 
-The merge is keyed on (path, image_size) and skips rows whose content hash the table already
-holds for that path, so re-running a write after a crash at any point adds nothing twice.
+A run that only adds rows commits, in one Delta commit, the data files the resize stage's
+executors wrote into the table's folder. A run that also replaces or retires rows merges
+instead, keyed on (path, image_size), skipping rows whose content hash the table already holds
+for that path. Either way a re-run after a crash at any point adds nothing twice: before the
+commit no reader sees the files, after it the rows are there and are skipped.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import datetime, timezone
+
+import fsspec
 
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
+import pyarrow.parquet as pq
 from deltalake import DeltaTable
 from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 
-from infra.delta import Engine, append_arrow, choose_engine, merge_arrow, merge_spark, read_current, table_exists
+from infra.delta import Engine, append_arrow, choose_engine, commit_files, ever_committed, merge_arrow, merge_spark, read_current, table_exists, uncommit_files
 from infra.settings import Settings
 from infra.spark import spark_session
-from tasks.resize import STAGED_ARROW_SCHEMA
+from tasks.resize import IMAGE_TABLE_SCHEMA, STAGED_ARROW_SCHEMA
 from tasks.results import Resized, Written
 from tasks.stage import stage
-
-TABLE_COLUMNS = ["path", "label", "date", "size", "mtime", "sha256", "width", "height", "image_size", "image", "ingested_at"]
-
 
 class TooManyBadFiles(ValueError):
     """More of a run's files are bad than max_bad_fraction allows: nothing is written."""
@@ -42,32 +46,63 @@ def check_bad_fraction(resized: Resized, max_bad_fraction: float) -> None:
 
 
 def staged_rows(resized: Resized) -> ds.Dataset:
-    """The resize stage's output (a folder of Parquet files, possibly none when nothing was new)."""
+    """The resize stage's bookkeeping rows (a folder of small Parquet files, possibly none)."""
     return ds.dataset(resized.staging_uri, format="parquet", schema=STAGED_ARROW_SCHEMA)
 
 
-def image_changes(spark: SparkSession, engine: Engine, resized: Resized, table_uri: str) -> pa.Table:
+@dataclass
+class Changes:
+    """What one write does to the images table, worked out from the staged rows and the table's keys."""
+
+    read_version: int | None  # the table version the keys were read at (None: no table yet)
+    upserts: pa.Table  # path, sha256, data_file of the new rows to write
+    deletes: list[str]  # paths whose rows go
+    replaces: bool  # whether any upsert replaces a row already in the table
+    whole_files: bool  # whether every row of the run's data files is written
+
+    @property
+    def empty(self) -> bool:
+        return self.upserts.num_rows == 0 and not self.deletes
+
+    @property
+    def files(self) -> list[str]:
+        return sorted(set(self.upserts.column("data_file").to_pylist()))
+
+
+def plan_changes(spark: SparkSession, engine: Engine, resized: Resized, table_uri: str) -> Changes:
     """Rows to upsert (new content at a path) and to delete (path gone), minus what the table already says."""
     staged = staged_rows(resized)
-    present = read_current(spark, table_uri, engine, ["path", "sha256"], F.col("image_size") == resized.image_size)
+    version = DeltaTable(table_uri).version() if table_exists(table_uri) else None
+    present = read_current(spark, table_uri, engine, ["path", "sha256"], F.col("image_size") == resized.image_size, version)
     keys = pc.binary_join_element_wise(present.column("path"), present.column("sha256"), "\x00")
-    upserts = staged.to_table(filter=pc.field("status") == "new")
+    upserts = staged.to_table(columns=["path", "sha256", "data_file"], filter=pc.field("status") == "new")
+    whole = True
     if upserts.num_rows:
-        # Masks come from the small columns, and the pixels are copied at most once, by a single filter.
         # The same (path, content) is never re-added; when one run sees the same new content twice, the first path wins.
         fresh = pc.invert(pc.is_in(pc.binary_join_element_wise(upserts["path"], upserts["sha256"], "\x00"), keys))
         first = upserts.select(["sha256", "path"]).group_by("sha256").aggregate([("path", "min")]).column("path_min")
         keep = pc.and_(fresh, pc.is_in(upserts["path"], first))
         if not pc.all(keep).as_py():
-            upserts = upserts.filter(keep)
-    rows = upserts.num_rows
-    upserts = upserts.append_column("image_size", pa.array([resized.image_size] * rows, pa.int32()))
-    upserts = upserts.append_column("ingested_at", pa.array([datetime.now(timezone.utc)] * rows, pa.timestamp("us", tz="UTC")))
-    upserts = upserts.append_column("_action", pa.array(["upsert"] * rows, pa.string())).select(TABLE_COLUMNS + ["_action"])
+            upserts, whole = upserts.filter(keep), False
+    replaces = bool(pc.any(pc.is_in(upserts["path"], present.column("path"))).as_py()) if upserts.num_rows else False
     deletes = staged.to_table(columns=["path"], filter=pc.field("status") == "delete").column("path")
     deletes = deletes.filter(pc.is_in(deletes, present.column("path"))).to_pylist()
+    return Changes(version, upserts, deletes, replaces, whole)
+
+
+def image_changes(resized: Resized, table_uri: str, changes: Changes) -> pa.Table:
+    """The merge's source: the upserted rows read back from the run's data files, then one row per deleted path."""
+    fs, folder = fsspec.core.url_to_fs(table_uri)
+    parts = []
+    for name in changes.files:
+        with fs.open(f"{folder}/{name}", "rb") as handle:
+            part = pq.read_table(handle, schema=IMAGE_TABLE_SCHEMA)
+        wanted = changes.upserts.filter(pc.equal(changes.upserts["data_file"], name)).column("path")
+        parts.append(part.filter(pc.is_in(part["path"], wanted)))
+    upserts = pa.concat_tables(parts) if parts else IMAGE_TABLE_SCHEMA.empty_table()
+    upserts = upserts.append_column("_action", pa.array(["upsert"] * upserts.num_rows, pa.string()))
     gone = pa.Table.from_pylist(
-        [{"path": path, "image_size": resized.image_size, "_action": "delete"} for path in deletes], schema=upserts.schema
+        [{"path": path, "image_size": resized.image_size, "_action": "delete"} for path in changes.deletes], schema=upserts.schema
     )
     return pa.concat_tables([upserts, gone])
 
@@ -89,24 +124,93 @@ def quarantine_rows(spark: SparkSession, resized: Resized, quarantine_uri: str) 
 
 
 def write_images(spark: SparkSession, resized: Resized, table_uri: str, quarantine_uri: str, engine: Engine, max_bad_fraction: float) -> Written:
-    """Check the bad share, then merge the images and append the quarantine; return the images table's version."""
-    check_bad_fraction(resized, max_bad_fraction)
-    changes = image_changes(spark, engine, resized, table_uri)
-    if changes.num_rows == 0 and not table_exists(table_uri):
+    """Check the bad share, then land the images and append the quarantine; return the images table's version.
+
+    A run that only adds rows commits the data files its executors wrote, as they are. A run
+    that replaces or deletes rows (or with Spark's Delta writer) merges them instead.
+    """
+    if table_uri.rstrip("/") != resized.table_uri.rstrip("/"):
+        raise ValueError(
+            f"write_images: table {table_uri} is not the table {resized.table_uri} that the resize stage wrote its files into; "
+            "run resize with the same table_root and table_name"
+        )
+    try:
+        check_bad_fraction(resized, max_bad_fraction)
+    except TooManyBadFiles:
+        discard_run_files(resized)
+        raise
+    changes = plan_changes(spark, engine, resized, table_uri)
+    if changes.empty and not table_exists(table_uri):
         raise TooManyBadFiles(f"no image could be written to {table_uri}: no file of this run is a usable image ({resized.quarantined})")
     bad = quarantine_rows(spark, resized, quarantine_uri)
     if bad.num_rows:
         append_arrow(quarantine_uri, bad)
-    added = int(pc.sum(pc.equal(changes["_action"], "upsert")).as_py() or 0)
-    removed = changes.num_rows - added
-    if changes.num_rows == 0:
-        version = DeltaTable(table_uri).version()
-        return Written(table_uri=table_uri, version=version, engine=engine, rows=0, retired=0, quarantined=bad.num_rows)
-    if engine == "spark":
-        version = merge_spark(spark, table_uri, changes)
+    added, removed = changes.upserts.num_rows, len(changes.deletes)
+    if changes.empty:
+        remove_uncommitted(table_uri, run_files(resized))
+        return Written(table_uri=table_uri, version=DeltaTable(table_uri).version(), engine=engine, rows=0, retired=0, quarantined=bad.num_rows)
+    require_files(table_uri, changes.files)
+    if engine == "delta-rs" and changes.whole_files and not changes.replaces and not changes.deletes:
+        version = commit_files(table_uri, IMAGE_TABLE_SCHEMA, changes.files)
+        if version != (0 if changes.read_version is None else changes.read_version + 1):
+            version = settle_concurrent_append(spark, resized, table_uri, changes, version)
     else:
-        version = merge_arrow(table_uri, changes)
+        source = image_changes(resized, table_uri, changes)
+        version = merge_spark(spark, table_uri, source) if engine == "spark" else merge_arrow(table_uri, source)
+        remove_uncommitted(table_uri, changes.files)
     return Written(table_uri=table_uri, version=version, engine=engine, rows=added, retired=removed, quarantined=bad.num_rows)
+
+
+def settle_concurrent_append(spark: SparkSession, resized: Resized, table_uri: str, changes: Changes, version: int) -> int:
+    """After an append that other commits raced: if one of them landed the same paths, take our files back and merge.
+
+    Appends never conflict in Delta, so two runs adding the same path at once would both land.
+    The later commit checks its paths at its own version; on a duplicate it removes its files
+    again and merges its rows instead, which updates or skips what the other run wrote.
+    """
+    paths = changes.upserts.column("path")
+    seen = read_current(spark, table_uri, "delta-rs", ["path"], F.col("image_size") == resized.image_size, version).column("path")
+    seen = seen.filter(pc.is_in(seen, paths))
+    if len(seen) == len(paths):
+        return version
+    uncommit_files(table_uri, changes.files)
+    source = image_changes(resized, table_uri, plan_changes(spark, "delta-rs", resized, table_uri))
+    version = merge_arrow(table_uri, source) if source.num_rows else DeltaTable(table_uri).version()
+    return version
+
+
+def require_files(table_uri: str, files: list[str]) -> None:
+    """The resize stage's data files must still be there to be committed or merged."""
+    fs, folder = fsspec.core.url_to_fs(table_uri)
+    missing = [name for name in files if not fs.exists(f"{folder}/{name}")]
+    if missing:
+        raise FileNotFoundError(
+            f"{len(missing)} data file(s) that the resize stage wrote into {table_uri} are gone (e.g. {missing[0]}); "
+            "a vacuum with a short retention may have removed them. Re-run with PREFECT_TASKS_REFRESH_CACHE=true so resize decodes again."
+        )
+
+
+def remove_uncommitted(table_uri: str, files: list[str]) -> None:
+    """Delete data files the resize stage wrote that no table version references (no reader ever saw them)."""
+    fs, folder = fsspec.core.url_to_fs(table_uri)
+    present = [name for name in files if fs.exists(f"{folder}/{name}")]
+    # A file that any version references stays (for time travel) until vacuum: a re-run must not delete what a commit made.
+    for name in set(present) - ever_committed(table_uri, present):
+        fs.rm(f"{folder}/{name}")
+
+
+def run_files(resized: Resized) -> list[str]:
+    """Every data file the resize stage wrote for this run."""
+    names = staged_rows(resized).to_table(columns=["data_file"], filter=pc.is_valid(pc.field("data_file"))).column("data_file")
+    return sorted(set(names.to_pylist()))
+
+
+def discard_run_files(resized: Resized) -> None:
+    """A run that writes nothing takes back the data files its resize stage wrote (and the table folder, if that is all it held)."""
+    remove_uncommitted(resized.table_uri, run_files(resized))
+    fs, folder = fsspec.core.url_to_fs(resized.table_uri)
+    if fs.exists(folder) and not fs.ls(folder):
+        fs.rmdir(folder)
 
 
 @stage("write")

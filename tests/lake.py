@@ -30,7 +30,7 @@ class Lake:
             self.spark, "delta-rs", source_uri(str(source)), scope, self.table, rules.size, retire, str(self.root / "staging"), self.quarantine
         )
         known = known_hashes(self.spark, "delta-rs", self.table, rules.size)
-        resized = resize_images(self.spark, ingested, rules, known, str(self.root / "staging" / f"resized-{self.runs}"))
+        resized = resize_images(self.spark, ingested, rules, known, str(self.root / "staging" / f"resized-{self.runs}"), self.table)
         written = write_images(self.spark, resized, self.table, self.quarantine, "delta-rs", max_bad)
         return ingested, resized, written
 

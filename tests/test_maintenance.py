@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import time
 from pathlib import Path
 
 import pytest
@@ -34,9 +36,14 @@ def test_vacuum_never_removes_a_registered_models_version(lake: Lake, digits_dir
         client.create_model_version("digits", source=str(tmp_path), tags={"delta_table": lake.table, "delta_version": "0"})
     keep = protected_versions(client, "digits", lake.table)
     assert keep == ([0] if registered else [])
+    # A data file that a killed run wrote but never committed.
+    orphan = Path(lake.table) / "part-00000-left-by-a-killed-run-c000.imagelake.parquet"
+    orphan.write_bytes(Path(DeltaTable(lake.table).file_uris()[0].removeprefix("file://")).read_bytes())
+    os.utime(orphan, (time.time() - 7200, time.time() - 7200))
 
     report = maintain_table(lake.table, retention_hours=0, keep_versions=keep)
     assert report["version"] > 3 and report["files_vacuumed"] > 0
+    assert not orphan.exists(), "vacuum removes files that no commit added"
     assert read_version(lake.spark, lake.table, report["version"], "delta-rs").count() == 40
     if registered:
         assert read_version(lake.spark, lake.table, 0, "delta-rs").count() == 40, "the registered version is intact"

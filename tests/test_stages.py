@@ -202,7 +202,7 @@ def test_spark_delta_writer_has_the_same_semantics_where_its_jars_load(spark, di
     copy_digits(digits_dir, source)
     lake = Lake(spark, tmp_path)
     ingested = ingest_listing(spark, "spark", source_uri(str(source)), SCOPE, lake.table, 24, False, str(tmp_path / "staging"), lake.quarantine)
-    resized = resize_images(spark, ingested, RULES, known_hashes(spark, "spark", lake.table, 24), str(tmp_path / "rs"))
+    resized = resize_images(spark, ingested, RULES, known_hashes(spark, "spark", lake.table, 24), str(tmp_path / "rs"), lake.table)
     assert write_images(spark, resized, lake.table, lake.quarantine, "spark", 0.5).rows == 40
     assert write_images(spark, resized, lake.table, lake.quarantine, "spark", 0.5).rows == 0
     assert len(lake.rows()) == 40

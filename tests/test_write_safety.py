@@ -14,10 +14,11 @@ from pathlib import Path
 import pytest
 from deltalake import DeltaTable
 
-from infra.delta import read_version
+from infra.delta import commit_files, read_version
 from tasks.ingest import Scope, ingest_listing, source_uri
-from tasks.resize import DecodeRules, known_hashes, resize_images
-from tasks.write import write_images
+from tasks.resize import IMAGE_TABLE_SCHEMA, DecodeRules, known_hashes, resize_images
+from tasks.results import Resized
+from tasks.write import plan_changes, settle_concurrent_append, write_images
 from tests.conftest import REPO
 from tests.lake import copy_digits
 
@@ -27,7 +28,7 @@ RULES = DecodeRules(size=64, mode="letterbox", max_file_bytes=10_000_000, max_pi
 def stage_run(spark, source: Path, root: Path, name: str, scope: Scope) -> dict:
     table = str(root / "tables" / "images")
     ingested = ingest_listing(spark, "delta-rs", source_uri(str(source)), scope, table, RULES.size, False, str(root / "staging"), None)
-    resized = resize_images(spark, ingested, RULES, known_hashes(spark, "delta-rs", table, RULES.size), str(root / "staging" / name))
+    resized = resize_images(spark, ingested, RULES, known_hashes(spark, "delta-rs", table, RULES.size), str(root / "staging" / name), table)
     return resized.model_dump()
 
 
@@ -50,15 +51,13 @@ def table_rows(spark, table: str) -> list[str]:
 
 @pytest.mark.slow
 def test_a_writer_killed_at_any_point_loses_and_duplicates_nothing(spark, digits_dir: Path, tmp_path: Path) -> None:
-    from tasks.results import Resized
-
     source = tmp_path / "src"
     copy_digits(digits_dir, source, labels=tuple(str(d) for d in range(10)), per_label=30)
-    resized = stage_run(spark, source, tmp_path, "all", Scope((".png",)))
     seen = []
-    for attempt, delay in enumerate((0.0, 0.05, 0.15, 0.4)):
+    for attempt, delay in enumerate((0.0, 0.05, 0.15, 0.4, 0.8)):
         root = tmp_path / f"attempt{attempt}"
         table, quarantine = str(root / "tables" / "images"), str(root / "tables" / "quarantine")
+        resized = stage_run(spark, source, root, "all", Scope((".png",)))
         process = writer(root, resized)
         wait_for(process, "WRITING")
         time.sleep(delay)
@@ -97,3 +96,29 @@ def test_two_writers_at_once_both_land(spark, digits_dir: Path, tmp_path: Path) 
     assert len({r["version"] for r in results}) == 2
     paths = table_rows(spark, str(tmp_path / "tables" / "images"))
     assert len(paths) == len(set(paths)) == 120
+
+
+def test_two_runs_adding_the_same_files_at_once_land_them_once(spark, digits_dir: Path, tmp_path: Path) -> None:
+    """The race an append cannot see: both runs plan before either commits, then both commit the same paths."""
+    source = tmp_path / "src"
+    copy_digits(digits_dir, source, labels=("0", "1"), per_label=10)
+    copy_digits(digits_dir, tmp_path / "first", labels=("7",), per_label=5)
+    table, quarantine = str(tmp_path / "tables" / "images"), str(tmp_path / "tables" / "quarantine")
+    write_images(spark, Resized.model_validate(stage_run(spark, tmp_path / "first", tmp_path, "v0", Scope((".png",)))), table, quarantine, "delta-rs", 1.0)
+    one = Resized.model_validate(stage_run(spark, source, tmp_path, "one", Scope((".png",))))
+    two = Resized.model_validate(stage_run(spark, source, tmp_path, "two", Scope((".png",))))
+    planned = plan_changes(spark, "delta-rs", two, table)
+    assert planned.read_version == 0 and planned.upserts.num_rows == 20 and not planned.replaces
+    assert write_images(spark, one, table, quarantine, "delta-rs", 1.0).rows == 20
+    # The second run commits its own files for the same paths, as a blind append would, then settles.
+    raced = commit_files(table, IMAGE_TABLE_SCHEMA, planned.files)
+    assert len(table_rows(spark, table)) == 45  # the duplicates are visible until the run settles
+    settled = settle_concurrent_append(spark, two, table, planned, raced)
+    paths = table_rows(spark, table)
+    assert settled > raced and len(paths) == len(set(paths)) == 25
+    # A replay of that write adds nothing and keeps the files the raced version still references.
+    assert write_images(spark, two, table, quarantine, "delta-rs", 1.0).rows == 0
+    assert all((Path(table) / name).exists() for name in planned.files)
+    # Time travel still shows each version as it was committed.
+    assert len(read_version(spark, table, 1, "delta-rs").collect()) == 25
+    assert len(read_version(spark, table, raced, "delta-rs").collect()) == 45
