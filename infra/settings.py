@@ -98,18 +98,30 @@ class Settings(BaseSettings):
     num_workers: int = Field(default=2, ge=1)
     use_gpu: bool = False
     cpus_per_worker: float = Field(default=1, gt=0)
-    model_arch: Literal["small_cnn"] = "small_cnn"
+    gpus_per_worker: float = Field(default=1, gt=0, description="With use_gpu")
+    max_failures: int = Field(default=1, ge=-1, description="Worker failures a training run survives (-1: no limit)")
+    model_arch: Literal["small_cnn", "resnet18", "resnet50"] = "small_cnn"
+    pretrained_weights: str | None = Field(default=None, description="Path or URI of a state dict for the model (never a hub download)")
+    freeze_backbone: bool = Field(default=False, description="Train only the classification head (transfer learning)")
     max_epochs: int = Field(default=8, ge=1)
     batch_size: int = Field(default=32, ge=1, description="Per worker")
-    base_lr: float = Field(default=1e-3, gt=0, description="Learning rate of one worker; scaled by num_workers")
+    base_lr: float = Field(default=1e-3, gt=0, description="Learning rate of one worker; scaled with num_workers")
+    lr_scaling: Literal["linear", "sqrt", "none"] = Field(default="linear", description="How the learning rate grows with the workers")
     early_stopping_patience: int = Field(default=2, ge=0)
     early_stopping_min_delta: float = Field(default=0.0, ge=0)
+    early_stopping_threshold: float | None = Field(default=None, description="Stop once val_loss is below this")
+    loader_workers: int = Field(default=2, ge=1, description="Petastorm reader threads per training worker")
+    shuffle_buffer_batches: int = Field(default=4, ge=1, description="Rows shuffled across row groups, in batches")
+    bf16: bool = Field(default=True, description="bf16 autocast on GPU (ignored on CPU)")
+    channels_last: bool = Field(default=True, description="channels_last memory format on GPU (ignored on CPU)")
+    pin_memory: bool = Field(default=True, description="Pinned host batches on GPU (ignored on CPU)")
     seed: int = 42
 
     # Tracking and registry.
     mlflow_tracking_uri: str | None = None
     mlflow_registry_uri: str | None = None
     mlflow_experiment: str = "imagelake"
+    mlflow_ui_url: str = Field(default="http://127.0.0.1:5000", description="MLflow UI that Prefect artifacts link to")
     model_name: str = "imagelake-classifier"
     promotion_margin: float = Field(default=0.0, ge=0, description="Accuracy a candidate must gain over the champion")
 

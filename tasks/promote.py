@@ -9,6 +9,7 @@ import mlflow
 import numpy as np
 import pyarrow.dataset as ds
 import torch
+from matplotlib.figure import Figure
 from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
 from prefect.runtime import flow_run
@@ -42,7 +43,8 @@ def decide_promotion(candidate: float, champion: float | None, margin: float = 0
 
 def load_trained_model(checkpoint_path: str) -> ImageModel:
     """The plain torch model from a Lightning checkpoint, in eval mode on the CPU."""
-    module = ImageClassifier.load_from_checkpoint(checkpoint_path, map_location="cpu")
+    # The trained weights are all in the checkpoint: never fetch the pretrained ones again.
+    module = ImageClassifier.load_from_checkpoint(checkpoint_path, map_location="cpu", pretrained_weights=None)
     return module.model.eval()
 
 
@@ -60,13 +62,36 @@ def read_split(uri: str, image_size: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 @torch.no_grad()
+def predict(model: ImageModel, images: np.ndarray, batch_size: int = 256) -> np.ndarray:
+    """The class with the highest logit for every image."""
+    out = [model(torch.from_numpy(images[start : start + batch_size].copy())).argmax(dim=1).numpy() for start in range(0, len(images), batch_size)]
+    return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
+
+
 def accuracy(model: ImageModel, images: np.ndarray, labels: np.ndarray, batch_size: int = 256) -> float:
     """Share of images whose highest logit is the true label."""
-    correct = 0
-    for start in range(0, len(images), batch_size):
-        logits = model(torch.from_numpy(images[start : start + batch_size].copy()))
-        correct += int((logits.argmax(dim=1).numpy() == labels[start : start + batch_size]).sum())
-    return correct / len(images)
+    return float((predict(model, images, batch_size) == labels).mean())
+
+
+def confusion_matrix(labels: np.ndarray, predicted: np.ndarray, classes: int) -> np.ndarray:
+    """Counts of (true class, predicted class)."""
+    matrix = np.zeros((classes, classes), dtype=np.int64)
+    np.add.at(matrix, (labels, predicted), 1)
+    return matrix
+
+
+def confusion_figure(matrix: np.ndarray, names: list[str]) -> Figure:
+    figure = Figure(figsize=(1 + 0.5 * len(names), 0.8 + 0.5 * len(names)))
+    axis = figure.subplots()
+    axis.imshow(matrix, cmap="Blues")
+    axis.set_xticks(range(len(names)), names, rotation=90)
+    axis.set_yticks(range(len(names)), names)
+    axis.set_xlabel("predicted")
+    axis.set_ylabel("true")
+    for (row, column), count in np.ndenumerate(matrix):
+        axis.text(column, row, str(count), ha="center", va="center", fontsize=7)
+    figure.tight_layout()
+    return figure
 
 
 def champion_accuracy(client: MlflowClient, name: str) -> tuple[str | None, float | None]:
@@ -86,9 +111,11 @@ def promote_model(trained: Trained, cached: CachedSplits, settings: Settings, fl
     client = mlflow_client(settings)
     model = load_trained_model(trained.checkpoint_path)
     images, labels = read_split(cached.splits["test"], cached.image_size)
-    test_accuracy = accuracy(model, images, labels)
+    predicted = predict(model, images)
+    test_accuracy = float((predicted == labels).mean())
     with mlflow.start_run(run_id=trained.mlflow_run_id):
         mlflow.log_metric("test_accuracy", test_accuracy)
+        mlflow.log_figure(confusion_figure(confusion_matrix(labels, predicted, len(cached.labels)), cached.labels), "confusion_matrix.png")
         info = mlflow.pytorch.log_model(model, name="model", input_example=images[:2].copy())
     version = mlflow.register_model(info.model_uri, settings.model_name)
     tags = {

@@ -75,6 +75,7 @@ class Trained(BaseModel):
     mlflow_run_id: str
     num_workers: int
     learning_rate: float
+    run_name: str = ""
     epochs_run: int
     best_val_loss: float
     val_accuracy: float

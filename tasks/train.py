@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
+import math
 import os
 
+from matplotlib.figure import Figure
 from mlflow import MlflowClient
 from mlflow.entities import Param
-from ray.train import CheckpointConfig, RunConfig, ScalingConfig
+from prefect.artifacts import create_link_artifact
+from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.lightning import RayTrainReportCallback
 from ray.train.torch import TorchTrainer
 
@@ -18,9 +23,25 @@ from tasks.stage import stage
 from tasks.train_loop import train_loop_per_worker
 
 
-def scaled_learning_rate(base_lr: float, num_workers: int) -> float:
-    """Linear scaling: the global batch grows with the workers, so does the step size."""
-    return base_lr * num_workers
+def scaled_learning_rate(base_lr: float, num_workers: int, rule: str = "linear") -> float:
+    """The global batch grows with the workers, so does the step size: linearly, with the square root, or not at all."""
+    if rule == "linear":
+        return base_lr * num_workers
+    if rule == "sqrt":
+        return base_lr * math.sqrt(num_workers)
+    if rule == "none":
+        return base_lr
+    raise ValueError(f"unknown lr_scaling {rule!r}: choose linear, sqrt or none")
+
+
+def run_name(cached: CachedSplits, settings: Settings) -> str:
+    """The Ray run's name: the same for the same data and training settings, so a retried task resumes that run."""
+    fields = (
+        "model_arch", "pretrained_weights", "freeze_backbone", "max_epochs", "batch_size", "base_lr", "lr_scaling", "num_workers",
+        "early_stopping_patience", "early_stopping_min_delta", "early_stopping_threshold", "seed", "use_gpu",
+    )
+    digest = hashlib.sha256(json.dumps([cached.key, *(getattr(settings, f) for f in fields)], default=str).encode()).hexdigest()[:12]
+    return f"train-{cached.key}-{digest}"
 
 
 def training_config(cached: CachedSplits, settings: Settings, tracking_uri: str, run_id: str) -> dict:
@@ -33,40 +54,63 @@ def training_config(cached: CachedSplits, settings: Settings, tracking_uri: str,
         "num_classes": len(cached.labels),
         "image_size": cached.image_size,
         "arch": settings.model_arch,
+        "pretrained_weights": settings.pretrained_weights,
+        "freeze_backbone": settings.freeze_backbone,
         "batch_size": settings.batch_size,
-        "learning_rate": scaled_learning_rate(settings.base_lr, settings.num_workers),
+        "learning_rate": scaled_learning_rate(settings.base_lr, settings.num_workers, settings.lr_scaling),
+        "lr_scaling": settings.lr_scaling,
         "max_epochs": settings.max_epochs,
         "patience": settings.early_stopping_patience,
         "min_delta": settings.early_stopping_min_delta,
+        "stopping_threshold": settings.early_stopping_threshold,
         "seed": settings.seed,
+        "use_gpu": settings.use_gpu,
+        "bf16": settings.bf16,
+        "channels_last": settings.channels_last,
+        "pin_memory": settings.pin_memory,
+        "loader_workers": settings.loader_workers,
+        "shuffle_buffer_batches": settings.shuffle_buffer_batches,
         "tracking_uri": tracking_uri,
         "mlflow_run_id": run_id,
+        "run_path": f"{settings.ray_storage_path.rstrip('/')}/{run_name(cached, settings)}",
+        "kill_worker": kill_worker_from_env(),
     }
+
+
+def kill_worker_from_env() -> dict | None:
+    """Fault injection for tests: IMAGELAKE_KILL_WORKER=RANK:EPOCH:MARKER_FILE makes that rank exit once at that epoch."""
+    spec = os.environ.get("IMAGELAKE_KILL_WORKER")
+    if not spec:
+        return None
+    rank, epoch, marker = spec.split(":", 2)
+    return {"rank": int(rank), "epoch": int(epoch), "marker": marker}
 
 
 def fit(cached: CachedSplits, settings: Settings, client: MlflowClient, run_id: str) -> Trained:
     """Run the TorchTrainer and return the best checkpoint by validation loss."""
     config = training_config(cached, settings, client.tracking_uri, run_id)
-    logged = ("num_classes", "image_size", "arch", "batch_size", "learning_rate", "max_epochs", "patience", "min_delta", "seed")
+    logged = (
+        "num_classes", "image_size", "arch", "pretrained_weights", "freeze_backbone", "batch_size", "learning_rate", "lr_scaling",
+        "max_epochs", "patience", "min_delta", "stopping_threshold", "seed",
+    )
     params = [Param(name, str(config[name])) for name in logged]
     params += [Param("num_workers", str(settings.num_workers)), Param("base_lr", str(settings.base_lr))]
     client.log_batch(run_id, params=params)
-    trainer = TorchTrainer(
-        train_loop_per_worker,
-        train_loop_config=config,
-        scaling_config=ScalingConfig(
-            num_workers=settings.num_workers,
-            use_gpu=settings.use_gpu,
-            resources_per_worker={"CPU": settings.cpus_per_worker, **({"GPU": 1} if settings.use_gpu else {})},
-        ),
-        run_config=RunConfig(
-            name=f"train-{cached.key}-{run_id[:8]}",
-            storage_path=settings.ray_storage_path,
-            checkpoint_config=CheckpointConfig(
-                num_to_keep=2, checkpoint_score_attribute="val_loss", checkpoint_score_order="min"
-            ),
-        ),
+    name = run_name(cached, settings)
+    run_config = RunConfig(
+        name=name,
+        storage_path=settings.ray_storage_path,
+        failure_config=FailureConfig(max_failures=settings.max_failures),
+        checkpoint_config=CheckpointConfig(num_to_keep=2, checkpoint_score_attribute="val_loss", checkpoint_score_order="min"),
     )
+    scaling = ScalingConfig(
+        num_workers=settings.num_workers,
+        use_gpu=settings.use_gpu,
+        resources_per_worker={"CPU": settings.cpus_per_worker, **({"GPU": settings.gpus_per_worker} if settings.use_gpu else {})},
+    )
+    # Ray Train resumes a run whose (storage_path, name) already holds checkpoints: a retried task, or a
+    # re-run after a crash, continues from the interrupted run's latest checkpoint instead of starting over.
+    trainer = TorchTrainer(train_loop_per_worker, train_loop_config=config, scaling_config=scaling, run_config=run_config)
     result = trainer.fit()
     checkpoint, metrics = min(result.best_checkpoints, key=lambda pair: pair[1]["val_loss"])
     return Trained(
@@ -75,27 +119,61 @@ def fit(cached: CachedSplits, settings: Settings, client: MlflowClient, run_id: 
         mlflow_run_id=run_id,
         num_workers=settings.num_workers,
         learning_rate=config["learning_rate"],
-        epochs_run=int(result.metrics["epoch"]) + 1,
+        run_name=name,
+        epochs_run=int((result.metrics or metrics)["epoch"]) + 1,
         best_val_loss=float(metrics["val_loss"]),
         val_accuracy=float(metrics["val_acc"]),
     )
 
 
+def training_run(client: MlflowClient, settings: Settings, cached: CachedSplits) -> str:
+    """The MLflow run of this training: an unfinished one for the same Ray run (a retry resumes both), else a new one."""
+    name = run_name(cached, settings)
+    experiment = experiment_id(client, settings)
+    for run in client.search_runs([experiment], filter_string=f"tags.ray_run = '{name}'", order_by=["attributes.start_time DESC"], max_results=5):
+        if run.info.status != "FINISHED":
+            client.update_run(run.info.run_id, status="RUNNING")
+            return run.info.run_id
+    return client.create_run(experiment, run_name=f"train-{cached.key}", tags={"cache_key": cached.key, "ray_run": name}).info.run_id
+
+
+def learning_curves(client: MlflowClient, run_id: str) -> Figure:
+    """Loss and accuracy per epoch, train and validation, from the run's own metric history."""
+    figure = Figure(figsize=(9, 3.5))
+    for axis, metric in zip(figure.subplots(1, 2), ("loss", "acc")):
+        for split in ("train", "val"):
+            history = sorted(client.get_metric_history(run_id, f"{split}_{metric}"), key=lambda m: m.step)
+            axis.plot([m.step for m in history], [m.value for m in history], marker="o", label=split)
+        axis.set_xlabel("epoch")
+        axis.set_title(metric)
+        axis.legend()
+    figure.tight_layout()
+    return figure
+
+
 def train_model(cached: CachedSplits, settings: Settings) -> Trained:
-    """One MLflow run per training: created here, filled by rank 0, closed with the outcome."""
+    """One MLflow run per training: created here (or resumed), filled by rank 0, closed with the outcome."""
     connect_ray(settings)
     client = mlflow_client(settings)
-    run = client.create_run(experiment_id(client, settings), run_name=f"train-{cached.key}", tags={"cache_key": cached.key})
+    run_id = training_run(client, settings, cached)
     try:
-        trained = fit(cached, settings, client, run.info.run_id)
+        trained = fit(cached, settings, client, run_id)
+        client.log_figure(run_id, learning_curves(client, run_id), "learning_curves.png")
     except BaseException:
-        client.set_terminated(run.info.run_id, status="FAILED")
+        client.set_terminated(run_id, status="FAILED")
         raise
-    client.set_terminated(run.info.run_id, status="FINISHED")
+    client.set_terminated(run_id, status="FINISHED")
     return trained
 
 
 @stage("train", retries=1)
 def train(cached: CachedSplits, settings: Settings) -> Trained:
-    """Prefect stage: distributed training on Ray."""
-    return train_model(cached, settings)
+    """Prefect stage: distributed training on Ray, linked from the flow run to its MLflow run."""
+    trained = train_model(cached, settings)
+    experiment = experiment_id(mlflow_client(settings), settings)
+    create_link_artifact(
+        f"{settings.mlflow_ui_url.rstrip('/')}/#/experiments/{experiment}/runs/{trained.mlflow_run_id}",
+        link_text=f"MLflow run {trained.mlflow_run_id}", key="imagelake-mlflow-run",
+        description=f"Training run (tracking store {settings.tracking_uri})",
+    )
+    return trained

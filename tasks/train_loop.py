@@ -1,52 +1,125 @@
-"""What each Ray Train worker runs: Lightning on its own Petastorm shard, DDP through Ray."""
+"""What each Ray Train worker runs: Lightning on its own Petastorm shard, DDP through Ray, resuming from the last checkpoint."""
 
 from __future__ import annotations
 
+import glob
+import os
+import time
 from typing import Any
 
 import pytorch_lightning as pl
 import ray.train
+import torch
 from mlflow import MlflowClient
 from pytorch_lightning.callbacks import Callback, EarlyStopping
 from ray.train.lightning import RayDDPStrategy, RayLightningEnvironment, RayTrainReportCallback, prepare_trainer
 
-from tasks.loader import ShardBatches, steps_per_epoch
+from tasks.loader import ShardBatches
 from tasks.model import ImageClassifier
+
+CHECKPOINT_FILE = RayTrainReportCallback.CHECKPOINT_NAME
+
+
+class CheckpointUnusable(RuntimeError):
+    """No checkpoint of an interrupted run can be read: resuming would silently start over."""
+
+
+def readable_checkpoint(path: str) -> bool:
+    """Whether a Lightning checkpoint file loads and holds weights and an epoch."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception:  # a truncated or garbled file raises any of several errors
+        return False
+    return isinstance(state, dict) and "state_dict" in state and "epoch" in state
+
+
+def resume_checkpoint(latest: str | None, run_path: str | None) -> str | None:
+    """The checkpoint file to resume from: Ray's latest if it reads, else the newest older one that does.
+
+    None means there is nothing to resume (a fresh run). A run that has checkpoints, none of which
+    read, fails with CheckpointUnusable rather than starting again from scratch.
+    """
+    if latest is None:
+        return None
+    candidates = [os.path.join(latest, CHECKPOINT_FILE)]
+    if run_path:
+        older = sorted(glob.glob(os.path.join(run_path, "**", "checkpoint_*", CHECKPOINT_FILE), recursive=True), reverse=True)
+        candidates += [path for path in older if os.path.dirname(path) != os.path.normpath(latest)]
+    for path in candidates:
+        if os.path.exists(path) and readable_checkpoint(path):
+            return path
+    raise CheckpointUnusable(
+        f"the run at {run_path or latest} was interrupted, but none of its checkpoints can be read ({', '.join(candidates)}); "
+        "delete that folder to train from scratch on purpose"
+    )
 
 
 class MlflowEpochMetrics(Callback):
     """Logs the epoch's metrics to one MLflow run; only rank 0 gets this callback."""
 
-    def __init__(self, tracking_uri: str, run_id: str) -> None:
+    def __init__(self, tracking_uri: str, run_id: str, after_epoch: int = -1) -> None:
         self.client = MlflowClient(tracking_uri)
         self.run_id = run_id
+        self.after_epoch = after_epoch
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # A run resumed from an end-of-epoch checkpoint replays that epoch's end: it was logged already.
+        if trainer.current_epoch <= self.after_epoch:
+            return
         for name, value in trainer.callback_metrics.items():
             self.client.log_metric(self.run_id, name, float(value), step=trainer.current_epoch)
 
 
-def train_loop_per_worker(config: dict[str, Any]) -> None:
-    """Train the classifier on this worker's shard of the cached train and val splits."""
-    context = ray.train.get_context()
-    rank, world = context.get_world_rank(), context.get_world_size()
-    pl.seed_everything(config["seed"], workers=True)
-    batch_size = config["batch_size"]
-    train_steps = steps_per_epoch(config["train_rows"], batch_size, world)
-    val_steps = steps_per_epoch(config["val_rows"], batch_size, world)
-    callbacks: list[Callback] = [
-        EarlyStopping(monitor="val_loss", mode="min", patience=config["patience"], min_delta=config["min_delta"]),
-        RayTrainReportCallback(),
-    ]
-    if rank == 0 and config.get("mlflow_run_id"):
-        callbacks.append(MlflowEpochMetrics(config["tracking_uri"], config["mlflow_run_id"]))
-    trainer = pl.Trainer(
+class KillWorkerOnce(Callback):
+    """Fault injection for the worker-loss test: this rank's process exits at the start of `epoch`, once (a marker file records it)."""
+
+    def __init__(self, epoch: int, marker: str) -> None:
+        self.epoch, self.marker = epoch, marker
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.current_epoch == self.epoch and not os.path.exists(self.marker):
+            with open(self.marker, "w") as out:
+                out.write(f"killed at epoch {self.epoch}\n")
+            os._exit(1)
+
+
+class DataWait(Callback):
+    """Measures how much of each training step was spent waiting for the next batch."""
+
+    def __init__(self) -> None:
+        self.wait = self.compute = 0.0
+        self.images = 0
+        self._previous_end: float | None = None
+        self._start = 0.0
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._previous_end = time.perf_counter()
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        self._start = time.perf_counter()
+        if self._previous_end is not None:
+            self.wait += self._start - self._previous_end
+        self.images += len(batch[1])
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self._previous_end = time.perf_counter()
+        self.compute += self._previous_end - self._start
+
+    @property
+    def wait_fraction(self) -> float:
+        return self.wait / max(self.wait + self.compute, 1e-9)
+
+
+def make_trainer(config: dict[str, Any], callbacks: list[Callback], train_steps: int, val_steps: int, **kwargs: Any) -> pl.Trainer:
+    """The Lightning trainer both the distributed loop and the single-process baseline use."""
+    gpu = config.get("use_gpu", False) and torch.cuda.is_available()
+    stopping = EarlyStopping(
+        monitor="val_loss", mode="min", patience=config["patience"], min_delta=config["min_delta"], stopping_threshold=config.get("stopping_threshold")
+    )
+    return pl.Trainer(
         max_epochs=config["max_epochs"],
-        accelerator="auto",
-        devices="auto",
-        strategy=RayDDPStrategy(),
-        plugins=[RayLightningEnvironment()],
-        callbacks=callbacks,
+        precision="bf16-mixed" if gpu and config.get("bf16", True) else "32-true",
+        callbacks=[stopping, *callbacks],
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -55,11 +128,56 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         limit_train_batches=train_steps,
         limit_val_batches=val_steps,
         use_distributed_sampler=False,
+        **kwargs,
+    )
+
+
+def make_model(config: dict[str, Any]) -> ImageClassifier:
+    model = ImageClassifier(
+        config["num_classes"], config["learning_rate"], config["arch"], config.get("pretrained_weights"), config.get("freeze_backbone", False)
+    )
+    if config.get("use_gpu") and torch.cuda.is_available() and config.get("channels_last", True):
+        model.model.channels_last = True
+        model = model.to(memory_format=torch.channels_last)
+    return model
+
+
+def shard_loaders(config: dict[str, Any], rank: int, world: int) -> tuple[ShardBatches, ShardBatches]:
+    pin = bool(config.get("use_gpu") and torch.cuda.is_available() and config.get("pin_memory", True))
+    shard = dict(
+        shard=rank, shard_count=world, batch_size=config["batch_size"], image_size=config["image_size"], seed=config["seed"],
+        workers=config.get("loader_workers", 2), pin_memory=pin,
+    )
+    train = ShardBatches(config["train_uri"], shuffle=True, buffer_batches=config.get("shuffle_buffer_batches", 4), **shard)
+    val = ShardBatches(config["val_uri"], shuffle=False, **shard)
+    return train, val
+
+
+def train_loop_per_worker(config: dict[str, Any]) -> None:
+    """Train the classifier on this worker's shard of the cached train and val splits, resuming if Ray restarted us."""
+    context = ray.train.get_context()
+    rank, world = context.get_world_rank(), context.get_world_size()
+    pl.seed_everything(config["seed"], workers=True)
+    checkpoint = ray.train.get_checkpoint()
+    resume = resume_checkpoint(checkpoint.path if checkpoint else None, config.get("run_path"))
+    resumed_epoch = int(torch.load(resume, map_location="cpu", weights_only=False)["epoch"]) if resume else -1
+    callbacks: list[Callback] = [RayTrainReportCallback()]
+    if rank == 0 and config.get("mlflow_run_id"):
+        callbacks.append(MlflowEpochMetrics(config["tracking_uri"], config["mlflow_run_id"], resumed_epoch))
+        if resume:
+            MlflowClient(config["tracking_uri"]).set_tag(config["mlflow_run_id"], "resumed_after_epoch", str(resumed_epoch))
+    kill = config.get("kill_worker")
+    if kill and rank == kill["rank"]:
+        callbacks.append(KillWorkerOnce(kill["epoch"], kill["marker"]))
+    train_batches, val_batches = shard_loaders(config, rank, world)
+    trainer = make_trainer(
+        config, callbacks, len(train_batches), len(val_batches),
+        accelerator="auto", devices="auto", strategy=RayDDPStrategy(), plugins=[RayLightningEnvironment()],
     )
     trainer = prepare_trainer(trainer)
-    model = ImageClassifier(config["num_classes"], config["learning_rate"], config["arch"])
-    shard = dict(shard=rank, shard_count=world, batch_size=batch_size, image_size=config["image_size"], seed=config["seed"])
-    with ShardBatches(config["train_uri"], steps=train_steps, shuffle=True, **shard) as train_batches, ShardBatches(
-        config["val_uri"], steps=val_steps, shuffle=False, **shard
-    ) as val_batches:
-        trainer.fit(model, train_dataloaders=train_batches, val_dataloaders=val_batches)
+    if resume:
+        # Reshuffle as the interrupted run would have: the epoch to come is the checkpoint's plus one.
+        train_batches.epoch = resumed_epoch + 1
+        print(f"imagelake: rank {rank} resumes after epoch {resumed_epoch} from {resume}", flush=True)
+    with train_batches, val_batches:
+        trainer.fit(make_model(config), train_dataloaders=train_batches, val_dataloaders=val_batches, ckpt_path=resume)

@@ -46,18 +46,21 @@ def task_states(flow_run_id: str) -> dict[str, str]:
     return {run.name.rsplit("-", 1)[0]: run.state.name for run in runs}
 
 
-def quarantine_artifact(flow_run_id: str) -> list[dict]:
+def flow_artifact(flow_run_id: str, key: str):
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
 
     with get_client(sync_client=True) as client:
         found = client.read_artifacts(
-            artifact_filter=ArtifactFilter(
-                key=ArtifactFilterKey(any_=["imagelake-quarantine"]), flow_run_id=ArtifactFilterFlowRunId(any_=[uuid.UUID(flow_run_id)])
-            )
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key]), flow_run_id=ArtifactFilterFlowRunId(any_=[uuid.UUID(flow_run_id)]))
         )
-    assert len(found) == 1
-    return json.loads(found[0].data) if isinstance(found[0].data, str) else found[0].data
+    assert len(found) == 1, f"{key}: {found}"
+    return found[0]
+
+
+def quarantine_artifact(flow_run_id: str) -> list[dict]:
+    found = flow_artifact(flow_run_id, "imagelake-quarantine")
+    return json.loads(found.data) if isinstance(found.data, str) else found.data
 
 
 def test_pipeline_end_to_end_then_everything_is_cached(digits_dir: Path, tmp_path: Path, prefect_api: str) -> None:
@@ -97,6 +100,9 @@ def test_pipeline_end_to_end_then_everything_is_cached(digits_dir: Path, tmp_pat
     assert sorted(m.step for m in history) == list(range(first["epochs_run"]))
     assert client.get_run(first["mlflow_run_id"]).data.params["learning_rate"] == str(2e-3)  # 1e-3 x 2 workers
     assert first["test_accuracy"] > 0.5, f"chance is 0.1; got {first['test_accuracy']}"
+    assert {"learning_curves.png", "confusion_matrix.png"} <= {a.path for a in client.list_artifacts(first["mlflow_run_id"])}
+    # Prefect links the flow run to its MLflow run.
+    assert f"/runs/{first['mlflow_run_id']}" in flow_artifact(first["flow_run_id"], "imagelake-mlflow-run").data
 
     # Second run on unchanged data: every stage is a cache hit; no new Delta version, no new model version.
     second, second_seconds = run_pipeline(digits_dir, workspace, env)

@@ -7,10 +7,9 @@ import math
 
 import pytest
 
-from tasks.loader import steps_per_epoch
+from tasks.loader import ShardTooSmall, batch_sizes, steps_per_epoch
 from tasks.promote import decide_promotion
 from tasks.repartition import split_of
-from tasks.train import scaled_learning_rate
 
 
 def digest(i: int) -> str:
@@ -67,20 +66,26 @@ def test_promotion_rule_rejects_impossible_metrics(candidate: float, champion: f
         decide_promotion(candidate, champion, margin)
 
 
-@pytest.mark.parametrize("rows,batch,world,steps", [(100, 10, 1, 10), (100, 10, 2, 5), (101, 10, 2, 6), (3, 32, 2, 1)])
-def test_steps_per_epoch_cover_the_split(rows: int, batch: int, world: int, steps: int) -> None:
-    assert steps_per_epoch(rows, batch, world) == steps
-    assert steps * batch * world >= rows
+@pytest.mark.parametrize("shards,batch,steps", [([100], 10, 10), ([50, 50], 10, 5), ([51, 50], 10, 6), ([3, 2], 32, 1)])
+def test_steps_per_epoch_fit_the_largest_shard(shards: list[int], batch: int, steps: int) -> None:
+    assert steps_per_epoch(shards, batch) == steps
+    assert steps * batch >= max(shards)
 
 
-def test_steps_per_epoch_refuses_an_empty_split() -> None:
-    with pytest.raises(ValueError, match="empty split"):
-        steps_per_epoch(0, 32, 2)
+def test_steps_per_epoch_refuses_an_empty_shard() -> None:
+    with pytest.raises(ValueError, match="empty shard"):
+        steps_per_epoch([10, 0], 32)
 
 
-def test_learning_rate_scales_linearly_with_workers() -> None:
-    assert scaled_learning_rate(1e-3, 1) == pytest.approx(1e-3)
-    assert scaled_learning_rate(1e-3, 4) == pytest.approx(4e-3)
+@pytest.mark.parametrize("rows,steps", [(100, 10), (101, 10), (45, 6), (7, 7)])
+def test_batch_sizes_cover_the_shard_exactly_once(rows: int, steps: int) -> None:
+    sizes = batch_sizes(rows, steps)
+    assert len(sizes) == steps and sum(sizes) == rows and max(sizes) - min(sizes) <= 1
+
+
+def test_batch_sizes_refuse_a_shard_too_small_for_the_steps() -> None:
+    with pytest.raises(ShardTooSmall, match="fewer workers"):
+        batch_sizes(3, 4)
 
 
 def test_what_a_run_did_stays_out_of_the_next_cache_key() -> None:

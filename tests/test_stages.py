@@ -8,13 +8,14 @@ import shutil
 from datetime import date
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
 from infra.delta import read_version
 from tasks.cache import cache_splits
 from tasks.ingest import Scope, SourceError, ingest_listing, source_uri
-from tasks.loader import ShardBatches
+from tasks.loader import ShardBatches, shard_rows
 from tasks.repartition import images_with_split, plan_splits, split_column, split_of
 from tasks.resize import DecodeRules, known_hashes, resize_images
 from tasks.write import TooManyBadFiles, write_images
@@ -179,15 +180,31 @@ def test_cache_is_keyed_reused_and_readable_by_shard(spark, lake: Lake, digits_d
     cached = cache_splits(spark, plan, 32, str(tmp_path / "cache"))
     assert not cached.reused and cached.cache_dir.endswith(cached.key)
     assert cache_splits(spark, plan, 32, str(tmp_path / "cache")).reused
-    seen = 0
-    for shard in range(2):
-        with ShardBatches(cached.splits["train"], shard=shard, shard_count=2, batch_size=4, steps=2, image_size=32, seed=1, shuffle=True, workers=1) as batches:
-            for images, labels in batches:
-                assert images.shape == (4, 32, 32, 3) and str(images.dtype) == "torch.uint8"
+    keys = pq.read_table(cached.splits["train"].removeprefix("file://"), columns=["sha256"]).column("sha256").to_pylist()
+    per_shard = shard_rows(cached.splits["train"], 2)
+    assert sum(per_shard) == len(keys) == plan.counts["train"]
+    orders = []
+    for epoch in range(2):
+        seen: list[str] = []
+        steps = []
+        for shard in range(2):
+            loader = ShardBatches(cached.splits["train"], shard=shard, shard_count=2, batch_size=4, image_size=32, seed=1, shuffle=True, workers=1, key_field="sha256")
+            loader.epoch = epoch
+            with loader:
+                batches = list(loader)
+            steps.append(len(batches))
+            for images, labels, batch_keys in batches:
+                assert images.shape[1:] == (32, 32, 3) and str(images.dtype) == "torch.uint8" and len(labels) <= 4
                 assert str(labels.dtype) == "torch.int64" and int(labels.max()) < len(plan.labels)
-                seen += len(labels)
-            assert len(list(batches)) == 2, "a second epoch keeps reading the same open reader"
-    assert seen == 16
+                seen.extend(batch_keys)
+        # Every worker takes the same steps, and together they see every sample exactly once per epoch.
+        assert steps[0] == steps[1] == len(loader)
+        assert sorted(seen) == sorted(keys)
+        orders.append(seen)
+    assert orders[0] != orders[1], "each epoch shuffles anew"
+    with ShardBatches(cached.splits["train"], shard=0, shard_count=2, batch_size=4, image_size=32, seed=1, shuffle=True, workers=1) as loader:
+        first = [len(labels) for _, labels in loader]
+        assert [len(labels) for _, labels in loader] == first, "a second epoch reads again, from a fresh reader"
     expected = images_with_split(spark, written.table_uri, written.version, "delta-rs", 32, 0.2, 0.2).where("split = 'train'").count()
     assert expected == plan.counts["train"]
     assert read_version(spark, written.table_uri, written.version, "delta-rs").count() == 40

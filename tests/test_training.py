@@ -1,0 +1,132 @@
+"""Training: worker loss and retries resume from checkpoints, the models, the loader's tensors."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import ray.train
+import torch
+
+from infra.tracking import mlflow_client
+from tasks.cache import cache_splits
+from tasks.model import ImageModel, ResNet
+from tasks.repartition import plan_splits
+from tasks.train import run_name, scaled_learning_rate, train_model
+from tasks.train_loop import CheckpointUnusable, resume_checkpoint
+from tests.lake import Lake, copy_digits
+
+
+@pytest.fixture
+def cached(spark, lake: Lake, digits_dir: Path, tmp_path: Path, settings):
+    """A small cached dataset: 100 digits at 24x24, split and cached."""
+    copy_digits(digits_dir, tmp_path / "src", labels=tuple(str(d) for d in range(10)), per_label=10)
+    _, _, written = lake.run(tmp_path / "src")
+    plan = plan_splits(spark, written, settings.model_copy(update={"image_size": 24}))
+    return cache_splits(spark, plan, 24, settings.cache_uri)
+
+
+def epochs_logged(settings, run_id: str) -> list[int]:
+    return sorted(m.step for m in mlflow_client(settings).get_metric_history(run_id, "val_loss"))
+
+
+def assert_resumed(settings, run_id: str) -> None:
+    """The run went on from a checkpoint (epoch 0 trained once), not from scratch, and finished every epoch.
+
+    An epoch whose checkpoint Ray had not registered when the worker died is trained again, so it may be logged twice.
+    """
+    resumed = int(mlflow_client(settings).get_run(run_id).data.tags["resumed_after_epoch"])
+    logged = epochs_logged(settings, run_id)
+    assert resumed >= 0 and logged.count(0) == 1 and set(logged) == {0, 1, 2, 3}
+    assert all(logged.count(epoch) == 1 for epoch in range(resumed + 1)), f"epochs up to {resumed} ran once: {logged}"
+
+
+@pytest.mark.slow
+def test_a_worker_killed_mid_run_resumes_from_the_last_checkpoint(cached, settings, tmp_path: Path, monkeypatch) -> None:
+    marker = tmp_path / "killed"
+    monkeypatch.setenv("IMAGELAKE_KILL_WORKER", f"1:2:{marker}")
+    settings = settings.model_copy(update={"max_epochs": 4, "early_stopping_patience": 10, "max_failures": 1, "batch_size": 16})
+    trained = train_model(cached, settings)
+    assert marker.read_text().startswith("killed at epoch 2"), "rank 1 was killed once"
+    assert trained.epochs_run == 4
+    assert_resumed(settings, trained.mlflow_run_id)
+
+
+@pytest.mark.slow
+def test_a_retried_training_task_resumes_the_same_run(cached, settings, tmp_path: Path, monkeypatch) -> None:
+    marker = tmp_path / "killed"
+    monkeypatch.setenv("IMAGELAKE_KILL_WORKER", f"1:2:{marker}")
+    settings = settings.model_copy(update={"max_epochs": 4, "early_stopping_patience": 10, "max_failures": 0, "batch_size": 16})
+    with pytest.raises(ray.train.TrainingFailedError):
+        train_model(cached, settings)  # no failures allowed: the run fails, as a Prefect task attempt would
+    assert marker.exists()
+    client = mlflow_client(settings)
+    (first,) = client.search_runs([client.get_experiment_by_name(settings.mlflow_experiment).experiment_id])
+    assert first.info.status == "FAILED" and epochs_logged(settings, first.info.run_id) == [0, 1]
+    # The retry: same data and settings, so the same Ray run (and MLflow run) continues from its checkpoint.
+    trained = train_model(cached, settings)
+    assert trained.run_name == run_name(cached, settings) and trained.mlflow_run_id == first.info.run_id
+    assert trained.epochs_run == 4
+    assert_resumed(settings, trained.mlflow_run_id)
+    artifacts = {a.path for a in client.list_artifacts(trained.mlflow_run_id)}
+    assert "learning_curves.png" in artifacts
+
+
+def _checkpoint(folder: Path, epoch: int, good: bool = True) -> Path:
+    folder.mkdir(parents=True)
+    path = folder / "checkpoint.ckpt"
+    if good:
+        torch.save({"state_dict": {"w": torch.zeros(1)}, "epoch": epoch}, path)
+    else:
+        path.write_bytes(b"not a checkpoint, the end of a file cut short")
+    return path
+
+
+def test_a_corrupt_latest_checkpoint_falls_back_to_the_previous_one(tmp_path: Path) -> None:
+    run = tmp_path / "train-run"
+    previous = _checkpoint(run / "trial" / "checkpoint_000001", 1)
+    latest = run / "trial" / "checkpoint_000002"
+    _checkpoint(latest, 2, good=False)
+    assert resume_checkpoint(str(latest), str(run)) == str(previous)
+    assert resume_checkpoint(None, str(run)) is None, "nothing to resume: a fresh run"
+
+
+def test_no_readable_checkpoint_fails_clearly_instead_of_starting_over(tmp_path: Path) -> None:
+    run = tmp_path / "train-run"
+    latest = run / "trial" / "checkpoint_000002"
+    _checkpoint(run / "trial" / "checkpoint_000001", 1, good=False)
+    _checkpoint(latest, 2, good=False)
+    with pytest.raises(CheckpointUnusable, match="none of its checkpoints can be read"):
+        resume_checkpoint(str(latest), str(run))
+
+
+@pytest.mark.parametrize("rule,expected", [("linear", 4e-3), ("sqrt", 2e-3), ("none", 1e-3)])
+def test_learning_rate_scales_with_the_workers(rule: str, expected: float) -> None:
+    assert scaled_learning_rate(1e-3, 4, rule) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("arch,params", [("resnet18", 11_181_642), ("resnet50", 23_528_522)])
+def test_resnets_take_uint8_images_and_have_the_standard_size(arch: str, params: int) -> None:
+    model = ImageModel(10, arch).eval()
+    assert sum(p.numel() for p in model.parameters()) == params
+    with torch.no_grad():
+        assert model(torch.zeros((2, 64, 64, 3), dtype=torch.uint8)).shape == (2, 10)
+
+
+def test_pretrained_weights_load_from_a_path_and_a_frozen_backbone_trains_only_the_head(tmp_path: Path) -> None:
+    source = ResNet("resnet18", 1000)
+    weights = tmp_path / "resnet18-imagenet.pt"
+    torch.save(source.state_dict(), weights)
+    model = ImageModel(10, "resnet18", pretrained_weights=str(weights), freeze_backbone=True)
+    assert torch.equal(model.net.conv1.weight, source.conv1.weight) and model.net.fc.out_features == 10
+    trainable = {name for name, p in model.net.named_parameters() if p.requires_grad}
+    assert trainable == {"fc.weight", "fc.bias"}
+    model.train()
+    assert not model.net.bn1.training and model.net.fc.training, "frozen batch norms keep their statistics"
+    with pytest.raises(FileNotFoundError, match="pretrained_weights"):
+        ImageModel(10, "resnet18", pretrained_weights=str(tmp_path / "missing.pt"))
+    torch.save({"something": torch.zeros(3)}, tmp_path / "other.pt")
+    with pytest.raises(ValueError, match="matches none of the model's layers"):
+        ImageModel(10, "resnet18", pretrained_weights=str(tmp_path / "other.pt"))
+    assert os.path.exists(weights)
