@@ -14,7 +14,7 @@ from tasks.cache import cache_splits
 from tasks.model import ImageModel, ResNet
 from tasks.repartition import plan_splits
 from tasks.train import run_name, scaled_learning_rate, train_model
-from tasks.train_loop import CheckpointUnusable, resume_checkpoint
+from tasks.train_loop import CheckpointUnusable, make_model, make_trainer, resume_checkpoint
 from tests.lake import Lake, copy_digits
 
 
@@ -130,3 +130,28 @@ def test_pretrained_weights_load_from_a_path_and_a_frozen_backbone_trains_only_t
     with pytest.raises(ValueError, match="matches none of the model's layers"):
         ImageModel(10, "resnet18", pretrained_weights=str(tmp_path / "other.pt"))
     assert os.path.exists(weights)
+
+
+def gpu_config() -> dict:
+    return {
+        "train_uri": "", "val_uri": "", "num_classes": 10, "image_size": 32, "arch": "small_cnn", "learning_rate": 1e-3, "batch_size": 8,
+        "max_epochs": 1, "patience": 1, "min_delta": 0.0, "seed": 0, "use_gpu": True,
+    }
+
+
+def test_gpu_settings_are_no_ops_without_a_gpu(tmp_path: Path) -> None:
+    config = gpu_config()
+    assert not torch.cuda.is_available()
+    assert make_trainer(config, [], 1, 1, accelerator="cpu").precision == "32-true"
+    assert make_model(config).model.channels_last is False
+
+
+def test_gpu_settings_turn_on_bf16_and_channels_last_on_a_gpu(tmp_path: Path, monkeypatch) -> None:
+    # No GPU exists here: only the check for one is replaced, the trainer and model are real.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    config = gpu_config()
+    assert make_trainer(config, [], 1, 1, accelerator="cpu").precision == "bf16-mixed"
+    model = make_model(config)
+    assert model.model.channels_last is True and model.model.net.features[0][0].weight.is_contiguous(memory_format=torch.channels_last)
+    assert make_trainer({**config, "bf16": False}, [], 1, 1, accelerator="cpu").precision == "32-true"
+    assert make_model({**config, "channels_last": False}).model.channels_last is False
