@@ -110,6 +110,142 @@ def doctor(config: Optional[Path] = ConfigOption, set_: Optional[list[str]] = Se
     typer.echo("everything imagelake needs is here")
 
 
+def _registry_or_exit(config: Optional[Path], pairs: list[str] | None):
+    settings, _ = _settings_or_exit(config, pairs)
+    from infra.tracking import mlflow_client
+
+    return settings, mlflow_client(settings)
+
+
+def _fail(exc: Exception) -> None:
+    typer.secho(f"error: {exc}", err=True, fg="red")
+    raise typer.Exit(2) from None
+
+
+@app.command()
+def lineage(
+    model: str = typer.Argument(..., help="Registered model name."),
+    version: str = typer.Argument(..., help="Model version."),
+    config: Optional[Path] = ConfigOption,
+    set_: Optional[list[str]] = SetOption,
+) -> None:
+    """Print what a model version was trained on and with, and how to retrain on exactly that data."""
+    _, client = _registry_or_exit(config, set_)
+    from tasks.registry import RegistryError
+    from tasks.registry import lineage as read_lineage
+
+    try:
+        found = read_lineage(client, model, version)
+    except RegistryError as exc:
+        _fail(exc)
+    for key, value in found.items():
+        typer.echo(f"{key:20} {value}")
+    if found["delta_version"]:
+        typer.echo(f"\nretrain on the same data:\n  imagelake retrain --model {model} --version {version}")
+
+
+@app.command()
+def retrain(
+    model: str = typer.Option(..., "--model", help="Registered model name."),
+    version: str = typer.Option(..., "--version", help="The version whose data and training settings to reuse."),
+    as_json: bool = typer.Option(False, "--json", help="Print the summary as one JSON object on the last line."),
+    config: Optional[Path] = ConfigOption,
+    set_: Optional[list[str]] = SetOption,
+) -> None:
+    """Train again on exactly the Delta table version a model version was trained on, with its training settings."""
+    settings, client = _registry_or_exit(config, set_)
+    from flows.pipeline import retrain_flow
+    from infra.prefect_env import prefect_for
+    from tasks.registry import RegistryError, retrain_overrides
+    from tasks.registry import lineage as read_lineage
+
+    try:
+        found = read_lineage(client, model, version)
+        overrides = {**retrain_overrides(found), **parse_overrides(set_)}
+        with prefect_for(settings):
+            summary = retrain_flow(
+                table_uri=found["delta_table"], table_version=int(found["delta_version"]), config_file=str(config) if config else None, overrides=overrides
+            )
+    except (RegistryError, ValueError, FileNotFoundError) as exc:
+        _fail(exc)
+    typer.echo(format_summary(summary))
+    if as_json:
+        typer.echo(json.dumps(summary, sort_keys=True))
+
+
+@app.command()
+def rollback(
+    model: str = typer.Option(..., "--model", help="Registered model name."),
+    reason: str = typer.Option("operator rollback", "--reason", help="Why (recorded in the alias history)."),
+    config: Optional[Path] = ConfigOption,
+    set_: Optional[list[str]] = SetOption,
+) -> None:
+    """Move `champion` back to `previous-champion` (the two swap)."""
+    settings, client = _registry_or_exit(config, set_)
+    from tasks.registry import RegistryError
+    from tasks.registry import rollback as do_rollback
+
+    try:
+        before, after = do_rollback(client, settings, model, reason)
+    except RegistryError as exc:
+        _fail(exc)
+    typer.echo(f"{model}: champion v{before or '-'} -> v{after} (previous-champion is now v{before or '-'})")
+
+
+@app.command()
+def promote(
+    model: str = typer.Option(..., "--model", help="Registered model name."),
+    version: str = typer.Option(..., "--version", help="The version to make champion."),
+    reason: str = typer.Option(..., "--reason", help="Why (recorded in the alias history)."),
+    config: Optional[Path] = ConfigOption,
+    set_: Optional[list[str]] = SetOption,
+) -> None:
+    """Make a version champion by hand, bypassing the gate; the replaced champion becomes previous-champion."""
+    settings, client = _registry_or_exit(config, set_)
+    from tasks.registry import RegistryError, force_promote
+
+    try:
+        force_promote(client, settings, model, version, reason)
+    except RegistryError as exc:
+        _fail(exc)
+    typer.echo(f"{model}: champion -> v{version} ({reason})")
+
+
+@app.command()
+def history(
+    model: str = typer.Option(..., "--model", help="Registered model name."),
+    config: Optional[Path] = ConfigOption,
+    set_: Optional[list[str]] = SetOption,
+) -> None:
+    """Every alias move of a model: when, who, which alias, from which version to which, and why."""
+    settings, _ = _registry_or_exit(config, set_)
+    from infra.spark import spark_session
+    from tasks.registry import history as read_history
+
+    for row in read_history(spark_session(settings), settings, model):
+        typer.echo(f"{row['at']:%Y-%m-%d %H:%M:%S} {row['who']:10} {row['alias']:18} v{row['from_version'] or '-'} -> v{row['to_version']}  [{row['action']}] {row['reason']}")
+
+
+@app.command()
+def predict(
+    model: str = typer.Option(..., "--model", help="NAME@ALIAS or NAME/VERSION, e.g. imagelake-classifier@champion."),
+    source: Path = typer.Option(..., "--source", help="An image file or a folder of images (searched recursively)."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON object per image instead of text."),
+    config: Optional[Path] = ConfigOption,
+    set_: Optional[list[str]] = SetOption,
+) -> None:
+    """Label images with a registered model, resized exactly as for training."""
+    settings, client = _registry_or_exit(config, set_)
+    from tasks.registry import RegistryError, predict_files
+
+    try:
+        results = predict_files(client, settings, model, source)
+    except (RegistryError, FileNotFoundError) as exc:
+        _fail(exc)
+    for result in results:
+        typer.echo(json.dumps(result) if as_json else f"{result['path']}\t{result['label']}\t{result['probability']:.3f}" + (f"\t{result['error']}" if result.get("error") else ""))
+
+
 @app.command("demo-data")
 def demo_data(
     out: Path = typer.Argument(..., help="Folder to write OUT/<label>/<id>.png into."),

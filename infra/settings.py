@@ -123,7 +123,10 @@ class Settings(BaseSettings):
     mlflow_experiment: str = "imagelake"
     mlflow_ui_url: str = Field(default="http://127.0.0.1:5000", description="MLflow UI that Prefect artifacts link to")
     model_name: str = "imagelake-classifier"
-    promotion_margin: float = Field(default=0.0, ge=0, description="Accuracy a candidate must gain over the champion")
+    promotion_metric: Literal["accuracy", "macro_f1", "loss"] = Field(default="accuracy", description="What the promotion gate compares")
+    promotion_margin: float = Field(default=0.0, ge=0, description="How much a candidate must beat the champion by on promotion_metric")
+    allow_pickle_models: bool = Field(default=False, description="Load registered models stored by pickling (unsafe for untrusted sources)")
+    history_table_name: str = Field(default="registry_history", description="Delta table of every alias move")
 
     # Orchestration.
     prefect_api_url: str | None = None
@@ -162,6 +165,11 @@ class Settings(BaseSettings):
     def quarantine_uri(self) -> str:
         root = self.table_root or str(self.workspace_dir / "tables")
         return f"{root.rstrip('/')}/{self.quarantine_table_name}"
+
+    @property
+    def history_uri(self) -> str:
+        root = self.table_root or str(self.workspace_dir / "tables")
+        return f"{root.rstrip('/')}/{self.history_table_name}"
 
     @property
     def cache_uri(self) -> str:

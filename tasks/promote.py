@@ -1,44 +1,30 @@
-"""Promote: log and register the trained model, test it, and move the `champion` or `challenger` alias."""
+"""Promote: log and register the trained model with its lineage, then the gate moves `champion` or `challenger`."""
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
+import json
 
 import mlflow
 import numpy as np
 import pyarrow.dataset as ds
 import torch
 from matplotlib.figure import Figure
-from mlflow import MlflowClient
-from mlflow.exceptions import MlflowException
+from prefect.artifacts import create_markdown_artifact
 from prefect.runtime import flow_run
 
 from infra.settings import Settings
-from infra.tracking import mlflow_client
+from infra.tracking import experiment_id, mlflow_client
 from tasks.model import ImageClassifier, ImageModel
+from tasks.registry import (
+    CHALLENGER,
+    CHAMPION,
+    Decision,
+    decision_markdown,
+    gate,
+    git_commit,
+)
 from tasks.results import CachedSplits, Promoted, Trained
 from tasks.stage import stage
-
-CHAMPION, CHALLENGER = "champion", "challenger"
-
-
-@dataclass(frozen=True)
-class Decision:
-    promote: bool
-    reason: str
-
-
-def decide_promotion(candidate: float, champion: float | None, margin: float = 0.0) -> Decision:
-    """Promote when there is no champion, or when the candidate's accuracy beats the champion's by more than `margin`."""
-    for name, value in (("candidate accuracy", candidate), ("champion accuracy", champion), ("margin", margin)):
-        if value is not None and (math.isnan(value) or not 0.0 <= value <= 1.0):
-            raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")
-    if champion is None:
-        return Decision(True, f"no champion yet; candidate accuracy {candidate:.4f}")
-    if candidate > champion + margin:
-        return Decision(True, f"candidate {candidate:.4f} beats champion {champion:.4f} by more than {margin:.4f}")
-    return Decision(False, f"candidate {candidate:.4f} does not beat champion {champion:.4f} by more than {margin:.4f}")
 
 
 def load_trained_model(checkpoint_path: str) -> ImageModel:
@@ -68,11 +54,6 @@ def predict(model: ImageModel, images: np.ndarray, batch_size: int = 256) -> np.
     return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
 
 
-def accuracy(model: ImageModel, images: np.ndarray, labels: np.ndarray, batch_size: int = 256) -> float:
-    """Share of images whose highest logit is the true label."""
-    return float((predict(model, images, batch_size) == labels).mean())
-
-
 def confusion_matrix(labels: np.ndarray, predicted: np.ndarray, classes: int) -> np.ndarray:
     """Counts of (true class, predicted class)."""
     matrix = np.zeros((classes, classes), dtype=np.int64)
@@ -94,57 +75,56 @@ def confusion_figure(matrix: np.ndarray, names: list[str]) -> Figure:
     return figure
 
 
-def champion_accuracy(client: MlflowClient, name: str) -> tuple[str | None, float | None]:
-    """The current champion's version and recorded test accuracy, or (None, None)."""
-    try:
-        version = client.get_model_version_by_alias(name, CHAMPION)
-    except MlflowException as exc:
-        if exc.error_code != "RESOURCE_DOES_NOT_EXIST" and "not found" not in str(exc).lower():
-            raise
-        return None, None
-    recorded = version.tags.get("test_accuracy")
-    return version.version, float(recorded) if recorded is not None else None
-
-
-def promote_model(trained: Trained, cached: CachedSplits, settings: Settings, flow_run_id: str | None) -> Promoted:
-    """Register the trained model with its lineage, test it, and give it the alias it earned."""
+def promote_model(trained: Trained, cached: CachedSplits, settings: Settings, flow_run_id: str | None) -> tuple[Promoted, Decision, str | None]:
+    """Log and register the trained model with its lineage, then let the gate decide its alias."""
     client = mlflow_client(settings)
     model = load_trained_model(trained.checkpoint_path)
     images, labels = read_split(cached.splits["test"], cached.image_size)
     predicted = predict(model, images)
-    test_accuracy = float((predicted == labels).mean())
     with mlflow.start_run(run_id=trained.mlflow_run_id):
-        mlflow.log_metric("test_accuracy", test_accuracy)
         mlflow.log_figure(confusion_figure(confusion_matrix(labels, predicted, len(cached.labels)), cached.labels), "confusion_matrix.png")
-        info = mlflow.pytorch.log_model(model, name="model", input_example=images[:2].copy())
-    version = mlflow.register_model(info.model_uri, settings.model_name)
+        # pt2 (torch.export): a format that loads without unpickling.
+        info = mlflow.pytorch.log_model(model, name="model", input_example=images[:2].copy(), serialization_format="pt2")
+    version = str(mlflow.register_model(info.model_uri, settings.model_name).version)
+    params = client.get_run(trained.mlflow_run_id).data.params
     tags = {
         "delta_table": cached.table_uri,
         "delta_version": str(cached.table_version),
         "cache_key": cached.key,
+        "split_counts": json.dumps(cached.counts, sort_keys=True),
+        "training_params": json.dumps(params, sort_keys=True),
+        "git_commit": git_commit(),
         "prefect_flow_run_id": flow_run_id or "",
         "mlflow_run_id": trained.mlflow_run_id,
-        "test_accuracy": f"{test_accuracy:.6f}",
         "labels": ",".join(cached.labels),
+        "image_size": str(cached.image_size),
+        "resize_mode": settings.resize_mode,
+        "split_settings": json.dumps(
+            {"val_fraction": settings.val_fraction, "test_fraction": settings.test_fraction, "partitions_per_worker": settings.partitions_per_worker}
+        ),
     }
     for key, value in tags.items():
-        client.set_model_version_tag(settings.model_name, version.version, key, value)
-    champion_version, champion_acc = champion_accuracy(client, settings.model_name)
-    decision = decide_promotion(test_accuracy, champion_acc, settings.promotion_margin)
-    alias = CHAMPION if decision.promote else CHALLENGER
-    client.set_model_version_tag(settings.model_name, version.version, "promotion_decision", decision.reason)
-    client.set_registered_model_alias(settings.model_name, alias, version.version)
-    return Promoted(
+        client.set_model_version_tag(settings.model_name, version, key, value)
+    decision, metrics, champion_version = gate(client, settings, settings.model_name, version, images, labels, len(cached.labels), flow_run_id)
+    with mlflow.start_run(run_id=trained.mlflow_run_id):
+        mlflow.log_metrics({f"test_{key}": value for key, value in metrics.items()})
+    promoted = Promoted(
         model_name=settings.model_name,
-        model_version=str(version.version),
-        alias=alias,
-        champion_version=str(version.version) if decision.promote else str(champion_version),
-        test_accuracy=test_accuracy,
-        previous_champion_accuracy=champion_acc,
+        model_version=version,
+        alias=CHAMPION if decision.promote else CHALLENGER,
+        champion_version=version if decision.promote else str(champion_version),
+        test_accuracy=metrics["accuracy"],
+        previous_champion_accuracy=None,
+        decision=decision.reason,
     )
+    return promoted, decision, champion_version
 
 
 @stage("promote", retries=1)
 def promote(trained: Trained, cached: CachedSplits, settings: Settings) -> Promoted:
-    """Prefect stage: registry promotion."""
-    return promote_model(trained, cached, settings, flow_run.id)
+    """Prefect stage: registry promotion through the quality gate, with the decision as a markdown artifact."""
+    promoted, decision, champion_version = promote_model(trained, cached, settings, str(flow_run.id) if flow_run.id else None)
+    experiment = experiment_id(mlflow_client(settings), settings)
+    link = f"{settings.mlflow_ui_url.rstrip('/')}/#/experiments/{experiment}/runs/{trained.mlflow_run_id}"
+    create_markdown_artifact(decision_markdown(promoted.model_name, promoted.model_version, decision, champion_version, link), key="imagelake-promotion")
+    return promoted

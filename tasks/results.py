@@ -88,3 +88,4 @@ class Promoted(BaseModel):
     champion_version: str
     test_accuracy: float
     previous_champion_accuracy: float | None
+    decision: str = ""

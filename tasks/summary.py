@@ -10,12 +10,12 @@ from prefect.runtime import flow_run
 
 from infra.settings import Settings
 from infra.tracking import mlflow_client
-from tasks.promote import champion_accuracy
+from tasks.registry import CHAMPION, alias_version
 from tasks.results import CachedSplits, Promoted, Resized, Trained, Written
 from tasks.stage import stage
 
 
-def run_summary(resized: Resized, written: Written, cached: CachedSplits, trained: Trained, promoted: Promoted, champion_version: str | None) -> dict[str, Any]:
+def run_summary(resized: Resized | None, written: Written, cached: CachedSplits, trained: Trained, promoted: Promoted, champion_version: str | None) -> dict[str, Any]:
     """The run's outcome as plain values (this is what `imagelake run --json` prints)."""
     return {
         "delta_table": written.table_uri,
@@ -24,9 +24,9 @@ def run_summary(resized: Resized, written: Written, cached: CachedSplits, traine
         "rows": sum(cached.counts.values()),
         "rows_added": written.rows,
         "rows_retired": written.retired,
-        "files_decoded": resized.decoded,
-        "files_known": resized.known,
-        "quarantined": resized.quarantined,
+        "files_decoded": resized.decoded if resized else 0,
+        "files_known": resized.known if resized else 0,
+        "quarantined": resized.quarantined if resized else {},
         "split_counts": cached.counts,
         "labels": cached.labels,
         "cache_dir": cached.cache_dir,
@@ -39,6 +39,7 @@ def run_summary(resized: Resized, written: Written, cached: CachedSplits, traine
         "model_alias": promoted.alias,
         "champion_version": champion_version,
         "test_accuracy": promoted.test_accuracy,
+        "promotion_decision": promoted.decision,
     }
 
 
@@ -49,15 +50,14 @@ def summary_markdown(summary: dict[str, Any], tracking_uri: str) -> str:
 
 
 @stage("summarize", retries=1, cache_policy=NO_CACHE)
-def summarize(resized: Resized, written: Written, cached: CachedSplits, trained: Trained, promoted: Promoted, settings: Settings) -> dict[str, Any]:
+def summarize(resized: Resized | None, written: Written, cached: CachedSplits, trained: Trained, promoted: Promoted, settings: Settings) -> dict[str, Any]:
     """Prefect stage (never cached): read the current champion and publish the run's summary."""
-    champion_version, _ = champion_accuracy(mlflow_client(settings), promoted.model_name)
-    champion_version = str(champion_version) if champion_version is not None else None
+    champion_version = alias_version(mlflow_client(settings), promoted.model_name, CHAMPION)
     summary = run_summary(resized, written, cached, trained, promoted, champion_version)
     summary["flow_run_id"] = str(flow_run.id) if flow_run.id else None
     create_markdown_artifact(summary_markdown(summary, settings.tracking_uri), key="imagelake-run-summary")
     create_table_artifact(
-        [{"reason": reason, "files": count} for reason, count in sorted(resized.quarantined.items())] or [{"reason": "none", "files": 0}],
+        [{"reason": reason, "files": count} for reason, count in sorted((resized.quarantined if resized else {}).items())] or [{"reason": "none", "files": 0}],
         key="imagelake-quarantine",
         description=f"Files quarantined by this run, by reason (table {settings.quarantine_uri})",
     )

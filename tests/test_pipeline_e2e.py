@@ -16,6 +16,7 @@ import mlflow
 from mlflow import MlflowClient
 from PIL import Image, ImageOps
 
+from tasks.demo_data import write_digits
 from tests.conftest import cli_env
 
 pytestmark = pytest.mark.slow
@@ -150,7 +151,42 @@ def test_a_weaker_model_stays_challenger_and_new_images_make_a_new_version(digit
     assert second["model_version"] == "2" and second["model_alias"] == "challenger"
     assert second["champion_version"] == "1"
     client = MlflowClient(f"sqlite:///{workspace / 'mlflow.db'}")
-    assert "does not beat champion" in client.get_model_version(MODEL, "2").tags["promotion_decision"]
+    tags = client.get_model_version(MODEL, "2").tags
+    assert tags["promotion_decision"] == "not promoted" and "does not beat champion" in tags["promotion_reason"]
+    assert (tags["compared_with_version"], tags["delta_version"], tags["promotion_metric"]) == ("1", "1", "accuracy")
+    assert tags["git_commit"] and json.loads(tags["split_counts"]) == second["split_counts"]
+    assert "challenger" in flow_artifact(second["flow_run_id"], "imagelake-promotion").data
+
+    # Operators: lineage, retraining on exactly v1's data, predictions, a forced promotion, a rollback, the history.
+    ws = ["--set", f"workspace={workspace}"]
+    lineage = run_cli(["lineage", MODEL, "1", *ws], env, 300)
+    assert lineage.returncode == 0 and "delta_version        0" in lineage.stdout and f"imagelake retrain --model {MODEL} --version 1" in lineage.stdout
+    again = run_cli(["retrain", "--model", MODEL, "--version", "1", "--json", *ws, "--set", "max_epochs=1", "--set", f"model_name={MODEL}", "--set", "promotion_margin=1"], env)
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-4000:]
+    retrained = json.loads(again.stdout.strip().splitlines()[-1])
+    assert (retrained["delta_version"], retrained["split_counts"], retrained["model_version"]) == (0, first["split_counts"], "3")
+
+    held_out = tmp_path / "held-out"
+    write_digits(held_out, size=64, per_label=40)
+    for png in digits_dir.rglob("*.png"):  # the first 30 of each digit were in the training data
+        (held_out / png.parent.name / png.name).unlink()
+    predicted = run_cli(["predict", "--model", f"{MODEL}@champion", "--source", str(held_out), "--json", *ws], env, 300)
+    assert predicted.returncode == 0, predicted.stderr[-3000:]
+    rows = [json.loads(line) for line in predicted.stdout.splitlines() if line.startswith("{")]
+    assert len(rows) == 100 and all(0 <= row["probability"] <= 1 for row in rows)
+    right = sum(row["label"] == Path(row["path"]).parent.name for row in rows)
+    assert right > 50, f"{right} of 100 held-out digits right (chance is 10)"
+
+    nothing = run_cli(["rollback", "--model", MODEL, *ws], env, 300)
+    assert nothing.returncode == 2 and "nothing to roll back to" in nothing.stderr
+    assert run_cli(["promote", "--model", MODEL, "--version", "2", "--reason", "e2e check", *ws], env, 300).returncode == 0
+    back = run_cli(["rollback", "--model", MODEL, "--reason", "v2 is worse", *ws], env, 300)
+    assert back.returncode == 0 and "champion v2 -> v1" in back.stdout
+    assert str(client.get_model_version_by_alias(MODEL, "champion").version) == "1"
+    moves = run_cli(["history", "--model", MODEL, *ws], env, 300).stdout
+    assert "[manual] e2e check" in moves and "[rollback] v2 is worse" in moves and "[gate]" in moves
+    unknown = run_cli(["promote", "--model", MODEL, "--version", "99", "--reason", "typo", *ws], env, 300)
+    assert unknown.returncode == 2 and "no version '99'" in unknown.stderr
 
 
 def test_a_missing_source_fails_with_a_clear_message_and_writes_nothing(tmp_path: Path, prefect_api: str) -> None:

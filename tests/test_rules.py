@@ -1,14 +1,12 @@
-"""Pure decisions: split by hash, promotion rule, steps per epoch, learning-rate scaling, content hash."""
+"""Pure decisions: split by hash, steps per epoch and batch sizes, content hash, cache keys (the promotion rule is in test_registry)."""
 
 from __future__ import annotations
 
 import hashlib
-import math
 
 import pytest
 
 from tasks.loader import ShardTooSmall, batch_sizes, steps_per_epoch
-from tasks.promote import decide_promotion
 from tasks.repartition import split_of
 
 
@@ -41,29 +39,6 @@ def test_an_image_keeps_its_split_when_the_data_grows() -> None:
 def test_split_rejects_what_is_not_a_hex_digest(bad: str) -> None:
     with pytest.raises(ValueError, match="sha256"):
         split_of(bad, 0.1, 0.1)
-
-
-@pytest.mark.parametrize(
-    "candidate,champion,margin,promote",
-    [
-        (0.5, None, 0.0, True),  # no champion yet
-        (0.91, 0.90, 0.0, True),
-        (0.90, 0.90, 0.0, False),  # a tie keeps the champion
-        (0.91, 0.90, 0.02, False),  # inside the margin
-        (0.93, 0.90, 0.02, True),
-        (0.80, 0.90, 0.0, False),
-    ],
-)
-def test_promotion_rule(candidate: float, champion: float | None, margin: float, promote: bool) -> None:
-    decision = decide_promotion(candidate, champion, margin)
-    assert decision.promote is promote
-    assert f"{candidate:.4f}" in decision.reason
-
-
-@pytest.mark.parametrize("candidate,champion,margin", [(math.nan, 0.5, 0.0), (1.5, 0.5, 0.0), (0.5, -0.1, 0.0), (0.5, 0.5, -1.0)])
-def test_promotion_rule_rejects_impossible_metrics(candidate: float, champion: float, margin: float) -> None:
-    with pytest.raises(ValueError, match="must be a number in"):
-        decide_promotion(candidate, champion, margin)
 
 
 @pytest.mark.parametrize("shards,batch,steps", [([100], 10, 10), ([50, 50], 10, 5), ([51, 50], 10, 6), ([3, 2], 32, 1)])

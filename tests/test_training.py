@@ -14,7 +14,12 @@ from tasks.cache import cache_splits
 from tasks.model import ImageModel, ResNet
 from tasks.repartition import plan_splits
 from tasks.train import run_name, scaled_learning_rate, train_model
-from tasks.train_loop import CheckpointUnusable, make_model, make_trainer, resume_checkpoint
+from tasks.train_loop import (
+    CheckpointUnusable,
+    make_model,
+    make_trainer,
+    resume_checkpoint,
+)
 from tests.lake import Lake, copy_digits
 
 

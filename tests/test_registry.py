@@ -1,0 +1,187 @@
+"""The registry: the gate's rule, alias moves and their history, races, operator commands, safe loading."""
+
+from __future__ import annotations
+
+import pickle
+import threading
+from pathlib import Path
+
+import mlflow
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from infra.tracking import experiment_id, mlflow_client
+from tasks.model import ImageModel
+from tasks.registry import (
+    CHALLENGER,
+    CHAMPION,
+    PREVIOUS,
+    RegistryError,
+    UnsafeModel,
+    alias_version,
+    decide_promotion,
+    force_promote,
+    gate,
+    history,
+    load_registered_model,
+    rollback,
+)
+
+NAME = "digits"
+
+
+@pytest.mark.parametrize(
+    "metric,candidate,champion,margin,promote",
+    [
+        ("accuracy", 0.9, None, 0.0, True),  # no champion yet
+        ("accuracy", 0.9, 0.8, 0.0, True),
+        ("accuracy", 0.8, 0.8, 0.0, False),  # a tie does not promote
+        ("accuracy", 0.84, 0.8, 0.05, False),  # within the margin
+        ("accuracy", 0.86, 0.8, 0.05, True),
+        ("macro_f1", 0.70, 0.75, 0.0, False),
+        ("loss", 0.30, 0.40, 0.05, True),  # lower is better
+        ("loss", 0.40, 0.30, 0.0, False),
+        ("loss", 0.36, 0.40, 0.05, False),
+    ],
+)
+def test_the_gate_rule(metric: str, candidate: float, champion: float | None, margin: float, promote: bool) -> None:
+    decision = decide_promotion(metric, candidate, champion, margin)
+    assert decision.promote is promote
+    assert f"{candidate:.4f}" in decision.reason and decision.metric == metric
+
+
+def test_a_champion_that_cannot_be_loaded_is_replaced_with_the_reason() -> None:
+    decision = decide_promotion("accuracy", 0.2, None, 0.1, champion_error="v3: OSError: model.pt2 is missing")
+    assert decision.promote and "could not be evaluated" in decision.reason and "v3" in decision.reason
+
+
+@pytest.mark.parametrize("metric,candidate,champion", [("accuracy", float("nan"), 0.5), ("accuracy", 1.5, 0.5), ("f2", 0.5, 0.5), ("loss", -1.0, 0.5)])
+def test_the_gate_rule_refuses_impossible_inputs(metric: str, candidate: float, champion: float) -> None:
+    with pytest.raises(ValueError):
+        decide_promotion(metric, candidate, champion, 0.0)
+
+
+@pytest.fixture
+def registry(settings):
+    """A SQLite MLflow store with a test split whose labels one model ("good") predicts perfectly."""
+    client = mlflow_client(settings)
+    mlflow.set_experiment(experiment_id=experiment_id(client, settings))
+    torch.manual_seed(0)
+    good, bad = ImageModel(4).eval(), ImageModel(4).eval()
+    images = np.random.default_rng(0).integers(0, 256, (48, 16, 16, 3), dtype=np.uint8)
+    with torch.no_grad():
+        labels = good(torch.from_numpy(images)).argmax(dim=1).numpy()
+    return client, settings, {"good": good, "bad": bad}, images, labels
+
+
+def register(client, model: torch.nn.Module, images: np.ndarray) -> str:
+    with mlflow.start_run():
+        info = mlflow.pytorch.log_model(model, name="model", input_example=images[:2], serialization_format="pt2")
+    return str(mlflow.register_model(info.model_uri, NAME).version)
+
+
+def moves(spark, settings) -> list[tuple]:
+    return [(row["alias"], row["from_version"], row["to_version"], row["action"]) for row in history(spark, settings, NAME)]
+
+
+@pytest.mark.slow
+def test_gate_moves_aliases_records_the_decision_and_keeps_history(spark, registry) -> None:
+    client, settings, models, images, labels = registry
+    bad = register(client, models["bad"], images)
+    decision, _, _ = gate(client, settings, NAME, bad, images, labels, 4)
+    assert decision.promote and alias_version(client, NAME, CHAMPION) == bad
+
+    weaker = register(client, models["bad"], images)  # the same weights: a tie stays challenger
+    decision, _, compared = gate(client, settings, NAME, weaker, images, labels, 4)
+    tags = client.get_model_version(NAME, weaker).tags
+    assert not decision.promote and compared == bad and alias_version(client, NAME, CHALLENGER) == weaker
+    assert tags["promotion_decision"] == "not promoted" and "does not beat champion" in tags["promotion_reason"]
+    assert tags["compared_with_version"] == bad and tags["candidate_accuracy"] == tags["champion_accuracy"]
+
+    good = register(client, models["good"], images)
+    decision, metrics, _ = gate(client, settings, NAME, good, images, labels, 4)
+    assert decision.promote and metrics["accuracy"] == 1.0
+    assert (alias_version(client, NAME, CHAMPION), alias_version(client, NAME, PREVIOUS)) == (good, bad)
+    assert moves(spark, settings) == [
+        (CHAMPION, None, bad, "gate"),
+        (CHALLENGER, None, weaker, "gate"),
+        (CHAMPION, bad, good, "gate"),
+        (PREVIOUS, None, bad, "gate"),
+    ]
+    assert all(row["who"] and row["reason"] and row["at"] for row in history(spark, settings, NAME))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("first", ["good", "bad"])
+def test_two_promotions_at_once_never_leave_the_worse_model_champion(spark, registry, first: str) -> None:
+    client, settings, models, images, labels = registry
+    versions = {kind: register(client, models[kind], images) for kind in (first, "bad" if first == "good" else "good")}
+    errors: list[BaseException] = []
+
+    def promote(kind: str) -> None:
+        try:
+            gate(client, settings, NAME, versions[kind], images, labels, 4)
+        except BaseException as exc:  # noqa: BLE001 - reported by the assertion below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=promote, args=(kind,)) for kind in versions]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors
+    assert alias_version(client, NAME, CHAMPION) == versions["good"]
+    champions = [to for alias, _, to, _ in moves(spark, settings) if alias == CHAMPION]
+    assert champions[-1] == versions["good"] and len(champions) in (1, 2)
+
+
+@pytest.mark.slow
+def test_rollback_and_forced_promotion_are_recorded_and_refuse_the_impossible(spark, registry) -> None:
+    client, settings, models, images, labels = registry
+    one = register(client, models["bad"], images)
+    gate(client, settings, NAME, one, images, labels, 4)
+    with pytest.raises(RegistryError, match="nothing to roll back to"):
+        rollback(client, settings, NAME, "test")
+    two = register(client, models["bad"], images)
+    force_promote(client, settings, NAME, two, "hotfix for a labelling bug")
+    assert (alias_version(client, NAME, CHAMPION), alias_version(client, NAME, PREVIOUS)) == (two, one)
+    assert rollback(client, settings, NAME, "v2 misbehaves") == (two, one)
+    assert (alias_version(client, NAME, CHAMPION), alias_version(client, NAME, PREVIOUS)) == (one, two)
+    assert [m for m in moves(spark, settings) if m[3] != "gate"] == [
+        (CHAMPION, one, two, "manual"), (PREVIOUS, None, one, "manual"), (CHAMPION, two, one, "rollback"), (PREVIOUS, one, two, "rollback")
+    ]
+    with pytest.raises(RegistryError, match="no version '9'"):
+        force_promote(client, settings, NAME, "9", "typo")
+    with pytest.raises(RegistryError, match="no registered model named 'nope'"):
+        rollback(client, settings, "nope", "typo")
+    with pytest.raises(RegistryError, match="needs a --reason"):
+        force_promote(client, settings, NAME, one, " ")
+
+
+class Payload:
+    """Unpickling this runs code: it writes a marker file."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (exec, (f"open({str(self.marker)!r}, 'w').write('payload ran')",))
+
+
+def test_a_pickled_model_is_refused_and_its_payload_never_runs(registry, tmp_path: Path) -> None:
+    client, settings, _, _, _ = registry
+    marker = tmp_path / "payload-ran"
+    folder = tmp_path / "crafted"
+    (folder / "data").mkdir(parents=True)
+    (folder / "data" / "model.pth").write_bytes(pickle.dumps(Payload(marker)))
+    (folder / "MLmodel").write_text(yaml.safe_dump({"flavors": {"pytorch": {"model_data": "data", "pytorch_version": str(torch.__version__)}}}))
+    with mlflow.start_run() as run:
+        mlflow.log_artifacts(str(folder), "model")
+    client.create_registered_model(NAME)
+    version = client.create_model_version(NAME, f"{run.info.artifact_uri}/model", run.info.run_id).version
+    with pytest.raises(UnsafeModel, match="would unpickle"):
+        load_registered_model(client, NAME, str(version))
+    assert not marker.exists(), "the crafted pickle was never loaded"
+    assert pickle.loads((folder / "data" / "model.pth").read_bytes()) is None and marker.exists(), "the payload is real"
