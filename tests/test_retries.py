@@ -1,0 +1,44 @@
+"""Stage retries: a transient failure is retried and the run completes; a permanent one fails after one attempt."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from prefect import flow
+from prefect.cache_policies import NO_CACHE
+
+from tasks.stage import stage
+
+
+def attempts(path: Path) -> int:
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+@stage("flaky", retries=2, backoff=0.05, cache_policy=NO_CACHE)
+def flaky(log: str, error: str) -> str:
+    """Fails on its first attempt with `error`, then succeeds."""
+    path = Path(log)
+    with path.open("a") as out:
+        out.write("attempt\n")
+    if attempts(path) == 1:
+        raise {"transient": OSError("the object store timed out"), "permanent": ValueError("image_size must be positive")}[error]
+    return "done"
+
+
+@flow
+def one_stage(log: str, error: str) -> str:
+    return flaky(log, error)
+
+
+def test_a_transient_failure_is_retried_and_the_run_completes(prefect_api: str, tmp_path: Path) -> None:
+    log = tmp_path / "transient.log"
+    assert one_stage(str(log), "transient") == "done"
+    assert attempts(log) == 2
+
+
+def test_a_permanent_failure_fails_after_one_attempt(prefect_api: str, tmp_path: Path) -> None:
+    log = tmp_path / "permanent.log"
+    with pytest.raises(ValueError, match="image_size must be positive"):
+        one_stage(str(log), "permanent")
+    assert attempts(log) == 1
