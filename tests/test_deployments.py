@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import pytest
 import yaml
+from prefect.exceptions import ParameterTypeError
 from prefect.flows import load_flow_from_entrypoint
 
 from tests.conftest import REPO
@@ -12,9 +14,14 @@ def test_every_deployment_points_at_a_flow_and_its_parameters_validate(monkeypat
     monkeypatch.chdir(REPO)
     config = yaml.safe_load((REPO / "prefect.yaml").read_text())
     names = {deployment["name"] for deployment in config["deployments"]}
-    assert {"adhoc", "nightly"} <= names
+    assert {"adhoc", "nightly", "backfill"} <= names
     for deployment in config["deployments"]:
         flow = load_flow_from_entrypoint(deployment["entrypoint"])
         flow.validate_parameters(deployment.get("parameters", {}))
+    backfill = next(d for d in config["deployments"] if d["name"] == "backfill")
+    assert {"start_date", "end_date", "max_concurrency", "dry_run"} <= set(backfill["parameters"])
+    # A bad value is refused before any work starts, naming the parameter.
+    with pytest.raises(ParameterTypeError, match="start_date"):
+        load_flow_from_entrypoint(backfill["entrypoint"]).validate_parameters({**backfill["parameters"], "start_date": "03/01/2024"})
     nightly = next(d for d in config["deployments"] if d["name"] == "nightly")
     assert nightly["schedules"][0]["cron"] == "0 2 * * *"

@@ -1,0 +1,54 @@
+"""Backfills: a dry-run plan, dates ingested as subflows with a failing date that does not stop the others, no work twice."""
+
+from __future__ import annotations
+
+import shutil
+from datetime import date
+from pathlib import Path
+
+import pytest
+from deltalake import DeltaTable
+
+from flows.backfill import BackfillFailed, backfill
+from infra.delta import read_version
+from infra.tracking import mlflow_client
+from tests.lake import copy_digits
+
+pytestmark = pytest.mark.slow
+
+
+def test_backfill_plans_runs_each_date_and_does_no_work_twice(spark, prefect_api: str, digits_dir: Path, tmp_path: Path) -> None:
+    source = tmp_path / "landing"
+    copy_digits(digits_dir, source / "date=2024-03-01", labels=("0", "1", "2"), per_label=12)
+    copy_digits(digits_dir, source / "date=2024-03-02", labels=("0", "1", "2"), per_label=12)
+    (source / "date=2024-03-03" / "0").mkdir(parents=True)
+    for i in range(3):
+        (source / "date=2024-03-03" / "0" / f"junk{i}.png").write_text("not an image")
+    overrides = {"workspace": str(tmp_path / "ws"), "image_size": 24, "max_epochs": 1, "num_workers": 1, "batch_size": 8, "model_name": "backfill"}
+    span = dict(source=str(source), start_date=date(2024, 3, 1), end_date=date(2024, 3, 5), overrides=overrides)
+
+    planned = backfill(**span, dry_run=True)
+    assert [(p["date"], p["status"]) for p in planned["plan"]] == [("2024-03-01", "missing"), ("2024-03-02", "missing"), ("2024-03-03", "missing")]
+    table = tmp_path / "ws" / "tables" / "images"
+    assert not (table / "_delta_log").exists(), "a dry run writes nothing"
+
+    # The bad date fails on its own; the other two land, and training runs once on the result.
+    with pytest.raises(BackfillFailed, match=r"1 of 3 dates failed; re-run them: 2024-03-03: TooManyBadFiles"):
+        backfill(**span, max_concurrency=2)
+    rows = read_version(spark, str(table), DeltaTable(str(table)).version(), "delta-rs").select("date").collect()
+    assert sorted({str(r["date"]) for r in rows}) == ["2024-03-01", "2024-03-02"] and len(rows) == 72
+    client = mlflow_client(overrides_settings(overrides))
+    assert len(client.search_model_versions("name='backfill'")) == 1
+
+    # The bad date removed at the source: the same backfill has nothing left to do.
+    shutil.rmtree(source / "date=2024-03-03")
+    version = DeltaTable(str(table)).version()
+    again = backfill(**span)
+    assert {p["status"] for p in again["plan"]} == {"done"} and again["ingested"] == []
+    assert again["delta_version"] == version and again["model_version"] == "1", "no new table version, no new training"
+
+
+def overrides_settings(overrides: dict):
+    from infra.settings import load_settings
+
+    return load_settings(overrides=overrides)
