@@ -30,7 +30,7 @@ def grow_table(lake: Lake, digits_dir: Path, source: Path) -> None:
 def test_vacuum_never_removes_a_registered_models_version(lake: Lake, digits_dir: Path, tmp_path: Path, registered: bool) -> None:
     grow_table(lake, digits_dir, tmp_path / "src")
     assert DeltaTable(lake.table).version() == 3
-    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}", f"sqlite:///{tmp_path / 'mlflow.db'}")  # the registry URI is process-global otherwise
     client.create_registered_model("digits")
     if registered:
         client.create_model_version("digits", source=str(tmp_path), tags={"delta_table": lake.table, "delta_version": "0"})

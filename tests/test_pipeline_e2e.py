@@ -87,8 +87,11 @@ def test_pipeline_end_to_end_then_everything_is_cached(digits_dir: Path, tmp_pat
     assert checkpoint.is_file() and (workspace / "ray_results") in checkpoint.parents
 
     # MLflow: a registered champion with lineage tags, metrics logged once per epoch (rank 0 only).
-    mlflow.set_tracking_uri(f"sqlite:///{workspace / 'mlflow.db'}")
-    client = MlflowClient(f"sqlite:///{workspace / 'mlflow.db'}")
+    # Both URIs explicitly: MLflow's registry URI is process-global, and other tests point it elsewhere.
+    store = f"sqlite:///{workspace / 'mlflow.db'}"
+    mlflow.set_tracking_uri(store)
+    mlflow.set_registry_uri(store)
+    client = MlflowClient(store, store)
     champion = client.get_model_version_by_alias(MODEL, "champion")
     assert str(champion.version) == first["model_version"] == first["champion_version"] == "1"
     assert champion.tags["delta_table"] == first["delta_table"]
@@ -150,7 +153,7 @@ def test_a_weaker_model_stays_challenger_and_new_images_make_a_new_version(digit
     assert quarantine_artifact(second["flow_run_id"]) == [{"reason": "not_an_image", "files": 1}]
     assert second["model_version"] == "2" and second["model_alias"] == "challenger"
     assert second["champion_version"] == "1"
-    client = MlflowClient(f"sqlite:///{workspace / 'mlflow.db'}")
+    client = MlflowClient(f"sqlite:///{workspace / 'mlflow.db'}", f"sqlite:///{workspace / 'mlflow.db'}")
     tags = client.get_model_version(MODEL, "2").tags
     assert tags["promotion_decision"] == "not promoted" and "does not beat champion" in tags["promotion_reason"]
     assert (tags["compared_with_version"], tags["delta_version"], tags["promotion_metric"]) == ("1", "1", "accuracy")
