@@ -7,7 +7,7 @@ WORKSPACE ?= .imagelake
 DEMO := $(WORKSPACE)/demo-digits
 PYTEST_ARGS ?=
 
-.PHONY: install run demo-data test test-quick doctor ui clean
+.PHONY: install run demo-data test test-quick doctor ui worker clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -46,6 +46,12 @@ ui: install
 	$(BIN)/mlflow ui --host 127.0.0.1 --port 5000 --backend-store-uri sqlite:///$(abspath $(WORKSPACE))/mlflow.db \
 	  --default-artifact-root $(abspath $(WORKSPACE))/mlartifacts & \
 	wait
+
+# A process worker for the deployments in prefect.yaml (after `make ui`, from another shell).
+worker: install
+	PREFECT_API_URL=$${PREFECT_API_URL:-http://127.0.0.1:4200/api} $(BIN)/prefect work-pool create imagelake-process --type process 2>/dev/null || true
+	PREFECT_API_URL=$${PREFECT_API_URL:-http://127.0.0.1:4200/api} $(BIN)/prefect deploy --all
+	PREFECT_API_URL=$${PREFECT_API_URL:-http://127.0.0.1:4200/api} $(BIN)/prefect worker start --pool imagelake-process
 
 clean:
 	rm -rf $(WORKSPACE) .pytest_cache

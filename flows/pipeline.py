@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
+from datetime import date
+from typing import Any, Literal
 
 from prefect import flow
+from pydantic import BaseModel, Field
 
 from infra.delta import choose_engine
 from infra.settings import load_settings
@@ -45,3 +47,25 @@ def retrain_flow(table_uri: str, table_version: int, config_file: str | None = N
     trained = train(cached, settings)
     promoted = promote(trained, cached, settings)
     return summarize(None, written, cached, trained, promoted, settings)
+
+
+class RunParameters(BaseModel):
+    """What the Prefect UI's form asks for an ad-hoc run: typed, with defaults, validated before any work starts."""
+
+    source: str = Field(default=".imagelake/demo-digits", min_length=1, description="Folder or URI of images laid out as [date=YYYY-MM-DD/]<label>/<file>")
+    image_size: int = Field(default=224, ge=8, le=1024, description="Side of the square images stored and trained on")
+    max_epochs: int = Field(default=8, ge=1, le=1000)
+    batch_size: int = Field(default=32, ge=1, le=4096, description="Per worker")
+    num_workers: int = Field(default=2, ge=1, le=256, description="Ray Train workers")
+    model_arch: Literal["small_cnn", "resnet18", "resnet50"] = "small_cnn"
+    promotion_margin: float = Field(default=0.0, ge=0.0, le=1.0)
+    start_date: date | None = Field(default=None, description="Only source files dated from this day")
+    end_date: date | None = Field(default=None, description="Only source files dated up to this day")
+    config_file: str | None = Field(default=None, description="Settings file on the worker; these fields override it")
+
+
+@flow(name="imagelake-adhoc", log_prints=True)
+def adhoc(params: RunParameters = RunParameters()) -> dict[str, Any]:
+    """An ad-hoc run from the Prefect UI: the pipeline with the form's values."""
+    overrides = params.model_dump(exclude={"source", "config_file"}, exclude_none=True, mode="json")
+    return pipeline(source=params.source, config_file=params.config_file, overrides=overrides)

@@ -18,6 +18,12 @@ def test_every_deployment_points_at_a_flow_and_its_parameters_validate(monkeypat
     for deployment in config["deployments"]:
         flow = load_flow_from_entrypoint(deployment["entrypoint"])
         flow.validate_parameters(deployment.get("parameters", {}))
+    adhoc = next(d for d in config["deployments"] if d["name"] == "adhoc")
+    schema = load_flow_from_entrypoint(adhoc["entrypoint"]).parameters.model_dump()
+    fields = schema["definitions"]["RunParameters"]["properties"]
+    assert fields["image_size"]["default"] == 224 and fields["image_size"]["minimum"] == 8, "the UI form shows defaults and limits"
+    with pytest.raises(ParameterTypeError, match="image_size"):
+        load_flow_from_entrypoint(adhoc["entrypoint"]).validate_parameters({"params": {"source": "x", "image_size": 0}})
     backfill = next(d for d in config["deployments"] if d["name"] == "backfill")
     assert {"start_date", "end_date", "max_concurrency", "dry_run"} <= set(backfill["parameters"])
     # A bad value is refused before any work starts, naming the parameter.
