@@ -102,15 +102,17 @@ def commit_files(table_uri: str, schema: pa.Schema, files: list[str]) -> int:
     write_id = uuid.uuid4().hex
     properties = CommitProperties(custom_metadata={WRITE_ID_KEY: write_id})
     for attempt in range(CONFLICT_RETRIES):
+        creating = not table_exists(table_uri)
         try:
-            if table_exists(table_uri):
-                DeltaTable(table_uri).create_write_transaction(actions, "append", DeltaSchema.from_arrow(schema), commit_properties=properties)
-            else:
+            if creating:
                 create_table_with_add_actions(table_uri, DeltaSchema.from_arrow(schema), actions, mode="append", commit_properties=properties)
+            else:
+                DeltaTable(table_uri).create_write_transaction(actions, "append", DeltaSchema.from_arrow(schema), commit_properties=properties)
             return _version_of_write(table_uri, write_id)
         except (CommitFailedError, DeltaError) as exc:
-            # Two first writes race to create the table: the loser appends to the winner's.
-            if attempt == CONFLICT_RETRIES - 1 or not _is_conflict(exc):
+            # Two first writes race to create the table: the loser (whatever delta-rs calls its error) appends to the winner's.
+            lost_create = creating and table_exists(table_uri)
+            if attempt == CONFLICT_RETRIES - 1 or not (lost_create or _is_conflict(exc)):
                 raise
             time.sleep(0.1 * (attempt + 1) + random.random() * 0.2)
     raise AssertionError("unreachable")
