@@ -14,6 +14,7 @@ from typing import Any, Iterator, Self
 
 import fsspec
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 from petastorm import make_batch_reader
@@ -152,6 +153,20 @@ class ShardBatches:
             self._stop()
 
 
+def pixel_rows(images: pa.ChunkedArray, pixels: int, where: str) -> np.ndarray:
+    """A binary column of images, `pixels` bytes each, as one (rows, pixels) uint8 view of its Arrow data buffer.
+
+    A single chunk is used as it is (combine_chunks would copy); `where` names the data in the error.
+    """
+    column = images.chunk(0) if images.num_chunks == 1 else images.combine_chunks()
+    offsets = np.frombuffer(column.buffers()[1], dtype=np.int32, count=len(column) + 1, offset=column.offset * 4)
+    if column.null_count or np.any(np.diff(offsets) != pixels):
+        raise ValueError(f"{where} holds images that are not {pixels} bytes each: rebuild the cache for this image_size")
+    # Binary values lie back to back: one frombuffer over the data buffer reads them all.
+    data = np.frombuffer(column.buffers()[2], dtype=np.uint8, count=len(column) * pixels, offset=int(offsets[0]))
+    return data.reshape(len(column), pixels)
+
+
 class PixelRowGroups(ArrowReaderWorkerResultsQueueReader):
     """Petastorm's results for one row group, with the image column as one (rows, pixels) uint8 view of the Arrow data buffer.
 
@@ -167,16 +182,10 @@ class PixelRowGroups(ArrowReaderWorkerResultsQueueReader):
             table = workers_pool.get_results()
         except EmptyResultError:
             raise StopIteration from None
-        chunked = table.column("image")
-        # A worker reads one row group: one chunk, whose buffers are used as they are (combine_chunks would copy).
-        column = chunked.chunk(0) if chunked.num_chunks == 1 else chunked.combine_chunks()
-        offsets = np.frombuffer(column.buffers()[1], dtype=np.int32, count=len(column) + 1, offset=column.offset * 4)
-        if column.null_count or np.any(np.diff(offsets) != self.pixels):
-            raise ValueError(f"cached images are not {self.pixels} bytes each: rebuild the cache for this image_size")
-        images = np.frombuffer(column.buffers()[2], dtype=np.uint8, count=len(column) * self.pixels, offset=int(offsets[0]))
+        images = pixel_rows(table.column("image"), self.pixels, "the cached split")
         labels = table.column("label").to_numpy().astype(np.int64, copy=False)
         keys = table.column(self.key_field).to_pylist() if self.key_field else None
-        return images.reshape(len(column), self.pixels), labels, keys
+        return images, labels, keys
 
 
 class RowPool:

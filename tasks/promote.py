@@ -14,6 +14,7 @@ from prefect.runtime import flow_run
 
 from infra.settings import Settings
 from infra.tracking import experiment_id, mlflow_client
+from tasks.loader import pixel_rows
 from tasks.model import ImageClassifier, ImageModel
 from tasks.registry import (
     CHALLENGER,
@@ -37,14 +38,8 @@ def load_trained_model(checkpoint_path: str) -> ImageModel:
 def read_split(uri: str, image_size: int) -> tuple[np.ndarray, np.ndarray]:
     """All images (N, H, W, 3 uint8) and labels of one cached split."""
     table = ds.dataset(uri, format="parquet").to_table(columns=["image", "label"])
-    images = table.column("image").combine_chunks()
-    per_image = image_size * image_size * 3
-    offsets = np.frombuffer(images.buffers()[1], dtype=np.int32)[images.offset : images.offset + len(images) + 1]
-    if images.null_count or np.any(np.diff(offsets) != per_image):
-        raise ValueError(f"cached split {uri} holds images that are not {image_size}x{image_size}x3: rebuild the cache")
-    # Binary values lie back to back: one frombuffer over the data buffer reads them all.
-    pixels = np.frombuffer(images.buffers()[2], dtype=np.uint8, count=len(images) * per_image, offset=int(offsets[0]))
-    return pixels.reshape(len(images), image_size, image_size, 3), table.column("label").to_numpy()
+    pixels = pixel_rows(table.column("image"), image_size * image_size * 3, f"cached split {uri}")
+    return pixels.reshape(len(pixels), image_size, image_size, 3), table.column("label").to_numpy()
 
 
 @torch.no_grad()

@@ -12,7 +12,12 @@ import ray.train
 import torch
 from mlflow import MlflowClient
 from pytorch_lightning.callbacks import Callback, EarlyStopping
-from ray.train.lightning import RayDDPStrategy, RayLightningEnvironment, RayTrainReportCallback, prepare_trainer
+from ray.train.lightning import (
+    RayDDPStrategy,
+    RayLightningEnvironment,
+    RayTrainReportCallback,
+    prepare_trainer,
+)
 
 from tasks.loader import ShardBatches
 from tasks.model import ImageClassifier
@@ -24,30 +29,36 @@ class CheckpointUnusable(RuntimeError):
     """No checkpoint of an interrupted run can be read: resuming would silently start over."""
 
 
-def readable_checkpoint(path: str) -> bool:
-    """Whether a Lightning checkpoint file loads and holds weights and an epoch."""
+def checkpoint_epoch(path: str) -> int | None:
+    """The epoch a Lightning checkpoint file was saved at, or None if it does not load or lacks weights and an epoch."""
     try:
         state = torch.load(path, map_location="cpu", weights_only=False)
     except Exception:  # a truncated or garbled file raises any of several errors
-        return False
-    return isinstance(state, dict) and "state_dict" in state and "epoch" in state
+        return None
+    return int(state["epoch"]) if isinstance(state, dict) and "state_dict" in state and "epoch" in state else None
 
 
 def resume_checkpoint(latest: str | None, run_path: str | None) -> str | None:
-    """The checkpoint file to resume from: Ray's latest if it reads, else the newest older one that does.
+    """The checkpoint file to resume from (see resume_point)."""
+    return resume_point(latest, run_path)[0]
 
-    None means there is nothing to resume (a fresh run). A run that has checkpoints, none of which
+
+def resume_point(latest: str | None, run_path: str | None) -> tuple[str | None, int]:
+    """The checkpoint file to resume from and its epoch: Ray's latest if it reads, else the newest older one that does.
+
+    (None, -1) means there is nothing to resume (a fresh run). A run that has checkpoints, none of which
     read, fails with CheckpointUnusable rather than starting again from scratch.
     """
     if latest is None:
-        return None
+        return None, -1
     candidates = [os.path.join(latest, CHECKPOINT_FILE)]
     if run_path:
         older = sorted(glob.glob(os.path.join(run_path, "**", "checkpoint_*", CHECKPOINT_FILE), recursive=True), reverse=True)
         candidates += [path for path in older if os.path.dirname(path) != os.path.normpath(latest)]
     for path in candidates:
-        if os.path.exists(path) and readable_checkpoint(path):
-            return path
+        epoch = checkpoint_epoch(path) if os.path.exists(path) else None
+        if epoch is not None:
+            return path, epoch
     raise CheckpointUnusable(
         f"the run at {run_path or latest} was interrupted, but none of its checkpoints can be read ({', '.join(candidates)}); "
         "delete that folder to train from scratch on purpose"
@@ -159,8 +170,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     rank, world = context.get_world_rank(), context.get_world_size()
     pl.seed_everything(config["seed"], workers=True)
     checkpoint = ray.train.get_checkpoint()
-    resume = resume_checkpoint(checkpoint.path if checkpoint else None, config.get("run_path"))
-    resumed_epoch = int(torch.load(resume, map_location="cpu", weights_only=False)["epoch"]) if resume else -1
+    resume, resumed_epoch = resume_point(checkpoint.path if checkpoint else None, config.get("run_path"))
     callbacks: list[Callback] = [RayTrainReportCallback()]
     if rank == 0 and config.get("mlflow_run_id"):
         callbacks.append(MlflowEpochMetrics(config["tracking_uri"], config["mlflow_run_id"], resumed_epoch))
