@@ -34,7 +34,9 @@ def stage_run(spark, source: Path, root: Path, name: str, scope: Scope) -> dict:
 
 def writer(root: Path, resized: dict, barrier: Path | None = None) -> subprocess.Popen:
     args = {"workspace": str(root / "ws"), "resized": resized, "table": str(root / "tables" / "images"), "quarantine": str(root / "tables" / "quarantine"), "barrier": str(barrier) if barrier else None}
-    return subprocess.Popen([sys.executable, str(REPO / "tests" / "writer.py"), json.dumps(args)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=REPO)
+    # The writer's stderr goes to a file next to its data, so a failing writer can be diagnosed.
+    log = (root / f"writer-{resized['staging_uri'].rstrip('/').rsplit('/', 1)[-1]}.log").open("w")
+    return subprocess.Popen([sys.executable, str(REPO / "tests" / "writer.py"), json.dumps(args)], stdout=subprocess.PIPE, stderr=log, text=True, cwd=REPO)
 
 
 def wait_for(process: subprocess.Popen, line: str) -> None:
@@ -90,7 +92,7 @@ def test_two_writers_at_once_both_land(spark, digits_dir: Path, tmp_path: Path) 
     results = []
     for process in writers:
         out, _ = process.communicate(timeout=300)
-        assert process.returncode == 0
+        assert process.returncode == 0, "\n".join(p.read_text()[-3000:] for p in tmp_path.glob("writer-*.log"))
         results.append(json.loads(out.strip().splitlines()[-1]))
     assert sorted(r["rows"] for r in results) == [60, 60]
     assert len({r["version"] for r in results}) == 2
