@@ -1,0 +1,119 @@
+"""Real servers for tests: a `prefect server start` (SQLite) and process workers, on 127.0.0.1 only, stopped by the tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from tests.conftest import REPO, cli_env
+
+BIN = Path(sys.executable).parent
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_http(url: str, timeout: float, process: subprocess.Popen | None = None, log: Path | None = None) -> None:
+    """Wait until URL answers 200; fail early (with the log) if the process that should serve it has exited."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            raise RuntimeError(f"{process.args[0]} exited {process.returncode} before {url} answered:\n{log.read_text()[-4000:] if log else ''}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{url} did not answer within {timeout:.0f} s:\n{log.read_text()[-4000:] if log else ''}")
+
+
+def stop_group(process: subprocess.Popen, grace: float = 15) -> None:
+    """Stop a process started with start_new_session=True and everything it started."""
+    if process.poll() is None:
+        try:
+            os.killpg(process.pid, signal.SIGTERM)
+            process.wait(grace)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(process.pid, signal.SIGKILL)  # children that outlived their parent, too
+    except ProcessLookupError:
+        pass
+    process.wait(grace)
+
+
+class PrefectServer:
+    """`prefect server start` on a free loopback port, with its own home and SQLite database under `root`."""
+
+    def __init__(self, root: Path, port: int | None = None) -> None:
+        self.root = root
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.api_url = f"{self.url}/api"
+        self.log = root / "prefect-server.log"
+        self.process: subprocess.Popen | None = None
+        self.workers: list[subprocess.Popen] = []
+
+    def env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
+        """Environment for a client, worker or flow run that talks to this server."""
+        env = cli_env(
+            {
+                "PREFECT_HOME": str(self.root / "prefect-home"),
+                "PREFECT_API_URL": self.api_url,
+                "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+                "PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{self.root / 'prefect.db'}",
+                "PREFECT_UI_API_URL": self.api_url,
+            }
+        )
+        env.pop("PREFECT_PROFILES_PATH", None)
+        env.update(extra or {})
+        return env
+
+    def start(self, timeout: float = 120) -> "PrefectServer":
+        self.root.mkdir(parents=True, exist_ok=True)
+        env = self.env()
+        env.pop("PREFECT_API_URL")  # the server itself must not think it is a client of another
+        with self.log.open("w") as out:
+            self.process = subprocess.Popen(
+                [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(self.port)],
+                env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+            )
+        wait_http(f"{self.api_url}/health", timeout, self.process, self.log)
+        return self
+
+    def prefect(self, *args: str, timeout: float = 300, extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+        """Run a `prefect` CLI command against this server from the repository root; fail with its output."""
+        done = subprocess.run(
+            [str(BIN / "prefect"), "--no-prompt", *args], cwd=REPO, env=self.env(extra_env), capture_output=True, text=True,
+            timeout=timeout, stdin=subprocess.DEVNULL,
+        )
+        assert done.returncode == 0, f"prefect {' '.join(args)} exited {done.returncode}:\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
+        return done
+
+    def start_worker(self, pool: str, log: Path, extra_env: dict[str, str] | None = None) -> subprocess.Popen:
+        """A process worker for POOL, run from the repository root (where the deployments' entrypoints are)."""
+        with log.open("w") as out:
+            worker = subprocess.Popen(
+                [str(BIN / "prefect"), "worker", "start", "--pool", pool, "--type", "process"],
+                cwd=REPO, env=self.env(extra_env), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        self.workers.append(worker)
+        return worker
+
+    def stop(self) -> None:
+        for worker in self.workers:
+            stop_group(worker)
+        if self.process is not None:
+            stop_group(self.process)
