@@ -14,6 +14,7 @@ from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 
 from infra.delta import Engine, choose_engine, read_current, table_exists
+from infra.prefect_env import stage_results
 from infra.settings import Settings, load_settings
 from infra.spark import spark_session
 from tasks.cache import cache
@@ -60,7 +61,8 @@ def plan_dates(spark: SparkSession, engine: Engine, settings: Settings, source: 
 def ingest_date(source: str, day: str, config_file: str | None = None, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     """Ingest, resize and write one date partition (re-running it replaces exactly that date's rows)."""
     settings = load_settings(config_file, {**(overrides or {}), "start_date": day, "end_date": day})
-    written = write(resize(ingest(source, settings), settings), settings)
+    with stage_results(settings):
+        written = write(resize(ingest(source, settings), settings), settings)
     return {"date": day, "version": written.version, "rows_added": written.rows, "rows_retired": written.retired}
 
 
@@ -105,8 +107,9 @@ def backfill(
     result: dict[str, Any] = {"plan": plan, "dry_run": False, "ingested": landed, "failed": failed}
     if table_exists(settings.table_uri):
         written = Written(table_uri=settings.table_uri, version=DeltaTable(settings.table_uri).version(), engine=engine, rows=0)
-        cached = cache(repartition(written, settings), settings)
-        promoted = promote(train(cached, settings), cached, settings)
+        with stage_results(settings):
+            cached = cache(repartition(written, settings), settings)
+            promoted = promote(train(cached, settings), cached, settings)
         result.update(delta_version=written.version, model_version=promoted.model_version, model_alias=promoted.alias)
     if failed:
         raise BackfillFailed(f"{len(failed)} of {len(todo)} dates failed; re-run them: " + "; ".join(f"{day}: {why}" for day, why in sorted(failed.items())))

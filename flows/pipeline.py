@@ -9,6 +9,7 @@ from prefect import flow
 from pydantic import BaseModel, Field
 
 from infra.delta import choose_engine
+from infra.prefect_env import stage_results
 from infra.settings import load_settings
 from infra.spark import spark_session
 from tasks.cache import cache
@@ -23,17 +24,18 @@ from tasks.write import write
 
 
 @flow(name="imagelake-pipeline", log_prints=True)
-def pipeline(source: str, config_file: str | None = None, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Take a folder of labelled images to a registered, tested and (if better) promoted model."""
+def pipeline(source: str, config_file: str | None = None, overrides: dict[str, Any] | None = None, refresh: bool = False) -> dict[str, Any]:
+    """Take a folder of labelled images to a registered, tested and (if better) promoted model; `refresh` recomputes every stage."""
     settings = load_settings(config_file, overrides)
-    ingested = ingest(source, settings)
-    resized = resize(ingested, settings)
-    written = write(resized, settings)
-    plan = repartition(written, settings)
-    cached = cache(plan, settings)
-    trained = train(cached, settings)
-    promoted = promote(trained, cached, settings)
-    return summarize(resized, written, cached, trained, promoted, settings)
+    with stage_results(settings, refresh):
+        listed = ingest(source, settings)
+        resized = resize(listed, settings)
+        written = write(resized, settings)
+        plan = repartition(written, settings)
+        cached = cache(plan, settings)
+        trained = train(cached, settings)
+        promoted = promote(trained, cached, settings)
+        return summarize(resized, written, cached, trained, promoted, settings)
 
 
 @flow(name="imagelake-retrain", log_prints=True)
@@ -42,11 +44,12 @@ def retrain_flow(table_uri: str, table_version: int, config_file: str | None = N
     settings = load_settings(config_file, overrides)
     engine = choose_engine(settings, spark_session(settings))
     written = Written(table_uri=table_uri, version=table_version, engine=engine, rows=0)
-    plan = repartition(written, settings)
-    cached = cache(plan, settings)
-    trained = train(cached, settings)
-    promoted = promote(trained, cached, settings)
-    return summarize(None, written, cached, trained, promoted, settings)
+    with stage_results(settings):
+        plan = repartition(written, settings)
+        cached = cache(plan, settings)
+        trained = train(cached, settings)
+        promoted = promote(trained, cached, settings)
+        return summarize(None, written, cached, trained, promoted, settings)
 
 
 class RunParameters(BaseModel):
@@ -62,10 +65,11 @@ class RunParameters(BaseModel):
     start_date: date | None = Field(default=None, description="Only source files dated from this day")
     end_date: date | None = Field(default=None, description="Only source files dated up to this day")
     config_file: str | None = Field(default=None, description="Settings file on the worker; these fields override it")
+    refresh: bool = Field(default=False, description="Recompute every stage even where the cache holds a result")
 
 
 @flow(name="imagelake-adhoc", log_prints=True)
 def adhoc(params: RunParameters = RunParameters()) -> dict[str, Any]:
     """An ad-hoc run from the Prefect UI: the pipeline with the form's values."""
-    overrides = params.model_dump(exclude={"source", "config_file"}, exclude_none=True, mode="json")
-    return pipeline(source=params.source, config_file=params.config_file, overrides=overrides)
+    overrides = params.model_dump(exclude={"source", "config_file", "refresh"}, exclude_none=True, mode="json")
+    return pipeline(source=params.source, config_file=params.config_file, overrides=overrides, refresh=params.refresh)

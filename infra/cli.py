@@ -43,6 +43,7 @@ def _settings_or_exit(config: Optional[Path], pairs: list[str] | None) -> tuple[
 def run(
     source: str = typer.Option(..., "--source", help="Folder (or URI) of images laid out as <label>/<file>."),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as one JSON object on the last line."),
+    refresh: bool = typer.Option(False, "--refresh", help="Recompute every stage even where the cache holds a result."),
     config: Optional[Path] = ConfigOption,
     set_: Optional[list[str]] = SetOption,
 ) -> None:
@@ -53,7 +54,7 @@ def run(
 
     try:
         with prefect_for(settings):
-            summary = pipeline(source=source, config_file=str(config) if config else None, overrides=overrides or None)
+            summary = pipeline(source=source, config_file=str(config) if config else None, overrides=overrides or None, refresh=refresh)
     except (ValueError, FileNotFoundError) as exc:
         # Bad input or settings: the message says what to do; the traceback is in the log above.
         typer.secho(f"error: {exc}", err=True, fg="red")
@@ -74,6 +75,8 @@ def format_summary(summary: dict[str, Any]) -> str:
             f"quarantined {summary['quarantined'] or 'none'}",
             f"  splits        {summary['split_counts']}",
             f"  cache         {summary['cache_dir']}",
+            f"  stages        from cache: {', '.join(summary.get('cache_hits') or []) or 'none'}; "
+            + "; ".join(f"{row['stage']} ran ({row['why']})" for row in summary.get("cache", []) if row["cache"] == "miss"),
             f"  training      {summary['epochs_run']} epochs, val accuracy {summary['val_accuracy']:.3f}, MLflow run {summary['mlflow_run_id']}",
             f"  model         {summary['model_name']} v{summary['model_version']} -> {summary['model_alias']} "
             f"(test accuracy {summary['test_accuracy']:.3f}; champion is v{summary['champion_version']})",

@@ -5,7 +5,15 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator
 
-from prefect.settings import PREFECT_API_URL, PREFECT_LOCAL_STORAGE_PATH, PREFECT_SERVER_ANALYTICS_ENABLED, temporary_settings
+from prefect.context import FlowRunContext
+from prefect.filesystems import LocalFileSystem, RemoteFileSystem, WritableFileSystem
+from prefect.settings import (
+    PREFECT_API_URL,
+    PREFECT_LOCAL_STORAGE_PATH,
+    PREFECT_SERVER_ANALYTICS_ENABLED,
+    PREFECT_TASKS_REFRESH_CACHE,
+    temporary_settings,
+)
 
 from infra.settings import Settings
 
@@ -18,6 +26,25 @@ def prefect_for(settings: Settings) -> Iterator[None]:
     if settings.prefect_api_url:
         updates[PREFECT_API_URL] = settings.prefect_api_url
     with temporary_settings(updates=updates):
+        yield
+
+
+def result_storage(uri: str) -> WritableFileSystem:
+    """A Prefect file system for a folder or an fsspec URI (s3://, gs://, abfs://...)."""
+    if "://" in uri and not uri.startswith("file://"):
+        return RemoteFileSystem(basepath=uri)
+    return LocalFileSystem(basepath=uri.removeprefix("file://"))
+
+
+@contextlib.contextmanager
+def stage_results(settings: Settings, refresh: bool = False) -> Iterator[None]:
+    """Inside a flow: stages cache their results under settings.results_uri; with refresh, every stage recomputes."""
+    context = FlowRunContext.get()
+    if context is None:
+        raise RuntimeError("stage_results() belongs inside a flow run")
+    store = context.result_store.model_copy(update={"result_storage": result_storage(settings.results_uri), "metadata_storage": None})
+    # A deployment run gets no say over the worker's Prefect settings: the flow picks the store itself.
+    with context.model_copy(update={"result_store": store}), temporary_settings(updates={PREFECT_TASKS_REFRESH_CACHE: refresh}):
         yield
 
 

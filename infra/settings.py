@@ -64,6 +64,7 @@ class Settings(BaseSettings):
     # Spark and Delta.
     spark_master: str = "local[*]"
     spark_driver_memory: str = "4g"
+    spark_log_level: Literal["ALL", "DEBUG", "INFO", "WARN", "ERROR", "FATAL", "OFF"] = Field(default="ERROR", description="Spark's own log level")
     spark_jars: list[str] = Field(default_factory=list, description="Extra jars for Spark, e.g. Delta's, as local paths")
     delta_writer: Literal["auto", "delta-rs", "spark"] = "auto"
     table_root: str | None = Field(default=None, description="Folder or object-store URI of the Delta tables")
@@ -130,6 +131,7 @@ class Settings(BaseSettings):
 
     # Orchestration.
     prefect_api_url: str | None = None
+    results_root: str | None = Field(default=None, description="Folder or URI where stage results are cached (default: workspace/prefect-results)")
 
     @model_validator(mode="after")
     def _check_fractions(self) -> "Settings":
@@ -198,6 +200,11 @@ class Settings(BaseSettings):
     @property
     def prefect_results_dir(self) -> Path:
         return self.workspace_dir / "prefect-results"
+
+    @property
+    def results_uri(self) -> str:
+        """Where every stage's cached result and cache-key record lives."""
+        return (self.results_root or str(self.prefect_results_dir)).rstrip("/")
 
 
 def load_settings(config_file: str | Path | None = None, overrides: dict[str, Any] | None = None) -> Settings:

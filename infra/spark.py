@@ -23,6 +23,7 @@ def spark_session(settings: Settings) -> SparkSession:
     with _lock:
         active = SparkSession.getActiveSession()
         if active is not None:
+            active.sparkContext.setLogLevel(settings.spark_log_level)
             return active
         ensure_java()
         if settings.spark_master.startswith("local"):
@@ -50,7 +51,7 @@ def spark_session(settings: Settings) -> SparkSession:
             # A catalog class that is missing fails every write, so these are set only when the jars are there.
             builder = builder.config("spark.sql.extensions", DELTA_EXTENSION).config("spark.sql.catalog.spark_catalog", DELTA_CATALOG)
         session = builder.getOrCreate()
-        session.sparkContext.setLogLevel("ERROR")
+        session.sparkContext.setLogLevel(settings.spark_log_level)
         return session
 
 

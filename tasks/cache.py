@@ -68,7 +68,7 @@ def cache_splits(spark: SparkSession, plan: SplitPlan, image_size: int, cache_ro
     )
 
 
-@stage("cache")
+@stage("cache", settings=("image_size", "cache_uri"))
 def cache(plan: SplitPlan, settings: Settings) -> CachedSplits:
     """Prefect stage: materialise (or reuse) the Petastorm cache of every split."""
     return cache_splits(spark_session(settings), plan, settings.image_size, settings.cache_uri)

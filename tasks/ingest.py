@@ -1,6 +1,7 @@
-"""Ingest: list the source (a folder tree or a manifest CSV), and diff it against the table.
+"""Ingest: list the source (a folder tree or a manifest CSV); diff a listing against the table.
 
 Only new or changed files go on to be read and decoded; unchanged files cost a listing.
+The ingest stage lists; the resize stage diffs, since what is new depends on the image size.
 The listing is done with fsspec rather than Spark's file sources, which skip folders whose
 names start with `_` or `.` and read `name=value` folders as partition columns.
 """
@@ -21,15 +22,13 @@ import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 from deltalake import DeltaTable
-from prefect.cache_policies import CachePolicy
 from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 
-from infra.delta import Engine, choose_engine, read_current, table_exists
+from infra.delta import Engine, read_current, table_exists
 from infra.settings import Settings
-from infra.spark import spark_session
-from tasks.results import Ingested
-from tasks.stage import STAGE_CACHE, stage
+from tasks.results import Ingested, Listed
+from tasks.stage import stage
 
 DATE_FOLDER = re.compile(r"^date=(\d{4}-\d{2}-\d{2})$")
 
@@ -174,6 +173,11 @@ def listing_fingerprint(entries: list[dict[str, Any]]) -> str:
     return digest.hexdigest()
 
 
+def table_version(table_uri: str) -> int | None:
+    """The Delta table's current version, or None before its first write."""
+    return DeltaTable(table_uri).version() if table_exists(table_uri) else None
+
+
 def known_files(spark: SparkSession, engine: Engine, table_uri: str, image_size: int, quarantine_uri: str | None = None) -> tuple[int | None, dict[str, tuple[int, float]], set[str]]:
     """The table's version; each path's (size, mtime) in the table (this image size) or the quarantine; the table's paths."""
     known: dict[str, tuple[int, float]] = {}
@@ -182,8 +186,7 @@ def known_files(spark: SparkSession, engine: Engine, table_uri: str, image_size:
         known.update({p: (s, m) for p, s, m in zip(rows["path"], rows["size"], rows["mtime"])})
     rows = read_current(spark, table_uri, engine, ["path", "size", "mtime"], F.col("image_size") == image_size).to_pydict()
     known.update({p: (s, m) for p, s, m in zip(rows["path"], rows["size"], rows["mtime"])})
-    version = DeltaTable(table_uri).version() if table_exists(table_uri) else None
-    return version, known, set(rows["path"])
+    return table_version(table_uri), known, set(rows["path"])
 
 
 def diff_listing(entries: list[dict[str, Any]], known: dict[str, tuple[int, float]], retire_missing: bool, scoped_paths: set[str]) -> tuple[list[dict[str, Any]], int]:
@@ -207,30 +210,42 @@ def paths_in_dates(spark: SparkSession, engine: Engine, table_uri: str, image_si
     return set(read_current(spark, table_uri, engine, ["path"], predicate).column("path").to_pylist())
 
 
-def ingest_listing(
-    spark: SparkSession, engine: Engine, uri: str, scope: Scope, table_uri: str, image_size: int, retire_deleted: bool,
-    staging_dir: str, quarantine_uri: str | None = None,
-) -> Ingested:
-    """List the source, keep what is new or changed since the table's current version, and stage that list."""
+def stage_listing(uri: str, scope: Scope, staging_dir: str) -> Listed:
+    """List the source and keep the listing in staging, named by its fingerprint."""
     entries = list_source(uri, scope)
     if not entries:
         where = f" dated {scope.start or '...'} to {scope.end or '...'}" if (scope.start or scope.end) else ""
         raise SourceError(f"no image files ({', '.join(scope.extensions)}){where} under {uri}: lay images out as [date=YYYY-MM-DD/]<label>/<file>")
+    fingerprint = listing_fingerprint(entries)
+    manifest = write_manifest(entries, f"{staging_dir.rstrip('/')}/listing-{fingerprint[:20]}.parquet")
+    return Listed(manifest_uri=manifest, source_uri=uri, listed=len(entries), listing_fingerprint=fingerprint)
+
+
+def write_manifest(entries: list[dict[str, Any]], manifest: str) -> str:
+    fs, path = fsspec.core.url_to_fs(manifest)
+    fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+    with fs.open(path, "wb") as out:
+        pq.write_table(pa.Table.from_pylist(entries, schema=LISTING_SCHEMA), out)
+    return manifest
+
+
+def diff_against_table(
+    spark: SparkSession, engine: Engine, listed: Listed, scope: Scope, table_uri: str, image_size: int, retire_deleted: bool,
+    staging_dir: str, quarantine_uri: str | None = None,
+) -> Ingested:
+    """Keep what is new or changed in a listing since the table's current version (at this image size), and stage that list."""
+    with fsspec.open(listed.manifest_uri, "rb") as handle:
+        entries = pq.read_table(handle).to_pylist()
     version, known, table_paths = known_files(spark, engine, table_uri, image_size, quarantine_uri)
     dated = scope.start is not None or scope.end is not None
     # A date-limited run replaces exactly its dates: files gone from those dates are retired.
     scoped = paths_in_dates(spark, engine, table_uri, image_size, scope) if dated and version is not None else table_paths
     todo, unchanged = diff_listing(entries, known, retire_deleted or dated, scoped)
-    fingerprint = hashlib.sha256(f"{listing_fingerprint(entries)}|{table_uri}|{version}|{image_size}".encode()).hexdigest()
-    manifest = f"{staging_dir.rstrip('/')}/ingest-{fingerprint[:20]}.parquet"
-    fs, path = fsspec.core.url_to_fs(manifest)
-    fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
-    with fs.open(path, "wb") as out:
-        pq.write_table(pa.Table.from_pylist(todo, schema=LISTING_SCHEMA), out)
+    fingerprint = hashlib.sha256(f"{listed.listing_fingerprint}|{table_uri}|{version}|{image_size}".encode()).hexdigest()
     return Ingested(
-        manifest_uri=manifest,
-        source_uri=uri,
-        listed=len(entries),
+        manifest_uri=write_manifest(todo, f"{staging_dir.rstrip('/')}/ingest-{fingerprint[:20]}.parquet"),
+        source_uri=listed.source_uri,
+        listed=listed.listed,
         unchanged=unchanged,
         candidates=sum(1 for e in todo if e["action"] == "upsert"),
         retired=sum(1 for e in todo if e["action"] == "delete"),
@@ -239,22 +254,21 @@ def ingest_listing(
     )
 
 
-@dataclass
-class SourceListing(CachePolicy):
+def ingest_listing(
+    spark: SparkSession, engine: Engine, uri: str, scope: Scope, table_uri: str, image_size: int, retire_deleted: bool,
+    staging_dir: str, quarantine_uri: str | None = None,
+) -> Ingested:
+    """List the source and keep what is new or changed since the table's current version (both steps at once)."""
+    listed = stage_listing(uri, scope, staging_dir)
+    return diff_against_table(spark, engine, listed, scope, table_uri, image_size, retire_deleted, staging_dir, quarantine_uri)
+
+
+def source_listing(inputs: dict[str, Any]) -> dict[str, str]:
     """Cache key part for ingest: the listing itself, so new or changed files are a miss without reading them."""
-
-    def compute_key(self, task_ctx: Any, inputs: dict[str, Any], flow_parameters: dict[str, Any], **kwargs: Any):
-        settings: Settings = inputs["settings"]
-        version = DeltaTable(settings.table_uri).version() if table_exists(settings.table_uri) else None
-        listing = listing_fingerprint(list_source(source_uri(inputs["source"]), scope_of(settings)))
-        return f"{listing}-{version}"
+    return {"source listing": listing_fingerprint(list_source(source_uri(inputs["source"]), scope_of(inputs["settings"])))}
 
 
-@stage("ingest", cache_policy=STAGE_CACHE + SourceListing())
-def ingest(source: str, settings: Settings) -> Ingested:
-    """Prefect stage: list the source and find what is new or changed."""
-    spark = spark_session(settings)
-    return ingest_listing(
-        spark, choose_engine(settings, spark), source_uri(source), scope_of(settings), settings.table_uri, settings.image_size, settings.retire_deleted,
-        settings.staging_uri, settings.quarantine_uri,
-    )
+@stage("ingest", settings=("image_extensions", "start_date", "end_date", "max_file_bytes"), facts=source_listing)
+def ingest(source: str, settings: Settings) -> Listed:
+    """Prefect stage: list the source (what changed since the table is resize's to find, at its image size)."""
+    return stage_listing(source_uri(source), scope_of(settings), settings.staging_uri)

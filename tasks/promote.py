@@ -115,7 +115,14 @@ def promote_model(trained: Trained, cached: CachedSplits, settings: Settings, fl
     return promoted, decision, champion_version
 
 
-@stage("promote", retries=1)
+@stage(
+    "promote",
+    settings=(
+        "model_name", "promotion_metric", "promotion_margin", "allow_pickle_models", "tracking_uri", "mlflow_registry_uri", "history_uri",
+        "resize_mode", "val_fraction", "test_fraction", "partitions_per_worker",
+    ),
+    retries=1,
+)
 def promote(trained: Trained, cached: CachedSplits, settings: Settings) -> Promoted:
     """Prefect stage: registry promotion through the quality gate, with the decision as a markdown artifact."""
     promoted, decision, champion_version = promote_model(trained, cached, settings, str(flow_run.id) if flow_run.id else None)

@@ -71,7 +71,7 @@ def plan_splits(spark: SparkSession, written: Written, settings: Settings) -> Sp
     )
 
 
-@stage("repartition")
+@stage("repartition", settings=("image_size", "val_fraction", "test_fraction", "partitions_per_worker", "num_workers"))
 def repartition(written: Written, settings: Settings) -> SplitPlan:
     """Prefect stage: plan the split and the partition count of the written table version."""
     return plan_splits(spark_session(settings), written, settings)

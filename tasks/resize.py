@@ -9,7 +9,7 @@ import uuid
 import warnings
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Iterator, Literal, Self
+from typing import Any, Iterator, Literal, Self
 
 import fsspec
 import numpy as np
@@ -24,8 +24,8 @@ from pyspark.sql import functions as F
 from infra.delta import Engine, choose_engine, read_current
 from infra.settings import Settings
 from infra.spark import spark_session
-from tasks.ingest import LISTING_SCHEMA
-from tasks.results import Ingested, Resized
+from tasks.ingest import LISTING_SCHEMA, diff_against_table, scope_of, table_version
+from tasks.results import Ingested, Listed, Resized
 from tasks.stage import stage
 
 ResizeMode = Literal["letterbox", "center_crop"]
@@ -333,11 +333,26 @@ def known_hashes(spark: SparkSession, engine: Engine, table_uri: str, image_size
     return frozenset(rows.column("sha256").to_pylist())
 
 
-@stage("resize")
-def resize(ingested: Ingested, settings: Settings) -> Resized:
-    """Prefect stage: read, hash and resize what ingest found new or changed."""
+def tables_now(inputs: dict[str, Any]) -> dict[str, str]:
+    """Cache key part for resize: the versions of the tables the diff reads, so new commits are a miss."""
+    settings: Settings = inputs["settings"]
+    return {"table version": str(table_version(settings.table_uri)), "table version (quarantine)": str(table_version(settings.quarantine_uri))}
+
+
+@stage(
+    "resize",
+    settings=("image_size", "resize_mode", "max_file_bytes", "max_image_pixels", "retire_deleted", "start_date", "end_date", "table_uri", "quarantine_uri"),
+    facts=tables_now,
+)
+def resize(listed: Listed, settings: Settings) -> Resized:
+    """Prefect stage: find what is new or changed at this image size, then read, hash and resize it."""
+    spark = spark_session(settings)
+    engine = choose_engine(settings, spark)
+    ingested = diff_against_table(
+        spark, engine, listed, scope_of(settings), settings.table_uri, settings.image_size, settings.retire_deleted, settings.staging_uri,
+        settings.quarantine_uri,
+    )
     rules = DecodeRules(settings.image_size, settings.resize_mode, settings.max_file_bytes, settings.max_image_pixels)
     key = f"{ingested.content_fingerprint[:16]}-{settings.image_size}-{settings.resize_mode}"
-    spark = spark_session(settings)
-    known = known_hashes(spark, choose_engine(settings, spark), settings.table_uri, settings.image_size)
+    known = known_hashes(spark, engine, settings.table_uri, settings.image_size)
     return resize_images(spark, ingested, rules, known, f"{settings.staging_uri}/resize-{key}", settings.table_uri)

@@ -9,6 +9,13 @@ from __future__ import annotations
 from pydantic import BaseModel, Field
 
 
+class Listed(BaseModel):
+    manifest_uri: str = Field(exclude=True)
+    source_uri: str
+    listed: int
+    listing_fingerprint: str
+
+
 class Ingested(BaseModel):
     manifest_uri: str = Field(exclude=True)
     source_uri: str

@@ -1,35 +1,114 @@
-"""What every stage's Prefect task shares: retries with backoff and a cache policy of inputs + code."""
+"""What every stage's Prefect task shares: retries with backoff, and a cache key that says what it is made of.
+
+A stage's key is built from named parts: the code of the module that does the work, each upstream
+result (which carries the Delta table version it read or wrote), the settings that change the
+stage's output (and no others: the Spark log level or the MLflow UI's address never make a miss),
+and facts read when the key is computed (the source listing, the table's current version). The
+parts of the last key computed for each stage are kept beside the cached results, so a run can
+say why a stage was a cache miss.
+"""
 
 from __future__ import annotations
 
 import inspect
+import json
 import sys
-from dataclasses import dataclass
+import threading
+import uuid
+from dataclasses import dataclass, field
 from typing import Any, Callable, TypeVar
 
+import fsspec
 from prefect import task
-from prefect.cache_policies import INPUTS, TASK_SOURCE, CachePolicy
+from prefect.cache_policies import CachePolicy
+from prefect.settings import PREFECT_TASKS_REFRESH_CACHE
 from prefect.tasks import exponential_backoff
 from prefect.utilities.hashing import hash_objects
 
 F = TypeVar("F", bound=Callable[..., Any])
 
+# Per flow run and stage: why it may come from the cache, and its final state name ("Cached" on a hit).
+_reasons: dict[str, dict[str, str]] = {}
+_outcomes: dict[str, dict[str, str]] = {}
+_lock = threading.Lock()
+
+
+def key_parts(fn: Callable[..., Any], inputs: dict[str, Any], settings_fields: tuple[str, ...]) -> dict[str, str]:
+    """The named parts of a stage's cache key (values are short digests or the settings' own values)."""
+    module = sys.modules.get(fn.__module__)
+    parts = {"code": hash_objects(inspect.getsource(module) if module else inspect.getsource(fn), raise_on_failure=True)}
+    settings = inputs.get("settings")
+    for name, value in inputs.items():
+        if name != "settings":
+            parts[f"input {name}"] = hash_objects(value, raise_on_failure=True)
+    for name in settings_fields:
+        parts[f"setting {name}"] = json.dumps(getattr(settings, name), default=str)
+    return parts
+
+
+def explain(previous: dict[str, Any] | None, key: str, parts: dict[str, str], refresh: bool) -> str:
+    """Why a stage with these key parts will be a hit or a miss, compared with the last key computed for it."""
+    if refresh:
+        return "refresh requested: recomputed whatever the cache holds"
+    if previous is None:
+        return "no earlier run of this stage in these results"
+    if previous["key"] == key:
+        return "same code, inputs and settings as the last run"
+    old = previous["parts"]
+    changed = []
+    for name in sorted(set(parts) | set(old)):
+        if parts.get(name) != old.get(name):
+            detail = f" {old.get(name)} -> {parts.get(name)}" if name.startswith(("setting", "table")) else ""
+            changed.append(f"{name} changed{detail}")
+    return "; ".join(changed)
+
 
 @dataclass
-class StageModuleSource(CachePolicy):
-    """Hash the source of the module a task lives in, so a change to the plain stage function is a cache miss.
+class StageKey(CachePolicy):
+    """Cache key of one stage: code + upstream results + the settings that change its output + facts read now."""
 
-    TASK_SOURCE alone sees only the thin wrapper, not the function that does the work.
-    """
+    stage: str = ""
+    settings_fields: tuple[str, ...] = ()
+    facts: Callable[[dict[str, Any]], dict[str, str]] | None = field(default=None, repr=False)
 
-    def compute_key(self, task_ctx: Any, inputs: dict[str, Any], flow_parameters: dict[str, Any], **kwargs: Any):
+    def compute_key(self, task_ctx: Any, inputs: dict[str, Any], flow_parameters: dict[str, Any], **kwargs: Any) -> str | None:
         if not task_ctx:
             return None
-        module = sys.modules.get(task_ctx.task.fn.__module__)
-        return hash_objects(inspect.getsource(module), raise_on_failure=True) if module else None
+        parts = key_parts(task_ctx.task.fn, inputs, self.settings_fields)
+        if self.facts is not None:
+            parts.update(self.facts(inputs))
+        key = f"{self.stage}-{hash_objects(parts, raise_on_failure=True)}"
+        settings = inputs.get("settings")
+        if settings is not None:
+            note_key(settings.results_uri, self.stage, key, parts, str(task_ctx.task_run.flow_run_id), bool(PREFECT_TASKS_REFRESH_CACHE.value()))
+        return key
 
 
-STAGE_CACHE = INPUTS + TASK_SOURCE + StageModuleSource()
+def note_key(results_uri: str, stage: str, key: str, parts: dict[str, str], flow_run_id: str, refresh: bool) -> None:
+    """Record why this key may hit or miss, and keep its parts as the stage's latest for the next run to compare with."""
+    fs, folder = fsspec.core.url_to_fs(f"{results_uri}/cache-keys")
+    path = f"{folder}/{stage}.json"
+    with _lock:
+        previous = json.loads(fs.cat_file(path)) if fs.exists(path) else None
+        _reasons.setdefault(flow_run_id, {})[stage] = explain(previous, key, parts, refresh)
+        fs.makedirs(folder, exist_ok=True)
+        # Written aside and moved into place, so a run in another process never reads half a record.
+        aside = f"{path}.{uuid.uuid4().hex}"
+        fs.pipe_file(aside, json.dumps({"key": key, "parts": parts}, indent=1).encode())
+        fs.mv(aside, path)
+
+
+def note_outcome(task: Any, task_run: Any, state: Any) -> None:
+    """Task hook: remember how a stage ended in its flow run (the API hears of it later, through events)."""
+    with _lock:
+        _outcomes.setdefault(str(task_run.flow_run_id), {})[task.name] = state.name
+
+
+def stage_outcomes(flow_run_id: str) -> tuple[dict[str, str], dict[str, str]]:
+    """Each stage's final state name in this flow run, and why its cache key did or did not match the last run's."""
+    with _lock:
+        return dict(_outcomes.get(flow_run_id, {})), dict(_reasons.get(flow_run_id, {}))
+
 
 # Bad input, bad settings and programming errors fail the same way every time: retrying only delays the message.
 PERMANENT_ERRORS: tuple[type[BaseException], ...] = (ValueError, TypeError, KeyError, FileNotFoundError)
@@ -46,15 +125,27 @@ def retry_transient_only(task: Any, task_run: Any, state: Any) -> bool:
     return True
 
 
-def stage(name: str, *, retries: int = 2, backoff: float = 2.0, cache_policy: CachePolicy = STAGE_CACHE) -> Callable[[F], F]:
-    """Declare a pipeline stage: a Prefect task that retries with jittered exponential backoff and caches its result."""
+def stage(
+    name: str,
+    *,
+    settings: tuple[str, ...] = (),
+    facts: Callable[[dict[str, Any]], dict[str, str]] | None = None,
+    retries: int = 2,
+    backoff: float = 2.0,
+    cache_policy: CachePolicy | None = None,
+) -> Callable[[F], F]:
+    """Declare a pipeline stage: a Prefect task that retries with jittered exponential backoff and caches its result.
+
+    `settings` names the settings fields that change the stage's output; `facts` adds key parts read at call time.
+    """
     return task(
         name=name,
         retries=retries,
         retry_delay_seconds=exponential_backoff(backoff_factor=backoff),
         retry_jitter_factor=0.5,
         retry_condition_fn=retry_transient_only,
-        cache_policy=cache_policy,
+        cache_policy=cache_policy or StageKey(stage=name, settings_fields=settings, facts=facts),
         persist_result=True,
         log_prints=True,
+        on_completion=[note_outcome],
     )

@@ -9,10 +9,10 @@ from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 
 from infra.settings import Settings
-from infra.tracking import mlflow_client
+from infra.tracking import experiment_id, mlflow_client
 from tasks.registry import CHAMPION, alias_version
 from tasks.results import CachedSplits, Promoted, Resized, Trained, Written
-from tasks.stage import stage
+from tasks.stage import stage, stage_outcomes
 
 
 def run_summary(resized: Resized | None, written: Written, cached: CachedSplits, trained: Trained, promoted: Promoted, champion_version: str | None) -> dict[str, Any]:
@@ -43,19 +43,48 @@ def run_summary(resized: Resized | None, written: Written, cached: CachedSplits,
     }
 
 
-def summary_markdown(summary: dict[str, Any], tracking_uri: str) -> str:
+STAGES = ("ingest", "resize", "write", "repartition", "cache", "train", "promote")
+
+
+def cache_report(states: dict[str, str], reasons: dict[str, str]) -> list[dict[str, str]]:
+    """Each stage that ran in this flow run: served from the cache or computed, and why."""
+    report = []
+    for name in STAGES:
+        if name not in states:
+            continue
+        hit = states[name] == "Cached"
+        why = reasons.get(name, "")
+        if hit:
+            why = "same code, inputs and settings as an earlier run"
+        elif why.startswith("same code"):
+            why = "same key as the last run, but its result is no longer in the cache"
+        report.append({"stage": name, "cache": "hit" if hit else "miss", "why": why or "-"})
+    return report
+
+
+def summary_markdown(summary: dict[str, Any], mlflow_link: str) -> str:
     """A short markdown table of the summary for the Prefect UI."""
-    rows = "\n".join(f"| {key} | {value} |" for key, value in summary.items())
-    return f"## imagelake run\n\nMLflow: `{tracking_uri}`, run `{summary['mlflow_run_id']}`\n\n| item | value |\n|---|---|\n{rows}\n"
+    rows = "\n".join(f"| {key} | {value} |" for key, value in summary.items() if key != "cache")
+    stages = "\n".join(f"| {row['stage']} | {row['cache']} | {row['why']} |" for row in summary.get("cache", []))
+    return (
+        f"## imagelake run\n\nMLflow run: [{summary['mlflow_run_id']}]({mlflow_link})\n\n| item | value |\n|---|---|\n{rows}\n\n"
+        f"### Cache\n\n| stage | cache | why |\n|---|---|---|\n{stages}\n"
+    )
 
 
 @stage("summarize", retries=1, cache_policy=NO_CACHE)
 def summarize(resized: Resized | None, written: Written, cached: CachedSplits, trained: Trained, promoted: Promoted, settings: Settings) -> dict[str, Any]:
     """Prefect stage (never cached): read the current champion and publish the run's summary."""
-    champion_version = alias_version(mlflow_client(settings), promoted.model_name, CHAMPION)
+    client = mlflow_client(settings)
+    champion_version = alias_version(client, promoted.model_name, CHAMPION)
     summary = run_summary(resized, written, cached, trained, promoted, champion_version)
     summary["flow_run_id"] = str(flow_run.id) if flow_run.id else None
-    create_markdown_artifact(summary_markdown(summary, settings.tracking_uri), key="imagelake-run-summary")
+    summary["cache"] = cache_report(*stage_outcomes(summary["flow_run_id"])) if flow_run.id else []
+    summary["cache_hits"] = [row["stage"] for row in summary["cache"] if row["cache"] == "hit"]
+    link = f"{settings.mlflow_ui_url.rstrip('/')}/#/experiments/{experiment_id(client, settings)}/runs/{trained.mlflow_run_id}"
+    summary["mlflow_run_url"] = link
+    create_markdown_artifact(summary_markdown(summary, link), key="imagelake-run-summary")
+    create_table_artifact(summary["cache"], key="imagelake-cache", description="Which stages came from the cache, and why")
     create_table_artifact(
         [{"reason": reason, "files": count} for reason, count in sorted((resized.quarantined if resized else {}).items())] or [{"reason": "none", "files": 0}],
         key="imagelake-quarantine",

@@ -34,13 +34,17 @@ def scaled_learning_rate(base_lr: float, num_workers: int, rule: str = "linear")
     raise ValueError(f"unknown lr_scaling {rule!r}: choose linear, sqrt or none")
 
 
+# The settings that change what training produces: they name the Ray run and key the train stage's cache.
+RUN_SETTINGS = (
+    "model_arch", "pretrained_weights", "freeze_backbone", "max_epochs", "batch_size", "base_lr", "lr_scaling", "num_workers",
+    "early_stopping_patience", "early_stopping_min_delta", "early_stopping_threshold", "seed", "use_gpu",
+)
+TRAINING_SETTINGS = (*RUN_SETTINGS, "shuffle_buffer_batches", "bf16", "channels_last", "tracking_uri", "mlflow_experiment", "ray_storage_path")
+
+
 def run_name(cached: CachedSplits, settings: Settings) -> str:
     """The Ray run's name: the same for the same data and training settings, so a retried task resumes that run."""
-    fields = (
-        "model_arch", "pretrained_weights", "freeze_backbone", "max_epochs", "batch_size", "base_lr", "lr_scaling", "num_workers",
-        "early_stopping_patience", "early_stopping_min_delta", "early_stopping_threshold", "seed", "use_gpu",
-    )
-    digest = hashlib.sha256(json.dumps([cached.key, *(getattr(settings, f) for f in fields)], default=str).encode()).hexdigest()[:12]
+    digest = hashlib.sha256(json.dumps([cached.key, *(getattr(settings, f) for f in RUN_SETTINGS)], default=str).encode()).hexdigest()[:12]
     return f"train-{cached.key}-{digest}"
 
 
@@ -166,7 +170,7 @@ def train_model(cached: CachedSplits, settings: Settings) -> Trained:
     return trained
 
 
-@stage("train", retries=1)
+@stage("train", settings=TRAINING_SETTINGS, retries=1)
 def train(cached: CachedSplits, settings: Settings) -> Trained:
     """Prefect stage: distributed training on Ray, linked from the flow run to its MLflow run."""
     trained = train_model(cached, settings)

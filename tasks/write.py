@@ -213,7 +213,7 @@ def discard_run_files(resized: Resized) -> None:
         fs.rmdir(folder)
 
 
-@stage("write")
+@stage("write", settings=("table_uri", "quarantine_uri", "max_bad_fraction", "delta_writer"))
 def write(resized: Resized, settings: Settings) -> Written:
     """Prefect stage: merge into the Delta table with the engine that can run here."""
     spark = spark_session(settings)
