@@ -19,6 +19,7 @@ from deltalake.transaction import AddAction, RemoveAction, create_table_with_add
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 
+from infra.errors import PermanentError
 from infra.settings import Settings
 from infra.spark import delta_jars_loaded
 
@@ -26,7 +27,7 @@ Engine = Literal["delta-rs", "spark"]
 WRITE_ID_KEY = "imagelake.write_id"
 
 
-class DeltaEngineUnavailable(RuntimeError):
+class DeltaEngineUnavailable(PermanentError, RuntimeError):
     """The Delta engine the settings force cannot run here."""
 
 

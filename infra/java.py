@@ -7,8 +7,10 @@ import shutil
 import subprocess
 from pathlib import Path
 
+from infra.errors import PermanentError
 
-class JavaNotFound(RuntimeError):
+
+class JavaNotFound(PermanentError, RuntimeError):
     """No Java runtime: Spark cannot start."""
 
 

@@ -25,6 +25,8 @@ from prefect.settings import PREFECT_TASKS_REFRESH_CACHE
 from prefect.tasks import exponential_backoff
 from prefect.utilities.hashing import hash_objects
 
+from infra.errors import PermanentError
+
 F = TypeVar("F", bound=Callable[..., Any])
 
 # Per flow run and stage: why it may come from the cache, and its final state name ("Cached" on a hit).
@@ -111,7 +113,7 @@ def stage_outcomes(flow_run_id: str) -> tuple[dict[str, str], dict[str, str]]:
 
 
 # Bad input, bad settings and programming errors fail the same way every time: retrying only delays the message.
-PERMANENT_ERRORS: tuple[type[BaseException], ...] = (ValueError, TypeError, KeyError, FileNotFoundError)
+PERMANENT_ERRORS: tuple[type[BaseException], ...] = (PermanentError, ValueError, TypeError, KeyError, FileNotFoundError)
 
 
 def retry_transient_only(task: Any, task_run: Any, state: Any) -> bool:

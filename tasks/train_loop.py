@@ -19,13 +19,14 @@ from ray.train.lightning import (
     prepare_trainer,
 )
 
+from infra.errors import PermanentError
 from tasks.loader import ShardBatches
 from tasks.model import ImageClassifier
 
 CHECKPOINT_FILE = RayTrainReportCallback.CHECKPOINT_NAME
 
 
-class CheckpointUnusable(RuntimeError):
+class CheckpointUnusable(PermanentError, RuntimeError):
     """No checkpoint of an interrupted run can be read: resuming would silently start over."""
 
 

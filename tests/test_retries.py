@@ -8,7 +8,18 @@ import pytest
 from prefect import flow
 from prefect.cache_policies import NO_CACHE
 
+from infra.settings import SettingsError
 from tasks.stage import stage
+from tasks.train_loop import CheckpointUnusable
+from tasks.write import TooManyBadFiles
+
+
+ERRORS = {
+    "transient": OSError("the object store timed out"),
+    "bad settings": SettingsError("image_size must be positive"),
+    "too many bad files": TooManyBadFiles("3 of 3 files are bad (not_an_image: 3), over max_bad_fraction=0.2"),
+    "unusable checkpoint": CheckpointUnusable("no checkpoint under ray_results/run loads: delete that folder"),
+}
 
 
 def attempts(path: Path) -> int:
@@ -22,7 +33,7 @@ def flaky(log: str, error: str) -> str:
     with path.open("a") as out:
         out.write("attempt\n")
     if attempts(path) == 1:
-        raise {"transient": OSError("the object store timed out"), "permanent": ValueError("image_size must be positive")}[error]
+        raise ERRORS[error]
     return "done"
 
 
@@ -37,8 +48,9 @@ def test_a_transient_failure_is_retried_and_the_run_completes(prefect_api: str, 
     assert attempts(log) == 2
 
 
-def test_a_permanent_failure_fails_after_one_attempt(prefect_api: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("error", ["bad settings", "too many bad files", "unusable checkpoint"])
+def test_a_permanent_failure_fails_after_one_attempt(prefect_api: str, tmp_path: Path, error: str) -> None:
     log = tmp_path / "permanent.log"
-    with pytest.raises(ValueError, match="image_size must be positive"):
-        one_stage(str(log), "permanent")
+    with pytest.raises(type(ERRORS[error]), match=str(ERRORS[error]).split(" ")[0]):
+        one_stage(str(log), error)
     assert attempts(log) == 1
