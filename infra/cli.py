@@ -64,6 +64,15 @@ def run(
         typer.echo(json.dumps(summary, sort_keys=True))
 
 
+def recomputed(report: list[dict[str, str]]) -> str:
+    """The stages that ran, grouped by why: '; ran: resize, write (table version changed 0 -> 1)'."""
+    reasons: dict[str, list[str]] = {}
+    for row in report:
+        if row["cache"] == "miss":
+            reasons.setdefault(row["why"], []).append(row["stage"])
+    return "".join(f"; ran: {', '.join(stages)} ({why})" for why, stages in reasons.items())
+
+
 def format_summary(summary: dict[str, Any]) -> str:
     """A few lines a person reads after a run."""
     return "\n".join(
@@ -75,8 +84,7 @@ def format_summary(summary: dict[str, Any]) -> str:
             f"quarantined {summary['quarantined'] or 'none'}",
             f"  splits        {summary['split_counts']}",
             f"  cache         {summary['cache_dir']}",
-            f"  stages        from cache: {', '.join(summary.get('cache_hits') or []) or 'none'}; "
-            + "; ".join(f"{row['stage']} ran ({row['why']})" for row in summary.get("cache", []) if row["cache"] == "miss"),
+            f"  stages        from cache: {', '.join(summary.get('cache_hits') or []) or 'none'}{recomputed(summary.get('cache', []))}",
             f"  training      {summary['epochs_run']} epochs, val accuracy {summary['val_accuracy']:.3f}, MLflow run {summary['mlflow_run_id']}",
             f"  model         {summary['model_name']} v{summary['model_version']} -> {summary['model_alias']} "
             f"(test accuracy {summary['test_accuracy']:.3f}; champion is v{summary['champion_version']})",
