@@ -7,7 +7,7 @@ WORKSPACE ?= .imagelake
 DEMO := $(WORKSPACE)/demo-digits
 PYTEST_ARGS ?=
 
-.PHONY: install run demo-data test test-quick doctor ui worker clean
+.PHONY: install run demo-data test test-quick doctor ui worker clean browser
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -30,7 +30,13 @@ demo-data: $(DEMO)
 run: install demo-data
 	$(BIN)/imagelake run --source $(DEMO) --set workspace=$(WORKSPACE)
 
-test: install
+# Debian's Chromium for the browser tests (Playwright drives it; it never downloads a browser of its own).
+browser:
+	@if [ -x /usr/bin/chromium ]; then echo "chromium: /usr/bin/chromium"; \
+	else SUDO=$$([ "$$(id -u)" -eq 0 ] || echo sudo); \
+	$$SUDO apt-get update && $$SUDO apt-get install -y --no-install-recommends chromium chromium-driver; fi
+
+test: install browser
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 test-quick: install
