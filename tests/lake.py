@@ -49,8 +49,8 @@ class Lake:
         return {Path(p).name: r for p, r in zip(data["path"], data["reason"])}
 
 
-def copy_digits(digits_dir: Path, target: Path, labels=("0", "1", "2", "3"), per_label: int = 10) -> None:
+def copy_digits(digits_dir: Path, target: Path, labels=("0", "1", "2", "3"), per_label: int = 10, skip: int = 0) -> None:
     for label in labels:
         (target / label).mkdir(parents=True, exist_ok=True)
-        for png in sorted((digits_dir / label).glob("*.png"))[:per_label]:
+        for png in sorted((digits_dir / label).glob("*.png"))[skip : skip + per_label]:
             shutil.copy(png, target / label / png.name)

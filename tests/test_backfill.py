@@ -20,7 +20,8 @@ pytestmark = pytest.mark.slow
 def test_backfill_plans_runs_each_date_and_does_no_work_twice(spark, prefect_api: str, digits_dir: Path, tmp_path: Path) -> None:
     source = tmp_path / "landing"
     copy_digits(digits_dir, source / "date=2024-03-01", labels=("0", "1", "2"), per_label=12)
-    copy_digits(digits_dir, source / "date=2024-03-02", labels=("0", "1", "2"), per_label=12)
+    # Other images than the first date's: content already in the table is not added again under another path.
+    copy_digits(digits_dir, source / "date=2024-03-02", labels=("0", "1", "2"), per_label=12, skip=12)
     (source / "date=2024-03-03" / "0").mkdir(parents=True)
     for i in range(3):
         (source / "date=2024-03-03" / "0" / f"junk{i}.png").write_text("not an image")
