@@ -1,0 +1,304 @@
+"""The deployments of prefect.yaml on a real `prefect server start` with a process worker: custom runs the way the UI makes them, in the UI itself, and the nightly schedule."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import time
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from tests.servers import PrefectServer
+
+pytestmark = pytest.mark.slow
+
+POOL = "imagelake-process"
+SUMMARY_KEY = "imagelake-run-summary"
+CHROMIUM = Path("/usr/bin/chromium")
+# Debian's Chromium, not a Playwright download: flags that keep it off the network and out of a sandbox it cannot have here.
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
+RUN_TIMEOUT = 900  # seconds; a 1-epoch run on 32 px images takes one to two minutes on two cores
+
+
+@dataclass
+class Deployed:
+    """A running server with prefect.yaml deployed and a worker whose runs write into `workspace`."""
+
+    server: PrefectServer
+    api: httpx.Client
+    workspace: Path
+    source: Path
+    worker_log: Path
+
+    def deployment(self, flow: str, name: str) -> dict:
+        found = self.api.get(f"/deployments/name/{flow}/{name}")
+        assert found.status_code == 200, found.text
+        return found.json()
+
+    def create_run(self, deployment: dict, body: dict) -> httpx.Response:
+        """POST a custom run; on 503 (SQLite busy with another writer) try again, as Prefect's own client does."""
+        for attempt in range(1, 6):
+            response = self.api.post(f"/deployments/{deployment['id']}/create_flow_run", json=body)
+            if response.status_code != 503:
+                return response
+            print(f"create_flow_run answered 503 (attempt {attempt}): trying again")
+            time.sleep(attempt)
+        return response
+
+    def flow_runs(self, body: dict) -> list[dict]:
+        found = self.api.post("/flow_runs/filter", json=body)
+        assert found.status_code == 200, found.text
+        return found.json()
+
+    def logs(self, flow_run_ids: list[str]) -> str:
+        found = self.api.post("/logs/filter", json={"logs": {"flow_run_id": {"any_": flow_run_ids}}, "sort": "TIMESTAMP_ASC", "limit": 200})
+        return "\n".join(f"{log['level']} {log['message']}" for log in found.json())
+
+    def family(self, flow_run_id: str) -> list[str]:
+        """The run and its subflow runs (the adhoc flow runs the pipeline as a subflow, which publishes the artifacts)."""
+        ids, frontier = [flow_run_id], [flow_run_id]
+        while frontier:
+            children = self.flow_runs({"flow_runs": {"parent_flow_run_id": {"any_": frontier}}})
+            frontier = [run["id"] for run in children]
+            ids += frontier
+        return ids
+
+    def wait_for_run(self, flow_run_id: str, timeout: float = RUN_TIMEOUT) -> dict:
+        """Poll the run until it is in a terminal state; fail with its logs and the worker's if it is not Completed."""
+        started = time.monotonic()
+        while True:
+            run = self.api.get(f"/flow_runs/{flow_run_id}").json()
+            if run["state_type"] in TERMINAL or time.monotonic() - started > timeout:
+                break
+            time.sleep(2)
+        print(f"flow run {run['name']} {run['state_type']} after {time.monotonic() - started:.0f} s (run time {run['total_run_time']:.0f} s)")
+        assert run["state_type"] == "COMPLETED", (
+            f"flow run {run['name']} is {run['state_name']} after {time.monotonic() - started:.0f} s\n"
+            f"--- run logs ---\n{self.logs(self.family(flow_run_id))[-6000:]}\n--- worker log ---\n{self.worker_log.read_text()[-4000:]}"
+        )
+        return run
+
+    def summary_artifacts(self, flow_run_id: str) -> list[dict]:
+        body = {"artifacts": {"key": {"any_": [SUMMARY_KEY]}, "flow_run_id": {"any_": self.family(flow_run_id)}}}
+        found = self.api.post("/artifacts/filter", json=body)
+        assert found.status_code == 200, found.text
+        return found.json()
+
+
+def custom_run_body(deployment: dict, parameters: dict, name: str) -> dict:
+    """The body the Prefect UI (v2) POSTs to /deployments/{id}/create_flow_run when its "Custom run" form is submitted."""
+    return {
+        "name": name,
+        "work_queue_name": deployment["work_queue_name"],
+        "empirical_policy": {"resuming": False, "max_retries": 0, "retry_delay_seconds": 0, "retries": 0, "retry_delay": 0},
+        "state": {
+            "type": "SCHEDULED",
+            "state_details": {"pause_reschedule": False, "deferred": False, "untrackable_result": False, "scheduled_time": None},
+            "message": "",
+        },
+        "tags": [],
+        "job_variables": deployment["job_variables"],
+        "enforce_parameter_schema": deployment["enforce_parameter_schema"],
+        "parameters": parameters,
+    }
+
+
+def form_defaults(deployment: dict) -> dict:
+    """The adhoc form's fields with the defaults of the deployment's parameter schema (what the UI shows before any edit)."""
+    fields = deployment["parameter_openapi_schema"]["definitions"]["RunParameters"]["properties"]
+    return {name: field.get("default") for name, field in fields.items()}
+
+
+def run_params(deployment: dict, source: Path, **changed) -> dict:
+    """Every field of the adhoc form, as the UI sends them: the defaults, small settings, then CHANGED."""
+    small = {"source": str(source), "image_size": 32, "max_epochs": 1, "batch_size": 16, "num_workers": 2}
+    return {**form_defaults(deployment), **small, **changed}
+
+
+def processes_of(prefect_home: Path) -> list[psutil.Process]:
+    """Every live process started for this server: they all inherit its PREFECT_HOME."""
+    found = []
+    for process in psutil.process_iter():
+        try:
+            if process.environ().get("PREFECT_HOME") == str(prefect_home):
+                found.append(process)
+        except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
+            pass
+    return found
+
+
+@pytest.fixture(scope="module")
+def deployed(tmp_path_factory: pytest.TempPathFactory, digits_dir: Path):
+    """`prefect server start`, the imagelake-process pool, `prefect deploy --all` and one process worker; all stopped afterwards."""
+    root = tmp_path_factory.mktemp("prefect-server")
+    server = PrefectServer(root)
+    api = httpx.Client(base_url=server.api_url, timeout=30)
+    try:
+        started = time.monotonic()
+        with pytest.MonkeyPatch.context() as env:
+            # A retryable database error (SQLite busy) reaches clients as a bare 503; the server's log should say which.
+            env.setenv("PREFECT_API_LOG_RETRYABLE_ERRORS", "true")
+            server.start()
+        server.prefect("work-pool", "create", POOL, "--type", "process")
+        server.prefect("deploy", "--all")
+        workspace = root / "workspace"
+        worker_log = root / "worker.log"
+        # The worker polls more often than every 10 s, so a run starts soon after it is created (each poll writes to SQLite, so not too often).
+        server.start_worker(POOL, worker_log, {"IMAGELAKE_WORKSPACE": str(workspace), "PREFECT_WORKER_QUERY_SECONDS": "5"})
+        print(f"server up, deployed, worker started in {time.monotonic() - started:.0f} s")
+        yield Deployed(server, api, workspace, digits_dir, worker_log)
+    finally:
+        api.close()
+        server.stop()
+        # Flow runs (and the Spark and Ray processes they start) may live in sessions of their own, out of reach of the
+        # process-group kills in stop(): anything still carrying this server's PREFECT_HOME leaked.
+        leftovers = processes_of(server.root / "prefect-home")
+        _, alive = psutil.wait_procs(leftovers, timeout=15)
+        described = [f"{p.pid} {' '.join(p.cmdline())[:160]}" for p in alive if p.is_running()]
+        for process in alive:
+            process.kill()
+        assert not described, "processes left running after the server and worker were stopped:\n" + "\n".join(described)
+
+
+def test_the_nightly_deployment_is_scheduled_for_two_in_the_morning_utc(deployed: Deployed) -> None:
+    nightly = deployed.deployment("imagelake-pipeline", "nightly")
+    assert [(s["schedule"]["cron"], s["schedule"]["timezone"], s["active"]) for s in nightly["schedules"]] == [("0 2 * * *", "UTC", True)]
+    assert not nightly["paused"]
+
+    # The server's scheduler service creates the upcoming runs a few seconds after the deployment appears.
+    body = {"deployments": {"id": {"any_": [nightly["id"]]}}, "flow_runs": {"state": {"type": {"any_": ["SCHEDULED"]}}},
+            "sort": "EXPECTED_START_TIME_ASC", "limit": 5}
+    deadline = time.monotonic() + 120
+    scheduled = deployed.flow_runs(body)
+    while not scheduled and time.monotonic() < deadline:
+        time.sleep(2)
+        scheduled = deployed.flow_runs(body)
+    assert scheduled, f"no scheduled runs of the nightly deployment after 120 s:\n{deployed.server.log.read_text()[-4000:]}"
+    first = datetime.fromisoformat(scheduled[0]["expected_start_time"].replace("Z", "+00:00"))
+    now = datetime.now(timezone.utc)
+    assert (first.astimezone(timezone.utc).hour, first.minute, first.second) == (2, 0, 0), first
+    assert now < first <= now + timedelta(days=1), f"the next run should be the next 02:00 UTC, not {first}"
+    assert scheduled[0]["parameters"] == {"source": ".imagelake/demo-digits", "overrides": {"max_epochs": 8}}
+
+
+def test_invalid_custom_run_parameters_are_refused_before_any_run_exists(deployed: Deployed) -> None:
+    adhoc = deployed.deployment("imagelake-adhoc", "adhoc")
+    runs_of_adhoc = {"deployments": {"id": {"any_": [adhoc["id"]]}}}
+    before = deployed.flow_runs(runs_of_adhoc)
+
+    body = custom_run_body(adhoc, {"params": run_params(adhoc, deployed.source, image_size=0)}, "refused-image-size")
+    refused = deployed.create_run(adhoc, body)
+    assert refused.status_code == 409, refused.text
+    assert "params.image_size" in refused.json()["detail"] and "minimum of 8" in refused.json()["detail"]
+
+    body = custom_run_body(adhoc, {"params": run_params(adhoc, deployed.source, model_arch="vgg")}, "refused-model-arch")
+    refused = deployed.create_run(adhoc, body)
+    assert refused.status_code == 409 and "params.model_arch" in refused.json()["detail"], refused.text
+
+    assert deployed.flow_runs(runs_of_adhoc) == before, "a refused run must not exist, not even as a failed one"
+
+
+def test_a_custom_run_through_the_ui_api_call_completes_and_publishes_its_summary(deployed: Deployed) -> None:
+    adhoc = deployed.deployment("imagelake-adhoc", "adhoc")
+    params = run_params(adhoc, deployed.source)
+    created = deployed.create_run(adhoc, custom_run_body(adhoc, {"params": params}, "api-custom-run"))
+    assert created.status_code == 201, created.text
+    run = deployed.wait_for_run(created.json()["id"])
+
+    assert run["deployment_id"] == adhoc["id"] and run["parameters"] == {"params": params}
+    artifacts = deployed.summary_artifacts(run["id"])
+    assert len(artifacts) == 1, artifacts
+    summary = artifacts[0]["data"]
+    assert "| rows | 300 |" in summary and "| epochs_run | 1 |" in summary, summary
+    # The worker's IMAGELAKE_WORKSPACE took the run's output, not the repository's .imagelake.
+    assert str(deployed.workspace) in summary and (deployed.workspace / "mlflow.db").is_file()
+
+
+@pytest.fixture(scope="module")
+def chromium() -> Path:
+    """Debian's Chromium; its absence fails the test (before any server starts) unless IMAGELAKE_SKIP_BROWSER=1."""
+    if not CHROMIUM.exists():
+        if os.environ.get("IMAGELAKE_SKIP_BROWSER") == "1":
+            pytest.skip(f"IMAGELAKE_SKIP_BROWSER=1 and no {CHROMIUM}")
+        pytest.fail(f"no {CHROMIUM}: run `make browser` (installs Debian's chromium and chromium-driver), or set IMAGELAKE_SKIP_BROWSER=1 to skip this test")
+    return CHROMIUM
+
+
+@pytest.mark.browser
+def test_a_custom_run_from_the_prefect_ui_form(chromium: Path, deployed: Deployed, tmp_path: Path) -> None:
+    from playwright.sync_api import expect, sync_playwright
+
+    url = deployed.server.url
+    adhoc = deployed.deployment("imagelake-adhoc", "adhoc")
+    shots = tmp_path / "screenshots"
+    shots.mkdir()
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=str(chromium), args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            # The UI asks for fonts and news from the internet; only the server under test may answer.
+            page.route("**/*", lambda route: route.continue_() if route.request.url.startswith(url) else route.abort())
+            page.set_default_timeout(30_000)
+
+            page.goto(url)
+            page.get_by_role("link", name="Deployments").click()
+            page.get_by_role("link", name="adhoc", exact=True).click()
+            expect(page).to_have_url(re.compile(f"^{re.escape(url)}/v2/deployments/deployment/{adhoc['id']}"))
+            page.get_by_role("button", name="Run").click()
+            page.get_by_role("menuitem", name="Custom run").click()
+
+            # The form starts from the deployment's parameters and the schema's defaults.
+            expect(page.get_by_label("Source")).to_have_value(adhoc["parameters"]["params"]["source"])
+            expect(page.get_by_label("Max Epochs")).to_have_value(str(form_defaults(adhoc)["max_epochs"]))
+            page.get_by_label("Source").fill(str(deployed.source))
+            page.get_by_label("Image Size").fill("32")
+            page.get_by_label("Max Epochs").fill("2")
+            page.get_by_label("Batch Size").fill("16")
+            page.get_by_label("Num Workers").fill("1")
+            page.screenshot(path=shots / "1-custom-run-form.png", full_page=True)
+            # SQLite answers 503 while another writer holds it; the UI then shows an error and keeps the form, and its user submits again.
+            for attempt in range(1, 6):
+                with page.expect_response(lambda r: r.url.endswith("/create_flow_run") and r.request.method == "POST") as response:
+                    page.get_by_role("button", name="Submit").click()
+                if response.value.status != 503:
+                    break
+                print(f"the UI's create_flow_run answered 503 (attempt {attempt}): submitting again")
+                time.sleep(attempt)
+            assert response.value.status == 201, f"{response.value.status} {response.value.text()}\n{deployed.server.log.read_text()[-4000:]}"
+            sent = response.value.request.post_data_json
+            flow_run_id = response.value.json()["id"]
+
+            page.get_by_role("link", name="View run").click()
+            expect(page).to_have_url(re.compile(f"^{re.escape(url)}/v2/runs/flow-run/{flow_run_id}"))
+            deployed.wait_for_run(flow_run_id)
+            # The open run page polls the server: it must show the final state by itself, without a reload.
+            expect(page.get_by_text("Completed", exact=True).first).to_be_visible(timeout=60_000)
+            # A fresh load for the picture: the "scheduled" toast stays up while the pointer rests on it.
+            with page.expect_response(lambda r: r.url.endswith(f"/flow_runs/{flow_run_id}/graph-v2")):
+                page.reload()
+            expect(page.get_by_text("Completed", exact=True).first).to_be_visible()
+            page.get_by_role("tab", name="Parameters").click()
+            expect(page.get_by_role("tabpanel")).to_contain_text("max_epochs")
+            page.wait_for_timeout(1_000)  # the run graph is painted on a canvas after its data arrives: nothing in the DOM says when
+            page.screenshot(path=shots / "2-completed-run.png")
+        finally:
+            browser.close()
+
+    run = deployed.api.get(f"/flow_runs/{flow_run_id}").json()
+    assert run["parameters"] == {"params": run_params(adhoc, deployed.source, max_epochs=2, num_workers=1)}
+    assert run["deployment_id"] == adhoc["id"] and len(deployed.summary_artifacts(flow_run_id)) == 1
+    # The API test builds its request the way this form does; nothing but the run's name and parameters may differ.
+    expected = custom_run_body(adhoc, run["parameters"], sent["name"])
+    assert sent == expected
+
+    published = os.environ.get("IMAGELAKE_SCREENSHOT_DIR")
+    if published:
+        Path(published).mkdir(parents=True, exist_ok=True)
+        shutil.copy(shots / "2-completed-run.png", Path(published) / "prefect-ui-custom-run.png")
