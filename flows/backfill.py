@@ -14,6 +14,7 @@ from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 
 from infra.delta import Engine, choose_engine, read_current, table_exists
+from infra.lifecycle import release_compute, watch_worker
 from infra.prefect_env import stage_results
 from infra.settings import Settings, load_settings
 from infra.spark import spark_session
@@ -57,7 +58,7 @@ def plan_dates(spark: SparkSession, engine: Engine, settings: Settings, source: 
     return plan
 
 
-@flow(name="imagelake-ingest-date", log_prints=True)
+@flow(name="imagelake-ingest-date", log_prints=True, on_running=[watch_worker], on_cancellation=[release_compute], on_crashed=[release_compute])
 def ingest_date(source: str, day: str, config_file: str | None = None, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     """Ingest, resize and write one date partition (re-running it replaces exactly that date's rows)."""
     settings = load_settings(config_file, {**(overrides or {}), "start_date": day, "end_date": day})
@@ -66,7 +67,7 @@ def ingest_date(source: str, day: str, config_file: str | None = None, overrides
     return {"date": day, "version": written.version, "rows_added": written.rows, "rows_retired": written.retired}
 
 
-@flow(name="imagelake-backfill", log_prints=True)
+@flow(name="imagelake-backfill", log_prints=True, on_running=[watch_worker], on_cancellation=[release_compute], on_crashed=[release_compute])
 def backfill(
     source: str,
     start_date: date,

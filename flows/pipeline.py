@@ -9,6 +9,7 @@ from prefect import flow
 from pydantic import BaseModel, Field
 
 from infra.delta import choose_engine
+from infra.lifecycle import release_compute, watch_worker
 from infra.prefect_env import stage_results
 from infra.settings import load_settings
 from infra.spark import spark_session
@@ -23,7 +24,7 @@ from tasks.train import train
 from tasks.write import write
 
 
-@flow(name="imagelake-pipeline", log_prints=True)
+@flow(name="imagelake-pipeline", log_prints=True, on_running=[watch_worker], on_cancellation=[release_compute], on_crashed=[release_compute])
 def pipeline(source: str, config_file: str | None = None, overrides: dict[str, Any] | None = None, refresh: bool = False) -> dict[str, Any]:
     """Take a folder of labelled images to a registered, tested and (if better) promoted model; `refresh` recomputes every stage."""
     settings = load_settings(config_file, overrides)
@@ -38,7 +39,7 @@ def pipeline(source: str, config_file: str | None = None, overrides: dict[str, A
         return summarize(resized, written, cached, trained, promoted, settings)
 
 
-@flow(name="imagelake-retrain", log_prints=True)
+@flow(name="imagelake-retrain", log_prints=True, on_running=[watch_worker], on_cancellation=[release_compute], on_crashed=[release_compute])
 def retrain_flow(table_uri: str, table_version: int, config_file: str | None = None, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     """Train and promote again on one pinned Delta table version (what `imagelake retrain` runs)."""
     settings = load_settings(config_file, overrides)
@@ -68,7 +69,7 @@ class RunParameters(BaseModel):
     refresh: bool = Field(default=False, description="Recompute every stage even where the cache holds a result")
 
 
-@flow(name="imagelake-adhoc", log_prints=True)
+@flow(name="imagelake-adhoc", log_prints=True, on_running=[watch_worker], on_cancellation=[release_compute], on_crashed=[release_compute])
 def adhoc(params: RunParameters = RunParameters()) -> dict[str, Any]:
     """An ad-hoc run from the Prefect UI: the pipeline with the form's values."""
     overrides = params.model_dump(exclude={"source", "config_file", "refresh"}, exclude_none=True, mode="json")

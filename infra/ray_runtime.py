@@ -6,6 +6,7 @@ import os
 
 import ray
 
+from infra.lifecycle import exit_on_cancel
 from infra.settings import Settings
 
 
@@ -18,4 +19,5 @@ def connect_ray(settings: Settings) -> dict[str, float]:
             # Logical CPUs: enough for every training worker even on a 2-core machine.
             cpus = max(os.cpu_count() or 1, int(settings.num_workers * settings.cpus_per_worker) + 1)
             ray.init(num_cpus=cpus, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=True)
+        exit_on_cancel()  # ray.init() took SIGTERM over: a cancelled run must not end as Crashed
     return ray.cluster_resources()

@@ -10,6 +10,7 @@ from pathlib import Path
 from pyspark.sql import SparkSession
 
 from infra.java import ensure_java
+from infra.lifecycle import exit_on_cancel
 from infra.settings import Settings
 
 DELTA_EXTENSION = "io.delta.sql.DeltaSparkSessionExtension"
@@ -20,6 +21,7 @@ _lock = threading.Lock()
 
 def spark_session(settings: Settings) -> SparkSession:
     """Get or start the process's SparkSession for these settings."""
+    exit_on_cancel()  # on every call, as a subflow may have put Prefect's handler back (see infra/lifecycle.py)
     with _lock:
         active = SparkSession.getActiveSession()
         if active is not None:
