@@ -100,11 +100,16 @@ def backfill(
     with ThreadPoolExecutor(max_workers=max_concurrency) as pool:
         # Each date runs in a copy of this flow's context, so it is recorded as a subflow run of the backfill.
         futures = {day: pool.submit(contextvars.copy_context().run, ingest_date, source, day, config_file, overrides) for day in todo}
-        for day, future in futures.items():
-            try:
-                landed.append(future.result())
-            except Exception as exc:  # one date's failure must not stop the others
-                failed[day] = f"{type(exc).__name__}: {exc}"
+        try:
+            for day, future in futures.items():
+                try:
+                    landed.append(future.result())
+                except Exception as exc:  # one date's failure must not stop the others
+                    failed[day] = f"{type(exc).__name__}: {exc}"
+        except BaseException:  # cancelled, or the worker died: dates not started yet must not start
+            for future in futures.values():
+                future.cancel()
+            raise
     result: dict[str, Any] = {"plan": plan, "dry_run": False, "ingested": landed, "failed": failed}
     if table_exists(settings.table_uri):
         written = Written(table_uri=settings.table_uri, version=DeltaTable(settings.table_uri).version(), engine=engine, rows=0)

@@ -235,6 +235,11 @@ def read_current(
     return pa.Table.from_batches(batches) if batches else pa.table({name: pa.array([], pa.string()) for name in columns})
 
 
+def table_version(table_uri: str) -> int | None:
+    """The Delta table's current version, or None before its first write."""
+    return DeltaTable(table_uri).version() if table_exists(table_uri) else None
+
+
 def table_exists(table_uri: str) -> bool:
     """Whether a Delta table is at this URI."""
     try:

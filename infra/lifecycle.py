@@ -162,7 +162,8 @@ def release_compute(flow: Any, flow_run: Any, state: Any) -> None:
 
     # Only a process that a runner started for one run may stop Spark and Ray outright: in `imagelake run` or a test
     # session they may serve more than this run, and they end with the process anyway.
-    stopped, problems = stop_compute() if os.environ.get(RUN_ID_VARIABLE) else ([], [])
+    # A subflow's hook leaves them alone too: its siblings (a backfill's other dates) share them.
+    stopped, problems = stop_compute() if os.environ.get(RUN_ID_VARIABLE) == str(flow_run.id) else ([], [])
     # A subflow shares its process with its parent, whose id the processes carry: the parent's hook reaps them.
     reaped = reap(str(flow_run.id))
     logger = flow_run_logger(flow_run, flow)

@@ -17,6 +17,11 @@ def mlflow_client(settings: Settings) -> MlflowClient:
     return MlflowClient(settings.tracking_uri, settings.mlflow_registry_uri or settings.tracking_uri)
 
 
+def run_url(client: MlflowClient, settings: Settings, run_id: str) -> str:
+    """The MLflow UI's page of a run (at mlflow_ui_url), for links from Prefect."""
+    return f"{settings.mlflow_ui_url.rstrip('/')}/#/experiments/{experiment_id(client, settings)}/runs/{run_id}"
+
+
 def experiment_id(client: MlflowClient, settings: Settings) -> str:
     """The experiment's id, creating it (with local artifacts on the embedded store) if needed."""
     found = client.get_experiment_by_name(settings.mlflow_experiment)

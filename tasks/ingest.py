@@ -21,11 +21,10 @@ from typing import Any
 import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
-from deltalake import DeltaTable
 from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 
-from infra.delta import Engine, read_current, table_exists
+from infra.delta import Engine, read_current, table_version
 from infra.settings import Settings
 from tasks.results import Ingested, Listed
 from tasks.stage import stage
@@ -173,11 +172,6 @@ def listing_fingerprint(entries: list[dict[str, Any]]) -> str:
     return digest.hexdigest()
 
 
-def table_version(table_uri: str) -> int | None:
-    """The Delta table's current version, or None before its first write."""
-    return DeltaTable(table_uri).version() if table_exists(table_uri) else None
-
-
 def known_files(spark: SparkSession, engine: Engine, table_uri: str, image_size: int, quarantine_uri: str | None = None) -> tuple[int | None, dict[str, tuple[int, float]], set[str]]:
     """The table's version; each path's (size, mtime) in the table (this image size) or the quarantine; the table's paths."""
     known: dict[str, tuple[int, float]] = {}
@@ -268,7 +262,7 @@ def source_listing(inputs: dict[str, Any]) -> dict[str, str]:
     return {"source listing": listing_fingerprint(list_source(source_uri(inputs["source"]), scope_of(inputs["settings"])))}
 
 
-@stage("ingest", settings=("image_extensions", "start_date", "end_date", "max_file_bytes"), facts=source_listing)
+@stage("ingest", settings=("image_extensions", "start_date", "end_date", "max_file_bytes", "staging_uri"), facts=source_listing)
 def ingest(source: str, settings: Settings) -> Listed:
     """Prefect stage: list the source (what changed since the table is resize's to find, at its image size)."""
     return stage_listing(source_uri(source), scope_of(settings), settings.staging_uri)

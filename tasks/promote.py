@@ -13,7 +13,7 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.runtime import flow_run
 
 from infra.settings import Settings
-from infra.tracking import experiment_id, mlflow_client
+from infra.tracking import mlflow_client, run_url
 from tasks.loader import pixel_rows
 from tasks.model import ImageClassifier, ImageModel
 from tasks.registry import (
@@ -126,7 +126,6 @@ def promote_model(trained: Trained, cached: CachedSplits, settings: Settings, fl
 def promote(trained: Trained, cached: CachedSplits, settings: Settings) -> Promoted:
     """Prefect stage: registry promotion through the quality gate, with the decision as a markdown artifact."""
     promoted, decision, champion_version = promote_model(trained, cached, settings, str(flow_run.id) if flow_run.id else None)
-    experiment = experiment_id(mlflow_client(settings), settings)
-    link = f"{settings.mlflow_ui_url.rstrip('/')}/#/experiments/{experiment}/runs/{trained.mlflow_run_id}"
+    link = run_url(mlflow_client(settings), settings, trained.mlflow_run_id)
     create_markdown_artifact(decision_markdown(promoted.model_name, promoted.model_version, decision, champion_version, link), key="imagelake-promotion")
     return promoted

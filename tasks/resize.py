@@ -21,10 +21,10 @@ from pyspark.sql import SparkSession
 from pyspark.sql.pandas.types import from_arrow_schema
 from pyspark.sql import functions as F
 
-from infra.delta import Engine, choose_engine, read_current
+from infra.delta import Engine, choose_engine, read_current, table_version
 from infra.settings import Settings
 from infra.spark import spark_session
-from tasks.ingest import LISTING_SCHEMA, diff_against_table, scope_of, table_version
+from tasks.ingest import LISTING_SCHEMA, diff_against_table, scope_of
 from tasks.results import Ingested, Listed, Resized
 from tasks.stage import stage
 
@@ -341,8 +341,13 @@ def tables_now(inputs: dict[str, Any]) -> dict[str, str]:
 
 @stage(
     "resize",
-    settings=("image_size", "resize_mode", "max_file_bytes", "max_image_pixels", "retire_deleted", "start_date", "end_date", "table_uri", "quarantine_uri"),
+    # max_bad_fraction too: a write that refused too many bad files took back the files this stage wrote.
+    settings=(
+        "image_size", "resize_mode", "max_file_bytes", "max_image_pixels", "max_bad_fraction", "retire_deleted", "start_date", "end_date",
+        "table_uri", "quarantine_uri", "staging_uri",
+    ),
     facts=tables_now,
+    code=("tasks.ingest",),
 )
 def resize(listed: Listed, settings: Settings) -> Resized:
     """Prefect stage: find what is new or changed at this image size, then read, hash and resize it."""

@@ -35,16 +35,18 @@ _outcomes: dict[str, dict[str, str]] = {}
 _lock = threading.Lock()
 
 
-def key_parts(fn: Callable[..., Any], inputs: dict[str, Any], settings_fields: tuple[str, ...]) -> dict[str, str]:
+def key_parts(fn: Callable[..., Any], inputs: dict[str, Any], settings_fields: tuple[str, ...], code: tuple[str, ...] = ()) -> dict[str, str]:
     """The named parts of a stage's cache key (values are short digests or the settings' own values)."""
-    module = sys.modules.get(fn.__module__)
-    parts = {"code": hash_objects(inspect.getsource(module) if module else inspect.getsource(fn), raise_on_failure=True)}
+    sources = [inspect.getsource(sys.modules[name]) for name in (fn.__module__, *code)]
+    parts = {"code": hash_objects(sources, raise_on_failure=True)}
     settings = inputs.get("settings")
     for name, value in inputs.items():
         if name != "settings":
             parts[f"input {name}"] = hash_objects(value, raise_on_failure=True)
     for name in settings_fields:
-        parts[f"setting {name}"] = json.dumps(getattr(settings, name), default=str)
+        value = json.dumps(getattr(settings, name), default=str)
+        # Store and database URIs may hold credentials: the key records, and the report shows, only a digest.
+        parts[f"setting {name}"] = f"digest {hash_objects(value)[:12]}" if name.endswith("uri") else value
     return parts
 
 
@@ -72,11 +74,12 @@ class StageKey(CachePolicy):
     stage: str = ""
     settings_fields: tuple[str, ...] = ()
     facts: Callable[[dict[str, Any]], dict[str, str]] | None = field(default=None, repr=False)
+    code: tuple[str, ...] = ()  # modules besides the task's own whose code the stage runs
 
     def compute_key(self, task_ctx: Any, inputs: dict[str, Any], flow_parameters: dict[str, Any], **kwargs: Any) -> str | None:
         if not task_ctx:
             return None
-        parts = key_parts(task_ctx.task.fn, inputs, self.settings_fields)
+        parts = key_parts(task_ctx.task.fn, inputs, self.settings_fields, self.code)
         if self.facts is not None:
             parts.update(self.facts(inputs))
         key = f"{self.stage}-{hash_objects(parts, raise_on_failure=True)}"
@@ -88,16 +91,26 @@ class StageKey(CachePolicy):
 
 def note_key(results_uri: str, stage: str, key: str, parts: dict[str, str], flow_run_id: str, refresh: bool) -> None:
     """Record why this key may hit or miss, and keep its parts as the stage's latest for the next run to compare with."""
+    with _lock:
+        if stage in _reasons.get(flow_run_id, {}):
+            return  # a retry: the first attempt's reason stands, and the record is already this key's
+        try:
+            record_key(results_uri, stage, key, parts, flow_run_id, refresh)
+        except Exception as exc:  # the report is best effort: it must never cost the stage its cache
+            _reasons.setdefault(flow_run_id, {})[stage] = f"(why unknown: {type(exc).__name__}: {exc})"
+
+
+def record_key(results_uri: str, stage: str, key: str, parts: dict[str, str], flow_run_id: str, refresh: bool) -> None:
+    """Explain this key against the stage's last recorded one, then make it the last."""
     fs, folder = fsspec.core.url_to_fs(f"{results_uri}/cache-keys")
     path = f"{folder}/{stage}.json"
-    with _lock:
-        previous = json.loads(fs.cat_file(path)) if fs.exists(path) else None
-        _reasons.setdefault(flow_run_id, {})[stage] = explain(previous, key, parts, refresh)
-        fs.makedirs(folder, exist_ok=True)
-        # Written aside and moved into place, so a run in another process never reads half a record.
-        aside = f"{path}.{uuid.uuid4().hex}"
-        fs.pipe_file(aside, json.dumps({"key": key, "parts": parts}, indent=1).encode())
-        fs.mv(aside, path)
+    previous = json.loads(fs.cat_file(path)) if fs.exists(path) else None
+    _reasons.setdefault(flow_run_id, {})[stage] = explain(previous, key, parts, refresh)
+    fs.makedirs(folder, exist_ok=True)
+    # Written aside and moved into place, so a run in another process never reads half a record.
+    aside = f"{path}.{uuid.uuid4().hex}"
+    fs.pipe_file(aside, json.dumps({"key": key, "parts": parts}, indent=1).encode())
+    fs.mv(aside, path)
 
 
 def note_outcome(task: Any, task_run: Any, state: Any) -> None:
@@ -116,14 +129,27 @@ def stage_outcomes(flow_run_id: str) -> tuple[dict[str, str], dict[str, str]]:
 PERMANENT_ERRORS: tuple[type[BaseException], ...] = (PermanentError, ValueError, TypeError, KeyError, FileNotFoundError)
 
 
+def is_permanent(error: BaseException | None) -> bool:
+    """Whether an error, or one it wraps (a cause, a Ray Train worker's failure), is one no retry can mend."""
+    seen: set[int] = set()
+    pending = [error]
+    while pending:
+        current = pending.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, PERMANENT_ERRORS):
+            return True
+        pending += [current.__cause__, current.__context__, *getattr(current, "worker_failures", {}).values()]
+    return False
+
+
 def retry_transient_only(task: Any, task_run: Any, state: Any) -> bool:
     """Prefect retry condition: retry unless the stage failed with a permanent error."""
     try:
         state.result()
-    except PERMANENT_ERRORS:
-        return False
-    except Exception:  # anything else (I/O, a lost worker, a busy server) may pass on the next attempt
-        return True
+    except Exception as exc:  # I/O, a lost worker, a busy server may pass on the next attempt; bad input never will
+        return not is_permanent(exc)
     return True
 
 
@@ -132,13 +158,15 @@ def stage(
     *,
     settings: tuple[str, ...] = (),
     facts: Callable[[dict[str, Any]], dict[str, str]] | None = None,
+    code: tuple[str, ...] = (),
     retries: int = 2,
     backoff: float = 2.0,
     cache_policy: CachePolicy | None = None,
 ) -> Callable[[F], F]:
     """Declare a pipeline stage: a Prefect task that retries with jittered exponential backoff and caches its result.
 
-    `settings` names the settings fields that change the stage's output; `facts` adds key parts read at call time.
+    `settings` names the settings fields that change the stage's output; `facts` adds key parts read at call time;
+    `code` names other modules whose code the stage runs.
     """
     return task(
         name=name,
@@ -146,7 +174,7 @@ def stage(
         retry_delay_seconds=exponential_backoff(backoff_factor=backoff),
         retry_jitter_factor=0.5,
         retry_condition_fn=retry_transient_only,
-        cache_policy=cache_policy or StageKey(stage=name, settings_fields=settings, facts=facts),
+        cache_policy=cache_policy or StageKey(stage=name, settings_fields=settings, facts=facts, code=code),
         persist_result=True,
         log_prints=True,
         on_completion=[note_outcome],

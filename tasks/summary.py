@@ -9,7 +9,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 
 from infra.settings import Settings
-from infra.tracking import experiment_id, mlflow_client
+from infra.tracking import mlflow_client, run_url
 from tasks.registry import CHAMPION, alias_version
 from tasks.results import CachedSplits, Promoted, Resized, Trained, Written
 from tasks.stage import stage, stage_outcomes
@@ -57,7 +57,7 @@ def cache_report(states: dict[str, str], reasons: dict[str, str]) -> list[dict[s
         if hit:
             why = "same code, inputs and settings as an earlier run"
         elif why.startswith("same code"):
-            why = "same key as the last run, but its result is no longer in the cache"
+            why = "same key as the last run, which left no result (it failed, or the results were cleared)"
         report.append({"stage": name, "cache": "hit" if hit else "miss", "why": why or "-"})
     return report
 
@@ -81,7 +81,7 @@ def summarize(resized: Resized | None, written: Written, cached: CachedSplits, t
     summary["flow_run_id"] = str(flow_run.id) if flow_run.id else None
     summary["cache"] = cache_report(*stage_outcomes(summary["flow_run_id"])) if flow_run.id else []
     summary["cache_hits"] = [row["stage"] for row in summary["cache"] if row["cache"] == "hit"]
-    link = f"{settings.mlflow_ui_url.rstrip('/')}/#/experiments/{experiment_id(client, settings)}/runs/{trained.mlflow_run_id}"
+    link = run_url(client, settings, trained.mlflow_run_id)
     summary["mlflow_run_url"] = link
     create_markdown_artifact(summary_markdown(summary, link), key="imagelake-run-summary")
     create_table_artifact(summary["cache"], key="imagelake-cache", description="Which stages came from the cache, and why")

@@ -3,21 +3,25 @@
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import math
 import os
+import sys
 
 from matplotlib.figure import Figure
 from mlflow import MlflowClient
 from mlflow.entities import Param
 from prefect.artifacts import create_link_artifact
+from prefect.runtime import flow_run
+from prefect.settings import PREFECT_TASKS_REFRESH_CACHE
 from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.lightning import RayTrainReportCallback
 from ray.train.torch import TorchTrainer
 
 from infra.ray_runtime import connect_ray
 from infra.settings import Settings
-from infra.tracking import experiment_id, mlflow_client
+from infra.tracking import experiment_id, mlflow_client, run_url
 from tasks.results import CachedSplits, Trained
 from tasks.stage import stage
 from tasks.train_loop import train_loop_per_worker
@@ -35,20 +39,25 @@ def scaled_learning_rate(base_lr: float, num_workers: int, rule: str = "linear")
 
 
 # The settings that change what training produces: they name the Ray run and key the train stage's cache.
-RUN_SETTINGS = (
+TRAINING_SETTINGS = (
     "model_arch", "pretrained_weights", "freeze_backbone", "max_epochs", "batch_size", "base_lr", "lr_scaling", "num_workers",
     "early_stopping_patience", "early_stopping_min_delta", "early_stopping_threshold", "seed", "use_gpu",
+    "shuffle_buffer_batches", "bf16", "channels_last", "tracking_uri", "mlflow_experiment", "ray_storage_path",
 )
-TRAINING_SETTINGS = (*RUN_SETTINGS, "shuffle_buffer_batches", "bf16", "channels_last", "tracking_uri", "mlflow_experiment", "ray_storage_path")
 
 
-def run_name(cached: CachedSplits, settings: Settings) -> str:
-    """The Ray run's name: the same for the same data and training settings, so a retried task resumes that run."""
-    digest = hashlib.sha256(json.dumps([cached.key, *(getattr(settings, f) for f in RUN_SETTINGS)], default=str).encode()).hexdigest()[:12]
+def run_name(cached: CachedSplits, settings: Settings, fresh: str | None = None) -> str:
+    """The Ray run's name: the same for the same data, training settings and code, so a retried task resumes that run.
+
+    `fresh` (a refreshed flow run's id) makes a new run: a refresh trains from scratch, its retries resume it.
+    """
+    code = [inspect.getsource(sys.modules[name]) for name in (__name__, "tasks.train_loop", "tasks.model", "tasks.loader")]
+    parts = [cached.key, *(getattr(settings, f) for f in TRAINING_SETTINGS), hashlib.sha256("".join(code).encode()).hexdigest(), fresh]
+    digest = hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:12]
     return f"train-{cached.key}-{digest}"
 
 
-def training_config(cached: CachedSplits, settings: Settings, tracking_uri: str, run_id: str) -> dict:
+def training_config(cached: CachedSplits, settings: Settings, tracking_uri: str, run_id: str, name: str) -> dict:
     """Everything a worker needs, as plain values."""
     return {
         "train_uri": cached.splits["train"],
@@ -76,7 +85,7 @@ def training_config(cached: CachedSplits, settings: Settings, tracking_uri: str,
         "shuffle_buffer_batches": settings.shuffle_buffer_batches,
         "tracking_uri": tracking_uri,
         "mlflow_run_id": run_id,
-        "run_path": f"{settings.ray_storage_path.rstrip('/')}/{run_name(cached, settings)}",
+        "run_path": f"{settings.ray_storage_path.rstrip('/')}/{name}",
         "kill_worker": kill_worker_from_env(),
     }
 
@@ -90,9 +99,9 @@ def kill_worker_from_env() -> dict | None:
     return {"rank": int(rank), "epoch": int(epoch), "marker": marker}
 
 
-def fit(cached: CachedSplits, settings: Settings, client: MlflowClient, run_id: str) -> Trained:
+def fit(cached: CachedSplits, settings: Settings, client: MlflowClient, run_id: str, name: str) -> Trained:
     """Run the TorchTrainer and return the best checkpoint by validation loss."""
-    config = training_config(cached, settings, client.tracking_uri, run_id)
+    config = training_config(cached, settings, client.tracking_uri, run_id, name)
     logged = (
         "num_classes", "image_size", "arch", "pretrained_weights", "freeze_backbone", "batch_size", "learning_rate", "lr_scaling",
         "max_epochs", "patience", "min_delta", "stopping_threshold", "seed",
@@ -100,7 +109,6 @@ def fit(cached: CachedSplits, settings: Settings, client: MlflowClient, run_id: 
     params = [Param(name, str(config[name])) for name in logged]
     params += [Param("num_workers", str(settings.num_workers)), Param("base_lr", str(settings.base_lr))]
     client.log_batch(run_id, params=params)
-    name = run_name(cached, settings)
     run_config = RunConfig(
         name=name,
         storage_path=settings.ray_storage_path,
@@ -130,9 +138,8 @@ def fit(cached: CachedSplits, settings: Settings, client: MlflowClient, run_id: 
     )
 
 
-def training_run(client: MlflowClient, settings: Settings, cached: CachedSplits) -> str:
-    """The MLflow run of this training: an unfinished one for the same Ray run (a retry resumes both), else a new one."""
-    name = run_name(cached, settings)
+def training_run(client: MlflowClient, settings: Settings, cached: CachedSplits, name: str) -> str:
+    """The MLflow run of Ray run NAME: an unfinished one (a retry resumes both), else a new one."""
     experiment = experiment_id(client, settings)
     for run in client.search_runs([experiment], filter_string=f"tags.ray_run = '{name}'", order_by=["attributes.start_time DESC"], max_results=5):
         if run.info.status != "FINISHED":
@@ -155,13 +162,14 @@ def learning_curves(client: MlflowClient, run_id: str) -> Figure:
     return figure
 
 
-def train_model(cached: CachedSplits, settings: Settings) -> Trained:
+def train_model(cached: CachedSplits, settings: Settings, fresh: str | None = None) -> Trained:
     """One MLflow run per training: created here (or resumed), filled by rank 0, closed with the outcome."""
     connect_ray(settings)
     client = mlflow_client(settings)
-    run_id = training_run(client, settings, cached)
+    name = run_name(cached, settings, fresh)
+    run_id = training_run(client, settings, cached, name)
     try:
-        trained = fit(cached, settings, client, run_id)
+        trained = fit(cached, settings, client, run_id, name)
         client.log_figure(run_id, learning_curves(client, run_id), "learning_curves.png")
     except BaseException:
         client.set_terminated(run_id, status="FAILED")
@@ -173,10 +181,10 @@ def train_model(cached: CachedSplits, settings: Settings) -> Trained:
 @stage("train", settings=TRAINING_SETTINGS, retries=1)
 def train(cached: CachedSplits, settings: Settings) -> Trained:
     """Prefect stage: distributed training on Ray, linked from the flow run to its MLflow run."""
-    trained = train_model(cached, settings)
-    experiment = experiment_id(mlflow_client(settings), settings)
+    # A refresh trains from scratch: the flow run's id gives it a Ray run of its own (its retries resume that one).
+    trained = train_model(cached, settings, fresh=str(flow_run.id) if PREFECT_TASKS_REFRESH_CACHE.value() else None)
     create_link_artifact(
-        f"{settings.mlflow_ui_url.rstrip('/')}/#/experiments/{experiment}/runs/{trained.mlflow_run_id}",
+        run_url(mlflow_client(settings), settings, trained.mlflow_run_id),
         link_text=f"MLflow run {trained.mlflow_run_id}", key="imagelake-mlflow-run",
         description=f"Training run (tracking store {settings.tracking_uri})",
     )

@@ -22,7 +22,7 @@ from deltalake import DeltaTable
 from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 
-from infra.delta import Engine, append_arrow, choose_engine, commit_files, ever_committed, merge_arrow, merge_spark, read_current, table_exists, uncommit_files
+from infra.delta import Engine, append_arrow, choose_engine, commit_files, ever_committed, merge_arrow, merge_spark, read_current, table_exists, table_version, uncommit_files
 from infra.settings import Settings
 from infra.spark import spark_session
 from tasks.resize import IMAGE_TABLE_SCHEMA, STAGED_ARROW_SCHEMA
@@ -72,7 +72,7 @@ class Changes:
 def plan_changes(spark: SparkSession, engine: Engine, resized: Resized, table_uri: str) -> Changes:
     """Rows to upsert (new content at a path) and to delete (path gone), minus what the table already says."""
     staged = staged_rows(resized)
-    version = DeltaTable(table_uri).version() if table_exists(table_uri) else None
+    version = table_version(table_uri)
     present = read_current(spark, table_uri, engine, ["path", "sha256"], F.col("image_size") == resized.image_size, version)
     keys = pc.binary_join_element_wise(present.column("path"), present.column("sha256"), "\x00")
     upserts = staged.to_table(columns=["path", "sha256", "data_file"], filter=pc.field("status") == "new")
@@ -186,7 +186,8 @@ def require_files(table_uri: str, files: list[str]) -> None:
     if missing:
         raise FileNotFoundError(
             f"{len(missing)} data file(s) that the resize stage wrote into {table_uri} are gone (e.g. {missing[0]}); "
-            "a vacuum with a short retention may have removed them. Re-run with PREFECT_TASKS_REFRESH_CACHE=true so resize decodes again."
+            "a vacuum with a short retention may have removed them. Re-run with refresh (imagelake run --refresh, or refresh: true) "
+            "so resize decodes again."
         )
 
 

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from flows.pipeline import pipeline
-from tasks.stage import explain
+from infra.settings import load_settings
+from tasks.stage import explain, key_parts
 from tasks.summary import STAGES, cache_report
 from tests.lake import copy_digits
 
@@ -24,13 +25,21 @@ def test_explain_names_what_changed() -> None:
     assert changed == "code changed; setting image_size changed 64 -> 32"
 
 
+def test_store_uris_enter_the_key_as_digests_only() -> None:
+    settings = load_settings(overrides={"mlflow_tracking_uri": "postgresql://ml:s3cret@db/mlflow"})
+    parts = key_parts(pipeline.fn, {"settings": settings}, ("tracking_uri", "image_size"))
+    assert "s3cret" not in str(parts) and parts["setting tracking_uri"].startswith("digest ")
+    other = key_parts(pipeline.fn, {"settings": load_settings(overrides={"mlflow_tracking_uri": "postgresql://ml:other@db/mlflow"})}, ("tracking_uri",))
+    assert other["setting tracking_uri"] != parts["setting tracking_uri"], "a new store is still a miss"
+
+
 def test_cache_report_says_hit_or_miss_and_why() -> None:
     states = {"ingest": "Cached", "resize": "Completed", "write": "Completed", "summarize": "Running"}
     reasons = {"ingest": "same code, inputs and settings as the last run", "resize": "table version changed None -> 0", "write": "same code, inputs and settings as the last run"}
     report = cache_report(states, reasons)
     assert [(row["stage"], row["cache"]) for row in report] == [("ingest", "hit"), ("resize", "miss"), ("write", "miss")]
     assert report[1]["why"] == "table version changed None -> 0"
-    assert "no longer in the cache" in report[2]["why"]
+    assert "left no result" in report[2]["why"]
 
 
 def run(source: Path, overrides: dict, **kwargs) -> tuple[dict, dict[str, str]]:
@@ -83,3 +92,5 @@ def test_same_data_hits_new_file_reruns_from_ingest_new_size_from_resize(prefect
     # refresh: every stage recomputes though the cache holds all of them.
     sixth, missed = run(source, {**overrides, "image_size": 20}, refresh=True)
     assert sixth["cache_hits"] == [] and set(missed.values()) == {"refresh requested: recomputed whatever the cache holds"}
+    # Training really ran again, from scratch: a new Ray run and MLflow run, not a resume of the cached one.
+    assert sixth["mlflow_run_id"] != fifth["mlflow_run_id"] and Path(sixth["checkpoint"]).parent.parent != Path(fifth["checkpoint"]).parent.parent

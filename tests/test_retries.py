@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 from prefect import flow
 from prefect.cache_policies import NO_CACHE
+from ray.train import WorkerGroupError
 
 from infra.settings import SettingsError
 from tasks.stage import stage
@@ -19,6 +20,8 @@ ERRORS = {
     "bad settings": SettingsError("image_size must be positive"),
     "too many bad files": TooManyBadFiles("3 of 3 files are bad (not_an_image: 3), over max_bad_fraction=0.2"),
     "unusable checkpoint": CheckpointUnusable("no checkpoint under ray_results/run loads: delete that folder"),
+    # How a training worker's error reaches the driver: inside Ray Train's error, by rank.
+    "unusable checkpoint on a worker": WorkerGroupError("Training failed", {1: CheckpointUnusable("no checkpoint loads: delete the run folder")}),
 }
 
 
@@ -48,7 +51,7 @@ def test_a_transient_failure_is_retried_and_the_run_completes(prefect_api: str, 
     assert attempts(log) == 2
 
 
-@pytest.mark.parametrize("error", ["bad settings", "too many bad files", "unusable checkpoint"])
+@pytest.mark.parametrize("error", ["bad settings", "too many bad files", "unusable checkpoint", "unusable checkpoint on a worker"])
 def test_a_permanent_failure_fails_after_one_attempt(prefect_api: str, tmp_path: Path, error: str) -> None:
     log = tmp_path / "permanent.log"
     with pytest.raises(type(ERRORS[error]), match=str(ERRORS[error]).split(" ")[0]):
