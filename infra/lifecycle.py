@@ -117,22 +117,28 @@ def _note(message: str) -> None:
         pass
 
 
-def run_processes(flow_run_id: str) -> list[Any]:
-    """Live processes started for this flow run (by its id in their environment), other than this one and its parents."""
+def processes_with(variable: str, value: str, spared: frozenset[int] = frozenset()) -> list[Any]:
+    """Live processes whose environment sets VARIABLE to VALUE (what a process starts inherits it), but the spared pids."""
     import psutil
 
-    me = psutil.Process()
-    spared = {me.pid, *(parent.pid for parent in me.parents())}
     found = []
     for process in psutil.process_iter():
         if process.pid in spared:
             continue
         try:
-            if process.environ().get(RUN_ID_VARIABLE) == flow_run_id:
+            if process.environ().get(variable) == value:
                 found.append(process)
         except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
             continue
     return found
+
+
+def run_processes(flow_run_id: str) -> list[Any]:
+    """Live processes started for this flow run (by its id in their environment), other than this one and its parents."""
+    import psutil
+
+    me = psutil.Process()
+    return processes_with(RUN_ID_VARIABLE, flow_run_id, frozenset({me.pid, *(parent.pid for parent in me.parents())}))
 
 
 def reap(flow_run_id: str, grace: float = STOP_TIMEOUT) -> list[str]:
@@ -319,7 +325,7 @@ def main() -> int:
         print(f"cannot set up crash detection on {get_current_settings().api.url}: {exc} (is the server up? `make ui`)", file=sys.stderr)
         return 1
     print(f"crash detection: automation {automation_id} marks deployment runs Crashed after {MISSED_HEARTBEATS * heartbeat} s "
-          f"without a heartbeat; start workers with PREFECT_FLOWS_HEARTBEAT_FREQUENCY={heartbeat}")
+          f"without a heartbeat (prefect.yaml makes deployment runs beat every {HEARTBEAT_SECONDS} s)")
     return 0
 
 

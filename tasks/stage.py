@@ -35,10 +35,14 @@ _outcomes: dict[str, dict[str, str]] = {}
 _lock = threading.Lock()
 
 
+def code_digest(*modules: str) -> str:
+    """A digest of these (imported) modules' source: it changes when any of their code does."""
+    return hash_objects([inspect.getsource(sys.modules[name]) for name in modules], raise_on_failure=True)
+
+
 def key_parts(fn: Callable[..., Any], inputs: dict[str, Any], settings_fields: tuple[str, ...], code: tuple[str, ...] = ()) -> dict[str, str]:
     """The named parts of a stage's cache key (values are short digests or the settings' own values)."""
-    sources = [inspect.getsource(sys.modules[name]) for name in (fn.__module__, *code)]
-    parts = {"code": hash_objects(sources, raise_on_failure=True)}
+    parts = {"code": code_digest(fn.__module__, *code)}
     settings = inputs.get("settings")
     for name, value in inputs.items():
         if name != "settings":

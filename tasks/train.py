@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import hashlib
-import inspect
 import json
 import math
 import os
-import sys
 
 from matplotlib.figure import Figure
 from mlflow import MlflowClient
@@ -23,7 +21,7 @@ from infra.ray_runtime import connect_ray
 from infra.settings import Settings
 from infra.tracking import experiment_id, mlflow_client, run_url
 from tasks.results import CachedSplits, Trained
-from tasks.stage import stage
+from tasks.stage import code_digest, stage
 from tasks.train_loop import train_loop_per_worker
 
 
@@ -51,8 +49,8 @@ def run_name(cached: CachedSplits, settings: Settings, fresh: str | None = None)
 
     `fresh` (a refreshed flow run's id) makes a new run: a refresh trains from scratch, its retries resume it.
     """
-    code = [inspect.getsource(sys.modules[name]) for name in (__name__, "tasks.train_loop", "tasks.model", "tasks.loader")]
-    parts = [cached.key, *(getattr(settings, f) for f in TRAINING_SETTINGS), hashlib.sha256("".join(code).encode()).hexdigest(), fresh]
+    code = code_digest(__name__, "tasks.train_loop", "tasks.model", "tasks.loader")
+    parts = [cached.key, *(getattr(settings, f) for f in TRAINING_SETTINGS), code, fresh]
     digest = hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:12]
     return f"train-{cached.key}-{digest}"
 

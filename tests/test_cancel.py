@@ -34,7 +34,7 @@ from prefect.client.schemas.objects import FlowRun, StateType
 from prefect.settings import PREFECT_API_URL, temporary_settings
 from prefect.states import State
 
-from infra.lifecycle import CRASH_AUTOMATION, HEARTBEAT_SECONDS, MISSED_HEARTBEATS, ensure_crash_detection
+from infra.lifecycle import CRASH_AUTOMATION, HEARTBEAT_SECONDS, MISSED_HEARTBEATS, ensure_crash_detection, processes_with
 from tests.servers import PrefectServer, stop_group
 
 pytestmark = pytest.mark.slow
@@ -61,14 +61,7 @@ def wait_for(what: str, check: Callable[[], object], timeout: float, interval: f
 
 def marked(marker: str) -> list[psutil.Process]:
     """Live processes whose environment carries this marker."""
-    found = []
-    for process in psutil.process_iter():
-        try:
-            if process.environ().get(MARKER) == marker:
-                found.append(process)
-        except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
-            continue
-    return found
+    return processes_with(MARKER, marker)
 
 
 def describe(processes: list[psutil.Process]) -> list[str]:

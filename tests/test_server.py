@@ -14,6 +14,7 @@ import httpx
 import psutil
 import pytest
 
+from infra.lifecycle import processes_with
 from tests.servers import PrefectServer
 
 pytestmark = pytest.mark.slow
@@ -124,14 +125,7 @@ def run_params(deployment: dict, source: Path, **changed) -> dict:
 
 def processes_of(prefect_home: Path) -> list[psutil.Process]:
     """Every live process started for this server: they all inherit its PREFECT_HOME."""
-    found = []
-    for process in psutil.process_iter():
-        try:
-            if process.environ().get("PREFECT_HOME") == str(prefect_home):
-                found.append(process)
-        except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
-            pass
-    return found
+    return processes_with("PREFECT_HOME", str(prefect_home))
 
 
 @pytest.fixture(scope="module")
