@@ -7,7 +7,9 @@ WORKSPACE ?= .imagelake
 DEMO := $(WORKSPACE)/demo-digits
 PYTEST_ARGS ?=
 
-.PHONY: install run demo-data test test-quick doctor ui worker clean browser
+CLUSTER := $(WORKSPACE)/cluster
+
+.PHONY: install run demo-data test test-quick doctor ui worker clean browser cluster-up cluster-down cluster-status cluster-run
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -59,6 +61,20 @@ worker: install
 	PREFECT_API_URL=$${PREFECT_API_URL:-http://127.0.0.1:4200/api} $(BIN)/prefect deploy --all
 	PREFECT_API_URL=$${PREFECT_API_URL:-http://127.0.0.1:4200/api} PREFECT_FLOWS_HEARTBEAT_FREQUENCY=$${PREFECT_FLOWS_HEARTBEAT_FREQUENCY:-30} $(BIN)/python -m infra.lifecycle
 	PREFECT_API_URL=$${PREFECT_API_URL:-http://127.0.0.1:4200/api} $(BIN)/prefect worker start --pool imagelake-process
+
+# A Spark standalone master and 2 workers, 2 Ray nodes, an MLflow server (basic auth) and a Prefect server, on 127.0.0.1.
+cluster-up: install
+	$(BIN)/python -m infra.cluster up --root $(CLUSTER)
+
+cluster-status: install
+	$(BIN)/python -m infra.cluster status --root $(CLUSTER)
+
+# The pipeline on that cluster: settings from infra/clusters/local.yaml, addresses and credentials from cluster.env.
+cluster-run: install demo-data
+	set -a; . $(CLUSTER)/cluster.env; set +a; $(BIN)/imagelake run --config infra/clusters/local.yaml --source $(DEMO)
+
+cluster-down:
+	$(BIN)/python -m infra.cluster down --root $(CLUSTER)
 
 clean:
 	rm -rf $(WORKSPACE) .pytest_cache

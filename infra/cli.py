@@ -88,8 +88,18 @@ def format_summary(summary: dict[str, Any]) -> str:
             f"  training      {summary['epochs_run']} epochs, val accuracy {summary['val_accuracy']:.3f}, MLflow run {summary['mlflow_run_id']}",
             f"  model         {summary['model_name']} v{summary['model_version']} -> {summary['model_alias']} "
             f"(test accuracy {summary['test_accuracy']:.3f}; champion is v{summary['champion_version']})",
+            f"  ran on        {engines(summary)}",
         ]
     )
+
+
+def engines(summary: dict[str, Any]) -> str:
+    """Where the work ran: the Spark application and master, the Ray nodes of the training ranks."""
+    spark = summary.get("spark_application")
+    nodes = summary.get("ray_worker_nodes") or []
+    where = f"Spark {spark['id']} on {spark['master']}" if spark else "Spark: every Spark stage came from the cache"
+    distinct = len(set(nodes))
+    return f"{where}; Ray Train: {len(nodes)} rank(s) on {distinct} Ray node(s)" + (f" ({', '.join(n[:8] for n in nodes)})" if nodes else "")
 
 
 @app.command()

@@ -150,6 +150,18 @@ def reap(flow_run_id: str, grace: float = STOP_TIMEOUT) -> list[str]:
     for process in processes:
         try:
             described.append(f"{process.name()}[{process.pid}]")
+        except psutil.NoSuchProcess:
+            continue
+    stop_processes(processes, grace)
+    return described
+
+
+def stop_processes(processes: list[Any], grace: float) -> None:
+    """SIGTERM these processes, then SIGKILL those still alive after `grace` seconds."""
+    import psutil
+
+    for process in processes:
+        try:
             process.terminate()
         except psutil.NoSuchProcess:
             continue
@@ -159,7 +171,7 @@ def reap(flow_run_id: str, grace: float = STOP_TIMEOUT) -> list[str]:
             process.kill()
         except psutil.NoSuchProcess:
             pass
-    return described
+    psutil.wait_procs(alive, timeout=grace)
 
 
 def release_compute(flow: Any, flow_run: Any, state: Any) -> None:

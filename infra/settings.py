@@ -66,6 +66,7 @@ class Settings(BaseSettings):
     spark_driver_memory: str = "4g"
     spark_log_level: Literal["ALL", "DEBUG", "INFO", "WARN", "ERROR", "FATAL", "OFF"] = Field(default="ERROR", description="Spark's own log level")
     spark_jars: list[str] = Field(default_factory=list, description="Extra jars for Spark, e.g. Delta's, as local paths")
+    spark_conf: dict[str, str] = Field(default_factory=dict, description="Extra Spark properties, applied last (e.g. spark.kubernetes.*, spark.executor.*)")
     delta_writer: Literal["auto", "delta-rs", "spark"] = "auto"
     table_root: str | None = Field(default=None, description="Folder or object-store URI of the Delta tables")
     table_name: str = "images"
@@ -95,7 +96,11 @@ class Settings(BaseSettings):
     staging_root: str | None = Field(default=None, description="Folder or URI for files handed between stages")
 
     # Training.
-    ray_address: str | None = None
+    ray_address: str | None = Field(default=None, description="Ray cluster to join (host:port, ray://host:port or auto); none starts Ray here")
+    ray_placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        default="PACK", description="How Ray places training workers: PACK fills a node's GPUs first, SPREAD uses more machines"
+    )
+    ray_storage_root: str | None = Field(default=None, description="Folder where Ray Train keeps checkpoints; shared by every node (default: workspace/ray_results)")
     num_workers: int = Field(default=2, ge=1)
     use_gpu: bool = False
     cpus_per_worker: float = Field(default=1, gt=0)
@@ -132,6 +137,24 @@ class Settings(BaseSettings):
     # Orchestration.
     prefect_api_url: str | None = None
     results_root: str | None = Field(default=None, description="Folder or URI where stage results are cached (default: workspace/prefect-results)")
+
+    @model_validator(mode="after")
+    def _no_credentials_in_addresses(self) -> "Settings":
+        for name in type(self).model_fields:
+            value = getattr(self, name)
+            if isinstance(value, str) and "://" in value and _has_password(value):
+                raise ValueError(
+                    f"{name} holds a password: give addresses without credentials and put those in the environment "
+                    "(MLFLOW_TRACKING_USERNAME/MLFLOW_TRACKING_PASSWORD or MLFLOW_TRACKING_TOKEN, PREFECT_API_KEY or PREFECT_API_AUTH_STRING, "
+                    "AWS_* or your object store's own variables)"
+                )
+        for key in self.spark_conf:
+            if any(word in key.lower() for word in ("secret", "password", "token")):
+                raise ValueError(
+                    f"spark_conf {key} would put a secret into settings: let Spark read it from the environment or a "
+                    "credentials provider (e.g. spark.hadoop.fs.s3a.aws.credentials.provider) instead"
+                )
+        return self
 
     @model_validator(mode="after")
     def _check_fractions(self) -> "Settings":
@@ -184,7 +207,7 @@ class Settings(BaseSettings):
 
     @property
     def ray_storage_path(self) -> str:
-        return str(self.workspace_dir / "ray_results")
+        return (self.ray_storage_root or str(self.workspace_dir / "ray_results")).rstrip("/")
 
     @property
     def tracking_uri(self) -> str:
@@ -205,6 +228,15 @@ class Settings(BaseSettings):
     def results_uri(self) -> str:
         """Where every stage's cached result and cache-key record lives."""
         return (self.results_root or str(self.prefect_results_dir)).rstrip("/")
+
+
+def _has_password(uri: str) -> bool:
+    from urllib.parse import urlsplit
+
+    try:
+        return bool(urlsplit(uri).password)
+    except ValueError:  # a malformed port: not ours to judge here
+        return False
 
 
 def load_settings(config_file: str | Path | None = None, overrides: dict[str, Any] | None = None) -> Settings:

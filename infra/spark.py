@@ -28,8 +28,9 @@ def spark_session(settings: Settings) -> SparkSession:
             active.sparkContext.setLogLevel(settings.spark_log_level)
             return active
         ensure_java()
-        if settings.spark_master.startswith("local"):
-            # An embedded Spark listens on loopback only.
+        loopback = on_loopback(settings.spark_master)
+        if loopback:
+            # An embedded Spark, or one on this machine's loopback, listens on loopback only.
             os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
         # Executors must run this interpreter, or the UDFs cannot import Pillow and pyarrow.
         os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
@@ -38,8 +39,8 @@ def spark_session(settings: Settings) -> SparkSession:
             SparkSession.builder.master(settings.spark_master)
             .appName("imagelake")
             .config("spark.driver.memory", settings.spark_driver_memory)
-            .config("spark.driver.bindAddress", "127.0.0.1" if settings.spark_master.startswith("local") else "0.0.0.0")
-            .config("spark.driver.host", "127.0.0.1" if settings.spark_master.startswith("local") else _hostname())
+            .config("spark.driver.bindAddress", "127.0.0.1" if loopback else "0.0.0.0")
+            .config("spark.driver.host", "127.0.0.1" if loopback else _hostname())
             .config("spark.ui.showConsoleProgress", "false")
             .config("spark.sql.execution.arrow.pyspark.enabled", "true")
             # Decoded 224x224 images are ~150 KB each: keep Arrow batches small.
@@ -52,9 +53,30 @@ def spark_session(settings: Settings) -> SparkSession:
         if delta_jars_on_classpath(settings):
             # A catalog class that is missing fails every write, so these are set only when the jars are there.
             builder = builder.config("spark.sql.extensions", DELTA_EXTENSION).config("spark.sql.catalog.spark_catalog", DELTA_CATALOG)
+        for key, value in settings.spark_conf.items():
+            builder = builder.config(key, value)
         session = builder.getOrCreate()
         session.sparkContext.setLogLevel(settings.spark_log_level)
         return session
+
+
+def on_loopback(master: str) -> bool:
+    """Whether a Spark master URL is this process (local[...]) or a cluster on this machine's loopback."""
+    from urllib.parse import urlsplit
+
+    if master.startswith("local"):
+        return True
+    hosts = [urlsplit(f"spark://{part}").hostname for part in master.removeprefix("spark://").split(",")] if master.startswith("spark://") else []
+    return bool(hosts) and all(host in ("127.0.0.1", "localhost") for host in hosts)
+
+
+def spark_application() -> dict[str, str] | None:
+    """The Spark application this process runs (id, master), or None if it started no Spark."""
+    active = SparkSession.getActiveSession() or SparkSession._instantiatedSession  # noqa: SLF001 (the session of another thread)
+    if active is None:
+        return None
+    context = active.sparkContext
+    return {"id": context.applicationId, "master": context.master}
 
 
 def delta_jars_on_classpath(settings: Settings) -> bool:

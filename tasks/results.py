@@ -86,6 +86,7 @@ class Trained(BaseModel):
     epochs_run: int
     best_val_loss: float
     val_accuracy: float
+    worker_nodes: list[str] = []  # the Ray node of each rank
 
 
 class Promoted(BaseModel):

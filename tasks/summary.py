@@ -9,6 +9,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 
 from infra.settings import Settings
+from infra.spark import spark_application
 from infra.tracking import mlflow_client, run_url
 from tasks.registry import CHAMPION, alias_version
 from tasks.results import CachedSplits, Promoted, Resized, Trained, Written
@@ -79,6 +80,9 @@ def summarize(resized: Resized | None, written: Written, cached: CachedSplits, t
     champion_version = alias_version(client, promoted.model_name, CHAMPION)
     summary = run_summary(resized, written, cached, trained, promoted, champion_version)
     summary["flow_run_id"] = str(flow_run.id) if flow_run.id else None
+    # Where the work ran: the Spark application (None when every Spark stage came from the cache) and the Ray nodes of the ranks.
+    summary["spark_application"] = spark_application()
+    summary["ray_worker_nodes"] = trained.worker_nodes
     summary["cache"] = cache_report(*stage_outcomes(summary["flow_run_id"])) if flow_run.id else []
     summary["cache_hits"] = [row["stage"] for row in summary["cache"] if row["cache"] == "hit"]
     link = run_url(client, settings, trained.mlflow_run_id)

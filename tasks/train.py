@@ -22,7 +22,7 @@ from infra.settings import Settings
 from infra.tracking import experiment_id, mlflow_client, run_url
 from tasks.results import CachedSplits, Trained
 from tasks.stage import code_digest, stage
-from tasks.train_loop import train_loop_per_worker
+from tasks.train_loop import WORKER_NODES_TAG, train_loop_per_worker
 
 
 def scaled_learning_rate(base_lr: float, num_workers: int, rule: str = "linear") -> float:
@@ -117,6 +117,7 @@ def fit(cached: CachedSplits, settings: Settings, client: MlflowClient, run_id: 
         num_workers=settings.num_workers,
         use_gpu=settings.use_gpu,
         resources_per_worker={"CPU": settings.cpus_per_worker, **({"GPU": settings.gpus_per_worker} if settings.use_gpu else {})},
+        placement_strategy=settings.ray_placement_strategy,
     )
     # Ray Train resumes a run whose (storage_path, name) already holds checkpoints: a retried task, or a
     # re-run after a crash, continues from the interrupted run's latest checkpoint instead of starting over.
@@ -133,6 +134,7 @@ def fit(cached: CachedSplits, settings: Settings, client: MlflowClient, run_id: 
         epochs_run=int((result.metrics or metrics)["epoch"]) + 1,
         best_val_loss=float(metrics["val_loss"]),
         val_accuracy=float(metrics["val_acc"]),
+        worker_nodes=json.loads(client.get_run(run_id).data.tags.get(WORKER_NODES_TAG, "[]")),
     )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import glob
+import json
 import os
 import time
 from typing import Any
@@ -24,6 +25,7 @@ from tasks.loader import ShardBatches
 from tasks.model import ImageClassifier
 
 CHECKPOINT_FILE = RayTrainReportCallback.CHECKPOINT_NAME
+WORKER_NODES_TAG = "ray_worker_nodes"  # the Ray node id of each rank, in rank order
 
 
 class CheckpointUnusable(PermanentError, RuntimeError):
@@ -165,6 +167,18 @@ def shard_loaders(config: dict[str, Any], rank: int, world: int) -> tuple[ShardB
     return train, val
 
 
+def worker_nodes(world: int) -> list[str]:
+    """The Ray node each rank runs on, gathered from all ranks (over a gloo group, whatever the training backend)."""
+    import torch.distributed as dist
+
+    node = ray.get_runtime_context().get_node_id()
+    if world == 1 or not dist.is_initialized():
+        return [node]
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, node, group=dist.new_group(backend="gloo"))
+    return [str(item) for item in gathered]
+
+
 def train_loop_per_worker(config: dict[str, Any]) -> None:
     """Train the classifier on this worker's shard of the cached train and val splits, resuming if Ray restarted us."""
     context = ray.train.get_context()
@@ -173,7 +187,9 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     checkpoint = ray.train.get_checkpoint()
     resume, resumed_epoch = resume_point(checkpoint.path if checkpoint else None, config.get("run_path"))
     callbacks: list[Callback] = [RayTrainReportCallback()]
+    nodes = worker_nodes(world)
     if rank == 0 and config.get("mlflow_run_id"):
+        MlflowClient(config["tracking_uri"]).set_tag(config["mlflow_run_id"], WORKER_NODES_TAG, json.dumps(nodes))
         callbacks.append(MlflowEpochMetrics(config["tracking_uri"], config["mlflow_run_id"], resumed_epoch))
         if resume:
             MlflowClient(config["tracking_uri"]).set_tag(config["mlflow_run_id"], "resumed_after_epoch", str(resumed_epoch))

@@ -1,0 +1,448 @@
+"""A whole cluster on this machine, 127.0.0.1 only: what `make cluster-up` / `make cluster-down` run.
+
+Spark standalone (a master and two workers, from the pyspark installation's own launch classes), Ray (a head and
+one more node, `ray start`), an MLflow tracking server (SQLite, an artifacts folder, basic authentication) and a
+Prefect server (with an API auth string). Every process it starts carries IMAGELAKE_CLUSTER=<folder> in its
+environment, so `down` finds and stops all of them, the Spark executors and Ray workers they started included.
+
+The addresses and the generated credentials go to <folder>/cluster.env (mode 0600), for a shell to load:
+    set -a; . .imagelake/cluster/cluster.env; set +a
+    imagelake run --config infra/clusters/local.yaml --source ...
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from base64 import b64encode
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from infra.java import ensure_java
+from infra.lifecycle import processes_with, stop_processes
+
+CLUSTER_VARIABLE = "IMAGELAKE_CLUSTER"
+BIN = Path(sys.executable).parent
+DEFAULT_ROOT = Path(".imagelake/cluster")
+# A driver joining a Ray on 127.0.0.1 needs this, or Ray swaps the address for the machine's routable one.
+LOOPBACK_RAY = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+MLFLOW_USER = "imagelake"  # the pipeline's own MLflow user (not the admin)
+PREFECT_USER = "imagelake"
+
+
+class ClusterError(RuntimeError):
+    """The local cluster cannot start or answer; the message says which part and where its log is."""
+
+
+@dataclass
+class Ports:
+    """The cluster's ports; the defaults are the ones infra/clusters/local.yaml names."""
+
+    spark: int = 7077
+    spark_ui: int = 8080
+    spark_workers_ui: tuple[int, int] = (8081, 8082)
+    ray: int = 6380
+    mlflow: int = 5050
+    prefect: int = 4250
+
+    @classmethod
+    def free(cls) -> "Ports":
+        """Ports nothing listens on now (tests run beside a developer's own cluster)."""
+        return cls(spark=_free_port(), spark_ui=_free_port(), spark_workers_ui=(_free_port(), _free_port()), ray=_free_port(),
+                   mlflow=_free_port(), prefect=_free_port())
+
+
+@dataclass
+class Cluster:
+    """Where the cluster's parts listen and keep their files (state.json in the cluster folder)."""
+
+    root: str
+    ports: Ports
+    ray_temp_dir: str
+    started: list[str] = field(default_factory=list)
+    sessions: list[int] = field(default_factory=list)
+
+    @property
+    def spark_master(self) -> str:
+        return f"spark://127.0.0.1:{self.ports.spark}"
+
+    @property
+    def spark_ui(self) -> str:
+        return f"http://127.0.0.1:{self.ports.spark_ui}"
+
+    @property
+    def ray_address(self) -> str:
+        return f"127.0.0.1:{self.ports.ray}"
+
+    @property
+    def mlflow_url(self) -> str:
+        return f"http://127.0.0.1:{self.ports.mlflow}"
+
+    @property
+    def prefect_url(self) -> str:
+        return f"http://127.0.0.1:{self.ports.prefect}"
+
+    @property
+    def env_file(self) -> Path:
+        return Path(self.root) / "cluster.env"
+
+    def settings_env(self) -> dict[str, str]:
+        """The addresses, as IMAGELAKE_* and PREFECT_* variables (no secrets)."""
+        return {
+            "IMAGELAKE_SPARK_MASTER": self.spark_master,
+            "IMAGELAKE_RAY_ADDRESS": self.ray_address,
+            "IMAGELAKE_MLFLOW_TRACKING_URI": self.mlflow_url,
+            "IMAGELAKE_MLFLOW_UI_URL": self.mlflow_url,
+            "IMAGELAKE_PREFECT_API_URL": f"{self.prefect_url}/api",
+            "PREFECT_API_URL": f"{self.prefect_url}/api",
+            LOOPBACK_RAY: "0",
+        }
+
+    def credentials(self) -> dict[str, str]:
+        """The generated credentials, as the clients read them from the environment."""
+        return read_env_file(self.env_file, only=("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "PREFECT_API_AUTH_STRING"))
+
+    def client_env(self) -> dict[str, str]:
+        """Everything a client of this cluster needs in its environment."""
+        return read_env_file(self.env_file)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def read_env_file(path: Path, only: tuple[str, ...] | None = None) -> dict[str, str]:
+    """NAME=value lines of a cluster.env file (comments skipped)."""
+    values = {}
+    for line in path.read_text().splitlines():
+        if line.strip() and not line.lstrip().startswith("#") and "=" in line:
+            name, value = line.split("=", 1)
+            if only is None or name in only:
+                values[name.strip()] = value.strip().strip("'")
+    return values
+
+
+def _state_file(root: Path) -> Path:
+    return root / "state.json"
+
+
+def load(root: Path = DEFAULT_ROOT) -> Cluster:
+    """The cluster last started in ROOT."""
+    path = _state_file(root.resolve())
+    if not path.exists():
+        raise ClusterError(f"no cluster state in {path}: start one with `make cluster-up` (python -m infra.cluster up)")
+    data = json.loads(path.read_text())
+    ports = data.pop("ports")
+    ports["spark_workers_ui"] = tuple(ports["spark_workers_ui"])
+    return Cluster(ports=Ports(**ports), **data)
+
+
+def _save(cluster: Cluster) -> None:
+    _state_file(Path(cluster.root)).write_text(json.dumps(asdict(cluster), indent=2))
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Write a file only its owner can read (it holds credentials)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(text)
+    os.chmod(path, 0o600)
+
+
+def _base_env(root: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    for name in list(env):
+        # A developer's own Prefect, MLflow or imagelake settings must not leak into the cluster's servers.
+        if name.startswith(("PREFECT_", "MLFLOW_", "IMAGELAKE_", "RAY_ADDRESS")):
+            env.pop(name)
+    env[CLUSTER_VARIABLE] = str(root)
+    env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
+    return env
+
+
+def _spawn(name: str, args: list[str], root: Path, env: dict[str, str], cluster: Cluster) -> subprocess.Popen:
+    """Start one part in a session of its own (recorded: `down` stops the whole session), output in <root>/logs/<name>.log."""
+    log = root / "logs" / f"{name}.log"
+    with log.open("a") as out:
+        process = subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True, cwd=root)
+    cluster.sessions.append(process.pid)
+    _save(cluster)
+    return process
+
+
+def _wait(what: str, check, timeout: float, root: Path, log: str, process: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None and process.returncode != 0:
+            break
+        try:
+            if check():
+                return
+        except (OSError, ValueError, KeyError):
+            pass
+        time.sleep(0.5)
+    tail = (root / "logs" / f"{log}.log")
+    text = tail.read_text()[-3000:] if tail.exists() else ""
+    raise ClusterError(f"{what} did not come up within {timeout:.0f} s; its log is {tail}:\n{text}")
+
+
+def http_json(url: str, auth: tuple[str, str] | None = None, data: dict | None = None, timeout: float = 5) -> dict:
+    """GET (or POST data as JSON) and decode the JSON answer."""
+    request = urllib.request.Request(url, data=json.dumps(data).encode() if data is not None else None)
+    request.add_header("Content-Type", "application/json")
+    if auth:
+        request.add_header("Authorization", "Basic " + b64encode(f"{auth[0]}:{auth[1]}".encode()).decode())
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        body = response.read()
+    return json.loads(body) if body else {}
+
+
+def _answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=3) as response:
+            return response.status == 200
+    except OSError:  # refused, reset or an HTTP error status
+        return False
+
+
+def running(root: Path = DEFAULT_ROOT) -> list:
+    """The live processes of the cluster in ROOT: in a session it started, or marked in their environment.
+
+    Both, because Ray's agents overwrite their environment when they set their process title, and a process
+    may leave its session (the Spark executors and Ray workers do not).
+    """
+    import psutil
+
+    root = root.resolve()
+    sessions = set()
+    if _state_file(root).exists():
+        sessions = set(json.loads(_state_file(root).read_text()).get("sessions", []))
+    found = {process.pid: process for process in processes_with(CLUSTER_VARIABLE, str(root))}
+    for process in psutil.process_iter():
+        try:
+            if process.pid not in found and os.getsid(process.pid) in sessions and process.status() != psutil.STATUS_ZOMBIE:
+                found[process.pid] = process
+        except (OSError, psutil.Error):
+            continue
+    return list(found.values())
+
+
+def up(root: Path = DEFAULT_ROOT, ports: Ports | None = None, timeout: float = 180) -> Cluster:
+    """Start every part, wait until each answers, write cluster.env; on any failure stop what started."""
+    root = root.resolve()
+    if running(root):
+        raise ClusterError(f"a cluster is already running from {root}: stop it first (make cluster-down)")
+    (root / "logs").mkdir(parents=True, exist_ok=True)
+    ports = ports or Ports()
+    # Ray's socket paths must stay short (Unix sockets allow ~107 bytes), so its session folder lives in /tmp.
+    cluster = Cluster(root=str(root), ports=ports, ray_temp_dir=tempfile.mkdtemp(prefix="imagelake-ray-"))
+    _save(cluster)
+    mlflow_password, prefect_token = secrets.token_urlsafe(24), secrets.token_urlsafe(24)
+    _write_private(
+        cluster.env_file,
+        "# imagelake local cluster (written by `make cluster-up`; holds credentials, keep it private)\n"
+        + "".join(f"{name}={value}\n" for name, value in cluster.settings_env().items())
+        + f"MLFLOW_TRACKING_USERNAME={MLFLOW_USER}\nMLFLOW_TRACKING_PASSWORD={mlflow_password}\n"
+        + f"PREFECT_API_AUTH_STRING={PREFECT_USER}:{prefect_token}\n",
+    )
+    try:
+        _start_spark(cluster, timeout)
+        _start_ray(cluster, timeout, {"MLFLOW_TRACKING_USERNAME": MLFLOW_USER, "MLFLOW_TRACKING_PASSWORD": mlflow_password})
+        _start_mlflow(cluster, timeout, mlflow_password)
+        _start_prefect(cluster, timeout, f"{PREFECT_USER}:{prefect_token}")
+    except BaseException:
+        down(root)
+        raise
+    return cluster
+
+
+def _start_spark(cluster: Cluster, timeout: float) -> None:
+    import pyspark
+
+    root = Path(cluster.root)
+    spark_home = Path(pyspark.__file__).parent
+    env = _base_env(root)
+    env.update(SPARK_HOME=str(spark_home), JAVA_HOME=str(ensure_java()), SPARK_LOCAL_IP="127.0.0.1", SPARK_LOG_DIR=str(root / "logs"),
+               SPARK_NO_DAEMONIZE="1", PYSPARK_PYTHON=sys.executable)
+    spark_class = str(spark_home / "bin" / "spark-class")
+    master = _spawn("spark-master", [spark_class, "org.apache.spark.deploy.master.Master", "--host", "127.0.0.1",
+                                     "--port", str(cluster.ports.spark), "--webui-port", str(cluster.ports.spark_ui)], root, env, cluster)
+    _wait("the Spark master", lambda: _answers(f"{cluster.spark_ui}/json/"), timeout, root, "spark-master", master)
+    for number, ui_port in enumerate(cluster.ports.spark_workers_ui, start=1):
+        work = root / f"spark-worker-{number}"
+        work.mkdir(exist_ok=True)
+        _spawn(f"spark-worker-{number}", [spark_class, "org.apache.spark.deploy.worker.Worker", cluster.spark_master, "--host", "127.0.0.1",
+                                          "--cores", "1", "--memory", "3g", "--webui-port", str(ui_port), "--work-dir", str(work)], root, env, cluster)
+    workers = cluster.ports.spark_workers_ui
+    _wait(f"{len(workers)} Spark workers", lambda: sum(w["state"] == "ALIVE" for w in http_json(f"{cluster.spark_ui}/json/")["workers"]) == len(workers),
+          timeout, root, "spark-worker-2")
+    cluster.started.append("spark")
+    _save(cluster)
+
+
+def _start_ray(cluster: Cluster, timeout: float, node_env: dict[str, str]) -> None:
+    root = Path(cluster.root)
+    env = _base_env(root)
+    # Each node passes these to the training workers it starts: rank 0 logs to the MLflow server with them,
+    # as a real cluster's nodes get them from its secret store.
+    env.update(node_env)
+    env["RAY_USAGE_STATS_ENABLED"] = "0"
+    common = ["--num-cpus", "2", "--num-gpus", "0", "--object-store-memory", str(400 * 1024 * 1024), "--disable-usage-stats"]
+    # `ray start` swaps 127.0.0.1 for the machine's routable address (so that other machines can join) and then
+    # listens on every interface. Told that this Ray stays on one machine, the head keeps loopback; the second
+    # node is `ray start` too, run so that it keeps the loopback addresses it is given (see ray_start_loopback).
+    head_env = {**env, LOOPBACK_RAY: "0"}
+    head = [str(BIN / "ray"), "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(cluster.ports.ray),
+            "--include-dashboard", "false", "--temp-dir", cluster.ray_temp_dir, *common]
+    node = [sys.executable, "-m", "infra.cluster", "ray-start-loopback", "--address", cluster.ray_address, "--node-ip-address", "127.0.0.1", *common]
+    for name, args, part_env in (("ray-head", head, head_env), ("ray-node-2", node, env)):
+        started = _spawn(name, args, root, part_env, cluster)
+        try:
+            started.wait(90)
+        except subprocess.TimeoutExpired:
+            raise ClusterError(f"`ray start` for {name} did not finish in 90 s; its log is {root / 'logs' / (name + '.log')}") from None
+        if started.returncode != 0:
+            raise ClusterError(f"`ray start` for {name} exited {started.returncode}; its log is {root / 'logs' / (name + '.log')}")
+    _wait("2 Ray nodes", lambda: len(ray_nodes(cluster)) == 2, timeout, root, "ray-node-2")
+    cluster.started.append("ray")
+    _save(cluster)
+
+
+def ray_start_loopback(args: list[str]) -> int:
+    """`ray start ARGS` for a node joining a head on this machine, keeping 127.0.0.1 as given (the CLI would swap it)."""
+    from ray._private import services
+    from ray.scripts.scripts import main as ray_main
+
+    services.resolve_ip_for_localhost = lambda host: host
+    sys.argv = ["ray", "start", *args]
+    return ray_main()
+
+
+def ray_nodes(cluster: Cluster) -> list[str]:
+    """The ids of the Ray cluster's live nodes (asked through a short-lived driver)."""
+    code = ("import json, ray; ray.init(address=%r, logging_level='ERROR', log_to_driver=False); "
+            "print(json.dumps([n['NodeID'] for n in ray.nodes() if n['Alive']]))") % cluster.ray_address
+    env = _base_env(Path(cluster.root))
+    env.pop(CLUSTER_VARIABLE)
+    env[LOOPBACK_RAY] = "0"
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    if done.returncode != 0:
+        raise ValueError(done.stderr[-2000:])
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _start_mlflow(cluster: Cluster, timeout: float, password: str) -> None:
+    root = Path(cluster.root)
+    admin_password = secrets.token_urlsafe(24)
+    config = root / "mlflow-auth.ini"
+    _write_private(config, "[mlflow]\ndefault_permission = READ\n" f"database_uri = sqlite:///{root / 'mlflow-auth.db'}\n"
+                   "admin_username = admin\nauthorization_function = mlflow.server.auth:authenticate_request_basic_auth\n")
+    env = _base_env(root)
+    env.update(MLFLOW_AUTH_CONFIG_PATH=str(config), MLFLOW_AUTH_ADMIN_PASSWORD=admin_password,
+               MLFLOW_FLASK_SERVER_SECRET_KEY=secrets.token_hex(16))
+    server = _spawn("mlflow", [str(BIN / "mlflow"), "server", "--app-name", "basic-auth", "--host", "127.0.0.1", "--port", str(cluster.ports.mlflow),
+                               "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}", "--artifacts-destination", str(root / "mlartifacts"),
+                               "--workers", "1"], root, env, cluster)
+    _wait("the MLflow server", lambda: _answers(f"{cluster.mlflow_url}/health"), timeout, root, "mlflow", server)
+    # The pipeline gets a user of its own; the admin's password is used once, here, and kept nowhere.
+    http_json(f"{cluster.mlflow_url}/api/2.0/mlflow/users/create", auth=("admin", admin_password),
+              data={"username": MLFLOW_USER, "password": password})
+    cluster.started.append("mlflow")
+    _save(cluster)
+
+
+def _start_prefect(cluster: Cluster, timeout: float, auth_string: str) -> None:
+    root = Path(cluster.root)
+    env = _base_env(root)
+    env.update(PREFECT_HOME=str(root / "prefect"), PREFECT_API_DATABASE_CONNECTION_URL=f"sqlite+aiosqlite:///{root / 'prefect.db'}",
+               PREFECT_SERVER_API_AUTH_STRING=auth_string, PREFECT_SERVER_ANALYTICS_ENABLED="false",
+               PREFECT_UI_API_URL=f"{cluster.prefect_url}/api")
+    server = _spawn("prefect", [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(cluster.ports.prefect)], root, env, cluster)
+    _wait("the Prefect server", lambda: _answers(f"{cluster.prefect_url}/api/health"), timeout, root, "prefect", server)
+    cluster.started.append("prefect")
+    _save(cluster)
+
+
+def down(root: Path = DEFAULT_ROOT, grace: float = 15) -> list[str]:
+    """Stop every process of the cluster in ROOT (SIGTERM, then SIGKILL after `grace`); return what was running."""
+    root = root.resolve()
+    found = running(root)
+    names = sorted({_describe(process) for process in found})
+    stop_processes(found, grace)
+    stop_processes(running(root), 0)  # anything a dying part started meanwhile
+    if _state_file(root).exists():
+        temp = json.loads(_state_file(root).read_text()).get("ray_temp_dir")
+        if temp and Path(temp).name.startswith("imagelake-ray-"):
+            shutil.rmtree(temp, ignore_errors=True)
+    return names
+
+
+def _describe(process) -> str:
+    try:
+        return process.name()
+    except Exception:  # gone already
+        return "?"
+
+
+def status(root: Path = DEFAULT_ROOT) -> dict:
+    """What each part answers now."""
+    cluster = load(root)
+    report: dict = {"processes": len(running(Path(cluster.root)))}
+    try:
+        master = http_json(f"{cluster.spark_ui}/json/")
+        report["spark"] = {"master": cluster.spark_master, "ui": cluster.spark_ui, "alive_workers": sum(w["state"] == "ALIVE" for w in master["workers"])}
+    except OSError as exc:
+        report["spark"] = f"not answering: {exc}"
+    try:
+        report["ray"] = {"address": cluster.ray_address, "nodes": len(ray_nodes(cluster))}
+    except (ValueError, subprocess.TimeoutExpired) as exc:
+        report["ray"] = f"not answering: {str(exc)[-300:]}"
+    report["mlflow"] = {"url": cluster.mlflow_url, "healthy": _answers(f"{cluster.mlflow_url}/health")}
+    report["prefect"] = {"url": cluster.prefect_url, "healthy": _answers(f"{cluster.prefect_url}/api/health")}
+    report["env_file"] = str(cluster.env_file)
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m infra.cluster", description=__doc__.split("\n\n")[0])
+    if argv is None and sys.argv[1:2] == ["ray-start-loopback"]:
+        return ray_start_loopback(sys.argv[2:])
+    parser.add_argument("command", choices=("up", "down", "status"))
+    parser.add_argument("--root", type=Path, default=DEFAULT_ROOT, help="the cluster's folder (default .imagelake/cluster)")
+    parser.add_argument("--free-ports", action="store_true", help="pick free ports instead of the defaults")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "up":
+            cluster = up(args.root, Ports.free() if args.free_ports else None)
+            print(f"Spark master {cluster.spark_master} (UI {cluster.spark_ui}), Ray {cluster.ray_address}, "
+                  f"MLflow {cluster.mlflow_url}, Prefect {cluster.prefect_url}")
+            print(f"addresses and credentials: {cluster.env_file} (load it with: set -a; . {cluster.env_file}; set +a)")
+        elif args.command == "down":
+            stopped = down(args.root)
+            print(f"stopped {len(stopped)} kinds of process: {', '.join(stopped)}" if stopped else "no cluster process was running")
+            left = running(args.root)
+            if left:
+                print(f"still running: {[p.pid for p in left]}", file=sys.stderr)
+                return 1
+        else:
+            print(json.dumps(status(args.root), indent=2))
+    except ClusterError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

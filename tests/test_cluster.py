@@ -1,0 +1,201 @@
+"""The same pipeline on a cluster: Spark standalone, two Ray nodes, an MLflow server with basic auth, a Prefect server.
+
+The module starts the cluster of `make cluster-up` (infra/cluster.py) on free loopback ports, runs `imagelake run`
+against it with infra/clusters/local.yaml and the cluster's environment file, checks where the work ran and that
+no credential leaked, and stops the cluster.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import urllib.error
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import quote
+
+import httpx
+import psutil
+import pytest
+
+from infra import cluster as local_cluster
+from tests.conftest import REPO, cli_env
+
+pytestmark = [pytest.mark.slow, pytest.mark.cluster]
+
+BIN = Path(sys.executable).parent
+LOOPBACK = {"127.0.0.1", "::ffff:127.0.0.1", "::1"}
+
+
+@dataclass
+class ClusterRun:
+    cluster: local_cluster.Cluster
+    workspace: Path
+    summary: dict
+    output: str
+    credentials: dict[str, str]
+
+    @property
+    def mlflow_auth(self) -> tuple[str, str]:
+        return self.credentials["MLFLOW_TRACKING_USERNAME"], self.credentials["MLFLOW_TRACKING_PASSWORD"]
+
+    def mlflow(self, path: str, **query: str) -> dict:
+        params = "&".join(f"{key}={quote(str(value))}" for key, value in query.items())
+        return local_cluster.http_json(f"{self.cluster.mlflow_url}/api/2.0/mlflow/{path}?{params}", auth=self.mlflow_auth)
+
+    def prefect(self) -> httpx.Client:
+        user, token = self.credentials["PREFECT_API_AUTH_STRING"].split(":", 1)
+        return httpx.Client(base_url=f"{self.cluster.prefect_url}/api", auth=(user, token), timeout=30)
+
+    @property
+    def secrets(self) -> list[str]:
+        return [self.credentials["MLFLOW_TRACKING_PASSWORD"], self.credentials["PREFECT_API_AUTH_STRING"].split(":", 1)[1]]
+
+
+@pytest.fixture(scope="module")
+def cluster_run(tmp_path_factory: pytest.TempPathFactory, digits_dir: Path):
+    root = tmp_path_factory.mktemp("cluster")
+    workspace = tmp_path_factory.mktemp("cluster-ws")
+    started = local_cluster.up(root, local_cluster.Ports.free())
+    try:
+        env = cli_env(started.client_env())
+        done = subprocess.run(
+            [str(BIN / "imagelake"), "run", "--config", str(REPO / "infra" / "clusters" / "local.yaml"), "--source", str(digits_dir),
+             "--set", f"workspace={workspace}", "--set", "image_size=16", "--set", "max_epochs=2", "--set", "batch_size=16", "--json"],
+            cwd=REPO, env=env, capture_output=True, text=True, timeout=900, stdin=subprocess.DEVNULL,
+        )
+        output = done.stdout + done.stderr
+        assert done.returncode == 0, f"imagelake run on the cluster exited {done.returncode}:\n{output[-6000:]}"
+        summary = json.loads(done.stdout.strip().splitlines()[-1])
+        yield ClusterRun(started, workspace, summary, output, started.credentials())
+    finally:
+        local_cluster.down(root)
+
+
+def test_every_part_of_the_cluster_listens_on_loopback_only(cluster_run: ClusterRun) -> None:
+    processes = local_cluster.running(Path(cluster_run.cluster.root))
+    names = {process.name() for process in processes}
+    assert {"java", "gcs_server", "raylet"} <= names, names
+    listening = []
+    for process in processes:
+        try:
+            sockets = process.net_connections(kind="inet")
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        listening += [(process.name(), sock.laddr.ip, sock.laddr.port) for sock in sockets if sock.status == psutil.CONN_LISTEN]
+    ports = {port for _, _, port in listening}
+    ours = cluster_run.cluster.ports
+    assert {ours.spark, ours.spark_ui, *ours.spark_workers_ui, ours.ray, ours.mlflow, ours.prefect} <= ports, listening
+    exposed = [entry for entry in listening if entry[1] not in LOOPBACK]
+    assert not exposed, f"listening beyond loopback: {exposed}"
+
+
+def test_the_spark_stages_ran_as_an_application_of_the_standalone_master(cluster_run: ClusterRun) -> None:
+    application = cluster_run.summary["spark_application"]
+    assert application["master"] == cluster_run.cluster.spark_master
+    master = local_cluster.http_json(f"{cluster_run.cluster.spark_ui}/json/")
+    apps = {app["id"]: app for app in master["activeapps"] + master["completedapps"]}
+    assert application["id"] in apps, f"{application['id']} not among {list(apps)}"
+    assert apps[application["id"]]["name"] == "imagelake"
+    # Both workers launched executors for it: each keeps a work folder per application.
+    for number in (1, 2):
+        work = Path(cluster_run.cluster.root) / f"spark-worker-{number}"
+        assert (work / application["id"]).is_dir(), f"worker {number} ran no executor of {application['id']}: {list(work.iterdir())}"
+
+
+def test_ray_train_placed_its_workers_on_both_ray_nodes(cluster_run: ClusterRun) -> None:
+    nodes = local_cluster.ray_nodes(cluster_run.cluster)
+    placed = cluster_run.summary["ray_worker_nodes"]
+    assert len(nodes) == 2 and len(placed) == 2
+    assert set(placed) == set(nodes), f"ranks ran on {placed}; the cluster's nodes are {nodes}"
+    # The MLflow run records the same placement (rank 0 logged it).
+    run = cluster_run.mlflow("runs/get", run_id=cluster_run.summary["mlflow_run_id"])["run"]
+    tags = {tag["key"]: tag["value"] for tag in run["data"]["tags"]}
+    assert json.loads(tags["ray_worker_nodes"]) == placed
+
+
+def test_the_run_and_the_model_version_are_on_the_mlflow_server_behind_basic_auth(cluster_run: ClusterRun) -> None:
+    summary = cluster_run.summary
+    run = cluster_run.mlflow("runs/get", run_id=summary["mlflow_run_id"])["run"]
+    assert run["info"]["status"] == "FINISHED"
+    metrics = {metric["key"] for metric in run["data"]["metrics"]}
+    assert {"val_loss", "val_acc", "train_loss"} <= metrics, metrics
+    version = cluster_run.mlflow("model-versions/get", name=summary["model_name"], version=summary["model_version"])["model_version"]
+    assert version["status"] == "READY"
+    # The model's files went through the server's artifact proxy into its artifacts folder.
+    assert any((Path(cluster_run.cluster.root) / "mlartifacts").rglob("MLmodel"))
+    assert summary["mlflow_run_url"].startswith(cluster_run.cluster.mlflow_url)
+    # Without the credentials the server refuses.
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        local_cluster.http_json(f"{cluster_run.cluster.mlflow_url}/api/2.0/mlflow/runs/get?run_id={summary['mlflow_run_id']}")
+    assert refused.value.code == 401
+
+
+def test_the_flow_run_is_on_the_prefect_server(cluster_run: ClusterRun) -> None:
+    flow_run_id = cluster_run.summary["flow_run_id"]
+    with cluster_run.prefect() as api:
+        run = api.get(f"/flow_runs/{flow_run_id}").json()
+        assert run["state_type"] == "COMPLETED", run
+        flow = api.get(f"/flows/{run['flow_id']}").json()
+        assert flow["name"] == "imagelake-pipeline"
+        artifacts = api.post("/artifacts/filter", json={"artifacts": {"flow_run_id": {"any_": [flow_run_id]}}}).json()
+        assert "imagelake-run-summary" in {artifact["key"] for artifact in artifacts}
+    assert httpx.get(f"{cluster_run.cluster.prefect_url}/api/flow_runs/{flow_run_id}").status_code == 401
+
+
+def found_in_files(secret: str, folders: list[Path], skip: set[Path]) -> list[str]:
+    needle = secret.encode()
+    hits = []
+    for folder in folders:
+        for path in folder.rglob("*"):
+            if path.is_file() and not path.is_symlink() and path not in skip:
+                try:
+                    if needle in path.read_bytes():
+                        hits.append(str(path))
+                except OSError:
+                    continue
+    return hits
+
+
+def test_no_credential_appears_in_parameters_artifacts_tags_or_logs(cluster_run: ClusterRun) -> None:
+    root = Path(cluster_run.cluster.root)
+    texts = {"the run's output": cluster_run.output}
+    with cluster_run.prefect() as api:
+        runs = api.post("/flow_runs/filter", json={}).json()
+        texts["flow run parameters"] = json.dumps([run["parameters"] for run in runs])
+        texts["task runs"] = api.post("/task_runs/filter", json={}).text
+        texts["Prefect logs"] = json.dumps(api.post("/logs/filter", json={"limit": 200}).json())
+        texts["Prefect artifacts"] = json.dumps(api.post("/artifacts/filter", json={}).json())
+    assert runs and len(texts["Prefect logs"]) > 1000
+    experiments = cluster_run.mlflow("experiments/search", max_results=100)["experiments"]
+    found = local_cluster.http_json(
+        f"{cluster_run.cluster.mlflow_url}/api/2.0/mlflow/runs/search", auth=cluster_run.mlflow_auth,
+        data={"experiment_ids": [e["experiment_id"] for e in experiments], "max_results": 100},
+    )
+    texts["MLflow runs (params, tags, metrics)"] = json.dumps(found["runs"])
+    texts["MLflow model versions"] = json.dumps(cluster_run.mlflow("model-versions/search", max_results=100))
+    assert "ray_worker_nodes" in texts["MLflow runs (params, tags, metrics)"]
+    folders = [root, cluster_run.workspace, Path(cluster_run.cluster.ray_temp_dir)]
+    env_file = cluster_run.cluster.env_file
+    for secret in cluster_run.secrets:
+        assert len(secret) >= 24
+        # The search finds a secret where one is: the environment file that holds them.
+        assert found_in_files(secret, [root], set()) == [str(env_file)]
+        leaked = [name for name, text in texts.items() if secret in text]
+        leaked += found_in_files(secret, folders, {env_file})
+        assert not leaked, f"a credential appears in: {leaked}"
+
+
+def test_cluster_down_leaves_no_process_behind(cluster_run: ClusterRun) -> None:
+    root = Path(cluster_run.cluster.root)
+    assert len(local_cluster.running(root)) >= 10
+    stopped = local_cluster.down(root)
+    assert {"java", "raylet", "gcs_server"} <= set(stopped), stopped
+    time.sleep(1)
+    assert local_cluster.running(root) == []
+    ray_leftovers = [p for p in psutil.process_iter(["cmdline"]) if cluster_run.cluster.ray_temp_dir in " ".join(p.info["cmdline"] or [])]
+    assert not ray_leftovers, ray_leftovers
+    with pytest.raises(OSError):
+        local_cluster.http_json(f"{cluster_run.cluster.spark_ui}/json/", timeout=2)
