@@ -77,4 +77,6 @@ cluster-down:
 	$(BIN)/python -m infra.cluster down --root $(CLUSTER)
 
 clean:
+	@# A running cluster first: its state (which processes to stop) lives in the workspace.
+	@if [ -x $(BIN)/python ]; then $(BIN)/python -m infra.cluster down --root $(CLUSTER); fi
 	rm -rf $(WORKSPACE) .pytest_cache

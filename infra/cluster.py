@@ -52,12 +52,13 @@ class Ports:
     ray: int = 6380
     mlflow: int = 5050
     prefect: int = 4250
+    ray_client: int = 10001
 
     @classmethod
     def free(cls) -> "Ports":
         """Ports nothing listens on now (tests run beside a developer's own cluster)."""
         return cls(spark=_free_port(), spark_ui=_free_port(), spark_workers_ui=(_free_port(), _free_port()), ray=_free_port(),
-                   mlflow=_free_port(), prefect=_free_port())
+                   mlflow=_free_port(), prefect=_free_port(), ray_client=_free_port())
 
 
 @dataclass
@@ -67,6 +68,7 @@ class Cluster:
     root: str
     ports: Ports
     ray_temp_dir: str
+    started_at: float = 0.0
     started: list[str] = field(default_factory=list)
     sessions: list[int] = field(default_factory=list)
 
@@ -81,6 +83,11 @@ class Cluster:
     @property
     def ray_address(self) -> str:
         return f"127.0.0.1:{self.ports.ray}"
+
+    @property
+    def ray_client_address(self) -> str:
+        """Ray Client's address (ray://), for drivers that are not on a Ray node."""
+        return f"ray://127.0.0.1:{self.ports.ray_client}"
 
     @property
     def mlflow_url(self) -> str:
@@ -163,7 +170,7 @@ def _base_env(root: Path) -> dict[str, str]:
     env = dict(os.environ)
     for name in list(env):
         # A developer's own Prefect, MLflow or imagelake settings must not leak into the cluster's servers.
-        if name.startswith(("PREFECT_", "MLFLOW_", "IMAGELAKE_", "RAY_ADDRESS")):
+        if name.startswith(("PREFECT_", "MLFLOW_", "IMAGELAKE_", "RAY_ADDRESS", LOOPBACK_RAY)):
             env.pop(name)
     env[CLUSTER_VARIABLE] = str(root)
     env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
@@ -188,7 +195,7 @@ def _wait(what: str, check, timeout: float, root: Path, log: str, process: subpr
         try:
             if check():
                 return
-        except (OSError, ValueError, KeyError):
+        except (OSError, ValueError, KeyError, subprocess.TimeoutExpired):
             pass
         time.sleep(0.5)
     tail = (root / "logs" / f"{log}.log")
@@ -224,13 +231,16 @@ def running(root: Path = DEFAULT_ROOT) -> list:
     import psutil
 
     root = root.resolve()
-    sessions = set()
+    sessions, since = set(), 0.0
     if _state_file(root).exists():
-        sessions = set(json.loads(_state_file(root).read_text()).get("sessions", []))
+        state = json.loads(_state_file(root).read_text())
+        sessions, since = set(state.get("sessions", [])), state.get("started_at", 0.0)
     found = {process.pid: process for process in processes_with(CLUSTER_VARIABLE, str(root))}
     for process in psutil.process_iter():
         try:
-            if process.pid not in found and os.getsid(process.pid) in sessions and process.status() != psutil.STATUS_ZOMBIE:
+            # A session id is a pid, which the system reuses: only processes started since the cluster was count.
+            if (process.pid not in found and os.getsid(process.pid) in sessions and process.create_time() >= since - 1
+                    and process.status() != psutil.STATUS_ZOMBIE):
                 found[process.pid] = process
         except (OSError, psutil.Error):
             continue
@@ -245,7 +255,7 @@ def up(root: Path = DEFAULT_ROOT, ports: Ports | None = None, timeout: float = 1
     (root / "logs").mkdir(parents=True, exist_ok=True)
     ports = ports or Ports()
     # Ray's socket paths must stay short (Unix sockets allow ~107 bytes), so its session folder lives in /tmp.
-    cluster = Cluster(root=str(root), ports=ports, ray_temp_dir=tempfile.mkdtemp(prefix="imagelake-ray-"))
+    cluster = Cluster(root=str(root), ports=ports, ray_temp_dir=tempfile.mkdtemp(prefix="imagelake-ray-"), started_at=time.time())
     _save(cluster)
     mlflow_password, prefect_token = secrets.token_urlsafe(24), secrets.token_urlsafe(24)
     _write_private(
@@ -303,7 +313,7 @@ def _start_ray(cluster: Cluster, timeout: float, node_env: dict[str, str]) -> No
     # node is `ray start` too, run so that it keeps the loopback addresses it is given (see ray_start_loopback).
     head_env = {**env, LOOPBACK_RAY: "0"}
     head = [str(BIN / "ray"), "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(cluster.ports.ray),
-            "--include-dashboard", "false", "--temp-dir", cluster.ray_temp_dir, *common]
+            "--include-dashboard", "false", "--temp-dir", cluster.ray_temp_dir, "--ray-client-server-port", str(cluster.ports.ray_client), *common]
     node = [sys.executable, "-m", "infra.cluster", "ray-start-loopback", "--address", cluster.ray_address, "--node-ip-address", "127.0.0.1", *common]
     for name, args, part_env in (("ray-head", head, head_env), ("ray-node-2", node, env)):
         started = _spawn(name, args, root, part_env, cluster)
@@ -381,9 +391,13 @@ def down(root: Path = DEFAULT_ROOT, grace: float = 15) -> list[str]:
     stop_processes(found, grace)
     stop_processes(running(root), 0)  # anything a dying part started meanwhile
     if _state_file(root).exists():
-        temp = json.loads(_state_file(root).read_text()).get("ray_temp_dir")
+        state = json.loads(_state_file(root).read_text())
+        temp = state.get("ray_temp_dir")
         if temp and Path(temp).name.startswith("imagelake-ray-"):
             shutil.rmtree(temp, ignore_errors=True)
+        if not running(root):
+            # Stopped: forget the sessions, whose ids the system may give to other processes later.
+            _state_file(root).write_text(json.dumps({**state, "sessions": []}, indent=2))
     return names
 
 

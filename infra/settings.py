@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextvars
 import json
+import re
 import tomllib
 from datetime import date
 from pathlib import Path
@@ -140,16 +141,18 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _no_credentials_in_addresses(self) -> "Settings":
-        for name in type(self).model_fields:
-            value = getattr(self, name)
+        values = [(name, getattr(self, name)) for name in type(self).model_fields]
+        values += [(f"spark_jars[{i}]", jar) for i, jar in enumerate(self.spark_jars)]
+        values += [(f"spark_conf {key}", value) for key, value in self.spark_conf.items()]
+        for name, value in values:
             if isinstance(value, str) and "://" in value and _has_password(value):
                 raise ValueError(
                     f"{name} holds a password: give addresses without credentials and put those in the environment "
                     "(MLFLOW_TRACKING_USERNAME/MLFLOW_TRACKING_PASSWORD or MLFLOW_TRACKING_TOKEN, PREFECT_API_KEY or PREFECT_API_AUTH_STRING, "
-                    "AWS_* or your object store's own variables)"
+                    "PGPASSWORD or ~/.pgpass for a PostgreSQL store, AWS_* or your object store's own variables)"
                 )
         for key in self.spark_conf:
-            if any(word in key.lower() for word in ("secret", "password", "token")):
+            if _names_a_secret(key):
                 raise ValueError(
                     f"spark_conf {key} would put a secret into settings: let Spark read it from the environment or a "
                     "credentials provider (e.g. spark.hadoop.fs.s3a.aws.credentials.provider) instead"
@@ -237,6 +240,16 @@ def _has_password(uri: str) -> bool:
         return bool(urlsplit(uri).password)
     except ValueError:  # a malformed port: not ours to judge here
         return False
+
+
+_SECRET_KEY = re.compile(r"secret|password|passwd|token|account\.key|access\.key|(^|\.)sas(\.|$)|credential", re.IGNORECASE)
+# Keys that name where a secret comes from, not the secret itself (a provider class, a file, a path).
+_SECRET_SOURCE = re.compile(r"(provider|file|path|type|class|endpoint|url|uri)$", re.IGNORECASE)
+
+
+def _names_a_secret(key: str) -> bool:
+    """Whether a Spark property is a credential itself (fs.s3a.secret.key, fs.azure.account.key.*, ...)."""
+    return bool(_SECRET_KEY.search(key)) and not _SECRET_SOURCE.search(key)
 
 
 def load_settings(config_file: str | Path | None = None, overrides: dict[str, Any] | None = None) -> Settings:

@@ -99,6 +99,11 @@ def delta_jars_loaded(spark: SparkSession) -> bool:
 
 
 def _hostname() -> str:
+    """This machine's address as executors reach it: the IP its host name resolves to (a pod's IP on Kubernetes)."""
     import socket
 
-    return socket.gethostname()
+    name = socket.gethostname()
+    try:
+        return socket.gethostbyname(name)
+    except OSError:
+        return name

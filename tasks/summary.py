@@ -82,7 +82,7 @@ def summarize(resized: Resized | None, written: Written, cached: CachedSplits, t
     summary["flow_run_id"] = str(flow_run.id) if flow_run.id else None
     # Where the work ran: the Spark application (None when every Spark stage came from the cache) and the Ray nodes of the ranks.
     summary["spark_application"] = spark_application()
-    summary["ray_worker_nodes"] = trained.worker_nodes
+    summary["ray_worker_nodes"] = getattr(trained, "worker_nodes", [])  # a result cached before this field has none
     summary["cache"] = cache_report(*stage_outcomes(summary["flow_run_id"])) if flow_run.id else []
     summary["cache_hits"] = [row["stage"] for row in summary["cache"] if row["cache"] == "hit"]
     link = run_url(client, settings, trained.mlflow_run_id)

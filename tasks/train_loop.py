@@ -168,14 +168,22 @@ def shard_loaders(config: dict[str, Any], rank: int, world: int) -> tuple[ShardB
 
 
 def worker_nodes(world: int) -> list[str]:
-    """The Ray node each rank runs on, gathered from all ranks (over a gloo group, whatever the training backend)."""
+    """The Ray node each rank runs on, gathered from all ranks (every rank calls this at the same point)."""
     import torch.distributed as dist
 
     node = ray.get_runtime_context().get_node_id()
-    if world == 1 or not dist.is_initialized():
+    if world == 1:
         return [node]
+    if not dist.is_initialized():
+        raise RuntimeError(f"rank of {world} workers without a process group: Ray Train did not set up torch.distributed")
     gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, node, group=dist.new_group(backend="gloo"))
+    # Objects travel over gloo: the default group when it is gloo (CPU), else a short-lived one beside NCCL.
+    group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+    try:
+        dist.all_gather_object(gathered, node, group=group)
+    finally:
+        if group is not None:
+            dist.destroy_process_group(group)
     return [str(item) for item in gathered]
 
 

@@ -252,7 +252,8 @@ def test_a_run_whose_worker_is_killed_ends_crashed_and_a_rerun_resumes_from_the_
     flow_run = deployed.submit(**params)
     wait_until_stage_runs(deployed, worker, flow_run, "train")
     ray_results = worker.workspace / "ray_results"
-    wait_for("a first checkpoint", lambda: list(ray_results.glob("*/checkpoint_*")), timeout=120)
+    # Registered by Ray Train (its snapshot names it), not just a folder being written: only that one is resumed from.
+    wait_for("a first checkpoint", lambda: list(ray_results.glob("*/checkpoint_*")) and list(ray_results.glob("*/checkpoint_manager_snapshot.json")), timeout=120)
     engine = [p for p in worker.run_processes() if "prefect.engine" in _cmdline(p)]
     assert engine, describe(worker.run_processes())
 

@@ -116,6 +116,17 @@ def test_ray_train_placed_its_workers_on_both_ray_nodes(cluster_run: ClusterRun)
     assert json.loads(tags["ray_worker_nodes"]) == placed
 
 
+def test_a_driver_outside_the_ray_cluster_joins_through_ray_client(cluster_run: ClusterRun) -> None:
+    # The form infra/clusters/kubernetes.yaml gives ray_address (ray://, KubeRay's head service): a task runs on the cluster.
+    code = ("import json, ray; ray.init(address=%r, logging_level='ERROR'); "
+            "print(json.dumps([ray.get(ray.remote(lambda: ray.get_runtime_context().get_node_id()).remote()), len(ray.nodes())]))")
+    done = subprocess.run([sys.executable, "-c", code % cluster_run.cluster.ray_client_address], env=cli_env(), capture_output=True,
+                          text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    node, count = json.loads(done.stdout.strip().splitlines()[-1])
+    assert count == 2 and node in local_cluster.ray_nodes(cluster_run.cluster)
+
+
 def test_the_run_and_the_model_version_are_on_the_mlflow_server_behind_basic_auth(cluster_run: ClusterRun) -> None:
     summary = cluster_run.summary
     run = cluster_run.mlflow("runs/get", run_id=summary["mlflow_run_id"])["run"]
@@ -145,6 +156,16 @@ def test_the_flow_run_is_on_the_prefect_server(cluster_run: ClusterRun) -> None:
     assert httpx.get(f"{cluster_run.cluster.prefect_url}/api/flow_runs/{flow_run_id}").status_code == 401
 
 
+def all_pages(api: httpx.Client, path: str, page: int = 200) -> list[dict]:
+    """Every record of a Prefect /filter endpoint, page by page (each answers at most `page`)."""
+    records: list[dict] = []
+    while True:
+        batch = api.post(path, json={"limit": page, "offset": len(records)}).json()
+        records += batch
+        if len(batch) < page:
+            return records
+
+
 def found_in_files(secret: str, folders: list[Path], skip: set[Path]) -> list[str]:
     needle = secret.encode()
     hits = []
@@ -166,7 +187,7 @@ def test_no_credential_appears_in_parameters_artifacts_tags_or_logs(cluster_run:
         runs = api.post("/flow_runs/filter", json={}).json()
         texts["flow run parameters"] = json.dumps([run["parameters"] for run in runs])
         texts["task runs"] = api.post("/task_runs/filter", json={}).text
-        texts["Prefect logs"] = json.dumps(api.post("/logs/filter", json={"limit": 200}).json())
+        texts["Prefect logs"] = json.dumps(all_pages(api, "/logs/filter"))
         texts["Prefect artifacts"] = json.dumps(api.post("/artifacts/filter", json={}).json())
     assert runs and len(texts["Prefect logs"]) > 1000
     experiments = cluster_run.mlflow("experiments/search", max_results=100)["experiments"]

@@ -19,6 +19,16 @@ SETTINGS_FILES = sorted(path for path in CLUSTERS.glob("*.yaml") if not path.nam
 SECRET_WORDS = re.compile(r"(password|passwd|secret|token|api[_-]?key|access[_-]?key)\s*[:=]", re.IGNORECASE)
 
 
+@pytest.fixture(autouse=True)
+def no_imagelake_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The files alone: a shell that loaded a cluster.env must not change what these tests read."""
+    import os
+
+    for name in list(os.environ):
+        if name.startswith("IMAGELAKE_"):
+            monkeypatch.delenv(name)
+
+
 def load(path: Path) -> Settings:
     return load_settings(path)
 
@@ -73,9 +83,13 @@ def test_the_databricks_file_uses_databricks_delta_tracking_and_unity_catalog() 
 def test_the_kubernetes_file_runs_spark_on_kubernetes_with_object_storage_tables() -> None:
     settings = load(CLUSTERS / "kubernetes.yaml")
     assert settings.spark_master.startswith("k8s://https://") and not on_loopback(settings.spark_master)
-    for key in ("spark.kubernetes.container.image", "spark.kubernetes.namespace", "spark.driver.host"):
+    for key in ("spark.kubernetes.container.image", "spark.kubernetes.namespace", "spark.jars.packages"):
         assert settings.spark_conf.get(key), key
+    # S3A for the s3:// tables: the pyspark wheel has no hadoop-aws jar, so the file asks for it.
+    assert "org.apache.hadoop:hadoop-aws" in settings.spark_conf["spark.jars.packages"]
     assert settings.table_uri.startswith("s3://")
+    # KubeRay: the flow pod is no Ray node, so it joins through Ray Client (tests/test_cluster.py runs that form).
+    assert settings.ray_address.startswith("ray://") and settings.ray_address.endswith(":10001")
     assert settings.mlflow_tracking_uri.startswith("http://") and settings.prefect_api_url.endswith("/api")
 
 
@@ -94,6 +108,8 @@ def test_the_kubernetes_deployments_point_at_real_flows_with_valid_parameters() 
         if flow.name == "imagelake-backfill":
             parameters.update(start_date=date(2026, 1, 1), end_date=date(2026, 1, 2))
         flow.validate_parameters(parameters)
+        # The image holds the repository at /opt/imagelake: entrypoints and config_file are relative to it.
+        assert {"prefect.deployments.steps.set_working_directory": {"directory": "/opt/imagelake"}} in deployment.get("pull", spec.get("pull", []))
         pool = deployment["work_pool"]
         assert pool["name"] == "imagelake-kubernetes" and pool["job_variables"]["image"]
 
@@ -105,6 +121,10 @@ def test_the_kubernetes_deployments_point_at_real_flows_with_valid_parameters() 
         ({"prefect_api_url": "http://admin:hunter2@127.0.0.1:4200/api"}, "prefect_api_url"),
         ({"table_root": "s3://AKIA:hunter2@bucket/tables"}, "table_root"),
         ({"spark_conf": {"spark.hadoop.fs.s3a.secret.key": "hunter2"}}, "spark.hadoop.fs.s3a.secret.key"),
+        ({"spark_conf": {"spark.hadoop.fs.azure.account.key.lake.dfs.core.windows.net": "hunter2"}}, "account.key"),
+        ({"spark_conf": {"spark.kubernetes.authenticate.oauthToken": "hunter2"}}, "oauthToken"),
+        ({"spark_conf": {"spark.hadoop.fs.s3a.endpoint": "https://minio:hunter2@minio.local"}}, "spark.hadoop.fs.s3a.endpoint"),
+        ({"spark_jars": ["https://user:hunter2@repo.example.com/delta.jar"]}, "spark_jars[0]"),
     ],
 )
 def test_settings_refuse_credentials_and_do_not_repeat_them(overrides: dict, named: str) -> None:
@@ -114,8 +134,14 @@ def test_settings_refuse_credentials_and_do_not_repeat_them(overrides: dict, nam
     assert "hunter2" not in str(refused.value)
 
 
-def test_a_user_name_alone_in_an_address_is_allowed() -> None:
+def test_a_user_name_alone_and_where_a_secret_comes_from_are_allowed() -> None:
     assert load_settings(overrides={"mlflow_tracking_uri": "https://pipeline@mlflow.example.com"}).mlflow_tracking_uri
+    allowed = {
+        "spark.hadoop.fs.s3a.aws.credentials.provider": "com.amazonaws.auth.WebIdentityTokenCredentialsProvider",
+        "spark.kubernetes.authenticate.oauthTokenFile": "/var/run/secrets/token",
+        "spark.authenticate.enableSaslEncryption": "true",
+    }
+    assert load_settings(overrides={"spark_conf": allowed}).spark_conf == allowed
 
 
 def test_spark_masters_on_loopback_are_told_apart_from_remote_ones() -> None:
