@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from base64 import b64encode
 from dataclasses import asdict, dataclass, field
@@ -257,7 +258,10 @@ def up(root: Path = DEFAULT_ROOT, ports: Ports | None = None, timeout: float = 1
     # Ray's socket paths must stay short (Unix sockets allow ~107 bytes), so its session folder lives in /tmp.
     cluster = Cluster(root=str(root), ports=ports, ray_temp_dir=tempfile.mkdtemp(prefix="imagelake-ray-"), started_at=time.time())
     _save(cluster)
-    mlflow_password, prefect_token = secrets.token_urlsafe(24), secrets.token_urlsafe(24)
+    # A cluster started again in the same folder keeps its runs and models, and so its MLflow user and password.
+    earlier = read_env_file(cluster.env_file) if cluster.env_file.exists() and (root / "mlflow-auth.db").exists() else {}
+    mlflow_password = earlier.get("MLFLOW_TRACKING_PASSWORD") or secrets.token_urlsafe(24)
+    prefect_token = secrets.token_urlsafe(24)
     _write_private(
         cluster.env_file,
         "# imagelake local cluster (written by `make cluster-up`; holds credentials, keep it private)\n"
@@ -364,11 +368,27 @@ def _start_mlflow(cluster: Cluster, timeout: float, password: str) -> None:
                                "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}", "--artifacts-destination", str(root / "mlartifacts"),
                                "--workers", "1"], root, env, cluster)
     _wait("the MLflow server", lambda: _answers(f"{cluster.mlflow_url}/health"), timeout, root, "mlflow", server)
-    # The pipeline gets a user of its own; the admin's password is used once, here, and kept nowhere.
-    http_json(f"{cluster.mlflow_url}/api/2.0/mlflow/users/create", auth=("admin", admin_password),
-              data={"username": MLFLOW_USER, "password": password})
+    # The pipeline gets a user of its own; the admin's password is used once, here, and written nowhere.
+    try:
+        http_json(f"{cluster.mlflow_url}/api/2.0/mlflow/users/create", auth=("admin", admin_password),
+                  data={"username": MLFLOW_USER, "password": password})
+    except urllib.error.HTTPError as exc:
+        # An earlier cluster in this folder made the admin (whose first password alone counts) and the user.
+        if exc.code != 401 or not _answers_as(cluster, MLFLOW_USER, password):
+            raise ClusterError(
+                f"the MLflow server's users in {root / 'mlflow-auth.db'} are from an earlier cluster whose credentials "
+                f"{cluster.env_file} no longer holds: stop the cluster and remove {root} to start afresh"
+            ) from None
     cluster.started.append("mlflow")
     _save(cluster)
+
+
+def _answers_as(cluster: Cluster, user: str, password: str) -> bool:
+    try:
+        http_json(f"{cluster.mlflow_url}/api/2.0/mlflow/experiments/search?max_results=1", auth=(user, password))
+    except OSError:
+        return False
+    return True
 
 
 def _start_prefect(cluster: Cluster, timeout: float, auth_string: str) -> None:
@@ -383,8 +403,12 @@ def _start_prefect(cluster: Cluster, timeout: float, auth_string: str) -> None:
     _save(cluster)
 
 
-def down(root: Path = DEFAULT_ROOT, grace: float = 15) -> list[str]:
-    """Stop every process of the cluster in ROOT (SIGTERM, then SIGKILL after `grace`); return what was running."""
+def down(root: Path = DEFAULT_ROOT, grace: float = 5) -> list[str]:
+    """Stop every process of the cluster in ROOT (SIGTERM, then SIGKILL after `grace`); return what was running.
+
+    Spark, MLflow and Prefect end on SIGTERM within a second; Ray's GCS, raylets and agents outwait any grace when
+    all go at once, and nothing of theirs needs saving, so the grace is short.
+    """
     root = root.resolve()
     found = running(root)
     names = sorted({_describe(process) for process in found})

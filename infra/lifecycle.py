@@ -157,7 +157,7 @@ def reap(flow_run_id: str, grace: float = STOP_TIMEOUT) -> list[str]:
 
 
 def stop_processes(processes: list[Any], grace: float) -> None:
-    """SIGTERM these processes, then SIGKILL those still alive after `grace` seconds."""
+    """SIGTERM these processes, then SIGKILL those still alive after `grace` seconds (a zombie counts as gone)."""
     import psutil
 
     for process in processes:
@@ -165,13 +165,31 @@ def stop_processes(processes: list[Any], grace: float) -> None:
             process.terminate()
         except psutil.NoSuchProcess:
             continue
-    _, alive = psutil.wait_procs(processes, timeout=grace)
-    for process in alive:
+    for process in _alive(processes, grace):
         try:
             process.kill()
         except psutil.NoSuchProcess:
             pass
-    psutil.wait_procs(alive, timeout=grace)
+    _alive(processes, grace)
+
+
+def _alive(processes: list[Any], timeout: float) -> list[Any]:
+    """Wait up to `timeout` for the processes to end; return those still running. A process that has exited but
+    whose parent has not reaped it yet (a zombie: an orphan waits for the system's init) has ended."""
+    import psutil
+
+    def running(process: Any) -> bool:
+        try:
+            return process.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    deadline = time.monotonic() + timeout
+    left = [process for process in processes if running(process)]
+    while left and time.monotonic() < deadline:
+        time.sleep(0.2)
+        left = [process for process in left if running(process)]
+    return left
 
 
 def release_compute(flow: Any, flow_run: Any, state: Any) -> None:

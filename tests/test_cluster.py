@@ -220,3 +220,18 @@ def test_cluster_down_leaves_no_process_behind(cluster_run: ClusterRun) -> None:
     assert not ray_leftovers, ray_leftovers
     with pytest.raises(OSError):
         local_cluster.http_json(f"{cluster_run.cluster.spark_ui}/json/", timeout=2)
+
+
+def test_a_cluster_started_again_in_its_folder_keeps_its_runs_and_its_mlflow_user(cluster_run: ClusterRun) -> None:
+    root = Path(cluster_run.cluster.root)
+    assert local_cluster.running(root) == [], "the test before stopped it"
+    again = local_cluster.up(root, local_cluster.Ports.free())
+    try:
+        credentials = again.credentials()
+        assert credentials["MLFLOW_TRACKING_PASSWORD"] == cluster_run.credentials["MLFLOW_TRACKING_PASSWORD"]
+        auth = (credentials["MLFLOW_TRACKING_USERNAME"], credentials["MLFLOW_TRACKING_PASSWORD"])
+        run = local_cluster.http_json(f"{again.mlflow_url}/api/2.0/mlflow/runs/get?run_id={cluster_run.summary['mlflow_run_id']}", auth=auth)
+        assert run["run"]["info"]["status"] == "FINISHED"
+    finally:
+        local_cluster.down(root)
+    assert local_cluster.running(root) == []
