@@ -58,8 +58,8 @@ class Ports:
     @classmethod
     def free(cls) -> "Ports":
         """Ports nothing listens on now (tests run beside a developer's own cluster)."""
-        return cls(spark=_free_port(), spark_ui=_free_port(), spark_workers_ui=(_free_port(), _free_port()), ray=_free_port(),
-                   mlflow=_free_port(), prefect=_free_port(), ray_client=_free_port())
+        return cls(spark=free_port(), spark_ui=free_port(), spark_workers_ui=(free_port(), free_port()), ray=free_port(),
+                   mlflow=free_port(), prefect=free_port(), ray_client=free_port())
 
 
 @dataclass
@@ -70,7 +70,6 @@ class Cluster:
     ports: Ports
     ray_temp_dir: str
     started_at: float = 0.0
-    started: list[str] = field(default_factory=list)
     sessions: list[int] = field(default_factory=list)
 
     @property
@@ -123,7 +122,7 @@ class Cluster:
         return read_env_file(self.env_file)
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -152,7 +151,7 @@ def load(root: Path = DEFAULT_ROOT) -> Cluster:
     data = json.loads(path.read_text())
     ports = data.pop("ports")
     ports["spark_workers_ui"] = tuple(ports["spark_workers_ui"])
-    return Cluster(ports=Ports(**ports), **data)
+    return Cluster(ports=Ports(**ports), **{name: value for name, value in data.items() if name in Cluster.__dataclass_fields__})
 
 
 def _save(cluster: Cluster) -> None:
@@ -300,8 +299,6 @@ def _start_spark(cluster: Cluster, timeout: float) -> None:
     workers = cluster.ports.spark_workers_ui
     _wait(f"{len(workers)} Spark workers", lambda: sum(w["state"] == "ALIVE" for w in http_json(f"{cluster.spark_ui}/json/")["workers"]) == len(workers),
           timeout, root, "spark-worker-2")
-    cluster.started.append("spark")
-    _save(cluster)
 
 
 def _start_ray(cluster: Cluster, timeout: float, node_env: dict[str, str]) -> None:
@@ -328,8 +325,6 @@ def _start_ray(cluster: Cluster, timeout: float, node_env: dict[str, str]) -> No
         if started.returncode != 0:
             raise ClusterError(f"`ray start` for {name} exited {started.returncode}; its log is {root / 'logs' / (name + '.log')}")
     _wait("2 Ray nodes", lambda: len(ray_nodes(cluster)) == 2, timeout, root, "ray-node-2")
-    cluster.started.append("ray")
-    _save(cluster)
 
 
 def ray_start_loopback(args: list[str]) -> int:
@@ -379,8 +374,6 @@ def _start_mlflow(cluster: Cluster, timeout: float, password: str) -> None:
                 f"the MLflow server's users in {root / 'mlflow-auth.db'} are from an earlier cluster whose credentials "
                 f"{cluster.env_file} no longer holds: stop the cluster and remove {root} to start afresh"
             ) from None
-    cluster.started.append("mlflow")
-    _save(cluster)
 
 
 def _answers_as(cluster: Cluster, user: str, password: str) -> bool:
@@ -399,8 +392,6 @@ def _start_prefect(cluster: Cluster, timeout: float, auth_string: str) -> None:
                PREFECT_UI_API_URL=f"{cluster.prefect_url}/api")
     server = _spawn("prefect", [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(cluster.ports.prefect)], root, env, cluster)
     _wait("the Prefect server", lambda: _answers(f"{cluster.prefect_url}/api/health"), timeout, root, "prefect", server)
-    cluster.started.append("prefect")
-    _save(cluster)
 
 
 def down(root: Path = DEFAULT_ROOT, grace: float = 5) -> list[str]:
