@@ -107,6 +107,9 @@ class Settings(BaseSettings):
     cpus_per_worker: float = Field(default=1, gt=0)
     gpus_per_worker: float = Field(default=1, gt=0, description="With use_gpu")
     max_failures: int = Field(default=1, ge=-1, description="Worker failures a training run survives (-1: no limit)")
+    ray_log_to_driver: bool = Field(
+        default=False, description="Show Ray workers' own output on the console too (it is always in Ray's session logs); progress lines come from the driver"
+    )
     model_arch: Literal["small_cnn", "resnet18", "resnet50"] = "small_cnn"
     pretrained_weights: str | None = Field(default=None, description="Path or URI of a state dict for the model (never a hub download)")
     freeze_backbone: bool = Field(default=False, description="Train only the classification head (transfer learning)")
@@ -114,7 +117,9 @@ class Settings(BaseSettings):
     batch_size: int = Field(default=32, ge=1, description="Per worker")
     base_lr: float = Field(default=1e-3, gt=0, description="Learning rate of one worker; scaled with num_workers")
     lr_scaling: Literal["linear", "sqrt", "none"] = Field(default="linear", description="How the learning rate grows with the workers")
-    early_stopping_patience: int = Field(default=2, ge=0)
+    early_stopping_patience: int | None = Field(
+        default=None, ge=0, description="Epochs without a better val_loss before training stops (default: half of max_epochs, at least 3)"
+    )
     early_stopping_min_delta: float = Field(default=0.0, ge=0)
     early_stopping_threshold: float | None = Field(default=None, description="Stop once val_loss is below this")
     loader_workers: int = Field(default=2, ge=1, description="Petastorm reader threads per training worker")
@@ -178,6 +183,11 @@ class Settings(BaseSettings):
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         # Explicit overrides beat the environment, which beats the config file.
         return init_settings, env_settings, _ConfigFileSource(settings_cls)
+
+    @property
+    def patience(self) -> int:
+        """Early stopping's patience: set, or half the epochs (the learning rate decays over all of them)."""
+        return self.early_stopping_patience if self.early_stopping_patience is not None else max(3, self.max_epochs // 2)
 
     # Derived locations: all under the workspace unless set.
     @property

@@ -3,11 +3,16 @@
 Every worker takes the same number of steps per epoch (DDP needs that); each worker's shard is
 split into that many batches, so every sample of a shard is seen exactly once per epoch. Each
 epoch opens a fresh one-pass reader, so no reader is ever reset in the middle of iteration.
+
+The batches are a function of the seed, the shard and the epoch alone: Petastorm's reader threads
+deliver row groups in whatever order they finish, so each group is named by its first `position`
+and held until its turn in the order Petastorm ventilated them (seeded, see ventilation_order).
 """
 
 from __future__ import annotations
 
 import math
+import random
 import warnings
 from functools import lru_cache
 from typing import Any, Iterator, Self
@@ -29,17 +34,47 @@ class ShardTooSmall(ValueError):
     """A worker's shard has fewer rows than the steps every worker must take."""
 
 
+POSITION = "position"  # the cache's row id: names the row group a row came from
+
+
 @lru_cache(maxsize=32)
-def row_group_sizes(url: str) -> tuple[int, ...]:
-    """Rows of each row group of a Parquet folder, in the order Petastorm numbers them (files by path, then row groups)."""
+def row_groups(url: str) -> tuple[tuple[int, int | None], ...]:
+    """(rows, first position) of each row group of a Parquet folder, in the order Petastorm numbers them
+    (files by path, then row groups). The first position is None where the files have no position column."""
     fs, root = fsspec.core.url_to_fs(url)
     files = sorted(path for path in fs.find(root) if path.endswith(".parquet") and not path.rsplit("/", 1)[-1].startswith(("_", ".")))
-    sizes: list[int] = []
+    groups: list[tuple[int, int | None]] = []
     for path in files:
         with fs.open(path, "rb") as handle:
             meta = pq.ParquetFile(handle).metadata
-        sizes.extend(meta.row_group(i).num_rows for i in range(meta.num_row_groups))
-    return tuple(sizes)
+        column = meta.schema.names.index(POSITION) if POSITION in meta.schema.names else None
+        for i in range(meta.num_row_groups):
+            group = meta.row_group(i)
+            stats = group.column(column).statistics if column is not None else None
+            # Positions rise through a file, so a group's minimum is its first row's.
+            groups.append((group.num_rows, int(stats.min) if stats is not None and stats.has_min_max else None))
+    return tuple(groups)
+
+
+def row_group_sizes(url: str) -> tuple[int, ...]:
+    """Rows of each row group of a Parquet folder, in Petastorm's order."""
+    return tuple(rows for rows, _ in row_groups(url))
+
+
+def ventilation_order(groups: int, shard: int, shard_count: int, seed: int | None, shuffle: bool) -> list[int]:
+    """The row groups of one shard in the order Petastorm 0.12.1's reader hands them to its threads.
+
+    With a seed, Reader._partition_row_groups shuffles all indexes with random.Random(seed) and keeps
+    those equal to the shard modulo shard_count; with shuffle_row_groups, ConcurrentVentilator then
+    shuffles them with np.random.RandomState(seed). tests/test_loader.py pins this against the reader.
+    """
+    indexes = list(range(groups))
+    if seed is not None:
+        random.Random(seed).shuffle(indexes)
+    mine = [index for index in indexes if index % shard_count == shard]
+    if shuffle:
+        np.random.RandomState(seed).shuffle(mine)
+    return mine
 
 
 def shard_rows(url: str, shard_count: int) -> list[int]:
@@ -118,26 +153,30 @@ class ShardBatches:
         self._stop()  # an epoch abandoned half way (an exception, an early stop) leaves its reader behind
         epoch, self.epoch = self.epoch, self.epoch + 1
         fields = ["image", "label"] + ([self.key_field] if self.key_field else [])
+        groups = row_groups(self.url)
+        ordered = None not in (first for _, first in groups)
+        # The seed changes every epoch, and so do the row groups' order and the rows drawn from the pool.
+        seed = (self.seed * 100_003 + epoch) % 2**32 if self.shuffle else None  # numpy's RandomState takes 32 bits
         self._reader = make_batch_reader(
             self.url,
-            schema_fields=fields,
+            schema_fields=fields + ([POSITION] if ordered else []),
             cur_shard=self.shard,
             shard_count=self.shard_count,
             num_epochs=1,
             shuffle_row_groups=self.shuffle,
-            seed=self.seed + epoch,
+            seed=seed,
             workers_count=self.workers,
         )
         if not hasattr(self._reader, "_results_queue_reader"):
             raise RuntimeError("this Petastorm version's Reader has no _results_queue_reader: pin petastorm 0.12.1")
-        self._reader._results_queue_reader = PixelRowGroups(self.image_size, self.key_field)
+        self._reader._results_queue_reader = PixelRowGroups(self.image_size, self.key_field, ordered)
         pool = RowPool(self.image_size * self.image_size * 3, np.random.default_rng([self.seed, self.shard, epoch]) if self.shuffle else None)
-        groups = iter(self._reader)
+        arrivals = InOrder(iter(self._reader), [groups[i][1] for i in ventilation_order(len(groups), self.shard, self.shard_count, seed, self.shuffle)] if ordered else None)
         exhausted = False
         try:
             for size in self.sizes:
                 while not exhausted and len(pool) < max(size, self.buffer_rows if self.shuffle else size):
-                    group = next(groups, None)
+                    group = next(arrivals, None)
                     if group is None:
                         exhausted = True
                     else:
@@ -147,10 +186,41 @@ class ShardBatches:
                 images = torch.empty((size, self.image_size, self.image_size, 3), dtype=torch.uint8, pin_memory=self.pin_memory)
                 labels, keys = pool.take(size, images.numpy().reshape(size, -1))
                 yield (images, torch.from_numpy(labels), keys) if self.key_field else (images, torch.from_numpy(labels))
-            if next(groups, None) is not None:
+            if next(arrivals, None) is not None:
                 raise RuntimeError(f"shard {self.shard} of {self.url} holds more rows than its {self.rows}: the cache changed")
         finally:
             self._stop()
+
+
+class InOrder:
+    """Row groups as the reader's threads finish them, given back in the planned order (by first position).
+
+    Early arrivals wait in a small buffer (about one per reader thread). Without a plan (a cache
+    without positions) groups pass in arrival order.
+    """
+
+    def __init__(self, arrivals: Iterator[tuple], plan: list[int | None] | None) -> None:
+        self.arrivals, self.plan, self.waiting, self.next = arrivals, plan, {}, 0
+
+    def __iter__(self) -> "InOrder":
+        return self
+
+    def __next__(self) -> tuple:
+        if self.plan is None:
+            return next(self.arrivals)[:3]
+        if self.next >= len(self.plan):
+            extra = next(self.arrivals, None)
+            if extra is not None:
+                return extra[:3]  # more groups than planned: the caller reports the changed cache
+            raise StopIteration
+        wanted = self.plan[self.next]
+        while wanted not in self.waiting:
+            group = next(self.arrivals, None)
+            if group is None:
+                raise RuntimeError(f"the reader ended before row group at position {wanted}: the cache changed while training read it")
+            self.waiting[group[3]] = group
+        self.next += 1
+        return self.waiting.pop(wanted)[:3]
 
 
 def pixel_rows(images: pa.ChunkedArray, pixels: int, where: str) -> np.ndarray:
@@ -173,9 +243,9 @@ class PixelRowGroups(ArrowReaderWorkerResultsQueueReader):
     Petastorm's own conversion makes a Python bytes object of every image; this makes none.
     """
 
-    def __init__(self, image_size: int, key_field: str | None) -> None:
+    def __init__(self, image_size: int, key_field: str | None, positions: bool = False) -> None:
         super().__init__()
-        self.pixels, self.key_field = image_size * image_size * 3, key_field
+        self.pixels, self.key_field, self.positions = image_size * image_size * 3, key_field, positions
 
     def read_next(self, workers_pool: Any, schema: Any, ngram: Any) -> tuple:
         try:
@@ -185,7 +255,8 @@ class PixelRowGroups(ArrowReaderWorkerResultsQueueReader):
         images = pixel_rows(table.column("image"), self.pixels, "the cached split")
         labels = table.column("label").to_numpy().astype(np.int64, copy=False)
         keys = table.column(self.key_field).to_pylist() if self.key_field else None
-        return images, labels, keys
+        first = table.column(POSITION)[0].as_py() if self.positions and len(table) else None
+        return images, labels, keys, first
 
 
 class RowPool:
@@ -237,3 +308,22 @@ class RowPool:
         for group_id in set(self.groups) - set(np.unique(self.group_of).tolist()):
             del self.groups[group_id]
         return labels, keys
+
+
+def label_samples(url: str, image_size: int, labels: list[str], per_label: int = 8) -> dict[str, np.ndarray]:
+    """The first `per_label` images of each label of a cached split (its rows are in a seeded random order)."""
+    fs, root = fsspec.core.url_to_fs(url)
+    files = sorted(path for path in fs.find(root) if path.endswith(".parquet") and not path.rsplit("/", 1)[-1].startswith(("_", ".")))
+    found: dict[int, list[np.ndarray]] = {index: [] for index in range(len(labels))}
+    for path in files:
+        with fs.open(path, "rb") as handle:
+            parquet = pq.ParquetFile(handle)
+            for group in range(parquet.num_row_groups):
+                if all(len(images) >= per_label for images in found.values()):
+                    break
+                table = parquet.read_row_group(group, columns=["image", "label"])
+                pixels = pixel_rows(table.column("image"), image_size * image_size * 3, f"cached split {url}")
+                for row, label in enumerate(table.column("label").to_numpy()):
+                    if len(found[int(label)]) < per_label:
+                        found[int(label)].append(pixels[row].reshape(image_size, image_size, 3))
+    return {labels[index]: np.stack(images) if images else np.zeros((0, image_size, image_size, 3), np.uint8) for index, images in found.items()}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import math
 
 import fsspec
 import pytorch_lightning as pl
@@ -156,11 +157,31 @@ class ImageModel(nn.Module):
         return self.net(x)
 
 
+def warmup_cosine(step: int, total_steps: int, warmup_steps: int) -> float:
+    """The learning rate's factor at `step`: a linear warm-up to 1, then a cosine down to 0 at `total_steps`.
+
+    A constant 1 when `total_steps` is 0 (a module built without a schedule).
+    """
+    if total_steps <= 0:
+        return 1.0
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
 class ImageClassifier(pl.LightningModule):
-    """Lightning module around ImageModel: cross-entropy, AdamW, per-epoch loss and accuracy."""
+    """Lightning module around ImageModel: cross-entropy, AdamW with warm-up and cosine decay, per-epoch loss and accuracy."""
 
     def __init__(
-        self, num_classes: int, learning_rate: float, arch: str = "small_cnn", pretrained_weights: str | None = None, freeze_backbone: bool = False
+        self,
+        num_classes: int,
+        learning_rate: float,
+        arch: str = "small_cnn",
+        pretrained_weights: str | None = None,
+        freeze_backbone: bool = False,
+        total_steps: int = 0,
+        warmup_steps: int = 0,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -190,5 +211,8 @@ class ImageClassifier(pl.LightningModule):
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         self._step(batch, "val")
 
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=self.hparams.learning_rate)
+    def configure_optimizers(self) -> dict:
+        optimizer = torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=self.hparams.learning_rate)
+        total, warmup = self.hparams.total_steps, self.hparams.warmup_steps
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: warmup_cosine(step, total, warmup))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}

@@ -14,6 +14,7 @@ from prefect.runtime import flow_run
 
 from infra.settings import Settings
 from infra.tracking import mlflow_client, run_url
+from tasks.cards import confusion_matrix, metric_key, model_card, per_class_metrics, per_class_table
 from tasks.loader import pixel_rows
 from tasks.model import ImageClassifier, ImageModel
 from tasks.registry import (
@@ -49,13 +50,6 @@ def predict(model: ImageModel, images: np.ndarray, batch_size: int = 256) -> np.
     return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
 
 
-def confusion_matrix(labels: np.ndarray, predicted: np.ndarray, classes: int) -> np.ndarray:
-    """Counts of (true class, predicted class)."""
-    matrix = np.zeros((classes, classes), dtype=np.int64)
-    np.add.at(matrix, (labels, predicted), 1)
-    return matrix
-
-
 def confusion_figure(matrix: np.ndarray, names: list[str]) -> Figure:
     figure = Figure(figsize=(1 + 0.5 * len(names), 0.8 + 0.5 * len(names)))
     axis = figure.subplots()
@@ -70,14 +64,22 @@ def confusion_figure(matrix: np.ndarray, names: list[str]) -> Figure:
     return figure
 
 
-def promote_model(trained: Trained, cached: CachedSplits, settings: Settings, flow_run_id: str | None) -> tuple[Promoted, Decision, str | None]:
+def promote_model(
+    trained: Trained, cached: CachedSplits, settings: Settings, flow_run_id: str | None
+) -> tuple[Promoted, Decision, str | None, list[dict]]:
     """Log and register the trained model with its lineage, then let the gate decide its alias."""
     client = mlflow_client(settings)
     model = load_trained_model(trained.checkpoint_path)
     images, labels = read_split(cached.splits["test"], cached.image_size)
     predicted = predict(model, images)
+    matrix = confusion_matrix(labels, predicted, len(cached.labels))
+    per_class = per_class_metrics(matrix, cached.labels)
     with mlflow.start_run(run_id=trained.mlflow_run_id):
-        mlflow.log_figure(confusion_figure(confusion_matrix(labels, predicted, len(cached.labels)), cached.labels), "confusion_matrix.png")
+        mlflow.log_figure(confusion_figure(matrix, cached.labels), "confusion_matrix.png")
+        mlflow.log_dict({"labels": cached.labels, "confusion_matrix": matrix.tolist(), "per_class": per_class}, "test_per_class.json")
+        mlflow.log_metrics(
+            {f"test_{name}_{metric_key(row['label'])}": row[name] for row in per_class for name in ("precision", "recall", "f1")}
+        )
         # pt2 (torch.export): a format that loads without unpickling.
         info = mlflow.pytorch.log_model(model, name="model", input_example=images[:2].copy(), serialization_format="pt2")
     version = str(mlflow.register_model(info.model_uri, settings.model_name).version)
@@ -103,16 +105,20 @@ def promote_model(trained: Trained, cached: CachedSplits, settings: Settings, fl
     decision, metrics, champion_version = gate(client, settings, settings.model_name, version, images, labels, len(cached.labels), flow_run_id)
     with mlflow.start_run(run_id=trained.mlflow_run_id):
         mlflow.log_metrics({f"test_{key}": value for key, value in metrics.items()})
+    alias = CHAMPION if decision.promote else CHALLENGER
+    data = {"table": cached.table_uri, "version": cached.table_version, "image_size": cached.image_size, "counts": cached.counts, "labels": cached.labels}
+    card = model_card(settings.model_name, version, data, params, metrics, per_class, decision.reason, alias)
+    client.update_model_version(settings.model_name, version, description=card)
     promoted = Promoted(
         model_name=settings.model_name,
         model_version=version,
-        alias=CHAMPION if decision.promote else CHALLENGER,
+        alias=alias,
         champion_version=version if decision.promote else str(champion_version),
         test_accuracy=metrics["accuracy"],
         previous_champion_accuracy=None,
         decision=decision.reason,
     )
-    return promoted, decision, champion_version
+    return promoted, decision, champion_version, per_class
 
 
 @stage(
@@ -125,7 +131,9 @@ def promote_model(trained: Trained, cached: CachedSplits, settings: Settings, fl
 )
 def promote(trained: Trained, cached: CachedSplits, settings: Settings) -> Promoted:
     """Prefect stage: registry promotion through the quality gate, with the decision as a markdown artifact."""
-    promoted, decision, champion_version = promote_model(trained, cached, settings, str(flow_run.id) if flow_run.id else None)
+    promoted, decision, champion_version, per_class = promote_model(trained, cached, settings, str(flow_run.id) if flow_run.id else None)
     link = run_url(mlflow_client(settings), settings, trained.mlflow_run_id)
-    create_markdown_artifact(decision_markdown(promoted.model_name, promoted.model_version, decision, champion_version, link), key="imagelake-promotion")
+    markdown = decision_markdown(promoted.model_name, promoted.model_version, decision, champion_version, link)
+    markdown += f"\n### Per class on the test split\n\n{per_class_table(per_class)}\n\nConfusion matrix: [confusion_matrix.png]({link}/artifacts/confusion_matrix.png)\n"
+    create_markdown_artifact(markdown, key="imagelake-promotion")
     return promoted

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 
-from infra.delta import Engine, read_version
+from infra.delta import Engine, read_current, read_version, table_version
 from infra.settings import Settings
 from infra.spark import spark_session
 from tasks.results import SplitPlan, Written
@@ -49,8 +49,11 @@ def plan_splits(spark: SparkSession, written: Written, settings: Settings) -> Sp
     frame = images_with_split(
         spark, written.table_uri, written.version, written.engine, settings.image_size, settings.val_fraction, settings.test_fraction
     )
-    counts = {row["split"]: row["count"] for row in frame.groupBy("split").count().collect()}
-    labels = sorted(row["label"] for row in frame.select("label").distinct().collect())
+    label_counts: dict[str, dict[str, int]] = {split: {} for split in SPLITS}
+    for row in frame.groupBy("split", "label").count().collect():
+        label_counts[row["split"]][row["label"]] = row["count"]
+    counts = {split: sum(by_label.values()) for split, by_label in label_counts.items() if by_label}
+    labels = sorted({label for by_label in label_counts.values() for label in by_label})
     empty = [split for split in SPLITS if counts.get(split, 0) == 0]
     if empty:
         raise ValueError(
@@ -68,10 +71,23 @@ def plan_splits(spark: SparkSession, written: Written, settings: Settings) -> Sp
         num_partitions=settings.partitions_per_worker * settings.num_workers,
         val_fraction=settings.val_fraction,
         test_fraction=settings.test_fraction,
+        label_counts={split: dict(sorted(label_counts[split].items())) for split in SPLITS},
+        quarantined=quarantined_by_reason(spark, settings.quarantine_uri),
     )
 
 
-@stage("repartition", settings=("image_size", "val_fraction", "test_fraction", "partitions_per_worker", "num_workers"))
+def quarantined_by_reason(spark: SparkSession, quarantine_uri: str) -> dict[str, int]:
+    """Files in the quarantine table now, by reason."""
+    reasons = read_current(spark, quarantine_uri, "delta-rs", ["reason"]).column("reason").to_pylist()
+    return {reason: reasons.count(reason) for reason in sorted(set(reasons))}
+
+
+def quarantine_now(inputs: dict) -> dict[str, str]:
+    """Cache key part for repartition: the quarantine table's version, which the dataset card reports."""
+    return {"table version (quarantine)": str(table_version(inputs["settings"].quarantine_uri))}
+
+
+@stage("repartition", settings=("image_size", "val_fraction", "test_fraction", "partitions_per_worker", "num_workers"), facts=quarantine_now)
 def repartition(written: Written, settings: Settings) -> SplitPlan:
     """Prefect stage: plan the split and the partition count of the written table version."""
     return plan_splits(spark_session(settings), written, settings)

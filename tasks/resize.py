@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import io
 import math
+import time
 import uuid
 import warnings
 from dataclasses import dataclass
@@ -26,12 +27,14 @@ from infra.settings import Settings
 from infra.spark import spark_session
 from tasks.ingest import LISTING_SCHEMA, diff_against_table, scope_of
 from tasks.results import Ingested, Listed, Resized
+from tasks.progress import Every, rate_line, stage_logger
 from tasks.stage import stage
 
 ResizeMode = Literal["letterbox", "center_crop"]
 
 # Rows per decode task beyond one task per core: small enough to balance a long list, large enough to amortise a task.
 ROWS_PER_DECODE_TASK = 2048
+PROGRESS_FOLDER, PROGRESS_SECONDS = "_progress", 2.0
 
 # The listing's columns, then what reading and decoding found.
 STAGED_ARROW_SCHEMA = pa.schema(
@@ -257,6 +260,8 @@ def process_partition(
     warnings.simplefilter("ignore", Image.DecompressionBombWarning)
     partition = TaskContext.get().partitionId()
     staged: list[dict] = []
+    fs, folder = fsspec.core.url_to_fs(staging_uri)
+    reported = time.monotonic()
     with ImageFileWriter(table_uri, partition, rules.size, ingested_at) as images:
         for batch in batches:
             for row in batch.to_pylist():
@@ -264,7 +269,10 @@ def process_partition(
                 staged.append(out)
                 if decoded is not None:
                     images.add(out, decoded)
-    fs, folder = fsspec.core.url_to_fs(staging_uri)
+                if time.monotonic() - reported > PROGRESS_SECONDS:
+                    # The driver sums these files for its progress line (a retried task overwrites its own).
+                    fs.pipe_file(f"{folder}/{PROGRESS_FOLDER}/{partition:05d}", str(len(staged)).encode())
+                    reported = time.monotonic()
     # Under a temporary name, then renamed: a retried task replaces its partition's file.
     final, temporary = f"{folder}/part-{partition:05d}.parquet", f"{folder}/.part-{partition:05d}-{uuid.uuid4().hex}.tmp"
     with fs.open(temporary, "wb") as out:
@@ -277,6 +285,12 @@ def process_partition(
         [{"status": status, "reason": reason, "files": n, "example": example} for (status, reason), (n, example) in counts.items()],
         schema=pa.schema([("status", pa.string()), ("reason", pa.string()), ("files", pa.int64()), ("example", pa.string())]),
     )
+
+
+def files_done(staging_uri: str) -> int:
+    """Files the executors have finished so far, from the progress files they write every few seconds."""
+    fs, folder = fsspec.core.url_to_fs(f"{staging_uri}/{PROGRESS_FOLDER}")
+    return sum(int(fs.cat_file(path) or 0) for path in fs.find(folder)) if fs.exists(folder) else 0
 
 
 def balanced_partitions(rows: list[dict], partitions: int) -> list[list[dict]]:
@@ -307,7 +321,11 @@ def resize_images(spark: SparkSession, ingested: Ingested, rules: DecodeRules, k
     ingested_at = datetime.now(timezone.utc)
     summary = frame.mapInArrow(lambda batches: process_partition(batches, rules, shared.value, staging_uri, table_uri, ingested_at), SUMMARY_SCHEMA)
     counts: dict[tuple[str, str | None], tuple[int, str]] = {}
-    for row in summary.collect():
+    logger, started = stage_logger(), time.monotonic()
+    with Every(lambda: logger.info(rate_line("resize", files_done(staging_uri), len(listed), time.monotonic() - started, "files")), logger):
+        rows = summary.collect()
+    logger.info(rate_line("resize", len(listed), len(listed), time.monotonic() - started, "files"))
+    for row in rows:
         n, example = counts.get((row["status"], row["reason"]), (0, row["example"]))
         counts[(row["status"], row["reason"])] = (n + row["files"], example)
     shared.unpersist()

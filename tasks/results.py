@@ -61,6 +61,8 @@ class SplitPlan(BaseModel):
     num_partitions: int
     val_fraction: float
     test_fraction: float
+    label_counts: dict[str, dict[str, int]] = {}  # split -> label -> images
+    quarantined: dict[str, int] = Field(default_factory=dict, exclude=True)  # reason -> files in the quarantine table
 
 
 class CachedSplits(BaseModel):
@@ -74,6 +76,8 @@ class CachedSplits(BaseModel):
     image_size: int
     num_partitions: int
     reused: bool = Field(exclude=True)
+    label_counts: dict[str, dict[str, int]] = {}
+    quarantined: dict[str, int] = Field(default_factory=dict, exclude=True)
 
 
 class Trained(BaseModel):

@@ -14,13 +14,15 @@ import inspect
 import json
 import sys
 import threading
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, TypeVar
 
 import fsspec
-from prefect import task
+from prefect import Task, get_run_logger
 from prefect.cache_policies import CachePolicy
+from prefect.context import FlowRunContext
 from prefect.settings import PREFECT_TASKS_REFRESH_CACHE
 from prefect.tasks import exponential_backoff
 from prefect.utilities.hashing import hash_objects
@@ -29,9 +31,10 @@ from infra.errors import PermanentError
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-# Per flow run and stage: why it may come from the cache, and its final state name ("Cached" on a hit).
+# Per flow run and stage: why it may come from the cache, its final state name ("Cached" on a hit) and its wall time.
 _reasons: dict[str, dict[str, str]] = {}
 _outcomes: dict[str, dict[str, str]] = {}
+_seconds: dict[str, dict[str, float]] = {}
 _lock = threading.Lock()
 
 
@@ -117,16 +120,41 @@ def record_key(results_uri: str, stage: str, key: str, parts: dict[str, str], fl
     fs.mv(aside, path)
 
 
-def note_outcome(task: Any, task_run: Any, state: Any) -> None:
-    """Task hook: remember how a stage ended in its flow run (the API hears of it later, through events)."""
+def note_outcome(flow_run_id: str, stage: str, state_name: str, seconds: float) -> None:
+    """Remember how a stage ended in its flow run and how long it took (the API hears of it later, through events)."""
     with _lock:
-        _outcomes.setdefault(str(task_run.flow_run_id), {})[task.name] = state.name
+        _outcomes.setdefault(flow_run_id, {})[stage] = state_name
+        _seconds.setdefault(flow_run_id, {})[stage] = round(seconds, 3)
 
 
 def stage_outcomes(flow_run_id: str) -> tuple[dict[str, str], dict[str, str]]:
     """Each stage's final state name in this flow run, and why its cache key did or did not match the last run's."""
     with _lock:
         return dict(_outcomes.get(flow_run_id, {})), dict(_reasons.get(flow_run_id, {}))
+
+
+def stage_seconds(flow_run_id: str) -> dict[str, float]:
+    """Each stage's wall time in this flow run, cache hits included (the key's facts are read even then)."""
+    with _lock:
+        return dict(_seconds.get(flow_run_id, {}))
+
+
+class Stage(Task):
+    """A Prefect task that says when it starts and ends, with its duration, in the CLI and in the flow run's logs."""
+
+    def __call__(self, *args: Any, return_state: bool = False, **kwargs: Any) -> Any:
+        context = FlowRunContext.get()
+        if context is None:  # called outside a flow (a test): no run to report to
+            return super().__call__(*args, return_state=return_state, **kwargs)
+        logger = get_run_logger()
+        logger.info(f"{self.name}: started")
+        start = time.perf_counter()
+        state = super().__call__(*args, return_state=True, **kwargs)
+        seconds = time.perf_counter() - start
+        note_outcome(str(context.flow_run.id), self.name, state.name, seconds)
+        ended = {"Cached": "from the cache", "Completed": "done"}.get(state.name, state.name.lower())
+        logger.info(f"{self.name}: {ended} in {seconds:.1f} s")
+        return state if return_state else state.result()
 
 
 # Bad input, bad settings and programming errors fail the same way every time: retrying only delays the message.
@@ -172,14 +200,17 @@ def stage(
     `settings` names the settings fields that change the stage's output; `facts` adds key parts read at call time;
     `code` names other modules whose code the stage runs.
     """
-    return task(
-        name=name,
-        retries=retries,
-        retry_delay_seconds=exponential_backoff(backoff_factor=backoff),
-        retry_jitter_factor=0.5,
-        retry_condition_fn=retry_transient_only,
-        cache_policy=cache_policy or StageKey(stage=name, settings_fields=settings, facts=facts, code=code),
-        persist_result=True,
-        log_prints=True,
-        on_completion=[note_outcome],
-    )
+    def declare(fn: F) -> F:
+        return Stage(  # type: ignore[return-value]
+            fn=fn,
+            name=name,
+            retries=retries,
+            retry_delay_seconds=exponential_backoff(backoff_factor=backoff),
+            retry_jitter_factor=0.5,
+            retry_condition_fn=retry_transient_only,
+            cache_policy=cache_policy or StageKey(stage=name, settings_fields=settings, facts=facts, code=code),
+            persist_result=True,
+            log_prints=True,
+        )
+
+    return declare

@@ -11,9 +11,10 @@ from prefect.runtime import flow_run
 from infra.settings import Settings
 from infra.spark import spark_application
 from infra.tracking import mlflow_client, run_url
+from tasks.cards import dataset_card, dataset_card_markdown
 from tasks.registry import CHAMPION, alias_version
 from tasks.results import CachedSplits, Promoted, Resized, Trained, Written
-from tasks.stage import stage, stage_outcomes
+from tasks.stage import stage, stage_outcomes, stage_seconds
 
 
 def run_summary(resized: Resized | None, written: Written, cached: CachedSplits, trained: Trained, promoted: Promoted, champion_version: str | None) -> dict[str, Any]:
@@ -65,7 +66,7 @@ def cache_report(states: dict[str, str], reasons: dict[str, str]) -> list[dict[s
 
 def summary_markdown(summary: dict[str, Any], mlflow_link: str) -> str:
     """A short markdown table of the summary for the Prefect UI."""
-    rows = "\n".join(f"| {key} | {value} |" for key, value in summary.items() if key != "cache")
+    rows = "\n".join(f"| {key} | {value} |" for key, value in summary.items() if key not in ("cache", "dataset_card"))
     stages = "\n".join(f"| {row['stage']} | {row['cache']} | {row['why']} |" for row in summary.get("cache", []))
     return (
         f"## imagelake run\n\nMLflow run: [{summary['mlflow_run_id']}]({mlflow_link})\n\n| item | value |\n|---|---|\n{rows}\n\n"
@@ -80,15 +81,20 @@ def summarize(resized: Resized | None, written: Written, cached: CachedSplits, t
     champion_version = alias_version(client, promoted.model_name, CHAMPION)
     summary = run_summary(resized, written, cached, trained, promoted, champion_version)
     summary["flow_run_id"] = str(flow_run.id) if flow_run.id else None
+    summary["flow_run_url"] = flow_run.ui_url  # None on Prefect's ephemeral API, which has no UI
     # Where the work ran: the Spark application (None when every Spark stage came from the cache) and the Ray nodes of the ranks.
     summary["spark_application"] = spark_application()
     summary["ray_worker_nodes"] = getattr(trained, "worker_nodes", [])  # a result cached before this field has none
     summary["cache"] = cache_report(*stage_outcomes(summary["flow_run_id"])) if flow_run.id else []
     summary["cache_hits"] = [row["stage"] for row in summary["cache"] if row["cache"] == "hit"]
+    summary["stage_seconds"] = {name: seconds for name, seconds in stage_seconds(summary["flow_run_id"]).items() if name in STAGES} if flow_run.id else {}
     link = run_url(client, settings, trained.mlflow_run_id)
     summary["mlflow_run_url"] = link
     create_markdown_artifact(summary_markdown(summary, link), key="imagelake-run-summary")
     create_table_artifact(summary["cache"], key="imagelake-cache", description="Which stages came from the cache, and why")
+    card = dataset_card(cached.table_uri, cached.table_version, cached.image_size, cached.label_counts, cached.quarantined)
+    summary["dataset_card"] = card
+    create_markdown_artifact(dataset_card_markdown(card, f"{link}/artifacts/dataset/samples.png"), key="imagelake-dataset-card", description="The data this run's model trained on")
     create_table_artifact(
         [{"reason": reason, "files": count} for reason, count in sorted((resized.quarantined if resized else {}).items())] or [{"reason": "none", "files": 0}],
         key="imagelake-quarantine",

@@ -6,6 +6,7 @@ import hashlib
 import json
 import math
 import os
+from typing import Callable
 
 from matplotlib.figure import Figure
 from mlflow import MlflowClient
@@ -20,6 +21,9 @@ from ray.train.torch import TorchTrainer
 from infra.ray_runtime import connect_ray
 from infra.settings import Settings
 from infra.tracking import experiment_id, mlflow_client, run_url
+from tasks.cards import dataset_card, dataset_card_markdown, sample_grid
+from tasks.loader import label_samples
+from tasks.progress import Every, stage_logger
 from tasks.results import CachedSplits, Trained
 from tasks.stage import code_digest, stage
 from tasks.train_loop import WORKER_NODES_TAG, train_loop_per_worker
@@ -71,7 +75,7 @@ def training_config(cached: CachedSplits, settings: Settings, tracking_uri: str,
         "learning_rate": scaled_learning_rate(settings.base_lr, settings.num_workers, settings.lr_scaling),
         "lr_scaling": settings.lr_scaling,
         "max_epochs": settings.max_epochs,
-        "patience": settings.early_stopping_patience,
+        "patience": settings.patience,
         "min_delta": settings.early_stopping_min_delta,
         "stopping_threshold": settings.early_stopping_threshold,
         "seed": settings.seed,
@@ -162,14 +166,63 @@ def learning_curves(client: MlflowClient, run_id: str) -> Figure:
     return figure
 
 
-def train_model(cached: CachedSplits, settings: Settings, fresh: str | None = None) -> Trained:
-    """One MLflow run per training: created here (or resumed), filled by rank 0, closed with the outcome."""
+class EpochReport:
+    """Progress lines for a training run, read from the metrics rank 0 logs to MLflow after every epoch."""
+
+    def __init__(self, client: MlflowClient, run_id: str, max_epochs: int) -> None:
+        self.client, self.run_id, self.max_epochs = client, run_id, max_epochs
+        self.shown: set[int] = set()
+        self.resume_shown = False
+
+    def lines(self) -> list[str]:
+        out = []
+        resumed = self.client.get_run(self.run_id).data.tags.get("resumed_after_epoch")
+        if resumed is not None and not self.resume_shown:
+            self.resume_shown = True
+            out.append(f"train: resumes after epoch {int(resumed) + 1} of {self.max_epochs} from the interrupted run's checkpoint")
+        history = {name: {m.step: m.value for m in self.client.get_metric_history(self.run_id, name)} for name in ("train_loss", "val_loss", "val_acc")}
+        for epoch in sorted(set(history["val_acc"]) - self.shown):
+            if all(epoch in values for values in history.values()):
+                self.shown.add(epoch)
+                out.append(
+                    f"train: epoch {epoch + 1} of {self.max_epochs}, train loss {history['train_loss'][epoch]:.3f}, "
+                    f"val loss {history['val_loss'][epoch]:.3f}, val accuracy {history['val_acc'][epoch]:.3f}"
+                )
+        return out
+
+    def show(self, logger) -> None:
+        for line in self.lines():
+            logger.info(line)
+
+
+def log_dataset_card(client: MlflowClient, run_id: str, cached: CachedSplits) -> dict:
+    """The data this run trains on, as MLflow artifacts: dataset/card.json, card.md and samples.png."""
+    card = dataset_card(cached.table_uri, cached.table_version, cached.image_size, cached.label_counts, cached.quarantined)
+    client.log_dict(run_id, card, "dataset/card.json")
+    client.log_text(run_id, dataset_card_markdown(card, "samples.png"), "dataset/card.md")
+    client.log_figure(run_id, sample_grid(label_samples(cached.splits["train"], cached.image_size, cached.labels)), "dataset/samples.png")
+    return card
+
+
+def train_model(cached: CachedSplits, settings: Settings, fresh: str | None = None, on_start: Callable[[str], None] | None = None) -> Trained:
+    """One MLflow run per training: created here (or resumed), filled by rank 0, closed with the outcome.
+
+    `on_start` gets the MLflow run id as soon as the run exists, before any worker starts.
+    """
     connect_ray(settings)
     client = mlflow_client(settings)
     name = run_name(cached, settings, fresh)
     run_id = training_run(client, settings, cached, name)
+    logger = stage_logger()
+    logger.info(f"train: MLflow run {run_url(client, settings, run_id)} ({settings.num_workers} Ray worker(s), up to {settings.max_epochs} epochs)")
+    if on_start is not None:
+        on_start(run_id)
+    log_dataset_card(client, run_id, cached)
+    report = EpochReport(client, run_id, settings.max_epochs)
     try:
-        trained = fit(cached, settings, client, run_id, name)
+        with Every(lambda: report.show(logger), logger):
+            trained = fit(cached, settings, client, run_id, name)
+        report.show(logger)
         client.log_figure(run_id, learning_curves(client, run_id), "learning_curves.png")
     except BaseException:
         client.set_terminated(run_id, status="FAILED")
@@ -182,10 +235,10 @@ def train_model(cached: CachedSplits, settings: Settings, fresh: str | None = No
 def train(cached: CachedSplits, settings: Settings) -> Trained:
     """Prefect stage: distributed training on Ray, linked from the flow run to its MLflow run."""
     # A refresh trains from scratch: the flow run's id gives it a Ray run of its own (its retries resume that one).
-    trained = train_model(cached, settings, fresh=str(flow_run.id) if PREFECT_TASKS_REFRESH_CACHE.value() else None)
-    create_link_artifact(
-        run_url(mlflow_client(settings), settings, trained.mlflow_run_id),
-        link_text=f"MLflow run {trained.mlflow_run_id}", key="imagelake-mlflow-run",
-        description=f"Training run (tracking store {settings.tracking_uri})",
-    )
-    return trained
+    def link(run_id: str) -> None:
+        create_link_artifact(
+            run_url(mlflow_client(settings), settings, run_id), link_text=f"MLflow run {run_id}", key="imagelake-mlflow-run",
+            description=f"Training run (tracking store {settings.tracking_uri}), linked when training starts",
+        )
+
+    return train_model(cached, settings, fresh=str(flow_run.id) if PREFECT_TASKS_REFRESH_CACHE.value() else None, on_start=link)

@@ -146,9 +146,12 @@ def make_trainer(config: dict[str, Any], callbacks: list[Callback], train_steps:
     )
 
 
-def make_model(config: dict[str, Any]) -> ImageClassifier:
+def make_model(config: dict[str, Any], steps_per_epoch: int = 0) -> ImageClassifier:
+    """The classifier; with `steps_per_epoch`, its learning rate warms up over the first epoch and decays to 0 by the last."""
+    total = steps_per_epoch * config["max_epochs"]
     model = ImageClassifier(
-        config["num_classes"], config["learning_rate"], config["arch"], config.get("pretrained_weights"), config.get("freeze_backbone", False)
+        config["num_classes"], config["learning_rate"], config["arch"], config.get("pretrained_weights"), config.get("freeze_backbone", False),
+        total_steps=total, warmup_steps=min(steps_per_epoch, total // 2),
     )
     if config.get("use_gpu") and torch.cuda.is_available() and config.get("channels_last", True):
         model.model.channels_last = True
@@ -208,6 +211,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     trainer = make_trainer(
         config, callbacks, len(train_batches), len(val_batches),
         accelerator="auto", devices="auto", strategy=RayDDPStrategy(), plugins=[RayLightningEnvironment()],
+        # Per-GPU batches are small: batch-norm statistics over all ranks' samples (gloo on CPU has no SyncBatchNorm).
+        sync_batchnorm=bool(config.get("use_gpu") and torch.cuda.is_available() and world > 1),
     )
     trainer = prepare_trainer(trainer)
     if resume:
@@ -215,4 +220,4 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         train_batches.epoch = resumed_epoch + 1
         print(f"imagelake: rank {rank} resumes after epoch {resumed_epoch} from {resume}", flush=True)
     with train_batches, val_batches:
-        trainer.fit(make_model(config), train_dataloaders=train_batches, val_dataloaders=val_batches, ckpt_path=resume)
+        trainer.fit(make_model(config, len(train_batches)), train_dataloaders=train_batches, val_dataloaders=val_batches, ckpt_path=resume)

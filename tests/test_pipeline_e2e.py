@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -10,6 +11,7 @@ import time
 import uuid
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 from deltalake import DeltaTable
 import mlflow
@@ -29,13 +31,49 @@ def run_cli(args: list[str], env: dict[str, str], timeout: int = 900) -> subproc
     return subprocess.run([IMAGELAKE, *args], env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def run_pipeline(source: Path, workspace: Path, env: dict[str, str], *extra: str) -> tuple[dict, float]:
+def run_pipeline(source: Path, workspace: Path, env: dict[str, str], *extra: str, output: list[str] | None = None) -> tuple[dict, float]:
     settings = ["workspace=" + str(workspace), "image_size=32", "max_epochs=4", "num_workers=2", "batch_size=16", f"model_name={MODEL}", *extra]
     started = time.monotonic()
     done = run_cli(["run", "--source", str(source), "--json", *[arg for s in settings for arg in ("--set", s)]], env)
     elapsed = time.monotonic() - started
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    if output is not None:
+        output.append(done.stdout + done.stderr)
     return json.loads(done.stdout.strip().splitlines()[-1]), elapsed
+
+
+def flow_logs(flow_run_id: str) -> list[str]:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    messages: list[str] = []
+    with get_client(sync_client=True) as client:
+        while True:
+            page = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[uuid.UUID(flow_run_id)])), limit=200, offset=len(messages))
+            messages += [log.message for log in page]
+            if len(page) < 200:
+                return messages
+
+
+STAGES = ("ingest", "resize", "write", "repartition", "cache", "train", "promote")
+
+
+def assert_shows_what_it_does(summary: dict, console: str, logs: list[str]) -> None:
+    """Stage start and end lines with durations, epoch lines, the MLflow run's URL before the first epoch, no noise."""
+    assert list(summary["stage_seconds"]) == sorted(STAGES) and all(s >= 0 for s in summary["stage_seconds"].values())
+    assert summary["stage_seconds"]["train"] > 1
+    for text in (console, "\n".join(logs)):
+        for stage in STAGES:
+            assert f"{stage}: started" in text and re.search(rf"{stage}: (done|from the cache) in \d+\.\d s", text), stage
+        epochs = re.findall(r"train: epoch (\d+) of 4, train loss \d\.\d+, val loss \d\.\d+, val accuracy \d\.\d+", text)
+        assert [int(e) for e in epochs] == list(range(1, summary["epochs_run"] + 1))
+        assert text.index(f"train: MLflow run http://127.0.0.1:5000/#/experiments/") < text.index("train: epoch 1 of 4")
+        assert re.search(r"resize: 300 of 300 files \(100%\), \d+ files/s", text)
+    for noise in ("Recovering rowgroup information", "Failed loading Unischema", "Reporting training result", "Checkpoint successfully created"):
+        assert noise not in console, noise
+    assert "stage times   ingest " in console
+    # On a Prefect server, the flow run's page: in the first lines, and in the summary.
+    assert summary["flow_run_url"].endswith(f"/runs/flow-run/{summary['flow_run_id']}") and console.index("View at http") < console.index("ingest: started")
 
 
 def task_states(flow_run_id: str) -> dict[str, str]:
@@ -64,10 +102,34 @@ def quarantine_artifact(flow_run_id: str) -> list[dict]:
     return json.loads(found.data) if isinstance(found.data, str) else found.data
 
 
+def assert_knows_the_data_and_the_model(summary: dict, client: MlflowClient, cache_dir: Path, description: str) -> None:
+    """The dataset card (Prefect and MLflow) counts what the cache holds; per-class test metrics add up; the model card."""
+    run_id, labels = summary["mlflow_run_id"], summary["labels"]
+    card = json.loads(Path(mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path="dataset/card.json")).read_text())
+    for split in ("train", "val", "test"):
+        cached = pq.read_table(cache_dir / split, columns=["label"]).column("label").to_numpy()
+        assert card["images_per_label"][split] == {name: int((cached == i).sum()) for i, name in enumerate(labels)}
+    assert card == summary["dataset_card"] and card["images_per_split"] == summary["split_counts"]
+    assert {"dataset/card.md", "dataset/samples.png"} <= {a.path for a in client.list_artifacts(run_id, "dataset")}
+    markdown = flow_artifact(summary["flow_run_id"], "imagelake-dataset-card").data
+    assert "| **all** | " in markdown and "samples.png" in markdown
+    per_class = json.loads(Path(mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path="test_per_class.json")).read_text())
+    matrix = per_class["confusion_matrix"]
+    assert [row["support"] for row in per_class["per_class"]] == [sum(r) for r in matrix]
+    assert sum(row["correct"] for row in per_class["per_class"]) / summary["split_counts"]["test"] == pytest.approx(summary["test_accuracy"])
+    metrics = client.get_run(run_id).data.metrics
+    assert all(f"test_{name}_{label}" in metrics for label in labels for name in ("precision", "recall", "f1"))
+    assert "Per class on the test split" in flow_artifact(summary["flow_run_id"], "imagelake-promotion").data
+    for expected in (f"# {MODEL} v{summary['model_version']}", f"version {summary['delta_version']}", "## Training settings", "| max_epochs | 4 |", "**champion**"):
+        assert expected in description, expected
+
+
 def test_pipeline_end_to_end_then_everything_is_cached(digits_dir: Path, tmp_path: Path, prefect_api: str) -> None:
     workspace = tmp_path / "ws"
     env = cli_env({"PREFECT_API_URL": prefect_api})
-    first, first_seconds = run_pipeline(digits_dir, workspace, env)
+    output: list[str] = []
+    first, first_seconds = run_pipeline(digits_dir, workspace, env, output=output)
+    assert_shows_what_it_does(first, output[0], flow_logs(first["flow_run_id"]))
 
     # Delta: one version holding every image.
     table = DeltaTable(first["delta_table"])
@@ -107,6 +169,7 @@ def test_pipeline_end_to_end_then_everything_is_cached(digits_dir: Path, tmp_pat
     assert {"learning_curves.png", "confusion_matrix.png"} <= {a.path for a in client.list_artifacts(first["mlflow_run_id"])}
     # Prefect links the flow run to its MLflow run.
     assert f"/runs/{first['mlflow_run_id']}" in flow_artifact(first["flow_run_id"], "imagelake-mlflow-run").data
+    assert_knows_the_data_and_the_model(first, client, cache_dir, champion.description)
 
     # Second run on unchanged data: every stage is a cache hit; no new Delta version, no new model version.
     second, second_seconds = run_pipeline(digits_dir, workspace, env)

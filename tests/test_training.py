@@ -78,6 +78,20 @@ def test_a_retried_training_task_resumes_the_same_run(cached, settings, tmp_path
     assert "learning_curves.png" in artifacts
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("workers", [1, 2])
+def test_the_same_data_settings_and_seed_train_the_same_model(cached, settings, tmp_path: Path, workers: int) -> None:
+    """Two trainings from scratch: every epoch's metrics and the best checkpoint's weights are the same."""
+    settings = settings.model_copy(update={"max_epochs": 3, "batch_size": 8, "num_workers": workers, "loader_workers": 3})
+    runs = [train_model(cached, settings.model_copy(update={"ray_storage_root": str(tmp_path / f"ray-{i}")})) for i in range(2)]
+    client = mlflow_client(settings)
+    histories = [{name: [m.value for m in sorted(client.get_metric_history(t.mlflow_run_id, name), key=lambda m: m.step)] for name in ("train_loss", "val_loss", "val_acc")} for t in runs]
+    assert runs[0].mlflow_run_id != runs[1].mlflow_run_id and len(histories[0]["val_loss"]) == 3
+    assert histories[0] == histories[1], f"{histories[0]} != {histories[1]}"
+    weights = [torch.load(t.checkpoint_path, map_location="cpu", weights_only=False)["state_dict"] for t in runs]
+    assert all(torch.equal(weights[0][name], weights[1][name]) for name in weights[0])
+
+
 def _checkpoint(folder: Path, epoch: int, good: bool = True) -> Path:
     folder.mkdir(parents=True)
     path = folder / "checkpoint.ckpt"

@@ -1,0 +1,75 @@
+"""The training loader: rows shuffled when cached, batches a function of seed, shard and epoch, whatever the reader threads do."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+from petastorm import make_batch_reader
+
+from tasks.cache import write_split
+from tasks.loader import POSITION, ShardBatches, row_groups, shard_rows, ventilation_order
+
+SIZE = 4  # 4x4 RGB: 48 bytes an image
+
+
+def write_label_runs(spark, out: Path, rows: int, partitions: int, seed: int = 42) -> str:
+    """A split whose source order is one long run per label (as a table written folder by folder is)."""
+    data = [(bytes([i % 251]) * (SIZE * SIZE * 3), i * 10 // rows, f"{i:064x}") for i in range(rows)]
+    frame = spark.createDataFrame(data, "image binary, label long, sha256 string").coalesce(1)
+    write_split(frame, str(out), partitions, seed)
+    return f"file://{out}"
+
+
+def label_changes(path: Path) -> list[float]:
+    """For each cached file: the share of neighbouring rows whose labels differ."""
+    shares = []
+    for file in sorted(path.glob("*.parquet")):
+        labels = pq.read_table(file, columns=["label"]).column("label").to_numpy()
+        shares.append(float(np.count_nonzero(np.diff(labels))) / max(1, len(labels) - 1))
+    return shares
+
+
+def test_cached_rows_are_shuffled_not_in_runs_of_one_label(spark, tmp_path: Path) -> None:
+    write_label_runs(spark, tmp_path / "split", rows=400, partitions=2)
+    # In runs of 40 a file would change label about 1 time in 40; shuffled, about 9 times in 10.
+    assert min(label_changes(tmp_path / "split")) > 0.7
+    positions = pq.read_table(tmp_path / "split", columns=[POSITION]).column(POSITION).to_pylist()
+    assert len(set(positions)) == 400
+
+
+@pytest.mark.parametrize("shuffle, seed", [(False, None), (True, 7), (True, 12345)])
+def test_ventilation_order_is_petastorms(spark, tmp_path: Path, shuffle: bool, seed: int | None) -> None:
+    """Pins the private order the loader replays: one reader thread hands row groups over in ventilation order."""
+    url = write_label_runs(spark, tmp_path / "split", rows=90, partitions=9)
+    groups = row_groups(url)
+    assert len(groups) == 9 and all(first is not None for _, first in groups)
+    for shard in range(2):
+        with make_batch_reader(
+            url, schema_fields=[POSITION], cur_shard=shard, shard_count=2, num_epochs=1, shuffle_row_groups=shuffle, seed=seed, workers_count=1
+        ) as reader:
+            delivered = [int(batch.position[0]) for batch in reader]
+        assert delivered == [groups[i][1] for i in ventilation_order(len(groups), shard, 2, seed, shuffle)]
+
+
+def epoch_batches(url: str, seed: int, epoch: int, workers: int) -> list[tuple[list[int], list[str]]]:
+    loader = ShardBatches(url, shard=0, shard_count=2, batch_size=8, image_size=SIZE, seed=seed, shuffle=True, workers=workers, key_field="sha256")
+    loader.epoch = epoch
+    with loader:
+        return [(labels.tolist(), keys) for _, labels, keys in loader]
+
+
+def test_batches_depend_on_seed_and_epoch_only(spark, tmp_path: Path) -> None:
+    url = write_label_runs(spark, tmp_path / "split", rows=240, partitions=12)
+    first = epoch_batches(url, seed=3, epoch=0, workers=4)
+    # Four reader threads finish row groups in a different order each time; the batches never change.
+    for _ in range(4):
+        assert epoch_batches(url, seed=3, epoch=0, workers=4) == first
+    assert epoch_batches(url, seed=3, epoch=0, workers=1) == first
+    assert epoch_batches(url, seed=3, epoch=1, workers=4) != first, "each epoch shuffles anew"
+    assert epoch_batches(url, seed=4, epoch=0, workers=4) != first, "another seed, another order"
+    labels = [label for batch, _ in first for label in batch]
+    # A batch of 8 from shuffled rows holds several labels, never a run of one.
+    assert min(len(set(batch)) for batch, _ in first) >= 3 and len(labels) == shard_rows(url, 2)[0]
