@@ -7,6 +7,7 @@ from typing import Any
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
+from prefect.utilities.urls import url_for
 
 from infra.settings import Settings
 from infra.spark import spark_application
@@ -81,7 +82,8 @@ def summarize(resized: Resized | None, written: Written, cached: CachedSplits, t
     champion_version = alias_version(client, promoted.model_name, CHAMPION)
     summary = run_summary(resized, written, cached, trained, promoted, champion_version)
     summary["flow_run_id"] = str(flow_run.id) if flow_run.id else None
-    summary["flow_run_url"] = flow_run.ui_url  # None on Prefect's ephemeral API, which has no UI
+    # The page Prefect's own "View at" line names; None on Prefect's ephemeral API, which has no UI.
+    summary["flow_run_url"] = url_for("flow-run", obj_id=flow_run.id) if flow_run.id else None
     # Where the work ran: the Spark application (None when every Spark stage came from the cache) and the Ray nodes of the ranks.
     summary["spark_application"] = spark_application()
     summary["ray_worker_nodes"] = getattr(trained, "worker_nodes", [])  # a result cached before this field has none
