@@ -37,9 +37,14 @@ def per_class_metrics(matrix: np.ndarray, names: list[str]) -> list[dict[str, An
     return rows
 
 
-def metric_key(name: str) -> str:
-    """A class name as MLflow accepts it inside a metric key (letters, digits, _ - . / and spaces)."""
-    return re.sub(r"[^A-Za-z0-9_\-./ ]", "_", name)
+def metric_keys(names: list[str], limit: int = 200) -> list[str]:
+    """Class names as MLflow accepts them inside a metric key (word characters, - . / and spaces), cut to `limit`
+    characters and kept distinct (a name that clashes with an earlier one gets its index)."""
+    keys: list[str] = []
+    for index, name in enumerate(names):
+        key = re.sub(r"[^\w\-./ ]", "_", name)[:limit]
+        keys.append(f"{key[: limit - 8]}_{index}" if key in keys else key)
+    return keys
 
 
 def per_class_table(rows: list[dict[str, Any]]) -> str:
@@ -81,9 +86,12 @@ def dataset_card_markdown(card: dict[str, Any], samples_link: str | None = None)
     )
 
 
+GRID_LABELS = 40  # rows of the sample grid: beyond this a figure is too tall to draw or read
+
+
 def sample_grid(samples: dict[str, np.ndarray]) -> Figure:
-    """One row per label of sample images (N, H, W, 3 uint8), as the model sees them."""
-    labels = sorted(samples)
+    """One row per label (the first 40 in order) of sample images (N, H, W, 3 uint8), as the model sees them."""
+    labels = sorted(samples)[:GRID_LABELS]
     size = max((s.shape[1] for s in samples.values() if len(s)), default=8)
     columns = max((len(s) for s in samples.values()), default=1)
     mosaic = np.full((len(labels) * (size + 2), columns * (size + 2), 3), 255, dtype=np.uint8)
@@ -96,7 +104,8 @@ def sample_grid(samples: dict[str, np.ndarray]) -> Figure:
     axis.imshow(mosaic, interpolation="nearest")
     axis.set_yticks([row * (size + 2) + size / 2 for row in range(len(labels))], labels)
     axis.set_xticks([])
-    axis.set_title("samples per label, as stored in the table")
+    shown = "" if len(samples) <= GRID_LABELS else f" (first {GRID_LABELS} of {len(samples)} labels)"
+    axis.set_title(f"samples per label, as stored in the table{shown}")
     figure.tight_layout()
     return figure
 

@@ -195,8 +195,9 @@ class ShardBatches:
 class InOrder:
     """Row groups as the reader's threads finish them, given back in the planned order (by first position).
 
-    Early arrivals wait in a small buffer (about one per reader thread). Without a plan (a cache
-    without positions) groups pass in arrival order.
+    Early arrivals wait in a buffer: about one per reader thread while row groups take similar
+    times to read, more while the awaited one is much slower than the rest. Without a plan (a
+    cache without positions) groups pass in arrival order.
     """
 
     def __init__(self, arrivals: Iterator[tuple], plan: list[int | None] | None) -> None:
@@ -310,20 +311,23 @@ class RowPool:
         return labels, keys
 
 
-def label_samples(url: str, image_size: int, labels: list[str], per_label: int = 8) -> dict[str, np.ndarray]:
-    """The first `per_label` images of each label of a cached split (its rows are in a seeded random order)."""
+def label_samples(url: str, image_size: int, labels: list[str], per_label: int = 8, max_groups: int = 64) -> dict[str, np.ndarray]:
+    """The first `per_label` images of each label of a cached split (its rows are in a seeded random order),
+    from at most `max_groups` row groups: a rare label may show fewer."""
     fs, root = fsspec.core.url_to_fs(url)
     files = sorted(path for path in fs.find(root) if path.endswith(".parquet") and not path.rsplit("/", 1)[-1].startswith(("_", ".")))
     found: dict[int, list[np.ndarray]] = {index: [] for index in range(len(labels))}
+    read = 0
     for path in files:
         with fs.open(path, "rb") as handle:
             parquet = pq.ParquetFile(handle)
             for group in range(parquet.num_row_groups):
-                if all(len(images) >= per_label for images in found.values()):
+                if read >= max_groups or all(len(images) >= per_label for images in found.values()):
                     break
+                read += 1
                 table = parquet.read_row_group(group, columns=["image", "label"])
                 pixels = pixel_rows(table.column("image"), image_size * image_size * 3, f"cached split {url}")
                 for row, label in enumerate(table.column("label").to_numpy()):
                     if len(found[int(label)]) < per_label:
-                        found[int(label)].append(pixels[row].reshape(image_size, image_size, 3))
+                        found[int(label)].append(pixels[row].reshape(image_size, image_size, 3).copy())  # not a view that keeps the group
     return {labels[index]: np.stack(images) if images else np.zeros((0, image_size, image_size, 3), np.uint8) for index, images in found.items()}

@@ -35,7 +35,8 @@ class Every:
 
     def __exit__(self, kind: type[BaseException] | None, value: BaseException | None, traceback: TracebackType | None) -> None:
         self._stop.set()
-        self._thread.join()
+        # A report stuck in a slow call (a tracking server's retries) must not hold up the stage; the thread is a daemon.
+        self._thread.join(timeout=5)
 
     def _run(self) -> None:
         while not self._stop.wait(self.seconds):

@@ -14,7 +14,7 @@ from prefect.runtime import flow_run
 
 from infra.settings import Settings
 from infra.tracking import mlflow_client, run_url
-from tasks.cards import confusion_matrix, metric_key, model_card, per_class_metrics, per_class_table
+from tasks.cards import confusion_matrix, metric_keys, model_card, per_class_metrics, per_class_table
 from tasks.loader import pixel_rows
 from tasks.model import ImageClassifier, ImageModel
 from tasks.registry import (
@@ -78,7 +78,7 @@ def promote_model(
         mlflow.log_figure(confusion_figure(matrix, cached.labels), "confusion_matrix.png")
         mlflow.log_dict({"labels": cached.labels, "confusion_matrix": matrix.tolist(), "per_class": per_class}, "test_per_class.json")
         mlflow.log_metrics(
-            {f"test_{name}_{metric_key(row['label'])}": row[name] for row in per_class for name in ("precision", "recall", "f1")}
+            {f"test_{name}_{key}": row[name] for row, key in zip(per_class, metric_keys(cached.labels)) for name in ("precision", "recall", "f1")}
         )
         # pt2 (torch.export): a format that loads without unpickling.
         info = mlflow.pytorch.log_model(model, name="model", input_example=images[:2].copy(), serialization_format="pt2")
@@ -108,7 +108,8 @@ def promote_model(
     alias = CHAMPION if decision.promote else CHALLENGER
     data = {"table": cached.table_uri, "version": cached.table_version, "image_size": cached.image_size, "counts": cached.counts, "labels": cached.labels}
     card = model_card(settings.model_name, version, data, params, metrics, per_class, decision.reason, alias)
-    client.update_model_version(settings.model_name, version, description=card)
+    # MLflow's SQL stores keep 5,000 characters of a description: a card of many classes is cut there.
+    client.update_model_version(settings.model_name, version, description=card if len(card) <= 5000 else card[:4980] + "\n\n(cut)")
     promoted = Promoted(
         model_name=settings.model_name,
         model_version=version,

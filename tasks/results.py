@@ -62,7 +62,7 @@ class SplitPlan(BaseModel):
     val_fraction: float
     test_fraction: float
     label_counts: dict[str, dict[str, int]] = {}  # split -> label -> images
-    quarantined: dict[str, int] = Field(default_factory=dict, exclude=True)  # reason -> files in the quarantine table
+    quarantined: dict[str, int] = {}  # reason -> files in the quarantine table now (the cache stage re-keys, its files are reused)
 
 
 class CachedSplits(BaseModel):

@@ -215,11 +215,11 @@ def train_model(cached: CachedSplits, settings: Settings, fresh: str | None = No
     run_id = training_run(client, settings, cached, name)
     logger = stage_logger()
     logger.info(f"train: MLflow run {run_url(client, settings, run_id)} ({settings.num_workers} Ray worker(s), up to {settings.max_epochs} epochs)")
-    if on_start is not None:
-        on_start(run_id)
-    log_dataset_card(client, run_id, cached)
     report = EpochReport(client, run_id, settings.max_epochs)
     try:
+        if on_start is not None:
+            on_start(run_id)
+        log_dataset_card(client, run_id, cached)
         with Every(lambda: report.show(logger), logger):
             trained = fit(cached, settings, client, run_id, name)
         report.show(logger)

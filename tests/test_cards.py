@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from tasks.cache import cache_splits
-from tasks.cards import confusion_matrix, dataset_card, dataset_card_markdown, metric_key, model_card, per_class_metrics, sample_grid
+from tasks.cards import confusion_matrix, dataset_card, dataset_card_markdown, metric_keys, model_card, per_class_metrics, sample_grid
 from tasks.loader import label_samples
 from tasks.model import warmup_cosine
 from tasks.progress import Every, rate_line
@@ -43,7 +43,9 @@ def test_per_class_metrics_of_a_class_never_seen_or_predicted_are_zero_not_error
     assert rows[2] == {"label": "z", "precision": 0.0, "recall": 0.0, "f1": 0.0, "support": 0, "predicted": 0, "correct": 0}
     with pytest.raises(ValueError, match="does not fit 2 class names"):
         per_class_metrics(np.zeros((3, 3), dtype=int), ["x", "y"])
-    assert metric_key("cat/dog:1 (b)") == "cat/dog_1 _b_"
+    keys = metric_keys(["cat/dog:1 (b)", "chat noir", "chat:noir", "chat?noir", "x" * 300, "Straße"])
+    assert keys[:4] == ["cat/dog_1 _b_", "chat noir", "chat_noir", "chat_noir_3"], "clashing names stay apart"
+    assert len(keys[4]) == 200 and keys[5] == "Straße" and len(set(keys)) == 6
 
 
 def test_dataset_card_counts_and_markdown() -> None:
@@ -52,6 +54,12 @@ def test_dataset_card_counts_and_markdown() -> None:
     assert card["images_per_split"] == {"train": 12, "val": 1, "test": 2} and card["imbalance"] == round(9 / 6, 3)
     text = dataset_card_markdown(card, "http://mlflow/samples.png")
     assert "| a | 8 | 1 | 0 | 9 |" in text and "| not_an_image | 2 |" in text and "(http://mlflow/samples.png)" in text
+
+
+def test_the_sample_grid_of_many_labels_shows_the_first_forty() -> None:
+    samples = {f"label{i:02d}": np.full((2, 4, 4, 3), i, dtype=np.uint8) for i in range(45)}
+    axis = sample_grid(samples).get_axes()[0]
+    assert axis.get_title().endswith("(first 40 of 45 labels)") and len(axis.get_yticks()) == 40
 
 
 def test_model_card_names_data_settings_metrics_and_decision() -> None:
