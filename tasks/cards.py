@@ -67,6 +67,11 @@ def dataset_card(table_uri: str, version: int, image_size: int, label_counts: di
     }
 
 
+def dataset_card_of(cached: Any) -> dict[str, Any]:
+    """The dataset card of a cached table version (a CachedSplits: its table, version, size and counts)."""
+    return dataset_card(cached.table_uri, cached.table_version, cached.image_size, cached.label_counts, cached.quarantined)
+
+
 def dataset_card_markdown(card: dict[str, Any], samples_link: str | None = None) -> str:
     """The dataset card as markdown: class balance per split, quarantine by reason, a link to the sample grid."""
     splits = list(card["images_per_label"])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 
@@ -78,8 +80,8 @@ def plan_splits(spark: SparkSession, written: Written, settings: Settings) -> Sp
 
 def quarantined_by_reason(spark: SparkSession, quarantine_uri: str) -> dict[str, int]:
     """Files in the quarantine table now, by reason."""
-    reasons = read_current(spark, quarantine_uri, "delta-rs", ["reason"]).column("reason").to_pylist()
-    return {reason: reasons.count(reason) for reason in sorted(set(reasons))}
+    reasons = Counter(read_current(spark, quarantine_uri, "delta-rs", ["reason"]).column("reason").to_pylist())
+    return dict(sorted(reasons.items()))
 
 
 def quarantine_now(inputs: dict) -> dict[str, str]:

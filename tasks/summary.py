@@ -12,7 +12,7 @@ from prefect.utilities.urls import url_for
 from infra.settings import Settings
 from infra.spark import spark_application
 from infra.tracking import mlflow_client, run_url
-from tasks.cards import dataset_card, dataset_card_markdown
+from tasks.cards import dataset_card_markdown, dataset_card_of
 from tasks.registry import CHAMPION, alias_version
 from tasks.results import CachedSplits, Promoted, Resized, Trained, Written
 from tasks.stage import stage, stage_outcomes, stage_seconds
@@ -67,7 +67,7 @@ def cache_report(states: dict[str, str], reasons: dict[str, str]) -> list[dict[s
 
 def summary_markdown(summary: dict[str, Any], mlflow_link: str) -> str:
     """A short markdown table of the summary for the Prefect UI."""
-    rows = "\n".join(f"| {key} | {value} |" for key, value in summary.items() if key not in ("cache", "dataset_card"))
+    rows = "\n".join(f"| {key} | {value} |" for key, value in summary.items() if key != "cache")
     stages = "\n".join(f"| {row['stage']} | {row['cache']} | {row['why']} |" for row in summary.get("cache", []))
     return (
         f"## imagelake run\n\nMLflow run: [{summary['mlflow_run_id']}]({mlflow_link})\n\n| item | value |\n|---|---|\n{rows}\n\n"
@@ -94,8 +94,7 @@ def summarize(resized: Resized | None, written: Written, cached: CachedSplits, t
     summary["mlflow_run_url"] = link
     create_markdown_artifact(summary_markdown(summary, link), key="imagelake-run-summary")
     create_table_artifact(summary["cache"], key="imagelake-cache", description="Which stages came from the cache, and why")
-    card = dataset_card(cached.table_uri, cached.table_version, cached.image_size, cached.label_counts, cached.quarantined)
-    summary["dataset_card"] = card
+    card = summary["dataset_card"] = dataset_card_of(cached)
     create_markdown_artifact(dataset_card_markdown(card, f"{link}/artifacts/dataset/samples.png"), key="imagelake-dataset-card", description="The data this run's model trained on")
     create_table_artifact(
         [{"reason": reason, "files": count} for reason, count in sorted((resized.quarantined if resized else {}).items())] or [{"reason": "none", "files": 0}],

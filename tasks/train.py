@@ -21,7 +21,7 @@ from ray.train.torch import TorchTrainer
 from infra.ray_runtime import connect_ray
 from infra.settings import Settings
 from infra.tracking import experiment_id, mlflow_client, run_url
-from tasks.cards import dataset_card, dataset_card_markdown, sample_grid
+from tasks.cards import dataset_card_markdown, dataset_card_of, sample_grid
 from tasks.loader import label_samples
 from tasks.progress import Every, stage_logger
 from tasks.results import CachedSplits, Trained
@@ -197,7 +197,7 @@ class EpochReport:
 
 def log_dataset_card(client: MlflowClient, run_id: str, cached: CachedSplits) -> dict:
     """The data this run trains on, as MLflow artifacts: dataset/card.json, card.md and samples.png."""
-    card = dataset_card(cached.table_uri, cached.table_version, cached.image_size, cached.label_counts, cached.quarantined)
+    card = dataset_card_of(cached)
     client.log_dict(run_id, card, "dataset/card.json")
     client.log_text(run_id, dataset_card_markdown(card, "samples.png"), "dataset/card.md")
     client.log_figure(run_id, sample_grid(label_samples(cached.splits["train"], cached.image_size, cached.labels)), "dataset/samples.png")
