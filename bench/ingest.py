@@ -29,8 +29,12 @@ from sklearn.datasets import load_sample_images
 
 from infra.settings import Settings
 from infra.spark import spark_session
-from tasks.ingest import Scope, ingest_listing, source_uri
-from tasks.resize import DecodeRules, known_hashes, resize_image, resize_images
+from tasks.changes import ingest_listing
+from tasks.rules.listing import Scope, source_uri
+from tasks.resize import resize_images
+from tasks.resize_executor import DecodeRules
+from tasks.table import ImageTable
+from tasks.rules.images import resize_image
 from tasks.write import write_images
 
 
@@ -83,9 +87,10 @@ def imagelake(spark, source: str, root: Path, size: int) -> None:
     """(c) imagelake's data stages, into a fresh Delta table."""
     table, quarantine = str(root / "images"), str(root / "quarantine")
     rules = DecodeRules(size, "letterbox", 50 * 1024 * 1024, 64_000_000)
-    ingested = ingest_listing(spark, "delta-rs", source, Scope((".jpg",)), table, size, False, str(root / "staging"), quarantine)
-    resized = resize_images(spark, ingested, rules, known_hashes(spark, "delta-rs", table, size), str(root / "staging" / "resized"), table)
-    write_images(spark, resized, table, quarantine, "delta-rs", 0.1)
+    images = ImageTable.at(spark, table, size, "delta-rs", quarantine)
+    ingested = ingest_listing(images, source, Scope((".jpg",)), False, str(root / "staging"))
+    resized = resize_images(images, ingested, rules, str(root / "staging" / "resized"))
+    write_images(images, resized, 0.1)
 
 
 def timed(label: str, images: int, work) -> float:

@@ -29,7 +29,7 @@ from petastorm.transform import TransformSpec
 
 from infra.settings import Settings
 from infra.spark import spark_session
-from tasks.loader import ShardBatches
+from tasks.worker.loader import ShardBatches
 
 
 def write_cache(spark, out: Path, images: int, size: int, partitions: int) -> str:

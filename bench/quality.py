@@ -31,7 +31,8 @@ def one_run(code: Path, source: Path, workspace: Path, extra: list[str]) -> dict
     """One `imagelake run` in a fresh workspace; its summary plus the wall time."""
     env = {key: value for key, value in os.environ.items() if not key.startswith("IMAGELAKE_")}
     env["PYTHONPATH"] = str(code)  # the code under test, ahead of the editable install
-    command = [sys.executable, "-m", "infra.cli", "run", "--source", str(source), "--set", f"workspace={workspace}", "--json", *extra]
+    cli = "flows.cli" if (code / "flows" / "cli.py").exists() else "infra.cli"  # infra/cli.py in older checkouts
+    command = [sys.executable, "-m", cli, "run", "--source", str(source), "--set", f"workspace={workspace}", "--json", *extra]
     started = time.perf_counter()
     done = subprocess.run(command, cwd=code, env=env, capture_output=True, text=True, timeout=1800)
     wall = time.perf_counter() - started
@@ -78,7 +79,7 @@ def main() -> None:
     scratch = Path(tempfile.mkdtemp(prefix="imagelake-quality-"))
     try:
         digits, photos = scratch / "digits", scratch / "photos"
-        from tasks.demo_data import write_digits, write_photos
+        from flows.demo_data import write_digits, write_photos
 
         write_digits(digits)  # what `make run` uses: 1,797 digits, 64 px PNGs
         write_photos(photos)  # 300 photos of 2 classes

@@ -35,7 +35,7 @@ from ray.train.torch import TorchTrainer
 
 from infra.settings import Settings
 from infra.spark import spark_session
-from tasks.train_loop import DataWait, make_model, make_trainer, shard_loaders
+from tasks.worker.train_loop import DataWait, make_model, make_trainer, shard_loaders
 
 
 class Steady(DataWait):

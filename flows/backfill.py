@@ -4,27 +4,21 @@ from __future__ import annotations
 
 import contextvars
 from concurrent.futures import ThreadPoolExecutor
-from datetime import date, timedelta
+from datetime import date
 from typing import Any
 
-from deltalake import DeltaTable
-from prefect import flow
 from prefect.artifacts import create_table_artifact
-from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 
-from infra.delta import Engine, choose_engine, read_current, table_exists
-from infra.lifecycle import release_compute, watch_worker
+from flows.flow import imagelake_flow
+from flows.pipeline import train_and_promote
 from infra.prefect_env import stage_results
 from infra.settings import Settings, load_settings
-from infra.spark import spark_session
-from tasks.cache import cache
-from tasks.ingest import Scope, ingest, known_files, list_source, source_uri
-from tasks.promote import promote
-from tasks.repartition import repartition
+from tasks.ingest import ingest
 from tasks.resize import resize
-from tasks.results import Written
-from tasks.train import train
+from tasks.results import TableVersion
+from tasks.rules.listing import Scope, date_plan, list_source, source_uri
+from tasks.table import ImageTable
 from tasks.write import write
 
 
@@ -32,33 +26,16 @@ class BackfillFailed(RuntimeError):
     """Some dates of a backfill failed; the others landed."""
 
 
-def plan_dates(spark: SparkSession, engine: Engine, settings: Settings, source: str, start: date, end: date) -> list[dict[str, Any]]:
-    """Each date in the range that has source files or table rows: missing (no rows yet), stale (files new, changed or gone) or done."""
+def plan_dates(table: ImageTable, settings: Settings, source: str, start: date, end: date) -> list[dict[str, Any]]:
+    """Each date in the range that has source files or table rows: missing, stale or done (see tasks.rules.listing.date_plan)."""
     scope = Scope(tuple(e.lower() for e in settings.image_extensions), start, end, settings.max_file_bytes)
     entries = list_source(source_uri(source), scope)
-    _, known, _ = known_files(spark, engine, settings.table_uri, settings.image_size, settings.quarantine_uri)
-    in_range = (F.col("image_size") == settings.image_size) & (F.col("date") >= F.lit(start)) & (F.col("date") <= F.lit(end))
-    rows = read_current(spark, settings.table_uri, engine, ["path", "date"], in_range).to_pylist() if table_exists(settings.table_uri) else []
-    table_paths: dict[date, set[str]] = {}
-    for row in rows:
-        table_paths.setdefault(row["date"], set()).add(row["path"])
-    listed: dict[date, list[dict]] = {}
-    for entry in entries:
-        listed.setdefault(entry["date"], []).append(entry)
-    plan = []
-    day = start
-    while day <= end:
-        files, present = listed.get(day, []), table_paths.get(day, set())
-        if files or present:
-            changed = sum(1 for e in files if known.get(e["path"]) != (e["size"], e["mtime"]))
-            gone = len(present - {e["path"] for e in files})
-            status = "missing" if not present and changed == len(files) else ("stale" if changed or gone else "done")
-            plan.append({"date": day.isoformat(), "files": len(files), "new_or_changed": changed, "gone": gone, "status": status})
-        day += timedelta(days=1)
-    return plan
+    _, known, _ = table.known_files()
+    rows = table.rows(["path", "date"], (F.col("date") >= F.lit(start)) & (F.col("date") <= F.lit(end))).to_pylist()
+    return date_plan(entries, known, rows, start, end)
 
 
-@flow(name="imagelake-ingest-date", log_prints=True, on_running=[watch_worker], on_cancellation=[release_compute], on_crashed=[release_compute])
+@imagelake_flow("imagelake-ingest-date")
 def ingest_date(source: str, day: str, config_file: str | None = None, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     """Ingest, resize and write one date partition (re-running it replaces exactly that date's rows)."""
     settings = load_settings(config_file, {**(overrides or {}), "start_date": day, "end_date": day})
@@ -67,7 +44,7 @@ def ingest_date(source: str, day: str, config_file: str | None = None, overrides
     return {"date": day, "version": written.version, "rows_added": written.rows, "rows_retired": written.retired}
 
 
-@flow(name="imagelake-backfill", log_prints=True, on_running=[watch_worker], on_cancellation=[release_compute], on_crashed=[release_compute])
+@imagelake_flow("imagelake-backfill")
 def backfill(
     source: str,
     start_date: date,
@@ -84,9 +61,8 @@ def backfill(
     if max_concurrency < 1:
         raise ValueError(f"max_concurrency must be at least 1, got {max_concurrency}")
     settings = load_settings(config_file, overrides)
-    spark = spark_session(settings)
-    engine = choose_engine(settings, spark)
-    plan = plan_dates(spark, engine, settings, source, start_date, end_date)
+    table = ImageTable.of(settings)
+    plan = plan_dates(table, settings, source, start_date, end_date)
     if not plan:
         raise ValueError(f"no date=YYYY-MM-DD folders between {start_date} and {end_date} under {source}")
     create_table_artifact(plan, key="imagelake-backfill-plan", description=f"Dates {start_date} to {end_date}: missing, stale or done")
@@ -111,12 +87,11 @@ def backfill(
                 future.cancel()
             raise
     result: dict[str, Any] = {"plan": plan, "dry_run": False, "ingested": landed, "failed": failed}
-    if table_exists(settings.table_uri):
-        written = Written(table_uri=settings.table_uri, version=DeltaTable(settings.table_uri).version(), engine=engine, rows=0)
+    if table.images.exists():
+        version = TableVersion(table_uri=table.uri, version=table.images.version(), engine=table.engine)
         with stage_results(settings):
-            cached = cache(repartition(written, settings), settings)
-            promoted = promote(train(cached, settings), cached, settings)
-        result.update(delta_version=written.version, model_version=promoted.model_version, model_alias=promoted.alias)
+            summary = train_and_promote(version, settings)
+        result.update(delta_version=version.version, model_version=summary["model_version"], model_alias=summary["model_alias"])
     if failed:
         raise BackfillFailed(f"{len(failed)} of {len(todo)} dates failed; re-run them: " + "; ".join(f"{day}: {why}" for day, why in sorted(failed.items())))
     return result

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from prefect import flow
-
+from flows.flow import imagelake_flow
 from infra.settings import load_settings
 from tasks.maintain import maintain_images, maintain_quarantine
 
 
-@flow(name="imagelake-maintenance", log_prints=True)
+@imagelake_flow("imagelake-maintenance")
 def maintenance(config_file: str | None = None, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     """Compact small files and vacuum old ones, keeping the versions registered models were trained on."""
     settings = load_settings(config_file, overrides)

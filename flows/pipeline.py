@@ -1,30 +1,44 @@
-"""The imagelake pipeline: ingest -> resize -> Delta write -> repartition -> Petastorm cache -> train -> promote."""
+"""The imagelake pipeline: ingest -> resize -> Delta write -> split -> Petastorm cache (repartitioned) -> train -> promote.
+
+Every flow that trains (the pipeline, `retrain`, a backfill) reaches training through one chain,
+`train_and_promote`, from a version of the images table.
+"""
 
 from __future__ import annotations
 
-from datetime import date
-from typing import Any, Literal
+from typing import Any
 
-from prefect import flow
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, create_model
 
-from infra.delta import choose_engine
-from infra.lifecycle import release_compute, watch_worker
+from flows.flow import imagelake_flow
+from infra.delta import Table
 from infra.prefect_env import stage_results
-from infra.settings import load_settings
-from infra.spark import spark_session
+from infra.settings import Settings, load_settings
 from tasks.cache import cache
 from tasks.ingest import ingest
 from tasks.promote import promote
-from tasks.repartition import repartition
+from tasks.split import split
 from tasks.resize import resize
-from tasks.results import Written
+from tasks.results import Resized, TableVersion
 from tasks.summary import summarize
 from tasks.train import train
 from tasks.write import write
 
 
-@flow(name="imagelake-pipeline", log_prints=True, on_running=[watch_worker], on_cancellation=[release_compute], on_crashed=[release_compute])
+def train_and_promote(table: TableVersion, settings: Settings, resized: Resized | None = None) -> dict[str, Any]:
+    """Plan the splits of one table version, cache them, train, promote through the gate and summarise the run.
+
+    Called inside a flow (under `stage_results`): its stages are task runs of that flow run, so one run page and one
+    cache report show every stage. `resized` is the run's own resize result, if it ingested anything.
+    """
+    plan = split(table, settings)
+    cached = cache(plan, settings)
+    trained = train(cached, settings)
+    promoted = promote(trained, cached, settings)
+    return summarize(resized, table, cached, trained, promoted, settings)
+
+
+@imagelake_flow("imagelake-pipeline")
 def pipeline(source: str, config_file: str | None = None, overrides: dict[str, Any] | None = None, refresh: bool = False) -> dict[str, Any]:
     """Take a folder of labelled images to a registered, tested and (if better) promoted model; `refresh` recomputes every stage."""
     settings = load_settings(config_file, overrides)
@@ -32,45 +46,42 @@ def pipeline(source: str, config_file: str | None = None, overrides: dict[str, A
         listed = ingest(source, settings)
         resized = resize(listed, settings)
         written = write(resized, settings)
-        plan = repartition(written, settings)
-        cached = cache(plan, settings)
-        trained = train(cached, settings)
-        promoted = promote(trained, cached, settings)
-        return summarize(resized, written, cached, trained, promoted, settings)
+        return train_and_promote(written, settings, resized)
 
 
-@flow(name="imagelake-retrain", log_prints=True, on_running=[watch_worker], on_cancellation=[release_compute], on_crashed=[release_compute])
+@imagelake_flow("imagelake-retrain")
 def retrain_flow(table_uri: str, table_version: int, config_file: str | None = None, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     """Train and promote again on one pinned Delta table version (what `imagelake retrain` runs)."""
     settings = load_settings(config_file, overrides)
-    engine = choose_engine(settings, spark_session(settings))
-    written = Written(table_uri=table_uri, version=table_version, engine=engine, rows=0)
+    table = TableVersion(table_uri=table_uri, version=table_version, engine=Table.open(table_uri, settings).engine)
     with stage_results(settings):
-        plan = repartition(written, settings)
-        cached = cache(plan, settings)
-        trained = train(cached, settings)
-        promoted = promote(trained, cached, settings)
-        return summarize(None, written, cached, trained, promoted, settings)
+        return train_and_promote(table, settings)
 
 
-class RunParameters(BaseModel):
-    """What the Prefect UI's form asks for an ad-hoc run: typed, with defaults, validated before any work starts."""
-
-    source: str = Field(default=".imagelake/demo-digits", min_length=1, description="Folder or URI of images laid out as [date=YYYY-MM-DD/]<label>/<file>")
-    image_size: int = Field(default=224, ge=8, le=1024, description="Side of the square images stored and trained on")
-    max_epochs: int = Field(default=8, ge=1, le=1000)
-    batch_size: int = Field(default=32, ge=1, le=4096, description="Per worker")
-    num_workers: int = Field(default=2, ge=1, le=256, description="Ray Train workers")
-    model_arch: Literal["small_cnn", "resnet18", "resnet50"] = "small_cnn"
-    promotion_margin: float = Field(default=0.0, ge=0.0, le=1.0)
-    start_date: date | None = Field(default=None, description="Only source files dated from this day")
-    end_date: date | None = Field(default=None, description="Only source files dated up to this day")
-    config_file: str | None = Field(default=None, description="Settings file on the worker; these fields override it")
-    refresh: bool = Field(default=False, description="Recompute every stage even where the cache holds a result")
+# The ad-hoc form's settings: their types, defaults, limits and descriptions are Settings' own, so the two cannot drift.
+FORM_SETTINGS = ("image_size", "max_epochs", "batch_size", "num_workers", "model_arch", "promotion_margin", "start_date", "end_date")
 
 
-@flow(name="imagelake-adhoc", log_prints=True, on_running=[watch_worker], on_cancellation=[release_compute], on_crashed=[release_compute])
-def adhoc(params: RunParameters = RunParameters()) -> dict[str, Any]:
+def form_model() -> type[BaseModel]:
+    """RunParameters: the source, the form's settings as Settings declares them, a settings file and refresh."""
+    fields: dict[str, Any] = {
+        "source": (str, Field(default=".imagelake/demo-digits", min_length=1, description="Folder or URI of images laid out as [date=YYYY-MM-DD/]<label>/<file>")),
+    }
+    for name in FORM_SETTINGS:
+        declared = Settings.model_fields[name]
+        fields[name] = (declared.annotation, declared)
+    fields["config_file"] = (str | None, Field(default=None, description="Settings file on the worker; these fields override it"))
+    fields["refresh"] = (bool, Field(default=False, description="Recompute every stage even where the cache holds a result"))
+    model = create_model("RunParameters", __module__=__name__, **fields)
+    model.__doc__ = "What the Prefect UI's form asks for an ad-hoc run: typed, with defaults, validated before any work starts."
+    return model
+
+
+RunParameters = form_model()
+
+
+@imagelake_flow("imagelake-adhoc")
+def adhoc(params: RunParameters = RunParameters()) -> dict[str, Any]:  # type: ignore[valid-type]
     """An ad-hoc run from the Prefect UI: the pipeline with the form's values."""
     overrides = params.model_dump(exclude={"source", "config_file", "refresh"}, exclude_none=True, mode="json")
     return pipeline(source=params.source, config_file=params.config_file, overrides=overrides, refresh=params.refresh)

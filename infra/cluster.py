@@ -329,12 +329,13 @@ def _start_ray(cluster: Cluster, timeout: float, node_env: dict[str, str]) -> No
 
 def ray_start_loopback(args: list[str]) -> int:
     """`ray start ARGS` for a node joining a head on this machine, keeping 127.0.0.1 as given (the CLI would swap it)."""
-    from ray._private import services
     from ray.scripts.scripts import main as ray_main
 
-    services.resolve_ip_for_localhost = lambda host: host
+    from infra.compat import keep_ray_loopback
+
     sys.argv = ["ray", "start", *args]
-    return ray_main()
+    with keep_ray_loopback():
+        return ray_main()
 
 
 def ray_nodes(cluster: Cluster) -> list[str]:

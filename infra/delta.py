@@ -1,11 +1,14 @@
-"""The Delta engine choice: Spark's Delta writer where its jars load, delta-rs (deltalake) everywhere else."""
+"""Delta tables: the engine choice (Spark's Delta where its jars load, delta-rs everywhere else) and `Table`, the one
+place where the two engines differ; below it, the delta-rs commits, merges and reads it uses."""
 
 from __future__ import annotations
 
 import json
+import math
 import random
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Literal
 
 import fsspec
@@ -19,9 +22,10 @@ from deltalake.transaction import AddAction, RemoveAction, create_table_with_add
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 
+from infra.compat import collect_arrow, delta_log_mentions
 from infra.errors import PermanentError
 from infra.settings import Settings
-from infra.spark import delta_jars_loaded
+from infra.spark import delta_jars_loaded, spark_session
 
 Engine = Literal["delta-rs", "spark"]
 WRITE_ID_KEY = "imagelake.write_id"
@@ -133,12 +137,7 @@ def ever_committed(table_uri: str, files: list[str]) -> set[str]:
     """Which of these data files any commit in the table's log added (the log's JSON commits are searched for their names)."""
     if not files or not table_exists(table_uri):
         return set()
-    fs, folder = fsspec.core.url_to_fs(table_uri)
-    found: set[str] = set()
-    for commit in fs.glob(f"{folder}/_delta_log/*.json"):
-        text = fs.cat_file(commit).decode("utf-8")
-        found |= {name for name in files if f'"{name}"' in text}
-    return found
+    return delta_log_mentions(table_uri, files)
 
 
 def _add_action(fs, folder: str, name: str) -> AddAction:
@@ -231,7 +230,7 @@ def read_current(
     frame = read_version(spark, table_uri, DeltaTable(table_uri).version() if version is None else version, engine).select(*columns)
     if where is not None:
         frame = frame.where(where)
-    batches = frame._collect_as_arrow()  # noqa: SLF001 - Spark 3.5's only Arrow collect
+    batches = collect_arrow(frame)  # Spark 3.5's only Arrow collect (private: see infra/compat.py)
     return pa.Table.from_batches(batches) if batches else pa.table({name: pa.array([], pa.string()) for name in columns})
 
 
@@ -247,3 +246,80 @@ def table_exists(table_uri: str) -> bool:
     except TableNotFoundError:
         return False
     return True
+
+
+@dataclass(frozen=True)
+class Table:
+    """One Delta table and the engine that reads it and merges into it: the one place where delta-rs and Spark's Delta differ.
+
+    Spark reads the data files either way (through Spark's Delta source, or through the delta-rs log's file list);
+    merges run in the engine; appends of small tables, commits of files already written, and maintenance use delta-rs.
+    """
+
+    uri: str
+    spark: SparkSession | None = None  # None: a table that is only appended to or maintained, never read here
+    engine: Engine = "delta-rs"
+
+    @classmethod
+    def open(cls, uri: str, settings: Settings, engine: Engine | None = None) -> "Table":
+        """The table at URI with this process's Spark session; the engine is the settings' choice unless given."""
+        spark = spark_session(settings)
+        return cls(uri, spark, engine or choose_engine(settings, spark))
+
+    def exists(self) -> bool:
+        return table_exists(self.uri)
+
+    def version(self) -> int | None:
+        """The current version, or None before the first write."""
+        return table_version(self.uri)
+
+    def frame(self, version: int | None = None) -> DataFrame:
+        """The table at VERSION (default: the current one) as a Spark DataFrame."""
+        return read_version(self._reader(), self.uri, DeltaTable(self.uri).version() if version is None else version, self.engine)
+
+    def read(self, columns: list[str], where: Column | None = None, version: int | None = None) -> pa.Table:
+        """Some columns at the current version (or VERSION), as Arrow on the driver; empty if there is no table."""
+        return read_current(self._reader(), self.uri, self.engine, columns, where, version)
+
+    def _reader(self) -> SparkSession:
+        if self.spark is None:
+            raise RuntimeError(f"table {self.uri} was opened without a Spark session, which reading it needs")
+        return self.spark
+
+    @property
+    def commits_files(self) -> bool:
+        """Whether Parquet files already written in the table's folder can be committed as they are (delta-rs' write
+        transactions); with Spark's Delta the rows are merged instead."""
+        return self.engine == "delta-rs"
+
+    def append(self, rows: pa.Table | pa.RecordBatchReader) -> int:
+        """Append rows in one commit; return its version."""
+        return append_arrow(self.uri, rows)
+
+    def merge(self, changes: pa.Table) -> int:
+        """Upsert and delete rows keyed on (path, image_size) (`_action` column) in one commit; return its version."""
+        return merge_spark(self.spark, self.uri, changes) if self.engine == "spark" else merge_arrow(self.uri, changes)
+
+    def commit_files(self, schema: pa.Schema, files: list[str]) -> int:
+        return commit_files(self.uri, schema, files)
+
+    def uncommit_files(self, files: list[str]) -> int:
+        return uncommit_files(self.uri, files)
+
+    def ever_committed(self, files: list[str]) -> set[str]:
+        return ever_committed(self.uri, files)
+
+    def compact(self) -> dict:
+        """Rewrite small files into fewer large ones (a new version with the same rows)."""
+        metrics = DeltaTable(self.uri).optimize.compact()
+        return {"files_added": metrics.get("numFilesAdded", 0), "files_removed": metrics.get("numFilesRemoved", 0)}
+
+    def vacuum(self, retention_hours: float, keep_versions: list[int]) -> list[str]:
+        """Delete files no longer referenced by the recent versions or by any version in KEEP_VERSIONS.
+
+        Full mode also deletes files that no commit ever added and that are older than the retention:
+        data files left by a run killed between its resize and its write.
+        """
+        return DeltaTable(self.uri).vacuum(
+            retention_hours=math.ceil(retention_hours), dry_run=False, enforce_retention_duration=False, keep_versions=keep_versions, full=True
+        )

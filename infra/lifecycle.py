@@ -38,6 +38,8 @@ from datetime import timedelta
 from typing import Any, Callable
 from uuid import UUID
 
+from infra.compat import active_spark_context, instantiated_spark_session
+
 # The runner sets it on each flow-run process; Spark's JVM, Ray's processes and their children inherit it.
 RUN_ID_VARIABLE = "PREFECT__FLOW_RUN_ID"
 CRASH_AUTOMATION = "imagelake: crash deployment runs whose heartbeats stopped"
@@ -67,16 +69,13 @@ def stop_compute(timeout: float = STOP_TIMEOUT) -> tuple[list[str], list[str]]:
 def _stop_spark() -> bool:
     if "pyspark" not in sys.modules:
         return False
-    from pyspark import SparkContext
-    from pyspark.sql import SparkSession
-
-    context = SparkContext._active_spark_context  # noqa: SLF001 - the public getters would create one
+    context = active_spark_context()  # the public getters would create one
     if context is None:
         return False
     try:
         context.cancelAllJobs()
     finally:
-        session = SparkSession._instantiatedSession  # noqa: SLF001 - stopping the session also forgets it
+        session = instantiated_spark_session()  # stopping the session also forgets it
         (session if session is not None else context).stop()
     return True
 

@@ -15,6 +15,7 @@ from prefect.settings import (
     temporary_settings,
 )
 
+from infra.compat import flow_run_context_with_result_storage
 from infra.settings import Settings
 
 
@@ -42,10 +43,10 @@ def stage_results(settings: Settings, refresh: bool = False) -> Iterator[None]:
     context = FlowRunContext.get()
     if context is None:
         raise RuntimeError("stage_results() belongs inside a flow run")
-    store = context.result_store.model_copy(update={"result_storage": result_storage(settings.results_uri), "metadata_storage": None})
+    staged = flow_run_context_with_result_storage(context, result_storage(settings.results_uri))
     # A deployment run gets no say over the worker's Prefect settings: the flow picks the store itself.
     refresh = refresh or bool(PREFECT_TASKS_REFRESH_CACHE.value())  # the environment's PREFECT_TASKS_REFRESH_CACHE still counts
-    with context.model_copy(update={"result_store": store}), temporary_settings(updates={PREFECT_TASKS_REFRESH_CACHE: refresh}):
+    with staged, temporary_settings(updates={PREFECT_TASKS_REFRESH_CACHE: refresh}):
         yield
 
 

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 import warnings
 
 import ray
 
 from infra.lifecycle import exit_on_cancel
 from infra.settings import Settings
+
+# A Ray client (ray://) connection starts a server process for the driver on the head; on a busy head that start can
+# fail once and pass on the next try. Other addresses fail the same way every time and are not retried.
+CLIENT_ATTEMPTS = 3
 
 
 def connect_ray(settings: Settings) -> dict[str, float]:
@@ -17,10 +23,24 @@ def connect_ray(settings: Settings) -> dict[str, float]:
     warnings.filterwarnings("ignore", message="Tip: In future versions of Ray", category=FutureWarning)
     if not ray.is_initialized():
         if settings.ray_address:
-            ray.init(address=settings.ray_address, log_to_driver=settings.ray_log_to_driver)
+            join_ray(settings.ray_address, settings.ray_log_to_driver)
         else:
             # Logical CPUs: enough for every training worker even on a 2-core machine.
             cpus = max(os.cpu_count() or 1, int(settings.num_workers * settings.cpus_per_worker) + 1)
             ray.init(num_cpus=cpus, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=settings.ray_log_to_driver)
         exit_on_cancel()  # ray.init() took SIGTERM over: a cancelled run must not end as Crashed
     return ray.cluster_resources()
+
+
+def join_ray(address: str, log_to_driver: bool) -> None:
+    """Join a running Ray cluster; a Ray client connection whose server failed to start is tried again."""
+    attempts = CLIENT_ATTEMPTS if address.startswith("ray://") else 1
+    for attempt in range(1, attempts + 1):
+        try:
+            ray.init(address=address, log_to_driver=log_to_driver)
+            return
+        except ConnectionError as exc:  # ConnectionAbortedError: "Starting Ray client server failed"
+            if attempt == attempts:
+                raise ConnectionError(f"could not join the Ray cluster at {address} after {attempts} attempts: {exc}") from exc
+            logging.getLogger("imagelake").warning("joining Ray at %s failed (%s); trying again (%d of %d)", address, exc, attempt + 1, attempts)
+            time.sleep(2.0 * attempt)

@@ -73,7 +73,7 @@ class Settings(BaseSettings):
     table_name: str = "images"
 
     # Images.
-    image_size: int = Field(default=224, ge=8, le=2048)
+    image_size: int = Field(default=224, ge=8, le=2048, description="Side of the square images stored and trained on")
     resize_mode: Literal["letterbox", "center_crop"] = "letterbox"
     image_extensions: list[str] = Field(
         default_factory=lambda: [".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff"]
@@ -102,7 +102,7 @@ class Settings(BaseSettings):
         default="PACK", description="How Ray places training workers: PACK fills a node's GPUs first, SPREAD uses more machines"
     )
     ray_storage_root: str | None = Field(default=None, description="Folder where Ray Train keeps checkpoints; shared by every node (default: workspace/ray_results)")
-    num_workers: int = Field(default=2, ge=1)
+    num_workers: int = Field(default=2, ge=1, description="Ray Train workers")
     use_gpu: bool = False
     cpus_per_worker: float = Field(default=1, gt=0)
     gpus_per_worker: float = Field(default=1, gt=0, description="With use_gpu")
@@ -113,7 +113,7 @@ class Settings(BaseSettings):
     model_arch: Literal["small_cnn", "resnet18", "resnet50"] = "small_cnn"
     pretrained_weights: str | None = Field(default=None, description="Path or URI of a state dict for the model (never a hub download)")
     freeze_backbone: bool = Field(default=False, description="Train only the classification head (transfer learning)")
-    max_epochs: int = Field(default=8, ge=1)
+    max_epochs: int = Field(default=8, ge=1, description="Most epochs of one training run (early stopping may end it sooner)")
     batch_size: int = Field(default=32, ge=1, description="Per worker")
     base_lr: float = Field(default=1e-3, gt=0, description="Learning rate of one worker; scaled with num_workers")
     lr_scaling: Literal["linear", "sqrt", "none"] = Field(default="linear", description="How the learning rate grows with the workers")

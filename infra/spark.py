@@ -9,6 +9,7 @@ from pathlib import Path
 
 from pyspark.sql import SparkSession
 
+from infra.compat import instantiated_spark_session, load_jvm_class
 from infra.java import ensure_java
 from infra.lifecycle import exit_on_cancel
 from infra.settings import Settings
@@ -72,7 +73,7 @@ def on_loopback(master: str) -> bool:
 
 def spark_application() -> dict[str, str] | None:
     """The Spark application this process runs (id, master), or None if it started no Spark."""
-    active = SparkSession.getActiveSession() or SparkSession._instantiatedSession  # noqa: SLF001 (the session of another thread)
+    active = SparkSession.getActiveSession() or instantiated_spark_session()  # the session of another thread
     if active is None:
         return None
     context = active.sparkContext
@@ -92,7 +93,7 @@ def delta_jars_loaded(spark: SparkSession) -> bool:
     """Whether Spark's JVM can load Delta Lake's classes (format("delta") works)."""
     try:
         # Spark's own class loader also sees jars added through spark.jars.
-        spark._jvm.org.apache.spark.util.Utils.classForName(DELTA_EXTENSION, True, False)  # noqa: SLF001
+        load_jvm_class(spark, DELTA_EXTENSION)
     except Exception:  # py4j wraps ClassNotFoundException in its own error type
         return False
     return True

@@ -1,6 +1,9 @@
-"""The MLflow client: tracking and registry URIs and the experiment, from settings."""
+"""The MLflow client: tracking and registry URIs and the experiment, from settings; the code's git commit for provenance."""
 
 from __future__ import annotations
+
+import subprocess
+from pathlib import Path
 
 import mlflow
 from mlflow import MlflowClient
@@ -28,3 +31,13 @@ def experiment_id(client: MlflowClient, settings: Settings) -> str:
     if found is not None:
         return found.experiment_id
     return client.create_experiment(settings.mlflow_experiment, artifact_location=settings.artifact_location)
+
+
+def git_commit() -> str:
+    """The commit of the code that runs, or 'unknown' outside a git checkout."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, cwd=Path(__file__).resolve().parent)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    dirty = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True, timeout=10, cwd=Path(__file__).resolve().parent).stdout.strip()
+    return (out.stdout.strip() + ("-dirty" if dirty else "")) if out.returncode == 0 else "unknown"

@@ -1,4 +1,5 @@
-"""Cache: Petastorm-readable Parquet of each split, in a folder keyed by table, version, size and partitioning."""
+"""Cache: repartition each split of a table version into Petastorm-readable Parquet files (rows in a seeded order), in a
+folder keyed by table, version, size, partitioning and seed."""
 
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ from pyspark.sql import functions as F
 
 from infra.settings import Settings
 from infra.spark import spark_session
-from tasks.repartition import SPLITS, images_with_split
+from tasks.rules.splits import SPLITS
 from tasks.results import CachedSplits, SplitPlan
 from tasks.stage import stage
+from tasks.table import ImageTable
 
 META_FILE = "meta.json"
 # The cache's layout: rows shuffled by seed, with a `position` column. A new layout is a new folder.
@@ -55,9 +57,7 @@ def cache_splits(spark: SparkSession, plan: SplitPlan, image_size: int, cache_ro
     fs, root = fsspec.core.url_to_fs(base)
     reused = fs.exists(f"{root}/{META_FILE}")
     if not reused:
-        frame = images_with_split(
-            spark, plan.table_uri, plan.version, plan.engine, image_size, plan.val_fraction, plan.test_fraction
-        )
+        frame = ImageTable.of_version(spark, plan, image_size).with_split(plan.version, plan.val_fraction, plan.test_fraction)
         index_of = F.create_map(*[F.lit(item) for index, label in enumerate(plan.labels) for item in (label, index)])
         label_index = index_of[F.col("label")]
         for split, uri in splits.items():
@@ -83,7 +83,7 @@ def cache_splits(spark: SparkSession, plan: SplitPlan, image_size: int, cache_ro
     )
 
 
-@stage("cache", settings=("image_size", "cache_uri", "seed"))
+@stage("cache", settings=("image_size", "cache_uri", "seed"), code=("tasks.table",))
 def cache(plan: SplitPlan, settings: Settings) -> CachedSplits:
     """Prefect stage: materialise (or reuse) the Petastorm cache of every split."""
     return cache_splits(spark_session(settings), plan, settings.image_size, settings.cache_uri, settings.seed)

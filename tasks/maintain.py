@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import math
-
-from deltalake import DeltaTable
 from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
 from prefect.cache_policies import NO_CACHE
 
-from infra.delta import table_exists
+from infra.delta import Table
 from infra.settings import Settings
 from infra.tracking import mlflow_client
 from tasks.stage import stage
@@ -26,34 +23,14 @@ def protected_versions(client: MlflowClient, model_name: str, table_uri: str) ->
     )
 
 
-def compact_table(table_uri: str) -> dict:
-    """Rewrite small files into fewer large ones (a new table version with the same rows)."""
-    metrics = DeltaTable(table_uri).optimize.compact()
-    return {"files_added": metrics.get("numFilesAdded", 0), "files_removed": metrics.get("numFilesRemoved", 0)}
-
-
-def vacuum_table(table_uri: str, retention_hours: float, keep_versions: list[int]) -> list[str]:
-    """Delete files no longer referenced by the table's recent versions or by any version in `keep_versions`.
-
-    Full mode also deletes files that no commit ever added and that are older than the retention:
-    data files left by a run killed between its resize and its write.
-    """
-    return DeltaTable(table_uri).vacuum(
-        retention_hours=math.ceil(retention_hours),
-        dry_run=False,
-        enforce_retention_duration=False,
-        keep_versions=keep_versions,
-        full=True,
-    )
-
-
 def maintain_table(table_uri: str, retention_hours: float, keep_versions: list[int]) -> dict:
     """Compact, then vacuum; report what changed."""
-    if not table_exists(table_uri):
+    table = Table(table_uri)
+    if not table.exists():
         return {"table": table_uri, "skipped": "no table yet"}
-    compacted = compact_table(table_uri)
-    removed = vacuum_table(table_uri, retention_hours, keep_versions)
-    return {"table": table_uri, **compacted, "files_vacuumed": len(removed), "kept_versions": keep_versions, "version": DeltaTable(table_uri).version()}
+    compacted = table.compact()
+    removed = table.vacuum(retention_hours, keep_versions)
+    return {"table": table_uri, **compacted, "files_vacuumed": len(removed), "kept_versions": keep_versions, "version": table.version()}
 
 
 @stage("maintain-images", cache_policy=NO_CACHE)

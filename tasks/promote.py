@@ -7,25 +7,19 @@ import json
 import mlflow
 import numpy as np
 import pyarrow.dataset as ds
-import torch
 from matplotlib.figure import Figure
 from prefect.artifacts import create_markdown_artifact
 from prefect.runtime import flow_run
 
 from infra.settings import Settings
-from infra.tracking import mlflow_client, run_url
+from infra.tracking import git_commit, mlflow_client, run_url
 from tasks.cards import confusion_matrix, metric_keys, model_card, per_class_metrics, per_class_table
-from tasks.loader import pixel_rows
-from tasks.model import ImageClassifier, ImageModel
-from tasks.registry import (
-    CHALLENGER,
-    CHAMPION,
-    Decision,
-    decision_markdown,
-    gate,
-    git_commit,
-)
+from tasks.worker.loader import pixel_rows
+from tasks.worker.model import ImageClassifier, ImageModel
+from tasks.predict import predict
+from tasks.registry import gate
 from tasks.results import CachedSplits, Promoted, Trained
+from tasks.rules.promotion import CHALLENGER, CHAMPION, Decision, decision_markdown
 from tasks.stage import stage
 
 
@@ -41,13 +35,6 @@ def read_split(uri: str, image_size: int) -> tuple[np.ndarray, np.ndarray]:
     table = ds.dataset(uri, format="parquet").to_table(columns=["image", "label"])
     pixels = pixel_rows(table.column("image"), image_size * image_size * 3, f"cached split {uri}")
     return pixels.reshape(len(pixels), image_size, image_size, 3), table.column("label").to_numpy()
-
-
-@torch.no_grad()
-def predict(model: ImageModel, images: np.ndarray, batch_size: int = 256) -> np.ndarray:
-    """The class with the highest logit for every image."""
-    out = [model(torch.from_numpy(images[start : start + batch_size].copy())).argmax(dim=1).numpy() for start in range(0, len(images), batch_size)]
-    return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
 
 
 def confusion_figure(matrix: np.ndarray, names: list[str]) -> Figure:
@@ -128,6 +115,7 @@ def promote_model(
         "model_name", "promotion_metric", "promotion_margin", "allow_pickle_models", "tracking_uri", "mlflow_registry_uri", "history_uri",
         "resize_mode", "val_fraction", "test_fraction", "partitions_per_worker",
     ),
+    code=("tasks.predict", "tasks.registry", "tasks.rules.promotion", "tasks.cards"),
     retries=1,
 )
 def promote(trained: Trained, cached: CachedSplits, settings: Settings) -> Promoted:

@@ -1,15 +1,12 @@
-"""The model registry: the quality gate, alias moves under a lock with their history, lineage, safe loading."""
+"""The model registry (MLflow adapter): safe loading, the quality gate, alias moves under a lock with their history, lineage."""
 
 from __future__ import annotations
 
 import getpass
 import json
-import math
 import os
-import subprocess
 import threading
 from contextlib import contextmanager
-from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Iterator
@@ -18,33 +15,17 @@ import mlflow
 import numpy as np
 import pyarrow as pa
 import torch
-import torch.nn.functional as F
 import yaml
 from filelock import FileLock
 from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
 
-from infra.delta import append_arrow, read_current, table_exists
+from infra.delta import Table
 from infra.settings import Settings
-
-CHAMPION, CHALLENGER, PREVIOUS = "champion", "challenger", "previous-champion"
-
-# Each gate metric, and whether a higher value is better.
-METRICS: dict[str, bool] = {"accuracy": True, "macro_f1": True, "loss": False}
-
-HISTORY_SCHEMA = pa.schema(
-    [
-        ("model", pa.string()),
-        ("alias", pa.string()),
-        ("from_version", pa.string()),
-        ("to_version", pa.string()),
-        ("action", pa.string()),
-        ("reason", pa.string()),
-        ("who", pa.string()),
-        ("at", pa.timestamp("us", tz="UTC")),
-        ("flow_run_id", pa.string()),
-    ]
-)
+from tasks.rules.schemas import HISTORY_SCHEMA
+from tasks.rules.training import PARAM_SETTINGS
+from tasks.predict import evaluate
+from tasks.rules.promotion import CHALLENGER, CHAMPION, PREVIOUS, Decision, decide_promotion
 
 
 _EXPORT_LOAD = threading.Lock()
@@ -56,59 +37,6 @@ class RegistryError(ValueError):
 
 class UnsafeModel(RegistryError):
     """A model stored in a format that loads by unpickling, refused unless explicitly allowed."""
-
-
-@dataclass(frozen=True)
-class Decision:
-    promote: bool
-    reason: str
-    metric: str
-    candidate: float
-    champion: float | None
-    margin: float
-
-
-def decide_promotion(metric: str, candidate: float, champion: float | None, margin: float = 0.0, champion_error: str | None = None) -> Decision:
-    """Promote when there is no usable champion, or when the candidate beats it by more than `margin` on `metric`.
-
-    Ties never promote. A champion that could not be loaded or evaluated (`champion_error`) is
-    replaced, and the reason says why.
-    """
-    if metric not in METRICS:
-        raise ValueError(f"unknown promotion metric {metric!r}: choose one of {', '.join(METRICS)}")
-    for name, value in (("candidate", candidate), ("champion", champion), ("margin", margin)):
-        if value is not None and (math.isnan(value) or value < 0 or (metric != "loss" and value > 1)):
-            raise ValueError(f"{name} {metric} must be a number in [0, 1] (loss: >= 0), got {value!r}")
-    if champion_error:
-        return Decision(True, f"the champion could not be evaluated ({champion_error}); candidate {metric} {candidate:.4f}", metric, candidate, None, margin)
-    if champion is None:
-        return Decision(True, f"no champion yet; candidate {metric} {candidate:.4f}", metric, candidate, None, margin)
-    higher = METRICS[metric]
-    better = candidate > champion + margin if higher else candidate < champion - margin
-    verb = "beats" if better else "does not beat"
-    direction = "higher" if higher else "lower"
-    return Decision(
-        better, f"candidate {metric} {candidate:.4f} {verb} champion {champion:.4f} by more than {margin:.4f} ({direction} is better)", metric, candidate, champion, margin
-    )
-
-
-@torch.no_grad()
-def evaluate(model: torch.nn.Module, images: np.ndarray, labels: np.ndarray, classes: int, batch_size: int = 256) -> dict[str, float]:
-    """Accuracy, macro-F1 and mean cross-entropy of a model on one split."""
-    logits = torch.cat([model(torch.from_numpy(images[i : i + batch_size].copy())).float() for i in range(0, len(images), batch_size)])
-    target = torch.from_numpy(labels.astype(np.int64))
-    predicted = logits.argmax(dim=1).numpy()
-    f1 = []
-    for c in range(classes):
-        tp = int(((predicted == c) & (labels == c)).sum())
-        fp, fn = int(((predicted == c) & (labels != c)).sum()), int(((predicted != c) & (labels == c)).sum())
-        if tp + fp + fn:
-            f1.append(2 * tp / (2 * tp + fp + fn))
-    return {
-        "accuracy": float((predicted == labels).mean()),
-        "macro_f1": float(np.mean(f1)) if f1 else 0.0,
-        "loss": float(F.cross_entropy(logits, target)),
-    }
 
 
 def model_files(client: MlflowClient, name: str, version: str) -> Path:
@@ -168,7 +96,7 @@ def record(settings: Settings, rows: list[dict]) -> None:
     if rows:
         now = datetime.now(timezone.utc)
         full = [{"who": who(), "at": now, "flow_run_id": None, **row} for row in rows]
-        append_arrow(settings.history_uri, pa.Table.from_pylist(full, schema=HISTORY_SCHEMA))
+        Table(settings.history_uri).append(pa.Table.from_pylist(full, schema=HISTORY_SCHEMA))
 
 
 def who() -> str:
@@ -180,11 +108,12 @@ def who() -> str:
 
 def history(spark, settings: Settings, name: str) -> list[dict]:
     """Every recorded alias move of a model, oldest first."""
-    if not table_exists(settings.history_uri):
+    table = Table(settings.history_uri, spark)
+    if not table.exists():
         return []
     from pyspark.sql import functions as Fn
 
-    rows = read_current(spark, settings.history_uri, "delta-rs", HISTORY_SCHEMA.names, Fn.col("model") == name).to_pylist()
+    rows = table.read(HISTORY_SCHEMA.names, Fn.col("model") == name).to_pylist()
     return sorted(rows, key=lambda row: row["at"])
 
 
@@ -273,16 +202,6 @@ def force_promote(client: MlflowClient, settings: Settings, name: str, version: 
         crown(client, settings, name, str(version), "manual", reason)
 
 
-def git_commit() -> str:
-    """The commit of the code that runs, or 'unknown' outside a git checkout."""
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, cwd=Path(__file__).resolve().parent)
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    dirty = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True, timeout=10, cwd=Path(__file__).resolve().parent).stdout.strip()
-    return (out.stdout.strip() + ("-dirty" if dirty else "")) if out.returncode == 0 else "unknown"
-
-
 LINEAGE_KEYS = (
     "delta_table", "delta_version", "cache_key", "split_counts", "split_settings", "training_params", "git_commit",
     "prefect_flow_run_id", "mlflow_run_id", "labels", "image_size", "resize_mode",
@@ -299,27 +218,6 @@ def lineage(client: MlflowClient, name: str, version: str) -> dict[str, str]:
     out = {key: tags.get(key, "") for key in LINEAGE_KEYS}
     out["aliases"] = ",".join(found.aliases or [])
     return out
-
-
-def decision_markdown(name: str, version: str, decision: Decision, champion_version: str | None, run_link: str) -> str:
-    champion = "none" if decision.champion is None else f"{decision.champion:.4f}"
-    return (
-        f"## Promotion of {name} v{version}\n\n"
-        f"| item | value |\n|---|---|\n"
-        f"| outcome | {'champion' if decision.promote else 'challenger'} |\n"
-        f"| metric | {decision.metric} |\n| candidate | {decision.candidate:.4f} |\n"
-        f"| champion (v{champion_version or '-'}) | {champion} |\n| margin | {decision.margin} |\n"
-        f"| reason | {decision.reason} |\n\n[MLflow run]({run_link})\n"
-    )
-
-
-# MLflow training params -> the settings that reproduce them.
-PARAM_SETTINGS = {
-    "image_size": "image_size", "arch": "model_arch", "pretrained_weights": "pretrained_weights", "freeze_backbone": "freeze_backbone",
-    "batch_size": "batch_size", "lr_scaling": "lr_scaling", "max_epochs": "max_epochs", "patience": "early_stopping_patience",
-    "min_delta": "early_stopping_min_delta", "stopping_threshold": "early_stopping_threshold", "seed": "seed",
-    "num_workers": "num_workers", "base_lr": "base_lr",
-}
 
 
 def _value(text: str):
@@ -355,41 +253,3 @@ def resolve(client: MlflowClient, reference: str) -> tuple[str, str]:
         name, version = reference.rsplit("/", 1)
         return name, version
     raise RegistryError(f"--model {reference!r}: write NAME@ALIAS (e.g. {reference}@champion) or NAME/VERSION")
-
-
-def predict_files(client: MlflowClient, settings: Settings, reference: str, source: Path) -> list[dict]:
-    """Label and probability for every image under `source`, decoded and resized as the model's training data was."""
-    from tasks.resize import ImageDecodeError, resize_image
-
-    name, version = resolve(client, reference)
-    model = load_registered_model(client, name, version, settings.allow_pickle_models)
-    tags = client.get_model_version(name, version).tags
-    labels = tags.get("labels", "").split(",")
-    size, mode = int(tags.get("image_size") or settings.image_size), tags.get("resize_mode") or settings.resize_mode
-    if not source.exists():
-        raise FileNotFoundError(f"--source {source} does not exist: give an image file or a folder of images")
-    extensions = tuple(e.lower() for e in settings.image_extensions)
-    files = [source] if source.is_file() else sorted(p for p in source.rglob("*") if p.is_file() and p.suffix.lower() in extensions)
-    results: list[dict] = []
-    batch: list[tuple[Path, np.ndarray]] = []
-
-    def flush() -> None:
-        if batch:
-            with torch.no_grad():
-                probabilities = torch.softmax(model(torch.from_numpy(np.stack([pixels for _, pixels in batch]))).float(), dim=1)
-            for (path, _), row in zip(batch, probabilities):
-                best = int(row.argmax())
-                results.append({"path": str(path), "label": labels[best] if best < len(labels) else str(best), "probability": float(row[best])})
-            batch.clear()
-
-    for path in files:
-        try:
-            pixels, _, _ = resize_image(path.read_bytes(), size, mode, settings.max_image_pixels)
-        except (ImageDecodeError, OSError) as exc:
-            results.append({"path": str(path), "label": None, "probability": 0.0, "error": str(exc)})
-            continue
-        batch.append((path, pixels))
-        if len(batch) == 64:
-            flush()
-    flush()
-    return results

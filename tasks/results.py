@@ -16,7 +16,7 @@ class Listed(BaseModel):
     listing_fingerprint: str
 
 
-class Ingested(BaseModel):
+class ListingDiff(BaseModel):
     manifest_uri: str = Field(exclude=True)
     source_uri: str
     listed: int
@@ -43,19 +43,25 @@ class Resized(BaseModel):
         return sum(self.quarantined.values())
 
 
-class Written(BaseModel):
+class TableVersion(BaseModel):
+    """One version of the images table, and the engine that reads it: what the training chain starts from."""
+
     table_uri: str
     version: int
     engine: str
+
+
+class Written(TableVersion):
+    """The table version a write made, and what it changed."""
+
     rows: int = Field(exclude=True)
     retired: int = Field(default=0, exclude=True)
     quarantined: int = Field(default=0, exclude=True)
 
 
-class SplitPlan(BaseModel):
-    table_uri: str
-    version: int
-    engine: str
+class SplitPlan(TableVersion):
+    """A table version's splits: their sizes and labels, and the partitions the cache writes each into."""
+
     labels: list[str]
     counts: dict[str, int]
     num_partitions: int

@@ -13,20 +13,25 @@ from infra.settings import Settings
 from infra.spark import spark_application
 from infra.tracking import mlflow_client, run_url
 from tasks.cards import dataset_card_markdown, dataset_card_of
-from tasks.registry import CHAMPION, alias_version
-from tasks.results import CachedSplits, Promoted, Resized, Trained, Written
+from tasks.registry import alias_version
+from tasks.results import CachedSplits, Promoted, Resized, TableVersion, Trained, Written
+from tasks.rules.promotion import CHAMPION
 from tasks.stage import stage, stage_outcomes, stage_seconds
 
 
-def run_summary(resized: Resized | None, written: Written, cached: CachedSplits, trained: Trained, promoted: Promoted, champion_version: str | None) -> dict[str, Any]:
-    """The run's outcome as plain values (this is what `imagelake run --json` prints)."""
+def run_summary(resized: Resized | None, table: TableVersion, cached: CachedSplits, trained: Trained, promoted: Promoted, champion_version: str | None) -> dict[str, Any]:
+    """The run's outcome as plain values (this is what `imagelake run --json` prints).
+
+    `table` is what this run wrote (a Written) or the version it trained on without writing (retrain, a backfill's training).
+    """
+    written = table if isinstance(table, Written) else None
     return {
-        "delta_table": written.table_uri,
-        "delta_version": written.version,
-        "delta_engine": written.engine,
+        "delta_table": table.table_uri,
+        "delta_version": table.version,
+        "delta_engine": table.engine,
         "rows": sum(cached.counts.values()),
-        "rows_added": written.rows,
-        "rows_retired": written.retired,
+        "rows_added": written.rows if written else 0,
+        "rows_retired": written.retired if written else 0,
         "files_decoded": resized.decoded if resized else 0,
         "files_known": resized.known if resized else 0,
         "quarantined": resized.quarantined if resized else {},
@@ -46,14 +51,14 @@ def run_summary(resized: Resized | None, written: Written, cached: CachedSplits,
     }
 
 
-STAGES = ("ingest", "resize", "write", "repartition", "cache", "train", "promote")
+SUMMARY_STAGE = "summarize"
 
 
 def cache_report(states: dict[str, str], reasons: dict[str, str]) -> list[dict[str, str]]:
-    """Each stage that ran in this flow run: served from the cache or computed, and why."""
+    """Each stage that ran in this flow run before the summary, in the order they ended: served from the cache or computed, and why."""
     report = []
-    for name in STAGES:
-        if name not in states:
+    for name in states:
+        if name == SUMMARY_STAGE:
             continue
         hit = states[name] == "Cached"
         why = reasons.get(name, "")
@@ -75,12 +80,12 @@ def summary_markdown(summary: dict[str, Any], mlflow_link: str) -> str:
     )
 
 
-@stage("summarize", retries=1, cache_policy=NO_CACHE)
-def summarize(resized: Resized | None, written: Written, cached: CachedSplits, trained: Trained, promoted: Promoted, settings: Settings) -> dict[str, Any]:
+@stage(SUMMARY_STAGE, retries=1, cache_policy=NO_CACHE)
+def summarize(resized: Resized | None, table: TableVersion, cached: CachedSplits, trained: Trained, promoted: Promoted, settings: Settings) -> dict[str, Any]:
     """Prefect stage (never cached): read the current champion and publish the run's summary."""
     client = mlflow_client(settings)
     champion_version = alias_version(client, promoted.model_name, CHAMPION)
-    summary = run_summary(resized, written, cached, trained, promoted, champion_version)
+    summary = run_summary(resized, table, cached, trained, promoted, champion_version)
     summary["flow_run_id"] = str(flow_run.id) if flow_run.id else None
     # The page Prefect's own "View at" line names; None on Prefect's ephemeral API, which has no UI.
     summary["flow_run_url"] = url_for("flow-run", obj_id=flow_run.id) if flow_run.id else None
@@ -89,7 +94,7 @@ def summarize(resized: Resized | None, written: Written, cached: CachedSplits, t
     summary["ray_worker_nodes"] = getattr(trained, "worker_nodes", [])  # a result cached before this field has none
     summary["cache"] = cache_report(*stage_outcomes(summary["flow_run_id"])) if flow_run.id else []
     summary["cache_hits"] = [row["stage"] for row in summary["cache"] if row["cache"] == "hit"]
-    summary["stage_seconds"] = {name: seconds for name, seconds in stage_seconds(summary["flow_run_id"]).items() if name in STAGES} if flow_run.id else {}
+    summary["stage_seconds"] = {name: seconds for name, seconds in stage_seconds(summary["flow_run_id"]).items() if name != SUMMARY_STAGE} if flow_run.id else {}
     link = run_url(client, settings, trained.mlflow_run_id)
     summary["mlflow_run_url"] = link
     create_markdown_artifact(summary_markdown(summary, link), key="imagelake-run-summary")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 from typing import Callable
 
@@ -22,30 +21,12 @@ from infra.ray_runtime import connect_ray
 from infra.settings import Settings
 from infra.tracking import experiment_id, mlflow_client, run_url
 from tasks.cards import dataset_card_markdown, dataset_card_of, sample_grid
-from tasks.loader import label_samples
+from tasks.worker.loader import label_samples
 from tasks.progress import Every, stage_logger
+from tasks.rules.training import TRAINING_SETTINGS, logged_params, scaled_learning_rate
 from tasks.results import CachedSplits, Trained
 from tasks.stage import code_digest, stage
-from tasks.train_loop import WORKER_NODES_TAG, train_loop_per_worker
-
-
-def scaled_learning_rate(base_lr: float, num_workers: int, rule: str = "linear") -> float:
-    """The global batch grows with the workers, so does the step size: linearly, with the square root, or not at all."""
-    if rule == "linear":
-        return base_lr * num_workers
-    if rule == "sqrt":
-        return base_lr * math.sqrt(num_workers)
-    if rule == "none":
-        return base_lr
-    raise ValueError(f"unknown lr_scaling {rule!r}: choose linear, sqrt or none")
-
-
-# The settings that change what training produces: they name the Ray run and key the train stage's cache.
-TRAINING_SETTINGS = (
-    "model_arch", "pretrained_weights", "freeze_backbone", "max_epochs", "batch_size", "base_lr", "lr_scaling", "num_workers",
-    "early_stopping_patience", "early_stopping_min_delta", "early_stopping_threshold", "seed", "use_gpu",
-    "shuffle_buffer_batches", "bf16", "channels_last", "tracking_uri", "mlflow_experiment", "ray_storage_path",
-)
+from tasks.worker.train_loop import WORKER_NODES_TAG, train_loop_per_worker
 
 
 def run_name(cached: CachedSplits, settings: Settings, fresh: str | None = None) -> str:
@@ -53,7 +34,7 @@ def run_name(cached: CachedSplits, settings: Settings, fresh: str | None = None)
 
     `fresh` (a refreshed flow run's id) makes a new run: a refresh trains from scratch, its retries resume it.
     """
-    code = code_digest(__name__, "tasks.train_loop", "tasks.model", "tasks.loader")
+    code = code_digest(__name__, "tasks.worker.train_loop", "tasks.worker.model", "tasks.worker.loader", "infra.compat")
     parts = [cached.key, *(getattr(settings, f) for f in TRAINING_SETTINGS), code, fresh]
     digest = hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:12]
     return f"train-{cached.key}-{digest}"
@@ -104,13 +85,7 @@ def kill_worker_from_env() -> dict | None:
 def fit(cached: CachedSplits, settings: Settings, client: MlflowClient, run_id: str, name: str) -> Trained:
     """Run the TorchTrainer and return the best checkpoint by validation loss."""
     config = training_config(cached, settings, client.tracking_uri, run_id, name)
-    logged = (
-        "num_classes", "image_size", "arch", "pretrained_weights", "freeze_backbone", "batch_size", "learning_rate", "lr_scaling",
-        "max_epochs", "patience", "min_delta", "stopping_threshold", "seed",
-    )
-    params = [Param(name, str(config[name])) for name in logged]
-    params += [Param("num_workers", str(settings.num_workers)), Param("base_lr", str(settings.base_lr))]
-    client.log_batch(run_id, params=params)
+    client.log_batch(run_id, params=[Param(name, value) for name, value in logged_params(config, settings).items()])
     run_config = RunConfig(
         name=name,
         storage_path=settings.ray_storage_path,
@@ -231,7 +206,7 @@ def train_model(cached: CachedSplits, settings: Settings, fresh: str | None = No
     return trained
 
 
-@stage("train", settings=TRAINING_SETTINGS, retries=1)
+@stage("train", settings=TRAINING_SETTINGS, code=("tasks.rules.training",), retries=1)
 def train(cached: CachedSplits, settings: Settings) -> Trained:
     """Prefect stage: distributed training on Ray, linked from the flow run to its MLflow run."""
     # A refresh trains from scratch: the flow run's id gives it a Ray run of its own (its retries resume that one).

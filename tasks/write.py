@@ -18,31 +18,14 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
-from deltalake import DeltaTable
-from pyspark.sql import SparkSession
-from pyspark.sql import functions as F
 
-from infra.delta import Engine, append_arrow, choose_engine, commit_files, ever_committed, merge_arrow, merge_spark, read_current, table_exists, table_version, uncommit_files
+from infra.delta import ever_committed
 from infra.settings import Settings
-from infra.spark import spark_session
-from tasks.resize import IMAGE_TABLE_SCHEMA, STAGED_ARROW_SCHEMA
+from tasks.rules.schemas import IMAGE_TABLE_SCHEMA, STAGED_ARROW_SCHEMA
 from tasks.results import Resized, Written
+from tasks.rules.bad_files import TooManyBadFiles, check_bad_fraction
 from tasks.stage import stage
-
-class TooManyBadFiles(ValueError):
-    """More of a run's files are bad than max_bad_fraction allows: nothing is written."""
-
-
-def check_bad_fraction(resized: Resized, max_bad_fraction: float) -> None:
-    """Fail before writing anything when too large a share of the run's files is bad."""
-    considered = resized.decoded + resized.known + resized.bad
-    if considered and resized.bad / considered > max_bad_fraction:
-        reasons = ", ".join(f"{reason}: {count}" for reason, count in sorted(resized.quarantined.items()))
-        examples = "; ".join(f"{reason} e.g. {path}" for reason, path in sorted(resized.examples.items()))
-        raise TooManyBadFiles(
-            f"{resized.bad} of {considered} files are bad ({reasons}), over max_bad_fraction={max_bad_fraction}; "
-            f"nothing was written. Fix or remove them ({examples}) or raise IMAGELAKE_MAX_BAD_FRACTION."
-        )
+from tasks.table import ImageTable
 
 
 def staged_rows(resized: Resized) -> ds.Dataset:
@@ -69,11 +52,11 @@ class Changes:
         return sorted(set(self.upserts.column("data_file").to_pylist()))
 
 
-def plan_changes(spark: SparkSession, engine: Engine, resized: Resized, table_uri: str) -> Changes:
+def plan_changes(table: ImageTable, resized: Resized) -> Changes:
     """Rows to upsert (new content at a path) and to delete (path gone), minus what the table already says."""
     staged = staged_rows(resized)
-    version = table_version(table_uri)
-    present = read_current(spark, table_uri, engine, ["path", "sha256"], F.col("image_size") == resized.image_size, version)
+    version = table.images.version()
+    present = table.rows(["path", "sha256"], version=version)
     keys = pc.binary_join_element_wise(present.column("path"), present.column("sha256"), "\x00")
     upserts = staged.to_table(columns=["path", "sha256", "data_file"], filter=pc.field("status") == "new")
     whole = True
@@ -107,7 +90,7 @@ def image_changes(resized: Resized, table_uri: str, changes: Changes) -> pa.Tabl
     return pa.concat_tables([upserts, gone])
 
 
-def quarantine_rows(spark: SparkSession, resized: Resized, quarantine_uri: str) -> pa.Table:
+def quarantine_rows(table: ImageTable, resized: Resized) -> pa.Table:
     """The run's bad files, minus those already quarantined for the same content and reason."""
     bad = staged_rows(resized).to_table(
         columns=["path", "size", "mtime", "sha256", "reason", "detail", "issue"], filter=pc.field("status") == "quarantined"
@@ -116,19 +99,20 @@ def quarantine_rows(spark: SparkSession, resized: Resized, quarantine_uri: str) 
     # Problems seen in the listing carry an `issue`; the rest were found while reading or decoding.
     bad = bad.append_column("stage", pc.if_else(pc.is_null(bad["issue"]), "resize", "ingest")).drop_columns(["issue"])
     bad = bad.append_column("quarantined_at", pa.array([now] * bad.num_rows, pa.timestamp("us", tz="UTC")))
-    if bad.num_rows and table_exists(quarantine_uri):
-        seen = read_current(spark, quarantine_uri, "delta-rs", ["path", "sha256", "reason"])
+    if bad.num_rows and table.quarantine.exists():
+        seen = table.quarantine.read(["path", "sha256", "reason"])
         key = lambda t: pc.binary_join_element_wise(t["path"], pc.fill_null(t["sha256"], ""), t["reason"], "\x00")  # noqa: E731
         bad = bad.filter(pc.invert(pc.is_in(key(bad), key(seen))))
     return bad
 
 
-def write_images(spark: SparkSession, resized: Resized, table_uri: str, quarantine_uri: str, engine: Engine, max_bad_fraction: float) -> Written:
+def write_images(table: ImageTable, resized: Resized, max_bad_fraction: float) -> Written:
     """Check the bad share, then land the images and append the quarantine; return the images table's version.
 
     A run that only adds rows commits the data files its executors wrote, as they are. A run
     that replaces or deletes rows (or with Spark's Delta writer) merges them instead.
     """
+    table_uri, engine = table.uri, table.engine
     if table_uri.rstrip("/") != resized.table_uri.rstrip("/"):
         raise ValueError(
             f"write_images: table {table_uri} is not the table {resized.table_uri} that the resize stage wrote its files into; "
@@ -139,29 +123,28 @@ def write_images(spark: SparkSession, resized: Resized, table_uri: str, quaranti
     except TooManyBadFiles:
         discard_run_files(resized)
         raise
-    changes = plan_changes(spark, engine, resized, table_uri)
-    if changes.empty and not table_exists(table_uri):
+    changes = plan_changes(table, resized)
+    if changes.empty and not table.images.exists():
         raise TooManyBadFiles(f"no image could be written to {table_uri}: no file of this run is a usable image ({resized.quarantined})")
-    bad = quarantine_rows(spark, resized, quarantine_uri)
+    bad = quarantine_rows(table, resized)
     if bad.num_rows:
-        append_arrow(quarantine_uri, bad)
+        table.quarantine.append(bad)
     added, removed = changes.upserts.num_rows, len(changes.deletes)
     if changes.empty:
         remove_uncommitted(table_uri, run_files(resized))
-        return Written(table_uri=table_uri, version=DeltaTable(table_uri).version(), engine=engine, rows=0, retired=0, quarantined=bad.num_rows)
+        return Written(table_uri=table_uri, version=table.images.version(), engine=engine, rows=0, retired=0, quarantined=bad.num_rows)
     require_files(table_uri, changes.files)
-    if engine == "delta-rs" and changes.whole_files and not changes.replaces and not changes.deletes:
-        version = commit_files(table_uri, IMAGE_TABLE_SCHEMA, changes.files)
+    if table.images.commits_files and changes.whole_files and not changes.replaces and not changes.deletes:
+        version = table.images.commit_files(IMAGE_TABLE_SCHEMA, changes.files)
         if version != (0 if changes.read_version is None else changes.read_version + 1):
-            version = settle_concurrent_append(spark, resized, table_uri, changes, version)
+            version = settle_concurrent_append(table, resized, changes, version)
     else:
-        source = image_changes(resized, table_uri, changes)
-        version = merge_spark(spark, table_uri, source) if engine == "spark" else merge_arrow(table_uri, source)
+        version = table.images.merge(image_changes(resized, table_uri, changes))
         remove_uncommitted(table_uri, changes.files)
     return Written(table_uri=table_uri, version=version, engine=engine, rows=added, retired=removed, quarantined=bad.num_rows)
 
 
-def settle_concurrent_append(spark: SparkSession, resized: Resized, table_uri: str, changes: Changes, version: int) -> int:
+def settle_concurrent_append(table: ImageTable, resized: Resized, changes: Changes, version: int) -> int:
     """After an append that other commits raced: if one of them landed the same paths, take our files back and merge.
 
     Appends never conflict in Delta, so two runs adding the same path at once would both land.
@@ -169,14 +152,13 @@ def settle_concurrent_append(spark: SparkSession, resized: Resized, table_uri: s
     again and merges its rows instead, which updates or skips what the other run wrote.
     """
     paths = changes.upserts.column("path")
-    seen = read_current(spark, table_uri, "delta-rs", ["path"], F.col("image_size") == resized.image_size, version).column("path")
+    seen = table.rows(["path"], version=version).column("path")
     seen = seen.filter(pc.is_in(seen, paths))
     if len(seen) == len(paths):
         return version
-    uncommit_files(table_uri, changes.files)
-    source = image_changes(resized, table_uri, plan_changes(spark, "delta-rs", resized, table_uri))
-    version = merge_arrow(table_uri, source) if source.num_rows else DeltaTable(table_uri).version()
-    return version
+    table.images.uncommit_files(changes.files)
+    source = image_changes(resized, table.uri, plan_changes(table, resized))
+    return table.images.merge(source) if source.num_rows else table.images.version()
 
 
 def require_files(table_uri: str, files: list[str]) -> None:
@@ -214,8 +196,7 @@ def discard_run_files(resized: Resized) -> None:
         fs.rmdir(folder)
 
 
-@stage("write", settings=("table_uri", "quarantine_uri", "max_bad_fraction", "delta_writer"))
+@stage("write", settings=("table_uri", "quarantine_uri", "max_bad_fraction", "delta_writer"), code=("tasks.rules.schemas", "tasks.rules.bad_files", "tasks.table"))
 def write(resized: Resized, settings: Settings) -> Written:
     """Prefect stage: merge into the Delta table with the engine that can run here."""
-    spark = spark_session(settings)
-    return write_images(spark, resized, settings.table_uri, settings.quarantine_uri, choose_engine(settings, spark), settings.max_bad_fraction)
+    return write_images(ImageTable.of(settings), resized, settings.max_bad_fraction)

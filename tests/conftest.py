@@ -11,7 +11,7 @@ import pytest
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
 from infra.settings import Settings, load_settings
-from tasks.demo_data import write_digits
+from flows.demo_data import write_digits
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -8,8 +8,11 @@ from pathlib import Path
 from deltalake import DeltaTable
 
 from infra.delta import read_version
-from tasks.ingest import Scope, ingest_listing, source_uri
-from tasks.resize import DecodeRules, known_hashes, resize_images
+from tasks.changes import ingest_listing
+from tasks.rules.listing import Scope, source_uri
+from tasks.resize import resize_images
+from tasks.resize_executor import DecodeRules
+from tasks.table import ImageTable
 from tasks.write import write_images
 
 SCOPE = Scope((".png", ".jpg", ".jpeg"))
@@ -26,12 +29,10 @@ class Lake:
 
     def run(self, source: Path | str, scope: Scope = SCOPE, rules: DecodeRules = RULES, retire: bool = False, max_bad: float = 0.5):
         self.runs += 1
-        ingested = ingest_listing(
-            self.spark, "delta-rs", source_uri(str(source)), scope, self.table, rules.size, retire, str(self.root / "staging"), self.quarantine
-        )
-        known = known_hashes(self.spark, "delta-rs", self.table, rules.size)
-        resized = resize_images(self.spark, ingested, rules, known, str(self.root / "staging" / f"resized-{self.runs}"), self.table)
-        written = write_images(self.spark, resized, self.table, self.quarantine, "delta-rs", max_bad)
+        table = ImageTable.at(self.spark, self.table, rules.size, "delta-rs", self.quarantine)
+        ingested = ingest_listing(table, source_uri(str(source)), scope, retire, str(self.root / "staging"))
+        resized = resize_images(table, ingested, rules, str(self.root / "staging" / f"resized-{self.runs}"))
+        written = write_images(table, resized, max_bad)
         return ingested, resized, written
 
     def read(self, table: str, columns: list[str], version: int | None = None) -> dict[str, list]:

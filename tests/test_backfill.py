@@ -53,3 +53,26 @@ def overrides_settings(overrides: dict):
     from infra.settings import load_settings
 
     return load_settings(overrides=overrides)
+
+
+def test_the_cli_plans_a_backfill_and_refuses_a_reversed_range(digits_dir: Path, tmp_path: Path) -> None:
+    import json
+    import subprocess
+
+    from tests.conftest import REPO, cli_env
+    from tests.servers import BIN
+
+    source = tmp_path / "landing"
+    copy_digits(digits_dir, source / "date=2024-03-01", labels=("0", "1"), per_label=4)
+    copy_digits(digits_dir, source / "date=2024-03-03", labels=("0", "1"), per_label=4)
+    command = [str(BIN / "imagelake"), "backfill", "--source", str(source), "--set", f"workspace={tmp_path / 'ws'}"]
+    done = subprocess.run([*command, "2024-03-01", "2024-03-04", "--dry-run", "--json"], cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["dry_run"] and [(p["date"], p["status"], p["files"]) for p in result["plan"]] == [("2024-03-01", "missing", 8), ("2024-03-03", "missing", 8)]
+    assert "2024-03-03  missing" in done.stdout
+    assert not (tmp_path / "ws" / "tables" / "images").exists(), "a dry run writes nothing"
+    reversed_range = subprocess.run([*command, "2024-03-04", "2024-03-01"], cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=600)
+    assert reversed_range.returncode == 2 and "start_date 2024-03-04 is after end_date 2024-03-01: swap them" in reversed_range.stderr
+    version = subprocess.run([str(BIN / "imagelake"), "--version"], capture_output=True, text=True, timeout=60)
+    assert version.returncode == 0 and version.stdout.startswith("imagelake ")

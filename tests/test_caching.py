@@ -10,10 +10,10 @@ import pytest
 from flows.pipeline import pipeline
 from infra.settings import load_settings
 from tasks.stage import explain, key_parts
-from tasks.summary import STAGES, cache_report
+from tasks.summary import cache_report
 from tests.lake import copy_digits
 
-ALL = list(STAGES)
+ALL = ["ingest", "resize", "write", "split", "cache", "train", "promote"]
 
 
 def test_explain_names_what_changed() -> None:
@@ -65,7 +65,7 @@ def test_same_data_hits_new_file_reruns_from_ingest_new_size_from_resize(prefect
     # The run that follows a first write: the listing is the same, but the table moved to v0, so resize checks again
     # (decoding nothing); everything downstream of the unchanged table version is served from the cache.
     second, missed = run(source, overrides)
-    assert second["cache_hits"] == ["ingest", "repartition", "cache", "train", "promote"], second["cache"]
+    assert second["cache_hits"] == ["ingest", "split", "cache", "train", "promote"], second["cache"]
     assert missed["resize"] == "table version changed None -> 0"
     assert (second["files_decoded"], second["delta_version"], second["model_version"]) == (0, first["delta_version"], first["model_version"])
 

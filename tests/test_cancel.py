@@ -42,7 +42,7 @@ pytestmark = pytest.mark.slow
 POOL = "imagelake-process"
 MARKER = "CANCEL_TEST_MARKER"
 STOP_BOUND = 30.0  # the spec: a cancelled run's Spark jobs and Ray training stop within 30 s
-CACHED = ("ingest", "repartition", "cache")
+CACHED = ("ingest", "split", "cache")
 # Long enough training that a cancel lands mid-run; small images and batches keep the stages before it short.
 LONG_RUN = {"image_size": 32, "max_epochs": 50, "batch_size": 16}
 

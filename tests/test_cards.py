@@ -13,11 +13,12 @@ import pytest
 
 from tasks.cache import cache_splits
 from tasks.cards import confusion_matrix, dataset_card, dataset_card_markdown, metric_keys, model_card, per_class_metrics, sample_grid
-from tasks.loader import label_samples
-from tasks.model import warmup_cosine
+from tasks.worker.loader import label_samples
+from tasks.worker.model import warmup_cosine
 from tasks.progress import Every, rate_line
-from tasks.repartition import plan_splits
-from tasks.resize import PROGRESS_FOLDER, files_done
+from tasks.split import plan_splits
+from tasks.resize import files_done
+from tasks.resize_executor import PROGRESS_FOLDER
 from tests.lake import Lake, copy_digits
 
 

@@ -118,13 +118,20 @@ def test_ray_train_placed_its_workers_on_both_ray_nodes(cluster_run: ClusterRun)
 
 def test_a_driver_outside_the_ray_cluster_joins_through_ray_client(cluster_run: ClusterRun) -> None:
     # The form infra/clusters/kubernetes.yaml gives ray_address (ray://, KubeRay's head service): a task runs on the cluster.
-    code = ("import json, ray; ray.init(address=%r, logging_level='ERROR'); "
+    code = ("import json, ray; from infra.settings import load_settings; from infra.ray_runtime import connect_ray; "
+            "connect_ray(load_settings(None, {'ray_address': %r})); "
             "print(json.dumps([ray.get(ray.remote(lambda: ray.get_runtime_context().get_node_id()).remote()), len(ray.nodes())]))")
-    done = subprocess.run([sys.executable, "-c", code % cluster_run.cluster.ray_client_address], env=cli_env(), capture_output=True,
-                          text=True, timeout=180)
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = subprocess.run([sys.executable, "-c", code % cluster_run.cluster.ray_client_address], cwd=REPO, env=cli_env(), capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:] + ray_client_logs(cluster_run.cluster)
     node, count = json.loads(done.stdout.strip().splitlines()[-1])
     assert count == 2 and node in local_cluster.ray_nodes(cluster_run.cluster)
+
+
+def ray_client_logs(cluster: local_cluster.Cluster) -> str:
+    """The head's Ray client server logs (the proxy's and each driver's server), for a failed connection's message."""
+    logs = sorted(Path(cluster.ray_temp_dir).glob("session_*/logs/ray_client_server*"))
+    return "".join(f"\n--- {path.name}\n{path.read_text(errors='replace')[-2000:]}" for path in logs)
 
 
 def test_the_run_and_the_model_version_are_on_the_mlflow_server_behind_basic_auth(cluster_run: ClusterRun) -> None:

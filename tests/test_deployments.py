@@ -31,3 +31,16 @@ def test_every_deployment_points_at_a_flow_and_its_parameters_validate(monkeypat
         load_flow_from_entrypoint(backfill["entrypoint"]).validate_parameters({**backfill["parameters"], "start_date": "03/01/2024"})
     nightly = next(d for d in config["deployments"] if d["name"] == "nightly")
     assert nightly["schedules"][0]["cron"] == "0 2 * * *"
+
+
+def test_the_ad_hoc_form_declares_each_setting_as_settings_does() -> None:
+    # The form's fields are Settings' own: a limit, default or choice changed in Settings changes the form too.
+    from flows.pipeline import FORM_SETTINGS, RunParameters
+    from infra.settings import Settings
+
+    form = RunParameters.model_json_schema()["properties"]
+    settings = Settings.model_json_schema()["properties"]
+    for name in FORM_SETTINGS:
+        assert form[name] == settings[name], name
+    assert form["image_size"]["maximum"] == Settings.model_fields["image_size"].metadata[-1].le == 2048
+    assert list(form)[:2] == ["source", "image_size"] and list(form)[-2:] == ["config_file", "refresh"]

@@ -10,7 +10,8 @@ import pytest
 from petastorm import make_batch_reader
 
 from tasks.cache import write_split
-from tasks.loader import POSITION, ShardBatches, row_groups, shard_rows, ventilation_order
+from infra.compat import petastorm_ventilation_order as ventilation_order
+from tasks.worker.loader import POSITION, ShardBatches, row_groups, shard_rows
 
 SIZE = 4  # 4x4 RGB: 48 bytes an image
 

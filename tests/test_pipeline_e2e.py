@@ -18,7 +18,7 @@ import mlflow
 from mlflow import MlflowClient
 from PIL import Image, ImageOps
 
-from tasks.demo_data import write_digits
+from flows.demo_data import write_digits
 from tests.conftest import cli_env
 
 pytestmark = pytest.mark.slow
@@ -55,7 +55,7 @@ def flow_logs(flow_run_id: str) -> list[str]:
                 return messages
 
 
-STAGES = ("ingest", "resize", "write", "repartition", "cache", "train", "promote")
+STAGES = ("ingest", "resize", "write", "split", "cache", "train", "promote")
 
 
 def assert_shows_what_it_does(summary: dict, console: str, logs: list[str]) -> None:
@@ -180,8 +180,8 @@ def test_pipeline_end_to_end_then_everything_is_cached(digits_dir: Path, tmp_pat
     # The data stages look again (the table has a version now) but find nothing to decode or write.
     assert (second["files_decoded"], second["rows_added"]) == (0, 0)
     states = task_states(second["flow_run_id"])
-    assert {stage: states[stage] for stage in ("repartition", "cache", "train", "promote")} == {
-        stage: "Cached" for stage in ("repartition", "cache", "train", "promote")
+    assert {stage: states[stage] for stage in ("split", "cache", "train", "promote")} == {
+        stage: "Cached" for stage in ("split", "cache", "train", "promote")
     }
     assert len(list((workspace / "ray_results").iterdir())) == 1, "no second Ray run"
 
@@ -191,7 +191,7 @@ def test_pipeline_end_to_end_then_everything_is_cached(digits_dir: Path, tmp_pat
     third, _ = run_pipeline(digits_dir, workspace, env)
     states = task_states(third["flow_run_id"])
     assert states["ingest"] == "Completed" and third["files_decoded"] == 0 and third["files_known"] == 1
-    assert {states[stage] for stage in ("repartition", "cache", "train", "promote")} == {"Cached"}
+    assert {states[stage] for stage in ("split", "cache", "train", "promote")} == {"Cached"}
     assert (third["delta_version"], third["model_version"]) == (0, "1")
 
 

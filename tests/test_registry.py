@@ -13,21 +13,18 @@ import torch
 import yaml
 
 from infra.tracking import experiment_id, mlflow_client
-from tasks.model import ImageModel
+from tasks.worker.model import ImageModel
 from tasks.registry import (
-    CHALLENGER,
-    CHAMPION,
-    PREVIOUS,
     RegistryError,
     UnsafeModel,
     alias_version,
-    decide_promotion,
     force_promote,
     gate,
     history,
     load_registered_model,
     rollback,
 )
+from tasks.rules.promotion import CHALLENGER, CHAMPION, PREVIOUS, decide_promotion
 
 NAME = "digits"
 

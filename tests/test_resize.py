@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from tasks.resize import ImageDecodeError, resize_image
+from tasks.rules.images import ImageDecodeError, resize_image
 
 
 def encode(image: Image.Image, fmt: str = "PNG", **params) -> bytes:

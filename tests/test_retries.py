@@ -11,8 +11,8 @@ from ray.train import WorkerGroupError
 
 from infra.settings import SettingsError
 from tasks.stage import stage
-from tasks.train_loop import CheckpointUnusable
-from tasks.write import TooManyBadFiles
+from tasks.worker.train_loop import CheckpointUnusable
+from tasks.rules.bad_files import TooManyBadFiles
 
 
 ERRORS = {

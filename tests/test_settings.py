@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from infra.cli import parse_overrides
+from flows.cli import parse_overrides
 from infra.settings import SettingsError, load_settings
 
 

@@ -14,11 +14,16 @@ from PIL import Image
 
 from infra.delta import read_version
 from tasks.cache import cache_splits
-from tasks.ingest import Scope, SourceError, ingest_listing, source_uri
-from tasks.loader import ShardBatches, shard_rows
-from tasks.repartition import images_with_split, plan_splits, split_column, split_of
-from tasks.resize import DecodeRules, known_hashes, resize_images
-from tasks.write import TooManyBadFiles, write_images
+from tasks.changes import ingest_listing
+from tasks.rules.listing import Scope, SourceError, source_uri
+from tasks.worker.loader import ShardBatches, shard_rows
+from tasks.split import plan_splits
+from tasks.rules.splits import split_of
+from tasks.resize import resize_images
+from tasks.resize_executor import DecodeRules
+from tasks.table import ImageTable, split_column
+from tasks.rules.bad_files import TooManyBadFiles
+from tasks.write import write_images
 
 from tests.lake import RULES, SCOPE, Lake, copy_digits
 
@@ -205,7 +210,7 @@ def test_cache_is_keyed_reused_and_readable_by_shard(spark, lake: Lake, digits_d
     with ShardBatches(cached.splits["train"], shard=0, shard_count=2, batch_size=4, image_size=32, seed=1, shuffle=True, workers=1) as loader:
         first = [len(labels) for _, labels in loader]
         assert [len(labels) for _, labels in loader] == first, "a second epoch reads again, from a fresh reader"
-    expected = images_with_split(spark, written.table_uri, written.version, "delta-rs", 32, 0.2, 0.2).where("split = 'train'").count()
+    expected = ImageTable.at(spark, written.table_uri, 32).with_split(written.version, 0.2, 0.2).where("split = 'train'").count()
     assert expected == plan.counts["train"]
     assert read_version(spark, written.table_uri, written.version, "delta-rs").count() == 40
 
@@ -218,9 +223,10 @@ def test_spark_delta_writer_has_the_same_semantics_where_its_jars_load(spark, di
     source = tmp_path / "src"
     copy_digits(digits_dir, source)
     lake = Lake(spark, tmp_path)
-    ingested = ingest_listing(spark, "spark", source_uri(str(source)), SCOPE, lake.table, 24, False, str(tmp_path / "staging"), lake.quarantine)
-    resized = resize_images(spark, ingested, RULES, known_hashes(spark, "spark", lake.table, 24), str(tmp_path / "rs"), lake.table)
-    assert write_images(spark, resized, lake.table, lake.quarantine, "spark", 0.5).rows == 40
-    assert write_images(spark, resized, lake.table, lake.quarantine, "spark", 0.5).rows == 0
+    table = ImageTable.at(spark, lake.table, 24, "spark", lake.quarantine)
+    ingested = ingest_listing(table, source_uri(str(source)), SCOPE, False, str(tmp_path / "staging"))
+    resized = resize_images(table, ingested, RULES, str(tmp_path / "rs"))
+    assert write_images(table, resized, 0.5).rows == 40
+    assert write_images(table, resized, 0.5).rows == 0
     assert len(lake.rows()) == 40
 

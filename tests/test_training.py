@@ -11,10 +11,11 @@ import torch
 
 from infra.tracking import mlflow_client
 from tasks.cache import cache_splits
-from tasks.model import ImageModel, ResNet
-from tasks.repartition import plan_splits
-from tasks.train import run_name, scaled_learning_rate, train_model
-from tasks.train_loop import (
+from tasks.worker.model import ImageModel, ResNet
+from tasks.split import plan_splits
+from tasks.rules.training import scaled_learning_rate
+from tasks.train import run_name, train_model
+from tasks.worker.train_loop import (
     CheckpointUnusable,
     make_model,
     make_trainer,

@@ -15,8 +15,12 @@ import pytest
 from deltalake import DeltaTable
 
 from infra.delta import commit_files, read_version
-from tasks.ingest import Scope, ingest_listing, source_uri
-from tasks.resize import IMAGE_TABLE_SCHEMA, DecodeRules, known_hashes, resize_images
+from tasks.changes import ingest_listing
+from tasks.rules.listing import Scope, source_uri
+from tasks.resize import resize_images
+from tasks.resize_executor import DecodeRules
+from tasks.table import ImageTable
+from tasks.rules.schemas import IMAGE_TABLE_SCHEMA
 from tasks.results import Resized
 from tasks.write import plan_changes, settle_concurrent_append, write_images
 from tests.conftest import REPO
@@ -27,9 +31,14 @@ RULES = DecodeRules(size=64, mode="letterbox", max_file_bytes=10_000_000, max_pi
 
 def stage_run(spark, source: Path, root: Path, name: str, scope: Scope) -> dict:
     table = str(root / "tables" / "images")
-    ingested = ingest_listing(spark, "delta-rs", source_uri(str(source)), scope, table, RULES.size, False, str(root / "staging"), None)
-    resized = resize_images(spark, ingested, RULES, known_hashes(spark, "delta-rs", table, RULES.size), str(root / "staging" / name), table)
+    images = ImageTable.at(spark, table, RULES.size)
+    ingested = ingest_listing(images, source_uri(str(source)), scope, False, str(root / "staging"))
+    resized = resize_images(images, ingested, RULES, str(root / "staging" / name))
     return resized.model_dump()
+
+
+def lake_of(spark, table: str, quarantine: str) -> ImageTable:
+    return ImageTable.at(spark, table, RULES.size, "delta-rs", quarantine)
 
 
 def writer(root: Path, resized: dict, barrier: Path | None = None) -> subprocess.Popen:
@@ -69,10 +78,10 @@ def test_a_writer_killed_at_any_point_loses_and_duplicates_nothing(spark, digits
         seen.append(committed)
         assert committed in (0, 300), f"a killed writer left a partial commit: {seen}"
         # The re-run after the crash (or after a commit Prefect never recorded) completes the write exactly once.
-        written = write_images(spark, Resized.model_validate(resized), table, quarantine, "delta-rs", 1.0)
+        written = write_images(lake_of(spark, table, quarantine), Resized.model_validate(resized), 1.0)
         paths = table_rows(spark, table)
         assert len(paths) == len(set(paths)) == 300
-        again = write_images(spark, Resized.model_validate(resized), table, quarantine, "delta-rs", 1.0)
+        again = write_images(lake_of(spark, table, quarantine), Resized.model_validate(resized), 1.0)
         assert (again.rows, again.version) == (0, written.version)
     print(f"rows committed when the writer was killed: {seen}")
 
@@ -106,20 +115,21 @@ def test_two_runs_adding_the_same_files_at_once_land_them_once(spark, digits_dir
     copy_digits(digits_dir, source, labels=("0", "1"), per_label=10)
     copy_digits(digits_dir, tmp_path / "first", labels=("7",), per_label=5)
     table, quarantine = str(tmp_path / "tables" / "images"), str(tmp_path / "tables" / "quarantine")
-    write_images(spark, Resized.model_validate(stage_run(spark, tmp_path / "first", tmp_path, "v0", Scope((".png",)))), table, quarantine, "delta-rs", 1.0)
+    images = lake_of(spark, table, quarantine)
+    write_images(images, Resized.model_validate(stage_run(spark, tmp_path / "first", tmp_path, "v0", Scope((".png",)))), 1.0)
     one = Resized.model_validate(stage_run(spark, source, tmp_path, "one", Scope((".png",))))
     two = Resized.model_validate(stage_run(spark, source, tmp_path, "two", Scope((".png",))))
-    planned = plan_changes(spark, "delta-rs", two, table)
+    planned = plan_changes(images, two)
     assert planned.read_version == 0 and planned.upserts.num_rows == 20 and not planned.replaces
-    assert write_images(spark, one, table, quarantine, "delta-rs", 1.0).rows == 20
+    assert write_images(images, one, 1.0).rows == 20
     # The second run commits its own files for the same paths, as a blind append would, then settles.
     raced = commit_files(table, IMAGE_TABLE_SCHEMA, planned.files)
     assert len(table_rows(spark, table)) == 45  # the duplicates are visible until the run settles
-    settled = settle_concurrent_append(spark, two, table, planned, raced)
+    settled = settle_concurrent_append(images, two, planned, raced)
     paths = table_rows(spark, table)
     assert settled > raced and len(paths) == len(set(paths)) == 25
     # A replay of that write adds nothing and keeps the files the raced version still references.
-    assert write_images(spark, two, table, quarantine, "delta-rs", 1.0).rows == 0
+    assert write_images(images, two, 1.0).rows == 0
     assert all((Path(table) / name).exists() for name in planned.files)
     # Time travel still shows each version as it was committed.
     assert len(read_version(spark, table, 1, "delta-rs").collect()) == 25

@@ -10,6 +10,7 @@ from pathlib import Path
 from infra.settings import Settings
 from infra.spark import spark_session
 from tasks.results import Resized
+from tasks.table import ImageTable
 from tasks.write import write_images
 
 if __name__ == "__main__":
@@ -20,5 +21,5 @@ if __name__ == "__main__":
     while args.get("barrier") and not Path(args["barrier"]).exists():
         time.sleep(0.01)
     print("WRITING", flush=True)
-    written = write_images(spark, resized, args["table"], args["quarantine"], "delta-rs", 1.0)
+    written = write_images(ImageTable.at(spark, args["table"], resized.image_size, "delta-rs", args["quarantine"]), resized, 1.0)
     print(json.dumps({"version": written.version, "rows": written.rows}), flush=True)

@@ -6,13 +6,12 @@ epoch opens a fresh one-pass reader, so no reader is ever reset in the middle of
 
 The batches are a function of the seed, the shard and the epoch alone: Petastorm's reader threads
 deliver row groups in whatever order they finish, so each group is named by its first `position`
-and held until its turn in the order Petastorm ventilated them (seeded, see ventilation_order).
+and held until its turn in the order Petastorm ventilated them (seeded, see infra.compat.petastorm_ventilation_order).
 """
 
 from __future__ import annotations
 
 import math
-import random
 import warnings
 from functools import lru_cache
 from typing import Any, Iterator, Self
@@ -25,6 +24,8 @@ import torch
 from petastorm import make_batch_reader
 from petastorm.arrow_reader_worker import ArrowReaderWorkerResultsQueueReader
 from petastorm.workers_pool import EmptyResultError
+
+from infra.compat import petastorm_ventilation_order, replace_petastorm_results_reader
 
 # Petastorm is pinned with pyarrow 14 on purpose (see pyproject.toml): its legacy-API notices are known and noise.
 warnings.filterwarnings("ignore", category=FutureWarning, module=r"petastorm(\.|$)")
@@ -59,22 +60,6 @@ def row_groups(url: str) -> tuple[tuple[int, int | None], ...]:
 def row_group_sizes(url: str) -> tuple[int, ...]:
     """Rows of each row group of a Parquet folder, in Petastorm's order."""
     return tuple(rows for rows, _ in row_groups(url))
-
-
-def ventilation_order(groups: int, shard: int, shard_count: int, seed: int | None, shuffle: bool) -> list[int]:
-    """The row groups of one shard in the order Petastorm 0.12.1's reader hands them to its threads.
-
-    With a seed, Reader._partition_row_groups shuffles all indexes with random.Random(seed) and keeps
-    those equal to the shard modulo shard_count; with shuffle_row_groups, ConcurrentVentilator then
-    shuffles them with np.random.RandomState(seed). tests/test_loader.py pins this against the reader.
-    """
-    indexes = list(range(groups))
-    if seed is not None:
-        random.Random(seed).shuffle(indexes)
-    mine = [index for index in indexes if index % shard_count == shard]
-    if shuffle:
-        np.random.RandomState(seed).shuffle(mine)
-    return mine
 
 
 def shard_rows(url: str, shard_count: int) -> list[int]:
@@ -167,11 +152,9 @@ class ShardBatches:
             seed=seed,
             workers_count=self.workers,
         )
-        if not hasattr(self._reader, "_results_queue_reader"):
-            raise RuntimeError("this Petastorm version's Reader has no _results_queue_reader: pin petastorm 0.12.1")
-        self._reader._results_queue_reader = PixelRowGroups(self.image_size, self.key_field, ordered)
+        replace_petastorm_results_reader(self._reader, PixelRowGroups(self.image_size, self.key_field, ordered))
         pool = RowPool(self.image_size * self.image_size * 3, np.random.default_rng([self.seed, self.shard, epoch]) if self.shuffle else None)
-        arrivals = InOrder(iter(self._reader), [groups[i][1] for i in ventilation_order(len(groups), self.shard, self.shard_count, seed, self.shuffle)] if ordered else None)
+        arrivals = InOrder(iter(self._reader), [groups[i][1] for i in petastorm_ventilation_order(len(groups), self.shard, self.shard_count, seed, self.shuffle)] if ordered else None)
         exhausted = False
         try:
             for size in self.sizes:

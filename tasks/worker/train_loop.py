@@ -21,8 +21,8 @@ from ray.train.lightning import (
 )
 
 from infra.errors import PermanentError
-from tasks.loader import ShardBatches
-from tasks.model import ImageClassifier
+from tasks.worker.loader import ShardBatches
+from tasks.worker.model import ImageClassifier
 
 CHECKPOINT_FILE = RayTrainReportCallback.CHECKPOINT_NAME
 WORKER_NODES_TAG = "ray_worker_nodes"  # the Ray node id of each rank, in rank order

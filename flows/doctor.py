@@ -65,7 +65,7 @@ def _petastorm(settings: Settings) -> Check:
     import pyarrow.parquet as pq
     from petastorm import __version__ as petastorm_version
 
-    from tasks.loader import make_batch_reader  # the loader's import also quiets Petastorm's pyarrow notices
+    from tasks.worker.loader import make_batch_reader  # the loader's import also quiets Petastorm's pyarrow notices
 
     with tempfile.TemporaryDirectory() as folder:
         pq.write_table(pa.table({"x": list(range(8))}), Path(folder) / "part-0.parquet")

@@ -1,16 +1,33 @@
-"""The `imagelake` command: run the pipeline, check the machine, write demo data."""
+"""The `imagelake` command: every flow a user runs (run, backfill, maintain, retrain), the registry commands, the
+machine check and the demo data. Flows and stages are imported by the command that needs them, so `--help` is quick."""
 
 from __future__ import annotations
 
 import json
+from datetime import datetime
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import typer
 
 from infra.settings import Settings, SettingsError, load_settings
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Train image models on a lakehouse.")
+
+
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import version
+
+        typer.echo(f"imagelake {version('imagelake')}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print imagelake's version and exit."),
+) -> None:
+    """Train image models on a lakehouse."""
 
 ConfigOption = typer.Option(None, "--config", "-c", help="Settings file (.yaml, .toml or .json); IMAGELAKE_* variables override it.")
 SetOption = typer.Option(None, "--set", "-s", help="Override one setting: NAME=VALUE (repeatable), e.g. --set max_epochs=3.")
@@ -30,6 +47,10 @@ def parse_overrides(pairs: list[str] | None) -> dict[str, Any]:
     return overrides
 
 
+def _file(config: Optional[Path]) -> str | None:
+    return str(config) if config else None
+
+
 def _settings_or_exit(config: Optional[Path], pairs: list[str] | None) -> tuple[Settings, dict[str, Any]]:
     try:
         overrides = parse_overrides(pairs)
@@ -39,10 +60,31 @@ def _settings_or_exit(config: Optional[Path], pairs: list[str] | None) -> tuple[
         raise typer.Exit(2) from None
 
 
+def _start(settings: Settings, flow: Callable[..., Any], errors: tuple[type[Exception], ...] = (), **parameters: Any) -> Any:
+    """Run FLOW with the settings' Prefect API and result store. Bad input or settings (ValueError, FileNotFoundError,
+    ERRORS) end the command with exit code 2 and the message, which says what to do; the traceback is in the log above."""
+    from infra.prefect_env import prefect_for
+
+    try:
+        with prefect_for(settings):
+            return flow(**parameters)
+    except (ValueError, FileNotFoundError, *errors) as exc:
+        _fail(exc)
+
+
+def _print_summary(summary: dict[str, Any], as_json: bool) -> None:
+    typer.echo(format_summary(summary))
+    if as_json:
+        typer.echo(json.dumps(summary, sort_keys=True))
+
+
+JsonOption = typer.Option(False, "--json", help="Print the summary as one JSON object on the last line.")
+
+
 @app.command()
 def run(
     source: str = typer.Option(..., "--source", help="Folder (or URI) of images laid out as <label>/<file>."),
-    as_json: bool = typer.Option(False, "--json", help="Print the summary as one JSON object on the last line."),
+    as_json: bool = JsonOption,
     refresh: bool = typer.Option(False, "--refresh", help="Recompute every stage even where the cache holds a result."),
     config: Optional[Path] = ConfigOption,
     set_: Optional[list[str]] = SetOption,
@@ -50,18 +92,9 @@ def run(
     """Run the whole pipeline on SOURCE and print a summary."""
     settings, overrides = _settings_or_exit(config, set_)
     from flows.pipeline import pipeline
-    from infra.prefect_env import prefect_for
 
-    try:
-        with prefect_for(settings):
-            summary = pipeline(source=source, config_file=str(config) if config else None, overrides=overrides or None, refresh=refresh)
-    except (ValueError, FileNotFoundError) as exc:
-        # Bad input or settings: the message says what to do; the traceback is in the log above.
-        typer.secho(f"error: {exc}", err=True, fg="red")
-        raise typer.Exit(2) from None
-    typer.echo(format_summary(summary))
-    if as_json:
-        typer.echo(json.dumps(summary, sort_keys=True))
+    summary = _start(settings, pipeline, source=source, config_file=_file(config), overrides=overrides or None, refresh=refresh)
+    _print_summary(summary, as_json)
 
 
 def recomputed(report: list[dict[str, str]]) -> str:
@@ -109,22 +142,50 @@ def engines(summary: dict[str, Any]) -> str:
 
 
 @app.command()
+def backfill(
+    start: datetime = typer.Argument(..., formats=["%Y-%m-%d"], help="First date (YYYY-MM-DD) of the range."),
+    end: datetime = typer.Argument(..., formats=["%Y-%m-%d"], help="Last date (YYYY-MM-DD) of the range, included."),
+    source: str = typer.Option(..., "--source", help="Folder (or URI) of images laid out as date=YYYY-MM-DD/<label>/<file>."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan (missing, stale or done per date) and ingest nothing."),
+    max_concurrency: int = typer.Option(2, "--max-concurrency", min=1, help="Dates ingested at once, each as its own subflow run."),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as one JSON object on the last line."),
+    config: Optional[Path] = ConfigOption,
+    set_: Optional[list[str]] = SetOption,
+) -> None:
+    """Ingest every date of START..END that is missing or stale, then train once on the resulting table version."""
+    settings, overrides = _settings_or_exit(config, set_)
+    from flows.backfill import BackfillFailed
+    from flows.backfill import backfill as backfill_flow
+
+    try:
+        result = _start(
+            settings, backfill_flow, source=source, start_date=start.date(), end_date=end.date(), max_concurrency=max_concurrency, dry_run=dry_run,
+            config_file=_file(config), overrides=overrides or None,
+        )
+    except BackfillFailed as exc:  # the other dates landed: exit 1, naming the dates to re-run
+        typer.secho(f"error: {exc}", err=True, fg="red")
+        raise typer.Exit(1) from None
+    for item in result["plan"]:
+        typer.echo(f"  {item['date']}  {item['status']:8} {item['files']} files, {item['new_or_changed']} new or changed, {item['gone']} gone")
+    if "model_version" in result:
+        typer.echo(f"trained on table version {result['delta_version']}: model v{result['model_version']} -> {result['model_alias']}")
+    if as_json:
+        typer.echo(json.dumps(result, sort_keys=True, default=str))
+
+@app.command()
 def maintain(config: Optional[Path] = ConfigOption, set_: Optional[list[str]] = SetOption) -> None:
     """Compact and vacuum the Delta tables (keeping every registered model's table version)."""
     settings, overrides = _settings_or_exit(config, set_)
     from flows.maintenance import maintenance
-    from infra.prefect_env import prefect_for
 
-    with prefect_for(settings):
-        report = maintenance(config_file=str(config) if config else None, overrides=overrides or None)
+    report = _start(settings, maintenance, config_file=_file(config), overrides=overrides or None)
     typer.echo(json.dumps(report, indent=2, default=str))
-
 
 @app.command()
 def doctor(config: Optional[Path] = ConfigOption, set_: Optional[list[str]] = SetOption) -> None:
     """Check Python, Java, Spark, Delta, Petastorm, Ray, GPUs, MLflow and Prefect for these settings."""
     settings, _ = _settings_or_exit(config, set_)
-    from infra.doctor import run_checks
+    from flows.doctor import run_checks
 
     checks = run_checks(settings)
     for check in checks:
@@ -175,30 +236,26 @@ def lineage(
 def retrain(
     model: str = typer.Option(..., "--model", help="Registered model name."),
     version: str = typer.Option(..., "--version", help="The version whose data and training settings to reuse."),
-    as_json: bool = typer.Option(False, "--json", help="Print the summary as one JSON object on the last line."),
+    as_json: bool = JsonOption,
     config: Optional[Path] = ConfigOption,
     set_: Optional[list[str]] = SetOption,
 ) -> None:
     """Train again on exactly the Delta table version a model version was trained on, with its training settings."""
     settings, client = _registry_or_exit(config, set_)
     from flows.pipeline import retrain_flow
-    from infra.prefect_env import prefect_for
     from tasks.registry import RegistryError, retrain_overrides
     from tasks.registry import lineage as read_lineage
 
     try:
         found = read_lineage(client, model, version)
         overrides = {**retrain_overrides(found), **parse_overrides(set_)}
-        with prefect_for(settings):
-            summary = retrain_flow(
-                table_uri=found["delta_table"], table_version=int(found["delta_version"]), config_file=str(config) if config else None, overrides=overrides
-            )
-    except (RegistryError, ValueError, FileNotFoundError) as exc:
+    except RegistryError as exc:
         _fail(exc)
-    typer.echo(format_summary(summary))
-    if as_json:
-        typer.echo(json.dumps(summary, sort_keys=True))
-
+    summary = _start(
+        settings, retrain_flow, (RegistryError,), table_uri=found["delta_table"], table_version=int(found["delta_version"]), config_file=_file(config),
+        overrides=overrides,
+    )
+    _print_summary(summary, as_json)
 
 @app.command()
 def rollback(
@@ -263,7 +320,8 @@ def predict(
 ) -> None:
     """Label images with a registered model, resized exactly as for training."""
     settings, client = _registry_or_exit(config, set_)
-    from tasks.registry import RegistryError, predict_files
+    from tasks.registry import RegistryError
+    from tasks.serving import predict_files
 
     try:
         results = predict_files(client, settings, model, source)
@@ -281,7 +339,7 @@ def demo_data(
     photos: bool = typer.Option(False, "--photos", help="Real photographs instead: random crops of scikit-learn's two sample photos, 300-1,600 px JPEGs."),
 ) -> None:
     """Write scikit-learn's handwritten digits as PNG files (or, with --photos, crops of its sample photos as JPEGs) in ImageFolder layout."""
-    from tasks.demo_data import write_digits, write_photos
+    from flows.demo_data import write_digits, write_photos
 
     count = write_photos(out, per_label=per_label or 150) if photos else write_digits(out, size=size, per_label=per_label)
     typer.echo(f"wrote {count} images to {out}")

@@ -1,0 +1,134 @@
+"""Every use of a library's private API, in one place, each pinned by a test (in tests/test_compat.py unless the table names another).
+
+A library upgrade that changes one of these fails its named test, not a pipeline run. The
+libraries are imported inside the functions: importing this module must not start (or even
+import) Spark, Ray, Petastorm or Prefect (infra/lifecycle.py asks whether pyspark was imported).
+
+| library (pinned) | private use | relied on | wrapper | pinning test |
+|---|---|---|---|---|
+| pyspark 3.5.9 | `DataFrame._collect_as_arrow()` | Spark 3.5's only collect straight to Arrow: a list of `pa.RecordBatch`, empty for no rows (`toArrow()` is Spark 4) | `collect_arrow` | `test_collect_arrow_gives_record_batches` |
+| pyspark 3.5.9 | `SparkSession._instantiatedSession` | the process's session whichever thread made it, read without creating one | `instantiated_spark_session` | `test_instantiated_session_is_seen_from_any_thread` |
+| pyspark 3.5.9 | `SparkContext._active_spark_context` | the running context or None, read without creating one (`getOrCreate` would start one) | `active_spark_context` | `test_active_spark_context_is_the_sessions` |
+| pyspark 3.5.9 (py4j) | `spark._jvm....Utils.classForName(name, True, False)` | asks Spark's own class loader (which sees `spark.jars`) for a class; raises when it is missing | `load_jvm_class` | `test_load_jvm_class_finds_spark_and_raises_for_missing` |
+| petastorm 0.12.1 | `Reader._results_queue_reader` | the object whose `read_next(workers_pool, schema, ngram)` turns each worker result into what the reader yields | `replace_petastorm_results_reader` | `test_petastorm_results_reader_can_be_replaced` |
+| ray 2.55.1 | `ray._private.services.resolve_ip_for_localhost` | `ray start` (ray.scripts.scripts) looks it up on the module at call time to swap 127.0.0.1 for a routable address | `keep_ray_loopback` | `test_keep_ray_loopback_keeps_127_0_0_1` |
+| prefect 3.8.8 | `FlowRunContext.model_copy(update={"result_store": ...})` entered as a context manager | a copy of the flow run context, entered, becomes the current one: tasks inside it persist and look up cached results in its result store | `flow_run_context_with_result_storage` | `test_flow_run_context_swap_moves_task_results` |
+| petastorm 0.12.1 | the order `Reader._partition_row_groups` and `ConcurrentVentilator` hand a shard's row groups to the reader's threads | with a seed: all indexes shuffled by `random.Random(seed)`, those equal to the shard modulo the shard count kept, then (shuffle_row_groups) shuffled by `np.random.RandomState(seed)` | `petastorm_ventilation_order` | `tests/test_loader.py::test_ventilation_order_is_petastorms` |
+| Delta protocol / deltalake 1.6.6 layout | `<table>/_delta_log/*.json` commit files read as text | every commit is a JSON-lines file under `_delta_log` naming the data files it adds (and removes) by their relative path | `delta_log_mentions` | `test_delta_log_mentions_every_file_ever_added` |
+
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING, Any, Iterator
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+    from prefect.context import FlowRunContext
+    from prefect.filesystems import WritableFileSystem
+    from pyspark import SparkContext
+    from pyspark.sql import DataFrame, SparkSession
+
+PETASTORM_RESULTS_READER = "_results_queue_reader"
+
+
+# --- pyspark ---------------------------------------------------------------------------------
+
+
+def collect_arrow(frame: DataFrame) -> list[pa.RecordBatch]:
+    """The frame's rows on the driver as Arrow record batches (an empty list for no rows): Spark 3.5's private Arrow collect."""
+    return frame._collect_as_arrow()  # noqa: SLF001
+
+
+def instantiated_spark_session() -> SparkSession | None:
+    """The SparkSession this process made, whichever thread made it, or None; never creates one."""
+    from pyspark.sql import SparkSession
+
+    return SparkSession._instantiatedSession  # noqa: SLF001
+
+
+def active_spark_context() -> SparkContext | None:
+    """The process's running SparkContext, or None; never creates one (the public getters would)."""
+    from pyspark import SparkContext
+
+    return SparkContext._active_spark_context  # noqa: SLF001
+
+
+def load_jvm_class(spark: SparkSession, name: str) -> None:
+    """Load (and initialize) a JVM class through Spark's own class loader, which also sees spark.jars; raises if it is missing."""
+    spark._jvm.org.apache.spark.util.Utils.classForName(name, True, False)  # noqa: SLF001
+
+
+# --- petastorm -------------------------------------------------------------------------------
+
+
+def replace_petastorm_results_reader(reader: Any, new: Any) -> None:
+    """Make a Petastorm Reader turn worker results into rows with `new` (its `read_next(workers_pool, schema, ngram)`)."""
+    if not hasattr(reader, PETASTORM_RESULTS_READER):
+        raise RuntimeError("this Petastorm version's Reader has no _results_queue_reader: pin petastorm 0.12.1")
+    setattr(reader, PETASTORM_RESULTS_READER, new)
+
+
+# --- ray -------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def keep_ray_loopback() -> Iterator[None]:
+    """Within the block, Ray (`ray start` included) keeps 127.0.0.1 / localhost as given instead of swapping in a routable IP."""
+    from ray._private import services
+
+    original = services.resolve_ip_for_localhost
+    services.resolve_ip_for_localhost = lambda host: host
+    try:
+        yield
+    finally:
+        services.resolve_ip_for_localhost = original
+
+
+# --- prefect ---------------------------------------------------------------------------------
+
+
+def flow_run_context_with_result_storage(context: FlowRunContext, storage: WritableFileSystem) -> FlowRunContext:
+    """A copy of the flow run context whose result store writes (results and their metadata) to `storage`.
+
+    Enter it (`with ...:`) to make it the current context: the tasks run inside persist to, and
+    find cached results in, that storage; leaving the block puts the original context back.
+    """
+    store = context.result_store.model_copy(update={"result_storage": storage, "metadata_storage": None})
+    return context.model_copy(update={"result_store": store})
+
+
+# --- Delta log -------------------------------------------------------------------------------
+
+
+def delta_log_mentions(table_uri: str, names: list[str]) -> set[str]:
+    """Which of these data file names (paths relative to the table) any JSON commit in the table's `_delta_log` names.
+
+    A file named in a commit was added by one (a remove names a file an earlier commit added).
+    Only the JSON commits are read: commits already folded into a checkpoint and cleaned up are not seen.
+    """
+    import fsspec
+
+    fs, folder = fsspec.core.url_to_fs(table_uri)
+    found: set[str] = set()
+    for commit in fs.glob(f"{folder}/_delta_log/*.json"):
+        text = fs.cat_file(commit).decode("utf-8")
+        found |= {name for name in names if f'"{name}"' in text}
+    return found
+
+
+def petastorm_ventilation_order(groups: int, shard: int, shard_count: int, seed: int | None, shuffle: bool) -> list[int]:
+    """The row groups of one shard in the order Petastorm 0.12.1's reader hands them to its threads (a replay of its
+    private `Reader._partition_row_groups` and `ConcurrentVentilator`, which the loader needs to put arrivals in order)."""
+    import random
+
+    import numpy as np
+
+    indexes = list(range(groups))
+    if seed is not None:
+        random.Random(seed).shuffle(indexes)
+    mine = [index for index in indexes if index % shard_count == shard]
+    if shuffle:
+        np.random.RandomState(seed).shuffle(mine)
+    return mine

@@ -1,0 +1,81 @@
+"""Image decoding rules: any image file's bytes to a square RGB image of one size, the same way for training and prediction.
+
+Pure: Pillow and numpy only, no engine; the resize stage runs these on Spark's executors, `imagelake predict` in the driver.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Literal
+
+import numpy as np
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+
+ResizeMode = Literal["letterbox", "center_crop"]
+
+
+class ImageDecodeError(ValueError):
+    """A file that is not a decodable image; `reason` is the quarantine reason."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+
+
+def to_rgb(image: Image.Image) -> Image.Image:
+    """RGB of any Pillow mode: 16-bit scaled down, transparency composited on white."""
+    if image.mode in ("I;16", "I;16B", "I;16L", "I"):
+        wide = np.asarray(image, dtype=np.int64).clip(0, 65535)
+        image = Image.fromarray((wide >> 8).astype(np.uint8), "L")
+    if image.mode in ("RGBA", "LA", "PA") or (image.mode == "P" and "transparency" in image.info):
+        rgba = image.convert("RGBA")
+        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        background.alpha_composite(rgba)
+        return background.convert("RGB")
+    return image.convert("RGB")
+
+
+def fit_square(image: Image.Image, size: int, mode: ResizeMode) -> Image.Image:
+    """Letterbox (scale the long side to `size`, pad with black) or centre-crop to size x size."""
+    width, height = image.size
+    scale = size / (max(width, height) if mode == "letterbox" else min(width, height))
+    new_size = (max(1, round(width * scale)), max(1, round(height * scale)))
+    scaled = image.resize(new_size, Image.Resampling.BILINEAR, reducing_gap=3.0)
+    if mode == "center_crop":
+        left, top = (new_size[0] - size) // 2, (new_size[1] - size) // 2
+        return scaled.crop((left, top, left + size, top + size))
+    canvas = Image.new("RGB", (size, size))
+    canvas.paste(scaled, ((size - new_size[0]) // 2, (size - new_size[1]) // 2))
+    return canvas
+
+
+def decode_square(data: bytes, size: int, mode: ResizeMode = "letterbox", max_pixels: int | None = None) -> tuple[Image.Image, int, int]:
+    """Decode one image file's bytes into a size x size RGB image; also return its oriented width and height."""
+    if not data:
+        raise ImageDecodeError("empty_file", "0 bytes")
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            if max_pixels and image.width * image.height > max_pixels:
+                raise ImageDecodeError("decompression_bomb", f"{image.width}x{image.height} is over max_image_pixels={max_pixels}")
+            # draft() only helps before pixels load: JPEGs then decode at a reduced scale, still >= size.
+            image.draft("RGB", (size, size))
+            oriented = ImageOps.exif_transpose(image)
+            width, height = oriented.size
+            square = fit_square(to_rgb(oriented), size, mode)
+    except ImageDecodeError:
+        raise
+    except Image.DecompressionBombError as exc:
+        raise ImageDecodeError("decompression_bomb", str(exc)) from None
+    except (UnidentifiedImageError, SyntaxError) as exc:
+        raise ImageDecodeError("not_an_image", str(exc)) from None
+    except (OSError, ValueError) as exc:
+        reason = "truncated" if "truncated" in str(exc) or "broken data stream" in str(exc) else "undecodable"
+        raise ImageDecodeError(reason, f"{type(exc).__name__}: {exc}") from None
+    return square, width, height
+
+
+def resize_image(data: bytes, size: int, mode: ResizeMode = "letterbox", max_pixels: int | None = None) -> tuple[np.ndarray, int, int]:
+    """Decode one image file's bytes into size x size x 3 uint8 pixels; also return its oriented width and height."""
+    square, width, height = decode_square(data, size, mode, max_pixels)
+    return np.asarray(square, dtype=np.uint8), width, height

@@ -1,0 +1,57 @@
+"""The promotion rule: whether a candidate replaces the champion, and the decision as markdown. Pure: stdlib only."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+CHAMPION, CHALLENGER, PREVIOUS = "champion", "challenger", "previous-champion"
+
+# Each gate metric, and whether a higher value is better.
+METRICS: dict[str, bool] = {"accuracy": True, "macro_f1": True, "loss": False}
+
+
+@dataclass(frozen=True)
+class Decision:
+    promote: bool
+    reason: str
+    metric: str
+    candidate: float
+    champion: float | None
+    margin: float
+
+
+def decide_promotion(metric: str, candidate: float, champion: float | None, margin: float = 0.0, champion_error: str | None = None) -> Decision:
+    """Promote when there is no usable champion, or when the candidate beats it by more than `margin` on `metric`.
+
+    Ties never promote. A champion that could not be loaded or evaluated (`champion_error`) is
+    replaced, and the reason says why.
+    """
+    if metric not in METRICS:
+        raise ValueError(f"unknown promotion metric {metric!r}: choose one of {', '.join(METRICS)}")
+    for name, value in (("candidate", candidate), ("champion", champion), ("margin", margin)):
+        if value is not None and (math.isnan(value) or value < 0 or (metric != "loss" and value > 1)):
+            raise ValueError(f"{name} {metric} must be a number in [0, 1] (loss: >= 0), got {value!r}")
+    if champion_error:
+        return Decision(True, f"the champion could not be evaluated ({champion_error}); candidate {metric} {candidate:.4f}", metric, candidate, None, margin)
+    if champion is None:
+        return Decision(True, f"no champion yet; candidate {metric} {candidate:.4f}", metric, candidate, None, margin)
+    higher = METRICS[metric]
+    better = candidate > champion + margin if higher else candidate < champion - margin
+    verb = "beats" if better else "does not beat"
+    direction = "higher" if higher else "lower"
+    return Decision(
+        better, f"candidate {metric} {candidate:.4f} {verb} champion {champion:.4f} by more than {margin:.4f} ({direction} is better)", metric, candidate, champion, margin
+    )
+
+
+def decision_markdown(name: str, version: str, decision: Decision, champion_version: str | None, run_link: str) -> str:
+    champion = "none" if decision.champion is None else f"{decision.champion:.4f}"
+    return (
+        f"## Promotion of {name} v{version}\n\n"
+        f"| item | value |\n|---|---|\n"
+        f"| outcome | {'champion' if decision.promote else 'challenger'} |\n"
+        f"| metric | {decision.metric} |\n| candidate | {decision.candidate:.4f} |\n"
+        f"| champion (v{champion_version or '-'}) | {champion} |\n| margin | {decision.margin} |\n"
+        f"| reason | {decision.reason} |\n\n[MLflow run]({run_link})\n"
+    )

@@ -1,0 +1,69 @@
+"""The Arrow schemas of what the pipeline writes: the source listing, the resize stage's staged rows, the images table."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+
+LISTING_SCHEMA = pa.schema(
+    [
+        ("path", pa.string()),
+        ("label", pa.string()),
+        ("date", pa.date32()),
+        ("size", pa.int64()),
+        ("mtime", pa.float64()),
+        ("issue", pa.string()),
+        ("action", pa.string()),
+    ]
+)
+
+
+# The listing's columns, then what reading and decoding found.
+STAGED_ARROW_SCHEMA = pa.schema(
+    list(LISTING_SCHEMA)
+    + [
+        ("sha256", pa.string()),
+        ("width", pa.int32()),
+        ("height", pa.int32()),
+        ("status", pa.string()),
+        ("reason", pa.string()),
+        ("detail", pa.string()),
+        ("data_file", pa.string()),
+    ]
+)
+
+
+# The Delta table of images, one row per (path, image size).
+IMAGE_TABLE_SCHEMA = pa.schema(
+    [
+        ("path", pa.string()),
+        ("label", pa.string()),
+        ("date", pa.date32()),
+        ("size", pa.int64()),
+        ("mtime", pa.float64()),
+        ("sha256", pa.string()),
+        ("width", pa.int32()),
+        ("height", pa.int32()),
+        ("image_size", pa.int32()),
+        ("image", pa.binary()),
+        ("ingested_at", pa.timestamp("us", tz="UTC")),
+    ]
+)
+
+
+STAGED_IMAGE_COLUMNS = [name for name in IMAGE_TABLE_SCHEMA.names if name not in ("image_size", "image", "ingested_at")]
+
+
+HISTORY_SCHEMA = pa.schema(
+    [
+        ("model", pa.string()),
+        ("alias", pa.string()),
+        ("from_version", pa.string()),
+        ("to_version", pa.string()),
+        ("action", pa.string()),
+        ("reason", pa.string()),
+        ("who", pa.string()),
+        ("at", pa.timestamp("us", tz="UTC")),
+        ("flow_run_id", pa.string()),
+    ]
+)

@@ -1,0 +1,50 @@
+"""Training rules: which settings change what training produces, which of them a run records, and the learning rate.
+
+Pure: no engine. The train stage keys its cache and names its Ray run by TRAINING_SETTINGS, logs PARAM_SETTINGS as
+MLflow params, and `imagelake retrain` maps those params back to settings.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+
+def scaled_learning_rate(base_lr: float, num_workers: int, rule: str = "linear") -> float:
+    """The global batch grows with the workers, so does the step size: linearly, with the square root, or not at all."""
+    if rule == "linear":
+        return base_lr * num_workers
+    if rule == "sqrt":
+        return base_lr * math.sqrt(num_workers)
+    if rule == "none":
+        return base_lr
+    raise ValueError(f"unknown lr_scaling {rule!r}: choose linear, sqrt or none")
+
+
+# The settings that change what training produces: they name the Ray run and key the train stage's cache.
+TRAINING_SETTINGS = (
+    "model_arch", "pretrained_weights", "freeze_backbone", "max_epochs", "batch_size", "base_lr", "lr_scaling", "num_workers",
+    "early_stopping_patience", "early_stopping_min_delta", "early_stopping_threshold", "seed", "use_gpu",
+    "shuffle_buffer_batches", "bf16", "channels_last", "tracking_uri", "mlflow_experiment", "ray_storage_path",
+)
+
+
+# MLflow training params -> the settings that reproduce them.
+PARAM_SETTINGS = {
+    "image_size": "image_size", "arch": "model_arch", "pretrained_weights": "pretrained_weights", "freeze_backbone": "freeze_backbone",
+    "batch_size": "batch_size", "lr_scaling": "lr_scaling", "max_epochs": "max_epochs", "patience": "early_stopping_patience",
+    "min_delta": "early_stopping_min_delta", "stopping_threshold": "early_stopping_threshold", "seed": "seed",
+    "num_workers": "num_workers", "base_lr": "base_lr",
+}
+
+
+# Params a run logs that are worked out from settings and data rather than set (retrain does not map them back).
+DERIVED_PARAMS = ("num_classes", "learning_rate")
+
+
+def logged_params(config: dict[str, Any], settings: Any) -> dict[str, str]:
+    """A training run's MLflow params: each PARAM_SETTINGS param with the value the workers were given (the setting's
+    own where the workers' config does not hold it), and the derived ones."""
+    values = {param: config[param] if param in config else getattr(settings, setting) for param, setting in PARAM_SETTINGS.items()}
+    values.update({name: config[name] for name in DERIVED_PARAMS})
+    return {name: str(value) for name, value in values.items()}

@@ -1,0 +1,21 @@
+"""Serving: label image files with a registered model (NAME@ALIAS or NAME/VERSION)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from mlflow import MlflowClient
+
+from infra.settings import Settings
+from tasks.predict import label_files
+from tasks.registry import load_registered_model, resolve
+
+
+def predict_files(client: MlflowClient, settings: Settings, reference: str, source: Path) -> list[dict]:
+    """Label and probability for every image under `source`, decoded and resized as the model's training data was."""
+    name, version = resolve(client, reference)
+    model = load_registered_model(client, name, version, settings.allow_pickle_models)
+    tags = client.get_model_version(name, version).tags
+    labels = tags.get("labels", "").split(",")
+    size, mode = int(tags.get("image_size") or settings.image_size), tags.get("resize_mode") or settings.resize_mode
+    return label_files(model, labels, source, size, mode, settings.image_extensions, settings.max_image_pixels)

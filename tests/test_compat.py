@@ -1,0 +1,142 @@
+"""Pins each private library behaviour that infra/compat.py wraps, with the real library (one test per use)."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from infra import compat
+
+
+# --- pyspark ---------------------------------------------------------------------------------
+
+
+def test_collect_arrow_gives_record_batches(spark) -> None:
+    frame = spark.range(5).selectExpr("id", "cast(id as string) as name")
+    batches = compat.collect_arrow(frame)
+    assert batches and all(isinstance(batch, pa.RecordBatch) for batch in batches)
+    table = pa.Table.from_batches(batches)
+    assert table.column_names == ["id", "name"] and sorted(table.column("id").to_pylist()) == [0, 1, 2, 3, 4]
+    assert not compat.collect_arrow(frame.where("id < 0")), "no rows: an empty (falsy) result, which read_current relies on"
+
+
+def test_instantiated_session_is_seen_from_any_thread(spark) -> None:
+    assert compat.instantiated_spark_session() is spark
+    seen: list = []
+    thread = threading.Thread(target=lambda: seen.append(compat.instantiated_spark_session()))
+    thread.start()
+    thread.join()
+    assert seen == [spark]
+
+
+def test_active_spark_context_is_the_sessions(spark) -> None:
+    assert compat.active_spark_context() is spark.sparkContext
+
+
+def test_load_jvm_class_finds_spark_and_raises_for_missing(spark) -> None:
+    compat.load_jvm_class(spark, "org.apache.spark.sql.SparkSession")
+    with pytest.raises(Exception, match="ClassNotFoundException"):
+        compat.load_jvm_class(spark, "io.imagelake.NoSuchClass")
+
+
+# --- petastorm -------------------------------------------------------------------------------
+
+
+def test_petastorm_results_reader_can_be_replaced(tmp_path: Path) -> None:
+    from petastorm import make_batch_reader
+    from petastorm.arrow_reader_worker import ArrowReaderWorkerResultsQueueReader
+    from petastorm.workers_pool import EmptyResultError
+
+    pq.write_table(pa.table({"x": list(range(10))}), tmp_path / "part.parquet", row_group_size=5)
+
+    class Tables(ArrowReaderWorkerResultsQueueReader):
+        """Hands over each worker result (one row group, as an Arrow table) untouched."""
+
+        def read_next(self, workers_pool, schema, ngram):
+            try:
+                return workers_pool.get_results()
+            except EmptyResultError:
+                raise StopIteration from None
+
+    with make_batch_reader(f"file://{tmp_path}", num_epochs=1, workers_count=1, shuffle_row_groups=False) as reader:
+        compat.replace_petastorm_results_reader(reader, Tables())
+        groups = list(reader)
+    assert all(isinstance(group, pa.Table) for group in groups), "the reader yields what read_next returns"
+    assert sorted(x for group in groups for x in group.column("x").to_pylist()) == list(range(10))
+    assert len(groups) == 2, "read_next is called once per row group"
+
+    with pytest.raises(RuntimeError, match="pin petastorm 0.12.1"):
+        compat.replace_petastorm_results_reader(object(), Tables())
+
+
+# --- ray -------------------------------------------------------------------------------------
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # ray.scripts imports Ray Serve's pydantic models
+def test_keep_ray_loopback_keeps_127_0_0_1() -> None:
+    import ray.scripts.scripts as scripts
+    from ray._private import services
+
+    assert scripts.services is services, "`ray start` must look the function up on the module the patch changes"
+    original = services.resolve_ip_for_localhost
+    with compat.keep_ray_loopback():
+        assert services.resolve_ip_for_localhost("127.0.0.1") == "127.0.0.1"
+        assert services.resolve_ip_for_localhost("localhost") == "localhost"
+        assert services.canonicalize_bootstrap_address("127.0.0.1:6379") == "127.0.0.1:6379"
+    assert services.resolve_ip_for_localhost is original
+    assert original("10.1.2.3") == "10.1.2.3"
+
+
+# --- prefect ---------------------------------------------------------------------------------
+
+
+def test_flow_run_context_swap_moves_task_results(prefect_api: str, tmp_path: Path) -> None:
+    from prefect import flow, task
+    from prefect.context import FlowRunContext
+    from prefect.filesystems import LocalFileSystem
+
+    calls: list[int] = []
+    storage = tmp_path / "results"
+
+    @task(persist_result=True, cache_key_fn=lambda *_: "compat-pinned-key")
+    def answer() -> int:
+        calls.append(1)
+        return 42
+
+    @flow
+    def staged() -> tuple[int, bool, bool]:
+        outer = FlowRunContext.get()
+        with compat.flow_run_context_with_result_storage(outer, LocalFileSystem(basepath=str(storage))):
+            inner = FlowRunContext.get()
+            swapped = inner is not outer and inner.result_store.result_storage.basepath == str(storage)
+            value = answer()
+        return value, swapped, FlowRunContext.get() is outer
+
+    assert staged() == (42, True, True)
+    assert (storage / "compat-pinned-key").exists(), "the task's result (with its metadata) went to the swapped-in storage"
+    assert staged()[0] == 42
+    assert calls == [1], "the second flow run found the cached result in that storage"
+
+
+# --- Delta log -------------------------------------------------------------------------------
+
+
+def test_delta_log_mentions_every_file_ever_added(tmp_path: Path) -> None:
+    from deltalake import DeltaTable, write_deltalake
+
+    def names(table: DeltaTable) -> list[str]:  # the data files of the current version, relative to the table
+        return pa.table(table.get_add_actions(flatten=True)).column("path").to_pylist()
+
+    uri = str(tmp_path / "table")
+    write_deltalake(uri, pa.table({"x": [1, 2]}))
+    first = names(DeltaTable(uri))
+    write_deltalake(uri, pa.table({"x": [3]}), mode="overwrite")  # removes the first files from the current version
+    second = [name for name in names(DeltaTable(uri)) if name not in first]
+    assert first and second and not set(first) & set(names(DeltaTable(uri)))
+    assert sorted((tmp_path / "table" / "_delta_log").glob("*.json")), "commits are JSON files in _delta_log"
+    assert compat.delta_log_mentions(uri, [*first, *second, "part-00000-never-written.parquet"]) == {*first, *second}
+    assert compat.delta_log_mentions(f"file://{uri}", first) == set(first)
