@@ -16,7 +16,7 @@ from infra.delta import Table
 from infra.settings import Settings
 from tasks.changes import diff_against_table
 from tasks.progress import Every, rate_line, stage_logger
-from tasks.resize_executor import PROGRESS_FOLDER, SUMMARY_SCHEMA, DecodeRules, process_partition
+from tasks.resize_executor import PROGRESS_FOLDER, PROGRESS_SECONDS, SUMMARY_SCHEMA, DecodeRules, process_partition
 from tasks.results import ListingDiff, Listed, Resized
 from tasks.rules.listing import scope_of
 from tasks.rules.partitions import ROWS_PER_DECODE_TASK, balanced_partitions
@@ -31,16 +31,17 @@ def files_done(staging_uri: str) -> int:
     return sum(int(fs.cat_file(path) or 0) for path in fs.find(folder)) if fs.exists(folder) else 0
 
 
-def resize_images(table: ImageTable, ingested: ListingDiff, rules: DecodeRules, staging_uri: str) -> Resized:
+def resize_images(table: ImageTable, ingested: ListingDiff, rules: DecodeRules, staging_uri: str, progress_seconds: float = PROGRESS_SECONDS) -> Resized:
     """Decode and resize every new or changed file on the executors: pixels into uncommitted table files, the rest to staging.
 
-    A file whose content hash the table already holds at this image size is not decoded again.
+    A file whose content hash the table already holds at this image size is not decoded again. Each task writes how
+    many files it has done every `progress_seconds` for the driver's progress line.
     """
     spark, table_uri, known = table.spark, table.uri, table.known_hashes()  # plain values: the executors' closure carries no session
     fs, folder = fsspec.core.url_to_fs(staging_uri)
     if fs.exists(folder):
         fs.rm(folder, recursive=True)
-    fs.makedirs(folder, exist_ok=True)
+    fs.makedirs(f"{folder}/{PROGRESS_FOLDER}", exist_ok=True)  # local folders must exist before the executors write into them
     # The list is small: the driver reads it, so Spark itself never needs access to the staging store.
     with fsspec.open(ingested.manifest_uri, "rb") as handle:
         listed = pq.read_table(handle).to_pylist()
@@ -52,7 +53,9 @@ def resize_images(table: ImageTable, ingested: ListingDiff, rules: DecodeRules, 
     frame = spark.createDataFrame(rows, schema=from_arrow_schema(LISTING_SCHEMA))
     shared = spark.sparkContext.broadcast(known)
     ingested_at = datetime.now(timezone.utc)
-    summary = frame.mapInArrow(lambda batches: process_partition(batches, rules, shared.value, staging_uri, table_uri, ingested_at), SUMMARY_SCHEMA)
+    summary = frame.mapInArrow(
+        lambda batches: process_partition(batches, rules, shared.value, staging_uri, table_uri, ingested_at, progress_seconds), SUMMARY_SCHEMA
+    )
     counts: dict[tuple[str, str | None], tuple[int, str]] = {}
     logger, started = stage_logger(), time.monotonic()
     with Every(lambda: logger.info(rate_line("resize", files_done(staging_uri), len(listed), time.monotonic() - started, "files")), logger):

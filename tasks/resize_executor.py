@@ -133,8 +133,18 @@ class ImageFileWriter:
             self.handle.close()
 
 
+def report_progress(fs, path: str, files: int) -> None:
+    """Write how many files this task has done, for the driver's progress line (a retried task overwrites its own).
+    Best effort: a progress file that cannot be written never fails the task."""
+    try:
+        fs.pipe_file(path, str(files).encode())
+    except OSError:
+        pass
+
+
 def process_partition(
-    batches: Iterator[pa.RecordBatch], rules: DecodeRules, known: frozenset[str], staging_uri: str, table_uri: str, ingested_at: datetime
+    batches: Iterator[pa.RecordBatch], rules: DecodeRules, known: frozenset[str], staging_uri: str, table_uri: str, ingested_at: datetime,
+    progress_seconds: float = PROGRESS_SECONDS,
 ) -> Iterator[pa.RecordBatch]:
     """mapInArrow body: read, hash and (only if its hash is new) decode every listed file of one partition.
 
@@ -158,9 +168,8 @@ def process_partition(
                 staged.append(out)
                 if decoded is not None:
                     images.add(out, decoded)
-                if time.monotonic() - reported > PROGRESS_SECONDS:
-                    # The driver sums these files for its progress line (a retried task overwrites its own).
-                    fs.pipe_file(f"{folder}/{PROGRESS_FOLDER}/{partition:05d}", str(len(staged)).encode())
+                if time.monotonic() - reported >= progress_seconds:
+                    report_progress(fs, f"{folder}/{PROGRESS_FOLDER}/{partition:05d}", len(staged))
                     reported = time.monotonic()
     # Under a temporary name, then renamed: a retried task replaces its partition's file.
     final, temporary = f"{folder}/part-{partition:05d}.parquet", f"{folder}/.part-{partition:05d}-{uuid.uuid4().hex}.tmp"

@@ -19,7 +19,7 @@ from tasks.rules.listing import Scope, SourceError, source_uri
 from tasks.worker.loader import ShardBatches, shard_rows
 from tasks.split import plan_splits
 from tasks.rules.splits import split_of
-from tasks.resize import resize_images
+from tasks.resize import files_done, resize_images
 from tasks.resize_executor import DecodeRules
 from tasks.table import ImageTable, split_column
 from tasks.rules.bad_files import TooManyBadFiles
@@ -230,3 +230,12 @@ def test_spark_delta_writer_has_the_same_semantics_where_its_jars_load(spark, di
     assert write_images(table, resized, 0.5).rows == 0
     assert len(lake.rows()) == 40
 
+
+
+def test_executors_report_their_progress_while_they_decode(spark, lake: Lake, digits_dir: Path, tmp_path: Path) -> None:
+    # Every file reports (interval 0): the progress files the driver sums must be writable from the first one on.
+    copy_digits(digits_dir, tmp_path / "src", labels=("0", "1"), per_label=10)
+    table = ImageTable.at(spark, lake.table, RULES.size, "delta-rs", lake.quarantine)
+    ingested = ingest_listing(table, source_uri(str(tmp_path / "src")), SCOPE, False, str(tmp_path / "staging"))
+    resized = resize_images(table, ingested, RULES, str(tmp_path / "rs"), progress_seconds=0.0)
+    assert resized.decoded == 20 and files_done(str(tmp_path / "rs")) == 20
