@@ -30,7 +30,8 @@ from sklearn.datasets import load_sample_images
 from infra.settings import Settings
 from infra.spark import spark_session
 from tasks.changes import ingest_listing
-from tasks.rules.listing import Scope, source_uri
+from tasks.ingest import source_uri
+from tasks.rules.listing import Scope
 from tasks.resize import resize_images
 from tasks.resize_executor import DecodeRules
 from tasks.table import ImageTable

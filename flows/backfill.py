@@ -14,10 +14,10 @@ from flows.flow import imagelake_flow
 from flows.pipeline import train_and_promote
 from infra.prefect_env import stage_results
 from infra.settings import Settings, load_settings
-from tasks.ingest import ingest
+from tasks.ingest import ingest, list_source, source_uri
 from tasks.resize import resize
 from tasks.results import TableVersion
-from tasks.rules.listing import Scope, date_plan, list_source, source_uri
+from tasks.rules.listing import Scope, date_plan
 from tasks.table import ImageTable
 from tasks.write import write
 

@@ -1,4 +1,5 @@
-"""Ingest: list the source (a folder tree or a manifest CSV) and keep the listing in staging, named by its fingerprint.
+"""Ingest: list the source (a folder tree or a manifest CSV, through fsspec) and keep the listing in staging, named by its
+fingerprint. Which files count, and with which label, date and problem, is decided by tasks/rules/listing.py.
 
 The ingest stage only lists: what is new or changed depends on the image size, so the resize stage diffs the listing
 against the table (tasks/changes.py). The listing rules are in tasks/rules/listing.py.
@@ -6,6 +7,10 @@ against the table (tasks/changes.py). The listing rules are in tasks/rules/listi
 
 from __future__ import annotations
 
+import csv
+import io
+import os
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import fsspec
@@ -14,9 +19,89 @@ import pyarrow.parquet as pq
 
 from infra.settings import Settings
 from tasks.results import Listed
-from tasks.rules.listing import Scope, SourceError, list_source, listing_fingerprint, scope_of, source_uri
+from tasks.rules.listing import DATE_FOLDER, Scope, SourceError, file_entry, listing_fingerprint, parse_day, scope_of
 from tasks.rules.schemas import LISTING_SCHEMA
 from tasks.stage import stage
+
+
+def source_uri(source: str) -> str:
+    """A URI that fsspec reads: local paths become absolute file:// URIs; a folder or a .csv manifest."""
+    if "://" in source:
+        return source
+    path = Path(source).expanduser().resolve()
+    if not (path.is_dir() or (path.is_file() and path.suffix.lower() == ".csv")):
+        raise SourceError(
+            f"source {source!r} is not a folder or a manifest .csv: pass a folder of images laid out as "
+            "[date=YYYY-MM-DD/]<label>/<file>, or a CSV with columns path,label[,date]"
+        )
+    return "file://" + str(path)
+
+
+def _folder_entry(fs: Any, root: str, path: str, info: dict[str, Any], scope: Scope) -> dict[str, Any] | None:
+    parts = PurePosixPath(path).relative_to(root).parts
+    folders = parts[:-1]
+    day, issue = None, None
+    for folder in folders:
+        match = DATE_FOLDER.match(folder)
+        if match:
+            day = parse_day(match.group(1))
+            issue = issue or (None if day else "bad_date_folder")
+    if not scope.in_range(day):
+        return None
+    label_folders = [f for f in folders if not DATE_FOLDER.match(f)]
+    if any(part.startswith(".") for part in parts):
+        issue = "hidden_path"
+    elif info.get("islink") and not os.path.realpath(path).startswith(os.path.realpath(root) + os.sep):
+        issue = "symlink_outside_source"
+    elif info.get("islink") and not os.path.exists(path):
+        issue = "unreadable"
+    size, mtime = int(info.get("size") or 0), float(info.get("mtime") or 0)
+    return file_entry(fs.unstrip_protocol(path), label_folders[-1] if label_folders else None, day, size, mtime, issue, scope.max_file_bytes)
+
+
+def list_folder(uri: str, scope: Scope) -> list[dict[str, Any]]:
+    """Every file with an image extension under a folder tree, with label, date and any problem seen so far."""
+    fs, root = fsspec.core.url_to_fs(uri)
+    entries = []
+    for path, info in sorted(fs.find(root, detail=True, withdirs=False).items()):
+        if not path.lower().endswith(scope.extensions):
+            continue
+        entry = _folder_entry(fs, root, path, info, scope)
+        if entry is not None:
+            entries.append(entry)
+    return entries
+
+
+def list_manifest(uri: str, scope: Scope) -> list[dict[str, Any]]:
+    """Files named by a manifest CSV (path,label[,date]); relative paths are relative to the manifest."""
+    fs, manifest = fsspec.core.url_to_fs(uri)
+    base = manifest.rsplit("/", 1)[0]
+    with fs.open(manifest, "r", encoding="utf-8") as handle:
+        rows = list(csv.DictReader(io.StringIO(handle.read())))
+    if rows and not {"path", "label"} <= set(rows[0]):
+        raise SourceError(f"manifest {uri} needs the columns path,label[,date]; it has {', '.join(rows[0])}")
+    entries = []
+    for number, row in enumerate(rows, start=2):
+        day = parse_day(row["date"]) if row.get("date") else None
+        if row.get("date") and day is None:
+            raise SourceError(f"manifest {uri} line {number}: date {row['date']!r} is not YYYY-MM-DD")
+        if not scope.in_range(day):
+            continue
+        target = row["path"] if "://" in row["path"] or row["path"].startswith("/") else f"{base}/{row['path']}"
+        file_fs, file_path = fsspec.core.url_to_fs(target) if "://" in target else (fs, target)
+        try:
+            info = file_fs.info(file_path)
+        except (FileNotFoundError, OSError):
+            entries.append(file_entry(file_fs.unstrip_protocol(file_path), row["label"], day, 0, 0.0, "unreadable"))
+            continue
+        size, mtime = int(info.get("size") or 0), float(info.get("mtime") or 0)
+        entries.append(file_entry(file_fs.unstrip_protocol(file_path), row["label"], day, size, mtime, None, scope.max_file_bytes))
+    return entries
+
+
+def list_source(uri: str, scope: Scope) -> list[dict[str, Any]]:
+    """List a folder tree or a manifest CSV."""
+    return list_manifest(uri, scope) if uri.lower().endswith(".csv") else list_folder(uri, scope)
 
 
 def save_listing(uri: str, scope: Scope, staging_dir: str) -> Listed:

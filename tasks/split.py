@@ -8,7 +8,7 @@ from infra.delta import Table
 from infra.settings import Settings
 from infra.spark import spark_session
 from tasks.results import SplitPlan, TableVersion
-from tasks.rules.splits import SPLITS
+from tasks.rules.splits import SPLITS, check_splits
 from tasks.stage import stage
 from tasks.table import ImageTable
 
@@ -20,16 +20,7 @@ def plan_splits(spark: SparkSession, written: TableVersion, settings: Settings) 
     label_counts: dict[str, dict[str, int]] = {split: {} for split in SPLITS}
     for row in frame.groupBy("split", "label").count().collect():
         label_counts[row["split"]][row["label"]] = row["count"]
-    counts = {split: sum(by_label.values()) for split, by_label in label_counts.items() if by_label}
-    labels = sorted({label for by_label in label_counts.values() for label in by_label})
-    empty = [split for split in SPLITS if counts.get(split, 0) == 0]
-    if empty:
-        raise ValueError(
-            f"split(s) {', '.join(empty)} of {written.table_uri} v{written.version} are empty "
-            f"({sum(counts.values())} images of size {settings.image_size}): add images or raise val_fraction/test_fraction"
-        )
-    if len(labels) < 2:
-        raise ValueError(f"{written.table_uri} v{written.version} has {len(labels)} label(s): a classifier needs at least 2 label folders")
+    counts, labels = check_splits(label_counts, f"{written.table_uri} v{written.version}", settings.image_size)
     return SplitPlan(
         table_uri=written.table_uri,
         version=written.version,

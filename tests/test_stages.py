@@ -15,7 +15,8 @@ from PIL import Image
 from infra.delta import read_version
 from tasks.cache import cache_splits
 from tasks.changes import ingest_listing
-from tasks.rules.listing import Scope, SourceError, source_uri
+from tasks.ingest import source_uri
+from tasks.rules.listing import Scope, SourceError
 from tasks.worker.loader import ShardBatches, shard_rows
 from tasks.split import plan_splits
 from tasks.rules.splits import split_of

@@ -16,7 +16,8 @@ from deltalake import DeltaTable
 
 from infra.delta import commit_files, read_version
 from tasks.changes import ingest_listing
-from tasks.rules.listing import Scope, source_uri
+from tasks.ingest import source_uri
+from tasks.rules.listing import Scope
 from tasks.resize import resize_images
 from tasks.resize_executor import DecodeRules
 from tasks.table import ImageTable
