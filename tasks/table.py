@@ -6,6 +6,7 @@ are chosen there, once, and travel with it. Which engine reads, merges or commit
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import pyarrow as pa
@@ -103,7 +104,4 @@ class ImageTable:
         """Files in the quarantine table now, by reason."""
         if self.quarantine is None:
             return {}
-        reasons: dict[str, int] = {}
-        for reason in self.quarantine.read(["reason"]).column("reason").to_pylist():
-            reasons[reason] = reasons.get(reason, 0) + 1
-        return dict(sorted(reasons.items()))
+        return dict(sorted(Counter(self.quarantine.read(["reason"]).column("reason").to_pylist()).items()))

@@ -19,7 +19,7 @@ import pyarrow.compute as pc
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
-from infra.delta import ever_committed
+from infra.delta import Table
 from infra.settings import Settings
 from tasks.rules.schemas import IMAGE_TABLE_SCHEMA, STAGED_ARROW_SCHEMA
 from tasks.results import Resized, Written
@@ -178,7 +178,7 @@ def remove_uncommitted(table_uri: str, files: list[str]) -> None:
     fs, folder = fsspec.core.url_to_fs(table_uri)
     present = [name for name in files if fs.exists(f"{folder}/{name}")]
     # A file that any version references stays (for time travel) until vacuum: a re-run must not delete what a commit made.
-    for name in set(present) - ever_committed(table_uri, present):
+    for name in set(present) - Table(table_uri).ever_committed(present):
         fs.rm(f"{folder}/{name}")
 
 
