@@ -1,29 +1,52 @@
-"""Training throughput and data wait: Ray Train's TorchTrainer (one worker) against plain single-process Lightning.
+"""Training throughput: the model's own limit, and imagelake's loader path in plain Lightning and in Ray Train.
 
-    .venv/bin/python bench/train.py [--images 2048] [--size 96] [--arch small_cnn] [--epochs 6] [--gpu]
+    .venv/bin/python bench/train.py                 # CPU: plain Lightning against TorchTrainer (small_cnn, 96 px)
+    python3 bench/train.py --gpu [--json FILE]      # one GPU: the whole table below (224 px)
 
-Both train the same model on the same cached split through the same loader (ShardBatches) and
-Lightning trainer settings; the only difference is Ray Train around it (RayDDPStrategy,
-RayLightningEnvironment, prepare_trainer, the report callback and its checkpoints). Printed:
-images/s over the training steps after the first epoch, the fraction of step time spent waiting
-for the next batch, and wall-clock time including start-up.
+Every path trains on the same cached split (Parquet in the cache's layout: raw uint8 pixels,
+label, sha256, position; 8 MB row groups), through the training code's own ShardBatches loader,
+make_trainer and make_model; the Ray rows run the same epochs inside Ray Train's TorchTrainer
+(RayDDPStrategy, RayLightningEnvironment, prepare_trainer, the report callback).
+
+With --gpu, side by side in one run (--sections picks parts):
+  limit       the model alone on random uint8 batches already on the GPU: the same ImageModel
+              (normalised on the GPU), bf16 autocast, channels-last, AdamW; what the GPU can do
+  Lightning   plain Lightning, one process, fed by ShardBatches from the cache
+  Ray Train   TorchTrainer with one GPU worker, the same epochs (ResNet-50; --ray-everywhere for all)
+for ResNet-50 (all layers, and a frozen backbone with 2 and 4 reader threads), ResNet-18 and the
+small CNN; then ResNet-50 in Lightning under torch.profiler (gpu-profile.txt beside --json) and
+the limit with torch.compile. Printed per row:
+images/s over the steps after the first epoch, that rate over the limit, the share of step time
+spent waiting for the next batch, the GPU's utilisation (NVML, sampled every 0.2 s over those
+steps), the peak GPU memory and the CPU time the training process spent per image.
+
+Imports stay within torch, Lightning, Ray, Petastorm and pyarrow (no Spark, MLflow or Prefect),
+so the script runs on a bare GPU machine with bench/gpu/run.sh.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import os
+import resource
 import shutil
+import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytorch_lightning as pl
 import ray
 import ray.train
 import torch
-from loader import write_cache  # bench/loader.py, beside this file
+import torch.nn.functional as F
 from ray.train import RunConfig, ScalingConfig
 from ray.train.lightning import (
     RayDDPStrategy,
@@ -33,35 +56,145 @@ from ray.train.lightning import (
 )
 from ray.train.torch import TorchTrainer
 
-from infra.settings import Settings
-from infra.spark import spark_session
-from tasks.worker.train_loop import DataWait, make_model, make_trainer, shard_loaders
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository, for `python3 bench/train.py` without an install
+
+from tasks.worker.model import ImageModel  # noqa: E402
+from tasks.worker.train_loop import DataWait, make_model, make_trainer, shard_loaders  # noqa: E402
+
+ROW_GROUP_BYTES = 8 * 1024 * 1024  # as the cache stage writes (parquet.block.size)
+
+
+def write_cache(out: Path, images: int, size: int, files: int, seed: int = 0) -> str:
+    """A split in the cache's layout, written with pyarrow: random pixels (they do not compress, as photos barely do
+    after decoding), labels 0-9, and Spark's position ids (file in the high bits, row in the low 33)."""
+    out.mkdir(parents=True)
+    rng = np.random.default_rng(seed)
+    pixels = size * size * 3
+    group_rows = max(1, ROW_GROUP_BYTES // pixels)
+    for file, rows in enumerate(np.array_split(np.arange(images), files)):
+        data = rng.integers(0, 256, len(rows) * pixels, dtype=np.uint8)
+        offsets = pa.array(np.arange(len(rows) + 1, dtype=np.int32) * pixels)
+        table = pa.table({
+            "image": pa.BinaryArray.from_buffers(pa.binary(), len(rows), [None, offsets.buffers()[1], pa.py_buffer(data)]),
+            "label": pa.array(rng.integers(0, 10, len(rows)), pa.int64()),
+            "sha256": pa.array([f"{i:064x}" for i in rows.tolist()]),
+            "position": pa.array((file << 33) + np.arange(len(rows), dtype=np.int64)),
+        })
+        pq.write_table(table, out / f"part-{file:05d}.parquet", row_group_size=group_rows)
+    return f"file://{out}"
 
 
 class Steady(DataWait):
-    """DataWait that starts counting after the first epoch (warm-up: reader start, allocator, first batches)."""
+    """DataWait counting from the second epoch on (the first is warm-up: reader start, cuDNN's algorithm search,
+    the allocator); also the process's CPU time, the GPU's utilisation and its peak memory over those epochs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cpu = 0.0
+        self.utilisation: list[float] = []
+        self.peak_gib: float | None = None
+        self._sampling: threading.Event | None = None
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.current_epoch == 1:
             self.wait = self.compute = 0.0
             self.images = 0
+            self.cpu = -cpu_seconds()
+            if torch.cuda.is_available():
+                torch.cuda.reset_peak_memory_stats()
+                self._sampling = sample_utilisation(self.utilisation)
         super().on_train_epoch_start(trainer, pl_module)
 
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.cpu += cpu_seconds()
+        if self._sampling is not None:
+            self._sampling.set()
+            self.peak_gib = torch.cuda.max_memory_allocated() / 2**30
 
-def config_for(url: str, args: argparse.Namespace) -> dict[str, Any]:
-    return {
-        "train_uri": url, "val_uri": url, "num_classes": 10, "image_size": args.size, "arch": args.arch, "batch_size": args.batch,
-        "learning_rate": 1e-3, "max_epochs": args.epochs, "patience": args.epochs, "min_delta": 0.0, "seed": 0, "use_gpu": args.gpu,
-        "loader_workers": args.loader_workers,
-    }
+    def result(self) -> dict[str, Any]:
+        steps = self.wait + self.compute
+        return {
+            "images": self.images, "rate": self.images / max(steps, 1e-9), "wait": self.wait / max(steps, 1e-9),
+            "utilisation": float(np.mean(self.utilisation)) if self.utilisation else None, "peak_gib": self.peak_gib,
+            "cpu_ms_per_image": 1000 * self.cpu / max(self.images, 1), "threads": torch.get_num_threads(),
+        }
 
 
-def run_epochs(config: dict[str, Any], rank: int, world: int, distributed: bool) -> Steady:
+def cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def sample_utilisation(into: list[float], every: float = 0.2) -> threading.Event:
+    """NVML's GPU utilisation (the share of time a kernel ran), sampled in a thread until the event is set."""
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.wait(every):
+            try:
+                into.append(float(torch.cuda.utilization()))
+            except Exception:  # no NVML bindings: the column stays empty
+                return
+
+    threading.Thread(target=sample, daemon=True).start()
+    return stop
+
+
+class Profile(pl.Callback):
+    """torch.profiler over `steps` training steps of the second epoch: what the training process spends its time
+    on, host and GPU, and how long the GPU's kernels ran in that window (the profiler adds some host time)."""
+
+    def __init__(self, out: Path | None, first: int = 5, steps: int = 20) -> None:
+        self.out, self.first, self.steps = out, first, steps
+        self.profiler: torch.profiler.profile | None = None
+        self.started = 0.0
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        if trainer.current_epoch == 1 and batch_idx == self.first:
+            activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+            self.profiler = torch.profiler.profile(activities=activities)
+            self.profiler.__enter__()
+            self.started = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.profiler is None or batch_idx != self.first + self.steps - 1:
+            return
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - self.started
+        self.profiler.__exit__(None, None, None)
+        events = self.profiler.key_averages()
+        text = (
+            f"{self.steps} steps in {wall:.3f} s ({wall / self.steps * 1000:.1f} ms a step); the tables' 'Self CUDA time total' "
+            "is the GPU's busy time in that window\n"
+            + events.table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=48)
+            + "\n"
+            + events.table(sort_by="self_device_time_total", row_limit=10, max_name_column_width=48)
+        )
+        print(text, flush=True)
+        if self.out:
+            self.out.write_text(text)
+        self.profiler = None
+
+
+def checked_metrics(model: pl.LightningModule) -> None:
+    """The metrics as the classifier had them before: torchmetrics' default argument and NaN checks, each of which
+    reads a value back from the GPU at every step."""
+    from torchmetrics import MeanMetric
+    from torchmetrics.classification import MulticlassAccuracy
+
+    classes = model.hparams.num_classes
+    for name in list(model.metrics):
+        model.metrics[name] = MulticlassAccuracy(classes, average="micro") if name.endswith("acc") else MeanMetric()
+
+
+def run_epochs(config: dict[str, Any], rank: int = 0, world: int = 1, distributed: bool = False) -> dict[str, Any]:
     pl.seed_everything(0, workers=True)
     steady = Steady()
     train_batches, val_batches = shard_loaders(config, rank, world)
     extra: dict[str, Any] = {"accelerator": "gpu" if config["use_gpu"] else "cpu", "devices": 1}
     callbacks: list[pl.Callback] = [steady]
+    if "profile" in config:
+        callbacks.append(Profile(Path(config["profile"]) if config["profile"] else None))
     if distributed:
         extra = {"accelerator": "auto", "devices": "auto", "strategy": RayDDPStrategy(), "plugins": [RayLightningEnvironment()]}
         callbacks.append(RayTrainReportCallback())
@@ -69,62 +202,231 @@ def run_epochs(config: dict[str, Any], rank: int, world: int, distributed: bool)
     trainer = make_trainer(config, callbacks, len(train_batches), 1, **extra)
     if distributed:
         trainer = prepare_trainer(trainer)
+    model = make_model(config, len(train_batches))
+    if config.get("checked_metrics"):
+        checked_metrics(model)
     with train_batches, val_batches:
-        trainer.fit(make_model(config), train_dataloaders=train_batches, val_dataloaders=val_batches)
-    return steady
+        trainer.fit(model, train_dataloaders=train_batches, val_dataloaders=val_batches)
+    return steady.result()
 
 
 def ray_worker(config: dict[str, Any]) -> None:
     context = ray.train.get_context()
-    steady = run_epochs(config, context.get_world_rank(), context.get_world_size(), distributed=True)
+    result = run_epochs(config, context.get_world_rank(), context.get_world_size(), distributed=True)
     # Results go through a file: RayTrainReportCallback owns ray.train.report in this loop.
-    with open(config["result_file"], "w") as out:
-        out.write(f"{steady.images} {steady.wait} {steady.compute} {torch.get_num_threads()}")
+    Path(config["result_file"]).write_text(json.dumps(result))
 
 
-def report(label: str, images: int, wait: float, compute: float, wall: float) -> float:
-    rate = images / max(wait + compute, 1e-9)
-    print(f"{label:44} {rate:8.1f} images/s   data wait {wait / max(wait + compute, 1e-9):5.1%}   wall {wall:6.1f} s", flush=True)
-    return rate
+def ray_epochs(config: dict[str, Any], work: Path, cpus: int) -> dict[str, Any]:
+    config = {**config, "result_file": str(work / "ray-result.json")}
+    TorchTrainer(
+        ray_worker,
+        train_loop_config=config,
+        scaling_config=ScalingConfig(num_workers=1, use_gpu=config["use_gpu"], resources_per_worker={"CPU": cpus}),
+        run_config=RunConfig(name=f"bench-{time.monotonic_ns()}", storage_path=str(work / "ray")),
+    ).fit()
+    return json.loads(Path(config["result_file"]).read_text())
+
+
+def limit(arch: str, batch: int, size: int, frozen: bool, steps: int, warmup: int, compiled: bool = False) -> dict[str, Any]:
+    """Training steps of the model alone, on random uint8 batches already on the GPU: what the data path aims at."""
+    torch.manual_seed(0)
+    net = ImageModel(10, arch, freeze_backbone=frozen).cuda()
+    net.channels_last = True
+    net = net.to(memory_format=torch.channels_last).train()
+    optimizer = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=1e-3)
+    step_net = torch.compile(net) if compiled else net
+    images = torch.randint(0, 256, (batch, size, size, 3), dtype=torch.uint8, device="cuda")
+    labels = torch.randint(0, 10, (batch,), device="cuda")
+
+    def step() -> None:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = F.cross_entropy(step_net(images), labels)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    utilisation: list[float] = []
+    stop = sample_utilisation(utilisation)
+    started, cpu = time.perf_counter(), cpu_seconds()
+    for _ in range(steps):
+        step()
+    torch.cuda.synchronize()
+    elapsed, cpu = time.perf_counter() - started, cpu_seconds() - cpu
+    stop.set()
+    result = {
+        "images": steps * batch, "rate": steps * batch / elapsed, "wait": None, "utilisation": float(np.mean(utilisation)) if utilisation else None,
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30, "cpu_ms_per_image": 1000 * cpu / (steps * batch),
+    }
+    return result
+
+
+class Table:
+    """The printed table, also kept as JSON rows (written after every row, so a cut-off run keeps what it measured)."""
+
+    COLUMNS = "model       trains  path                              batch workers  images/s  /limit  data wait  GPU util  peak GiB  CPU ms/img"
+
+    def __init__(self, json_path: str | None, title: str) -> None:
+        self.rows: list[dict[str, Any]] = []
+        self.limits: dict[tuple[str, bool, int], float] = {}
+        self.json_path = json_path
+        self.text_path = Path(json_path).with_suffix(".txt") if json_path else None
+        self.say(title)
+        self.say(self.COLUMNS)
+
+    def say(self, line: str) -> None:
+        """Print a line of the table; with a JSON file, also append it to the .txt beside it (free of the run's log)."""
+        print(line, flush=True)
+        if self.text_path:
+            with self.text_path.open("a") as out:
+                out.write(line + "\n")
+
+    def add(self, arch: str, frozen: bool, path: str, batch: int, workers: int | None, measure: Callable[[], dict[str, Any]]) -> dict[str, Any] | None:
+        started = time.perf_counter()
+        try:
+            result = measure()
+        except Exception as error:  # one failed row must not cost the rest of the table
+            self.say(f"{arch:11} {'head' if frozen else 'all':6}  {path:33} {batch:5} FAILED: {type(error).__name__}: {str(error).strip().splitlines()[-1][:200]}")
+            return None
+        if path.startswith("limit") and "compile" not in path:
+            self.limits.setdefault((arch, frozen, batch), result["rate"])
+        share = result["rate"] / self.limits[(arch, frozen, batch)] if (arch, frozen, batch) in self.limits else None
+
+        def fmt(value: Any, pattern: str) -> str:
+            return "-" if value is None else pattern.format(value)
+
+        self.say(
+            f"{arch:11} {'head' if frozen else 'all':6}  {path:33} {batch:5} {fmt(workers, '{:7d}')}"
+            f" {result['rate']:9.0f} {fmt(share, '{:7.2f}')} {fmt(result['wait'], '{:10.1%}')} {fmt(result['utilisation'], '{:8.0f}%')}"
+            f" {fmt(result['peak_gib'], '{:9.1f}')} {result['cpu_ms_per_image']:11.2f}   ({time.perf_counter() - started:.0f} s)"
+        )
+        row = {"arch": arch, "frozen": frozen, "path": path, "batch": batch, "workers": workers, "of_limit": share, **result}
+        self.rows.append(row)
+        if self.json_path:
+            Path(self.json_path).write_text(json.dumps(self.rows, indent=1))
+        return row
+
+
+def epochs_for(rate: float, images: int, seconds: float) -> int:
+    """Enough epochs for about `seconds` of steady training at `rate`, plus the warm-up epoch."""
+    return min(12, max(2, 1 + math.ceil(rate * seconds / images)))
+
+
+def gpu_table(args: argparse.Namespace, url: str, work: Path) -> None:
+    cores = os.cpu_count() or 2
+    table = Table(
+        args.json,
+        f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, Lightning {pl.__version__}, Ray {ray.__version__}, {cores} cores; "
+        f"{args.images} images {args.size}x{args.size} uint8 in {args.files} Parquet files; epochs after the first are measured",
+    )
+    size = args.size
+
+    def config(arch: str, batch: int, frozen: bool, workers: int, epochs: int, **more: Any) -> dict[str, Any]:
+        return {
+            "train_uri": url, "val_uri": url, "num_classes": 10, "image_size": size, "arch": arch, "batch_size": batch, "learning_rate": 1e-3,
+            "max_epochs": epochs, "patience": epochs, "min_delta": 0.0, "seed": 0, "use_gpu": True, "freeze_backbone": frozen,
+            "loader_workers": workers, **more,
+        }
+
+    def limits(arch: str, frozen: bool, batches: tuple[int, ...]) -> None:
+        for batch in batches:
+            table.add(arch, frozen, "limit: random batches on the GPU", batch, None, lambda: limit(arch, batch, size, frozen, args.steps, args.warmup))
+
+    def loader_paths(arch: str, frozen: bool, batch: int, workers: int, ray_too: bool = True, **more: Any) -> None:
+        epochs = epochs_for(table.limits.get((arch, frozen, batch), 1000.0), args.images, args.seconds)
+        table.add(arch, frozen, "Lightning + ShardBatches", batch, workers, lambda: run_epochs(config(arch, batch, frozen, workers, epochs, **more)))
+        if ray_too:
+            table.add(arch, frozen, "Ray TorchTrainer, 1 GPU worker", batch, workers, lambda: ray_epochs(config(arch, batch, frozen, workers, epochs, **more), work, cores))
+
+    sections = set(args.sections.split(","))
+    # Ray's object store is unused here (the loader reads Parquet itself): a small one starts fast anywhere.
+    ray.init(num_cpus=cores + 1, num_gpus=1, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False, object_store_memory=2 * 2**30)
+    workers = args.loader_workers
+    if "resnet50" in sections:  # 1 and 2: the limit, then the project's path at the same batch
+        limits("resnet50", False, (128, 256))
+        loader_paths("resnet50", False, 256, workers)
+        epochs = epochs_for(table.limits.get(("resnet50", False, 256), 1000.0), args.images, args.seconds)
+        table.add("resnet50", False, "Lightning, metrics checked per step", 256, workers, lambda: run_epochs(config("resnet50", 256, False, workers, epochs, checked_metrics=True)))
+    if "frozen" in sections:  # 3: transfer learning needs several times the rate: how many reader threads it takes
+        limits("resnet50", True, (256,))
+        rates = {}
+        for threads in args.frozen_workers:
+            loader_paths("resnet50", True, 256, threads, ray_too=False)
+            rates[threads] = table.rows[-1]["rate"] if table.rows and table.rows[-1]["workers"] == threads else 0.0
+        if args.ray_everywhere:
+            best = max(rates, key=rates.get)
+            epochs = epochs_for(table.limits.get(("resnet50", True, 256), 1000.0), args.images, args.seconds)
+            table.add("resnet50", True, "Ray TorchTrainer, 1 GPU worker", 256, best, lambda: ray_epochs(config("resnet50", 256, True, best, epochs), work, cores))
+    if "small" in sections:  # 4: the smaller models, so that users can pick
+        limits("resnet18", False, (256,))
+        loader_paths("resnet18", False, 256, workers, ray_too=args.ray_everywhere)
+        limits("small_cnn", False, (256,))
+        loader_paths("small_cnn", False, 256, workers, ray_too=args.ray_everywhere)
+    if "profile" in sections:  # where a step of the project's path goes, host and GPU
+        epochs = epochs_for(table.limits.get(("resnet50", False, 256), 1000.0), args.images, args.seconds)
+        profile = str(Path(args.json).with_name("gpu-profile.txt")) if args.json else ""
+        table.add("resnet50", False, "Lightning, under torch.profiler", 256, workers, lambda: run_epochs(config("resnet50", 256, False, workers, epochs, profile=profile)))
+    if "compile" in sections:  # torch.compile on the limit: does it raise the ceiling?
+        table.add("resnet50", False, "limit, torch.compile", 256, None, lambda: limit("resnet50", 256, size, False, args.steps, args.warmup + 10, compiled=True))
+
+
+def cpu_comparison(args: argparse.Namespace, url: str, work: Path) -> None:
+    cores = os.cpu_count() or 2
+    print(f"{args.images} images {args.size}x{args.size}, {args.arch}, batch {args.batch}, {args.epochs} epochs (the first is warm-up), "
+          f"CPU, {cores} cores, {torch.get_num_threads()} torch threads")
+    config = {
+        "train_uri": url, "val_uri": url, "num_classes": 10, "image_size": args.size, "arch": args.arch, "batch_size": args.batch,
+        "learning_rate": 1e-3, "max_epochs": args.epochs, "patience": args.epochs, "min_delta": 0.0, "seed": 0, "use_gpu": False,
+        "loader_workers": args.loader_workers,
+    }
+
+    def report(label: str, result: dict[str, Any], wall: float) -> float:
+        print(f"{label:44} {result['rate']:8.1f} images/s   data wait {result['wait']:5.1%}   wall {wall:6.1f} s", flush=True)
+        return result["rate"]
+
+    started = time.perf_counter()
+    a = report("(a) plain Lightning, one process", run_epochs(config), time.perf_counter() - started)
+    # The worker gets every core, as the plain process has (Ray sets its torch threads from its CPUs); +1 for the controller.
+    ray.init(num_cpus=cores + 1, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+    started = time.perf_counter()
+    result = ray_epochs(config, work, cores)
+    b = report(f"(b) Ray Train TorchTrainer, one worker ({result['threads']} threads)", result, time.perf_counter() - started)
+    print(f"TorchTrainer / plain Lightning: {b / a:.2f}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--images", type=int, default=2048)
-    parser.add_argument("--size", type=int, default=96)
-    parser.add_argument("--arch", default="small_cnn")
-    parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--epochs", type=int, default=6)
-    parser.add_argument("--loader-workers", type=int, default=2)
-    parser.add_argument("--gpu", action="store_true", help="train on one GPU (bf16 autocast, channels_last, pinned batches)")
+    parser.add_argument("--gpu", action="store_true", help="the GPU table (needs one CUDA GPU)")
+    parser.add_argument("--images", type=int, help="cached images (default 2048 on CPU, 16384 with --gpu)")
+    parser.add_argument("--size", type=int, help="image size (default 96 on CPU, 224 with --gpu)")
+    parser.add_argument("--files", type=int, default=8, help="Parquet files in the cache")
+    parser.add_argument("--loader-workers", type=int, help="Petastorm reader threads (default 2 on CPU, 8 with --gpu)")
+    parser.add_argument("--arch", default="small_cnn", help="CPU only")
+    parser.add_argument("--batch", type=int, default=64, help="CPU only")
+    parser.add_argument("--epochs", type=int, default=6, help="CPU only")
+    parser.add_argument("--sections", default="resnet50,frozen,small,profile,compile", help="GPU only: which parts of the table")
+    parser.add_argument("--frozen-workers", type=lambda s: [int(x) for x in s.split(",")], default=[2, 4], help="GPU only: reader threads tried for the frozen backbone")
+    parser.add_argument("--ray-everywhere", action="store_true", help="GPU only: Ray rows for the frozen backbone and the smaller models too")
+    parser.add_argument("--steps", type=int, default=40, help="GPU only: timed steps of each limit")
+    parser.add_argument("--warmup", type=int, default=15, help="GPU only: untimed steps before them")
+    parser.add_argument("--seconds", type=float, default=8.0, help="GPU only: about how long each loader path trains after its warm-up epoch")
+    parser.add_argument("--json", help="GPU only: also write the rows to this file")
     args = parser.parse_args()
+    args.images = args.images or (16384 if args.gpu else 2048)
+    args.size = args.size or (224 if args.gpu else 96)
+    args.loader_workers = args.loader_workers or (8 if args.gpu else 2)
+    if args.gpu and not torch.cuda.is_available():
+        parser.error("--gpu: torch sees no CUDA GPU on this machine")
     work = Path(tempfile.mkdtemp(prefix="imagelake-train-"))
     try:
-        spark = spark_session(Settings(workspace=work / "ws"))
-        url = write_cache(spark, work / "train", args.images, args.size, partitions=8)
-        spark.stop()
-        device = torch.cuda.get_device_name(0) if args.gpu else f"CPU, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads"
-        print(f"{args.images} images {args.size}x{args.size}, {args.arch}, batch {args.batch}, {args.epochs} epochs (the first is warm-up), {device}")
-        config = config_for(url, args)
-
         started = time.perf_counter()
-        plain = run_epochs(config, 0, 1, distributed=False)
-        a = report("(a) plain Lightning, one process", plain.images, plain.wait, plain.compute, time.perf_counter() - started)
-
-        cores = os.cpu_count() or 2
-        # The worker gets every core, as the plain process has (Ray sets its torch threads from its CPUs); +1 for the controller.
-        ray.init(num_cpus=cores + 1, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
-        config["result_file"] = str(work / "ray-result.txt")
-        started = time.perf_counter()
-        TorchTrainer(
-            ray_worker,
-            train_loop_config=config,
-            scaling_config=ScalingConfig(num_workers=1, use_gpu=args.gpu, resources_per_worker={"CPU": cores}),
-            run_config=RunConfig(name="bench", storage_path=str(work / "ray")),
-        ).fit()
-        images, wait, compute, threads = (float(x) for x in Path(config["result_file"]).read_text().split())
-        b = report(f"(b) Ray Train TorchTrainer, one worker ({threads:.0f} threads)", int(images), wait, compute, time.perf_counter() - started)
-        print(f"TorchTrainer / plain Lightning: {b / a:.2f}")
+        url = write_cache(work / "train", args.images, args.size, args.files)
+        print(f"cache written in {time.perf_counter() - started:.1f} s", flush=True)
+        (gpu_table if args.gpu else cpu_comparison)(args, url, work)
     finally:
         ray.shutdown()
         shutil.rmtree(work, ignore_errors=True)

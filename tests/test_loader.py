@@ -74,3 +74,44 @@ def test_batches_depend_on_seed_and_epoch_only(spark, tmp_path: Path) -> None:
     labels = [label for batch, _ in first for label in batch]
     # A batch of 8 from shuffled rows holds several labels, never a run of one.
     assert min(len(set(batch)) for batch, _ in first) >= 3 and len(labels) == shard_rows(url, 2)[0]
+
+
+def test_batches_made_ahead_by_a_thread_are_the_same_and_the_thread_stops_with_them(spark, tmp_path: Path) -> None:
+    """The GPU path's prefetch thread (ahead), on the real reader: the same batches in the same order; an epoch
+    dropped half way leaves no thread behind, neither its own nor the reader's; an error arrives after the batches
+    made before it."""
+    import threading
+
+    from tasks.worker.loader import ahead
+
+    url = write_label_runs(spark, tmp_path / "split", rows=200, partitions=4)
+
+    def loader() -> ShardBatches:
+        return ShardBatches(url, shard=0, shard_count=1, batch_size=16, image_size=SIZE, seed=3, shuffle=True, workers=2, key_field="sha256")
+
+    def content(batches) -> list[tuple[bytes, list[int], list[str]]]:
+        return [(images.numpy().tobytes(), labels.tolist(), keys) for images, labels, keys in batches]
+
+    with loader() as plain, loader() as threaded:
+        assert content(ahead(iter(threaded), 2)) == content(plain) != []
+
+    before = set(threading.enumerate())
+    with loader() as dropped:
+        batches = ahead(iter(dropped), 2)
+        next(batches)
+        assert len(set(threading.enumerate()) - before) > 1  # the prefetch thread and the reader's
+        batches.close()
+        left = [thread.name for thread in set(threading.enumerate()) - before if thread.is_alive()]
+        assert left == []
+
+    def failing():
+        yield 1
+        yield 2
+        raise ValueError("row group unreadable")
+
+    got, makers = [], set()
+    with pytest.raises(ValueError, match="unreadable"):
+        for item in ahead(failing(), 1, prepare=lambda item: (item * 10, threading.current_thread().name), receive=lambda item: item):
+            got.append(item[0])
+            makers.add(item[1])
+    assert got == [10, 20] and makers == {"imagelake-batches"}

@@ -12,9 +12,11 @@ and held until its turn in the order Petastorm ventilated them (seeded, see infr
 from __future__ import annotations
 
 import math
+import queue
+import threading
 import warnings
 from functools import lru_cache
-from typing import Any, Iterator, Self
+from typing import Any, Callable, Iterator, Self
 
 import fsspec
 import numpy as np
@@ -91,7 +93,13 @@ class ShardBatches:
     Iterating gives one epoch: `len(self)` batches (the same on every shard) holding every row of
     the shard once, as (uint8 NHWC images, int64 labels). With `shuffle`, row groups come in a
     seeded random order and rows are drawn at random from a buffer of `buffer_batches` batches.
+
+    With `pin_memory` and a GPU, a thread assembles the batches in pinned memory and copies them to
+    the current GPU on a stream of its own, `GPU_AHEAD` batches ahead of training: the batches
+    arrive on the GPU, and nothing in a training step waits for the host.
     """
+
+    GPU_AHEAD = 3
 
     def __init__(
         self,
@@ -118,11 +126,13 @@ class ShardBatches:
         self.sizes = batch_sizes(self.rows, self.steps)
         self.epoch = 0
         self._reader = None
+        self._ahead: Iterator[tuple[Any, ...]] | None = None
 
     def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self._stop_ahead()
         self._stop()
 
     def __len__(self) -> int:
@@ -134,7 +144,42 @@ class ShardBatches:
             self._reader.join()
             self._reader = None
 
+    def _stop_ahead(self) -> None:
+        if self._ahead is not None:
+            self._ahead.close()  # stops its thread, which stops the epoch's reader
+            self._ahead = None
+
     def __iter__(self) -> Iterator[tuple[torch.Tensor, ...]]:
+        if self.pin_memory and torch.cuda.is_available():
+            self._stop_ahead()  # an epoch abandoned half way leaves its thread behind
+            self._ahead = self._on_gpu(self._batches())
+            return self._ahead
+        return self._batches()
+
+    def _on_gpu(self, batches: Iterator[tuple[Any, ...]]) -> Iterator[tuple[Any, ...]]:
+        """`batches`, each copied to the current GPU on a stream of its own by the thread that makes them."""
+        device = torch.device("cuda", torch.cuda.current_device())
+        stream = torch.cuda.Stream(device)
+
+        def copy(batch: tuple[Any, ...]) -> tuple[tuple[Any, ...], torch.cuda.Event]:
+            with torch.cuda.stream(stream):
+                moved = tuple(item.to(device, non_blocking=True) if isinstance(item, torch.Tensor) else item for item in batch)
+                copied = torch.cuda.Event()
+                copied.record(stream)
+            return moved, copied
+
+        def receive(item: tuple[tuple[Any, ...], torch.cuda.Event]) -> tuple[Any, ...]:
+            moved, copied = item
+            current = torch.cuda.current_stream(device)
+            current.wait_event(copied)
+            for tensor in moved:
+                if isinstance(tensor, torch.Tensor):
+                    tensor.record_stream(current)  # its memory is not reused before training is done with it
+            return moved
+
+        return ahead(batches, self.GPU_AHEAD, copy, receive)
+
+    def _batches(self) -> Iterator[tuple[Any, ...]]:
         self._stop()  # an epoch abandoned half way (an exception, an early stop) leaves its reader behind
         epoch, self.epoch = self.epoch, self.epoch + 1
         fields = ["image", "label"] + ([self.key_field] if self.key_field else [])
@@ -168,11 +213,60 @@ class ShardBatches:
                     raise RuntimeError(f"shard {self.shard} of {self.url} ended after fewer rows than its {self.rows}")
                 images = torch.empty((size, self.image_size, self.image_size, 3), dtype=torch.uint8, pin_memory=self.pin_memory)
                 labels, keys = pool.take(size, images.numpy().reshape(size, -1))
-                yield (images, torch.from_numpy(labels), keys) if self.key_field else (images, torch.from_numpy(labels))
+                # Pinned too: a copy from pageable memory would make the host wait for the GPU at every step.
+                label_tensor = torch.from_numpy(labels).pin_memory() if self.pin_memory else torch.from_numpy(labels)
+                yield (images, label_tensor, keys) if self.key_field else (images, label_tensor)
             if next(arrivals, None) is not None:
                 raise RuntimeError(f"shard {self.shard} of {self.url} holds more rows than its {self.rows}: the cache changed")
         finally:
             self._stop()
+
+
+def ahead(
+    items: Iterator[Any], depth: int, prepare: Callable[[Any], Any] = lambda item: item, receive: Callable[[Any], Any] = lambda item: item
+) -> Iterator[Any]:
+    """`items`, made up to `depth` ahead by a thread that also runs `prepare` on each; `receive` runs on each as it is
+    handed over. An error in the thread is raised here, in order; closing this generator (or dropping it half way)
+    stops the thread, which closes `items`."""
+    ready: queue.Queue = queue.Queue(depth)
+    halt = threading.Event()
+    end = object()
+
+    def hand_over(item: object) -> bool:
+        while not halt.is_set():
+            try:
+                ready.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def produce() -> None:
+        try:
+            for item in items:
+                if not hand_over(prepare(item)):
+                    return
+            hand_over(end)
+        except BaseException as error:  # raised by the consumer, after the items before it
+            hand_over(error)
+        finally:
+            close = getattr(items, "close", None)
+            if close is not None:
+                close()
+
+    thread = threading.Thread(target=produce, name="imagelake-batches", daemon=True)
+    thread.start()
+    try:
+        while True:
+            item = ready.get()
+            if item is end:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield receive(item)
+    finally:
+        halt.set()
+        thread.join()
 
 
 class InOrder:

@@ -188,8 +188,14 @@ class ImageClassifier(pl.LightningModule):
         self.model = ImageModel(num_classes, arch, pretrained_weights, freeze_backbone)
         # Metric objects sum correct answers and samples across steps and workers: exact epoch figures
         # even when workers' batches differ in size (a mean of per-batch means would not be).
+        # Their per-step checks are off: each reads a value back from the GPU and stalls the step (a NaN loss still
+        # shows: it makes the epoch's loss NaN, which stops training, where it used to be dropped with a warning).
         self.metrics = nn.ModuleDict(
-            {f"{split}_{name}": metric for split in ("train", "val") for name, metric in (("acc", MulticlassAccuracy(num_classes, average="micro")), ("loss", MeanMetric()))}
+            {
+                f"{split}_{name}": metric
+                for split in ("train", "val")
+                for name, metric in (("acc", MulticlassAccuracy(num_classes, average="micro", validate_args=False)), ("loss", MeanMetric(nan_strategy="disable")))
+            }
         )
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,6 @@ from typing import Any
 import pytorch_lightning as pl
 import ray.train
 import torch
-from mlflow import MlflowClient
 from pytorch_lightning.callbacks import Callback, EarlyStopping
 from ray.train.lightning import (
     RayDDPStrategy,
@@ -72,6 +71,8 @@ class MlflowEpochMetrics(Callback):
     """Logs the epoch's metrics to one MLflow run; only rank 0 gets this callback."""
 
     def __init__(self, tracking_uri: str, run_id: str, after_epoch: int = -1) -> None:
+        from mlflow import MlflowClient  # here, not at the top: a worker that logs nothing needs no MLflow
+
         self.client = MlflowClient(tracking_uri)
         self.run_id = run_id
         self.after_epoch = after_epoch
@@ -142,6 +143,8 @@ def make_trainer(config: dict[str, Any], callbacks: list[Callback], train_steps:
         limit_train_batches=train_steps,
         limit_val_batches=val_steps,
         use_distributed_sampler=False,
+        # Batches have one or two shapes (sizes differ by at most one): cuDNN's fastest kernels are found once.
+        benchmark=True if gpu else None,
         **kwargs,
     )
 
@@ -200,6 +203,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     callbacks: list[Callback] = [RayTrainReportCallback()]
     nodes = worker_nodes(world)
     if rank == 0 and config.get("mlflow_run_id"):
+        from mlflow import MlflowClient
+
         MlflowClient(config["tracking_uri"]).set_tag(config["mlflow_run_id"], WORKER_NODES_TAG, json.dumps(nodes))
         callbacks.append(MlflowEpochMetrics(config["tracking_uri"], config["mlflow_run_id"], resumed_epoch))
         if resume:
