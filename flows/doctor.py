@@ -96,6 +96,15 @@ def _ray(settings: Settings) -> Check:
     return Check("ray", cpus >= needed, detail)
 
 
+def _lightning(settings: Settings) -> Check:
+    import pytorch_lightning
+
+    from tasks.worker.train_loop import ray_lightning_problem
+
+    problem = ray_lightning_problem()
+    return Check("lightning", problem is None, problem or f"pytorch_lightning {pytorch_lightning.__version__}, as Ray Train's Lightning integration uses")
+
+
 def _gpu(settings: Settings) -> Check:
     import torch
 
@@ -129,7 +138,7 @@ def _prefect(settings: Settings) -> Check:
 
 
 CHECKS: list[Callable[[Settings], Check | list[Check]]] = [
-    _python, _java, _spark, _deltalake, _petastorm, _ray, _gpu, _mlflow, _prefect,
+    _python, _java, _spark, _deltalake, _petastorm, _ray, _lightning, _gpu, _mlflow, _prefect,
 ]
 
 

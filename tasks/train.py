@@ -26,7 +26,7 @@ from tasks.progress import Every, stage_logger
 from tasks.rules.training import TRAINING_SETTINGS, logged_params, scaled_learning_rate
 from tasks.results import CachedSplits, Trained
 from tasks.stage import code_digest, stage
-from tasks.worker.train_loop import WORKER_NODES_TAG, train_loop_per_worker
+from tasks.worker.train_loop import WORKER_NODES_TAG, LightningMismatch, ray_lightning_problem, train_loop_per_worker
 
 
 def run_name(cached: CachedSplits, settings: Settings, fresh: str | None = None) -> str:
@@ -100,6 +100,9 @@ def fit(cached: CachedSplits, settings: Settings, client: MlflowClient, run_id: 
     )
     # Ray Train resumes a run whose (storage_path, name) already holds checkpoints: a retried task, or a
     # re-run after a crash, continues from the interrupted run's latest checkpoint instead of starting over.
+    problem = ray_lightning_problem()
+    if problem:  # every worker would fail on it, after Ray's start-up
+        raise LightningMismatch(problem)
     trainer = TorchTrainer(train_loop_per_worker, train_loop_config=config, scaling_config=scaling, run_config=run_config)
     result = trainer.fit()
     checkpoint, metrics = min(result.best_checkpoints, key=lambda pair: pair[1]["val_loss"])

@@ -272,6 +272,7 @@ def test_doctor_reports_this_machine_and_names_what_is_missing(tmp_path: Path) -
     assert lines["delta"].startswith("absent") and "written with delta-rs" in lines["delta"]
     assert lines["gpu"].startswith("absent") and "none" in lines["gpu"]
     assert lines["ray"].startswith("ok") and lines["pyarrow"].startswith("ok")
+    assert lines["lightning"].startswith("ok") and "pytorch_lightning" in lines["lightning"]
 
     forced = run_cli(["doctor", "--set", f"workspace={tmp_path / 'ws'}", "--set", "delta_writer=spark"], env, timeout=300)
     assert forced.returncode == 1

@@ -175,3 +175,17 @@ def test_gpu_settings_turn_on_bf16_and_channels_last_on_a_gpu(tmp_path: Path, mo
     assert model.model.channels_last is True and model.model.net.features[0][0].weight.is_contiguous(memory_format=torch.channels_last)
     assert make_trainer({**config, "bf16": False}, [], 1, 1, accelerator="cpu").precision == "32-true"
     assert make_model({**config, "channels_last": False}).model.channels_last is False
+
+
+def test_a_ray_strategy_of_another_lightning_package_is_refused_before_training() -> None:
+    """Where the `lightning` package is installed too, Ray Train's strategy is built on it and cannot drive imagelake's
+    pytorch_lightning Trainer: the train stage says so before starting Ray (a real strategy of another Lightning
+    package, lightning_fabric's, stands in for lightning.pytorch's, which this environment does not install)."""
+    from lightning_fabric.strategies import DDPStrategy as FabricDDPStrategy
+
+    from tasks.worker.train_loop import ray_lightning_problem
+
+    assert ray_lightning_problem() is None
+    problem = ray_lightning_problem(FabricDDPStrategy)
+    assert problem is not None and "lightning_fabric" in problem and "pip uninstall lightning" in problem
+

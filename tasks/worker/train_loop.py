@@ -27,6 +27,25 @@ CHECKPOINT_FILE = RayTrainReportCallback.CHECKPOINT_NAME
 WORKER_NODES_TAG = "ray_worker_nodes"  # the Ray node id of each rank, in rank order
 
 
+class LightningMismatch(PermanentError, RuntimeError):
+    """Ray Train's Lightning integration is built on another Lightning package than imagelake's trainer."""
+
+
+def ray_lightning_problem(strategy: type = RayDDPStrategy) -> str | None:
+    """Why Ray Train's Lightning classes cannot drive imagelake's `pytorch_lightning` Trainer, or None if they can.
+
+    Ray's integration builds on `lightning.pytorch` whenever the `lightning` package is importable, and on
+    `pytorch_lightning` only otherwise: with both installed, its strategy is not one of this Trainer's.
+    """
+    if issubclass(strategy, pl.strategies.Strategy):
+        return None
+    return (
+        f"Ray Train's {strategy.__name__} comes from {strategy.__mro__[1].__module__.split('.')[0]}, not pytorch_lightning: the `lightning` "
+        "package is installed beside `pytorch-lightning`, and Ray's Lightning integration then uses it. imagelake trains with "
+        "pytorch_lightning: uninstall `lightning` (pip uninstall lightning) where the driver and the Ray workers run"
+    )
+
+
 class CheckpointUnusable(PermanentError, RuntimeError):
     """No checkpoint of an interrupted run can be read: resuming would silently start over."""
 
