@@ -316,6 +316,14 @@ def epochs_for(rate: float, images: int, seconds: float) -> int:
     return min(12, max(2, 1 + math.ceil(rate * seconds / images)))
 
 
+def train_config(url: str, size: int, arch: str, batch: int, epochs: int, workers: int, gpu: bool, **more: Any) -> dict[str, Any]:
+    """The training loop's config for the cached split at `url` (10 labels; no early stop before the last epoch)."""
+    return {
+        "train_uri": url, "val_uri": url, "num_classes": 10, "image_size": size, "arch": arch, "batch_size": batch, "learning_rate": 1e-3,
+        "max_epochs": epochs, "patience": epochs, "min_delta": 0.0, "seed": 0, "use_gpu": gpu, "loader_workers": workers, **more,
+    }
+
+
 def gpu_table(args: argparse.Namespace, url: str, work: Path) -> None:
     cores = os.cpu_count() or 2
     table = Table(
@@ -326,11 +334,7 @@ def gpu_table(args: argparse.Namespace, url: str, work: Path) -> None:
     size = args.size
 
     def config(arch: str, batch: int, frozen: bool, workers: int, epochs: int, **more: Any) -> dict[str, Any]:
-        return {
-            "train_uri": url, "val_uri": url, "num_classes": 10, "image_size": size, "arch": arch, "batch_size": batch, "learning_rate": 1e-3,
-            "max_epochs": epochs, "patience": epochs, "min_delta": 0.0, "seed": 0, "use_gpu": True, "freeze_backbone": frozen,
-            "loader_workers": workers, **more,
-        }
+        return train_config(url, size, arch, batch, epochs, workers, gpu=True, freeze_backbone=frozen, **more)
 
     def limits(arch: str, frozen: bool, batches: tuple[int, ...]) -> None:
         for batch in batches:
@@ -378,11 +382,7 @@ def cpu_comparison(args: argparse.Namespace, url: str, work: Path) -> None:
     cores = os.cpu_count() or 2
     print(f"{args.images} images {args.size}x{args.size}, {args.arch}, batch {args.batch}, {args.epochs} epochs (the first is warm-up), "
           f"CPU, {cores} cores, {torch.get_num_threads()} torch threads")
-    config = {
-        "train_uri": url, "val_uri": url, "num_classes": 10, "image_size": args.size, "arch": args.arch, "batch_size": args.batch,
-        "learning_rate": 1e-3, "max_epochs": args.epochs, "patience": args.epochs, "min_delta": 0.0, "seed": 0, "use_gpu": False,
-        "loader_workers": args.loader_workers,
-    }
+    config = train_config(url, args.size, args.arch, args.batch, args.epochs, args.loader_workers, gpu=False)
 
     def report(label: str, result: dict[str, Any], wall: float) -> float:
         print(f"{label:44} {result['rate']:8.1f} images/s   data wait {result['wait']:5.1%}   wall {wall:6.1f} s", flush=True)

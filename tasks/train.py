@@ -98,11 +98,11 @@ def fit(cached: CachedSplits, settings: Settings, client: MlflowClient, run_id: 
         resources_per_worker={"CPU": settings.cpus_per_worker, **({"GPU": settings.gpus_per_worker} if settings.use_gpu else {})},
         placement_strategy=settings.ray_placement_strategy,
     )
-    # Ray Train resumes a run whose (storage_path, name) already holds checkpoints: a retried task, or a
-    # re-run after a crash, continues from the interrupted run's latest checkpoint instead of starting over.
     problem = ray_lightning_problem()
     if problem:  # every worker would fail on it, after Ray's start-up
         raise LightningMismatch(problem)
+    # Ray Train resumes a run whose (storage_path, name) already holds checkpoints: a retried task, or a
+    # re-run after a crash, continues from the interrupted run's latest checkpoint instead of starting over.
     trainer = TorchTrainer(train_loop_per_worker, train_loop_config=config, scaling_config=scaling, run_config=run_config)
     result = trainer.fit()
     checkpoint, metrics = min(result.best_checkpoints, key=lambda pair: pair[1]["val_loss"])
