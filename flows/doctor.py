@@ -37,6 +37,8 @@ def _java(settings: Settings) -> Check:
 def _spark(settings: Settings) -> list[Check]:
     import pyspark
 
+    from infra.jars import check as check_jars
+    from infra.jars import jar_folder
     from infra.spark import delta_jars_loaded, spark_session
 
     spark = spark_session(settings)
@@ -44,20 +46,31 @@ def _spark(settings: Settings) -> list[Check]:
     jars = delta_jars_loaded(spark)
     needed = settings.delta_writer == "spark"
     if jars:
-        delta = "loaded; " + ("tables are written with delta-rs (forced)" if settings.delta_writer == "delta-rs" else "tables are written with Spark's Delta writer")
+        from infra.delta import choose_engine
+
+        engine = choose_engine(settings, spark)
+        delta = f"loaded; delta_writer={settings.delta_writer} gives " + (
+            "Spark's Delta: tables are read, merged, compacted and vacuumed by Spark, executors' files committed by delta-rs"
+            if engine == "spark"
+            else "delta-rs" + (" (faster than Spark's Delta on an embedded Spark; delta_writer=spark forces it)" if settings.delta_writer == "auto" else "")
+        )
     elif needed:
-        delta = "absent, but delta_writer=spark needs them: add Delta's jars with IMAGELAKE_SPARK_JARS, or set delta_writer=auto"
+        delta = "absent, but delta_writer=spark needs them: `make install` fetches them with mvn (or list them in IMAGELAKE_SPARK_JARS), or set delta_writer=auto"
     else:
-        delta = "absent: format('delta') is unavailable; tables are written with delta-rs (deltalake)"
-    return [
+        delta = "absent: format('delta') is unavailable; Delta tables use delta-rs (deltalake). `make install` fetches the jars where mvn reaches Maven Central"
+    checks = [
         Check("spark", rows == 10, f"pyspark {pyspark.__version__}, master {spark.sparkContext.master}, a test job ran"),
-        Check(
-            "delta jars",
-            jars,
-            delta,
-            required=needed,
-        ),
+        Check("delta jars", jars, delta, required=needed),
     ]
+    for state in check_jars():
+        detail = (
+            f"{state.path}, SHA-256 as installed" if state.ok and state.checksum_ok else
+            f"{state.path} (no SHA-256 recorded)" if state.ok else
+            f"{state.path} differs from the SHA-256 recorded at install: run `make install` again" if state.present else
+            f"not in {jar_folder()}: `make install` fetches it with mvn"
+        )
+        checks.append(Check(f"jar {state.coordinate}", state.ok, detail, required=needed and state.checksum_ok is False))
+    return checks
 
 
 def _petastorm(settings: Settings) -> Check:

@@ -6,9 +6,12 @@ from __future__ import annotations
 import json
 import math
 import random
+import threading
+from contextlib import contextmanager
 import time
 import uuid
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from typing import Literal
 
 import fsspec
@@ -20,7 +23,6 @@ from deltalake import Schema as DeltaSchema
 from deltalake.exceptions import CommitFailedError, DeltaError, TableNotFoundError
 from deltalake.transaction import AddAction, RemoveAction, create_table_with_add_actions
 from pyspark.sql import Column, DataFrame, SparkSession
-from pyspark.sql import functions as F
 
 from infra.compat import collect_arrow, delta_log_mentions
 from infra.errors import PermanentError
@@ -36,16 +38,22 @@ class DeltaEngineUnavailable(PermanentError, RuntimeError):
 
 
 def choose_engine(settings: Settings, spark: SparkSession) -> Engine:
-    """Spark's Delta if its jars load (or forced), delta-rs otherwise."""
+    """The Delta engine for reads, merges, compaction, vacuum and history: the settings' `delta_writer`.
+
+    "auto" is delta-rs on an embedded Spark (local[...]), where bench/delta_ops.py measured it faster at every
+    one of those operations, and Spark's Delta on a Spark cluster whose driver loads Delta's jars, where that
+    work runs on the executors instead of the driver.
+    """
     jars = delta_jars_loaded(spark)
     if settings.delta_writer == "spark" and not jars:
         raise DeltaEngineUnavailable(
             "delta_writer is 'spark' but Spark cannot load Delta's classes (io.delta.sql.DeltaSparkSessionExtension): "
-            "add the delta-spark jars through IMAGELAKE_SPARK_JARS, or set IMAGELAKE_DELTA_WRITER=auto to use delta-rs."
+            "run `make install` (it fetches Delta's jars with mvn), or list them in IMAGELAKE_SPARK_JARS, "
+            "or set IMAGELAKE_DELTA_WRITER=auto to use delta-rs."
         )
-    if settings.delta_writer == "delta-rs":
-        return "delta-rs"
-    return "spark" if jars else "delta-rs"
+    if settings.delta_writer != "auto":
+        return settings.delta_writer
+    return "spark" if jars and not settings.spark_master.startswith("local") else "delta-rs"
 
 
 def append_arrow(table_uri: str, batches: pa.RecordBatchReader | pa.Table) -> int:
@@ -173,36 +181,105 @@ def _is_conflict(exc: Exception) -> bool:
     return isinstance(exc, CommitFailedError) or "conflict" in text or "version already exists" in text or "already exists" in text
 
 
+_spark_commits = threading.Lock()  # userMetadata is a session setting: one Spark commit at a time per process
+
+
 def merge_spark(spark: SparkSession, table_uri: str, changes: pa.Table) -> int:
-    """The same merge through delta-spark, where Spark's Delta jars load."""
+    """The same merge through Spark's Delta (`DeltaTable.merge`); return its version."""
     from delta.tables import DeltaTable as SparkDeltaTable
 
-    write_id = uuid.uuid4().hex
+    columns = [c for c in changes.column_names if c != "_action"]
     source = spark.createDataFrame(changes.to_pandas())
-    spark.conf.set("spark.databricks.delta.commitInfo.userMetadata", write_id)
-    try:
+    write_id = uuid.uuid4().hex
+    with _spark_commits, _session_conf(spark, "spark.databricks.delta.commitInfo.userMetadata", write_id):
         if not SparkDeltaTable.isDeltaTable(spark, table_uri):
             source.where("_action = 'upsert'").drop("_action").write.format("delta").mode("append").save(table_uri)
         else:
             (
                 SparkDeltaTable.forPath(spark, table_uri).alias("t")
                 .merge(source.alias("s"), MERGE_KEY)
-                .whenMatchedUpdate(condition="s._action = 'upsert'", set={c: f"s.`{c}`" for c in changes.column_names if c != "_action"})
+                .whenMatchedUpdate(condition="s._action = 'upsert'", set={c: f"s.`{c}`" for c in columns})
                 .whenMatchedDelete(condition="s._action = 'delete'")
-                .whenNotMatchedInsert(condition="s._action = 'upsert'", values={c: f"s.`{c}`" for c in changes.column_names if c != "_action"})
+                .whenNotMatchedInsert(condition="s._action = 'upsert'", values={c: f"s.`{c}`" for c in columns})
                 .execute()
             )
+    return _version_of_write(table_uri, write_id)
+
+
+def compact_spark(spark: SparkSession, table_uri: str) -> dict:
+    """Spark's Delta bin-packing (`optimize().executeCompaction()`); the files it added and removed."""
+    from delta.tables import DeltaTable as SparkDeltaTable
+
+    metrics = SparkDeltaTable.forPath(spark, table_uri).optimize().executeCompaction().select("metrics.*").first()
+    return {"files_added": int(metrics["numFilesAdded"]), "files_removed": int(metrics["numFilesRemoved"])}
+
+
+def vacuum_spark(spark: SparkSession, table_uri: str, retention_hours: float, keep_versions: list[int]) -> list[str]:
+    """Spark's Delta `vacuum`: it has no per-version keep list, so the retention reaches back to the oldest version to keep.
+
+    Like delta-rs' full mode it also deletes files no commit added that are older than the retention.
+    Returns the data files it deleted (the folder's Parquet files before minus after).
+    """
+    from delta.tables import DeltaTable as SparkDeltaTable
+
+    if keep_versions:
+        committed = {c["version"]: c["timestamp"] for c in history_spark(spark, table_uri)}
+        oldest = min((committed[v] for v in keep_versions if v in committed), default=None)
+        if oldest is not None:
+            retention_hours = max(retention_hours, (time.time() - oldest.timestamp()) / 3600 + 1)
+    before = _data_files(table_uri)
+    # Vacuum lists the table folder as one Spark job with this many tasks (10,000 unless set): one per core is plenty.
+    with _spark_commits, _session_conf(spark, "spark.sql.sources.parallelPartitionDiscovery.parallelism", str(spark.sparkContext.defaultParallelism)):
+        SparkDeltaTable.forPath(spark, table_uri).vacuum(float(math.ceil(retention_hours)))
+    return sorted(before - _data_files(table_uri))
+
+
+@contextmanager
+def _session_conf(spark: SparkSession, key: str, value: str):
+    """Set a Spark SQL setting for the block, then restore it."""
+    previous = spark.conf.get(key, None)
+    spark.conf.set(key, value)
+    try:
+        yield
     finally:
-        spark.conf.unset("spark.databricks.delta.commitInfo.userMetadata")
-    row = spark.sql(f"DESCRIBE HISTORY delta.`{table_uri}`").where(F.col("userMetadata") == write_id).select("version").first()
-    return int(row["version"])
+        spark.conf.unset(key) if previous is None else spark.conf.set(key, previous)
+
+
+def history_spark(spark: SparkSession, table_uri: str) -> list[dict]:
+    """The table's commits through `DeltaTable.history()`, newest first, in `history`'s shape."""
+    from delta.tables import DeltaTable as SparkDeltaTable
+
+    rows = SparkDeltaTable.forPath(spark, table_uri).history().select("version", "timestamp", "operation", "userMetadata").collect()
+    return [
+        {"version": int(r["version"]), "timestamp": r["timestamp"].astimezone(timezone.utc), "operation": r["operation"], "write_id": r["userMetadata"]}
+        for r in rows
+    ]
+
+
+def history_rs(table_uri: str) -> list[dict]:
+    """The table's commits through delta-rs' `DeltaTable.history()`, newest first."""
+    return [
+        {
+            "version": int(c["version"]),
+            "timestamp": datetime.fromtimestamp(c["timestamp"] / 1000, timezone.utc),
+            "operation": c.get("operation"),
+            "write_id": c.get(WRITE_ID_KEY) or c.get("userMetadata"),
+        }
+        for c in DeltaTable(table_uri).history()
+    ]
+
+
+def _data_files(table_uri: str) -> set[str]:
+    fs, folder = fsspec.core.url_to_fs(table_uri)
+    return {path.removeprefix(folder).lstrip("/") for path in fs.find(folder) if path.endswith(".parquet") and "/_delta_log/" not in path}
 
 
 def _version_of_write(table_uri: str, write_id: str) -> int:
     # Another writer may have committed since ours: find our commit by its id, not by "latest".
-    for commit in DeltaTable(table_uri).history():
-        if commit.get(WRITE_ID_KEY) == write_id:
-            return int(commit["version"])
+    # delta-rs' commits carry it as custom metadata, Spark's as userMetadata; delta-rs' history shows both.
+    for commit in history_rs(table_uri):
+        if commit["write_id"] == write_id:
+            return commit["version"]
     raise RuntimeError(f"the commit of write {write_id} is missing from the history of {table_uri}")
 
 
@@ -252,8 +329,10 @@ def table_exists(table_uri: str) -> bool:
 class Table:
     """One Delta table and the engine that reads it and merges into it: the one place where delta-rs and Spark's Delta differ.
 
-    Spark reads the data files either way (through Spark's Delta source, or through the delta-rs log's file list);
-    merges run in the engine; appends of small tables, commits of files already written, and maintenance use delta-rs.
+    With engine "spark", reads go through Spark's Delta source (versionAsOf), merges through `DeltaTable.merge`,
+    compaction, vacuum and history through Spark's `DeltaTable`. With "delta-rs", Spark reads the files the delta-rs
+    log lists and delta-rs does the rest. Either way, appends of small tables and commits of data files the executors
+    already wrote are delta-rs commits: Spark's Delta has no public API for the latter, and both engines read the result.
     """
 
     uri: str
@@ -288,17 +367,17 @@ class Table:
 
     @property
     def commits_files(self) -> bool:
-        """Whether Parquet files already written in the table's folder can be committed as they are (delta-rs' write
-        transactions); with Spark's Delta the rows are merged instead."""
-        return self.engine == "delta-rs"
+        """Whether Parquet files already written in the table's folder can be committed as they are. Spark's Delta has
+        no public API for that, and delta-rs' commit is a plain Delta commit that Spark's Delta reads: both engines use it."""
+        return True
 
     def append(self, rows: pa.Table | pa.RecordBatchReader) -> int:
-        """Append rows in one commit; return its version."""
+        """Append rows in one commit (delta-rs, either engine: small tables, no JVM round trip); return its version."""
         return append_arrow(self.uri, rows)
 
     def merge(self, changes: pa.Table) -> int:
         """Upsert and delete rows keyed on (path, image_size) (`_action` column) in one commit; return its version."""
-        return merge_spark(self.spark, self.uri, changes) if self.engine == "spark" else merge_arrow(self.uri, changes)
+        return merge_spark(self._reader(), self.uri, changes) if self.engine == "spark" else merge_arrow(self.uri, changes)
 
     def commit_files(self, schema: pa.Schema, files: list[str]) -> int:
         return commit_files(self.uri, schema, files)
@@ -309,17 +388,25 @@ class Table:
     def ever_committed(self, files: list[str]) -> set[str]:
         return ever_committed(self.uri, files)
 
+    def history(self) -> list[dict]:
+        """The commits, newest first: version, timestamp (UTC), operation, and the write id this project gives its commits."""
+        return history_spark(self._reader(), self.uri) if self.engine == "spark" else history_rs(self.uri)
+
     def compact(self) -> dict:
         """Rewrite small files into fewer large ones (a new version with the same rows)."""
+        if self.engine == "spark":
+            return compact_spark(self._reader(), self.uri)
         metrics = DeltaTable(self.uri).optimize.compact()
         return {"files_added": metrics.get("numFilesAdded", 0), "files_removed": metrics.get("numFilesRemoved", 0)}
 
     def vacuum(self, retention_hours: float, keep_versions: list[int]) -> list[str]:
         """Delete files no longer referenced by the recent versions or by any version in KEEP_VERSIONS.
 
-        Full mode also deletes files that no commit ever added and that are older than the retention:
+        Both engines also delete files that no commit ever added and that are older than the retention:
         data files left by a run killed between its resize and its write.
         """
+        if self.engine == "spark":
+            return vacuum_spark(self._reader(), self.uri, retention_hours, keep_versions)
         return DeltaTable(self.uri).vacuum(
             retention_hours=math.ceil(retention_hours), dry_run=False, enforce_retention_duration=False, keep_versions=keep_versions, full=True
         )

@@ -68,7 +68,10 @@ class Settings(BaseSettings):
     spark_log_level: Literal["ALL", "DEBUG", "INFO", "WARN", "ERROR", "FATAL", "OFF"] = Field(default="ERROR", description="Spark's own log level")
     spark_jars: list[str] = Field(default_factory=list, description="Extra jars for Spark, e.g. Delta's, as local paths")
     spark_conf: dict[str, str] = Field(default_factory=dict, description="Extra Spark properties, applied last (e.g. spark.kubernetes.*, spark.executor.*)")
-    delta_writer: Literal["auto", "delta-rs", "spark"] = "auto"
+    delta_writer: Literal["auto", "delta-rs", "spark"] = Field(
+        default="auto",
+        description="Delta engine for reads, merges and maintenance: auto is delta-rs on an embedded Spark and Spark's Delta on a Spark cluster with Delta's jars",
+    )
     table_root: str | None = Field(default=None, description="Folder or object-store URI of the Delta tables")
     table_name: str = "images"
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from pyspark.sql import SparkSession
 
 from infra.compat import instantiated_spark_session, load_jvm_class
+from infra.jars import runtime_jars
 from infra.java import ensure_java
 from infra.lifecycle import exit_on_cancel
 from infra.settings import Settings
@@ -36,6 +37,7 @@ def spark_session(settings: Settings) -> SparkSession:
         # Executors must run this interpreter, or the UDFs cannot import Pillow and pyarrow.
         os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
         os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+        partitions = str(max(4, (os.cpu_count() or 2) * 2))
         builder = (
             SparkSession.builder.master(settings.spark_master)
             .appName("imagelake")
@@ -46,14 +48,22 @@ def spark_session(settings: Settings) -> SparkSession:
             .config("spark.sql.execution.arrow.pyspark.enabled", "true")
             # Decoded 224x224 images are ~150 KB each: keep Arrow batches small.
             .config("spark.sql.execution.arrow.maxRecordsPerBatch", "256")
-            .config("spark.sql.shuffle.partitions", str(max(4, (os.cpu_count() or 2) * 2)))
+            .config("spark.sql.shuffle.partitions", partitions)
             .config("spark.sql.session.timeZone", "UTC")
         )
-        if settings.spark_jars:
-            builder = builder.config("spark.jars", ",".join(settings.spark_jars))
+        jars = spark_jars(settings)
+        if jars:
+            builder = builder.config("spark.jars", ",".join(jars))
         if delta_jars_on_classpath(settings):
             # A catalog class that is missing fails every write, so these are set only when the jars are there.
-            builder = builder.config("spark.sql.extensions", DELTA_EXTENSION).config("spark.sql.catalog.spark_catalog", DELTA_CATALOG)
+            builder = (
+                builder.config("spark.sql.extensions", DELTA_EXTENSION)
+                .config("spark.sql.catalog.spark_catalog", DELTA_CATALOG)
+                # Retention is the maintenance stage's own setting (vacuum_retention_hours), checked there.
+                .config("spark.databricks.delta.retentionDurationCheck.enabled", "false")
+                # The log is replayed in this many tasks (50 unless set), whatever its size: as many as shuffles use.
+                .config("spark.databricks.delta.snapshotPartitions", partitions)
+            )
         for key, value in settings.spark_conf.items():
             builder = builder.config(key, value)
         session = builder.getOrCreate()
@@ -80,12 +90,17 @@ def spark_application() -> dict[str, str] | None:
     return {"id": context.applicationId, "master": context.master}
 
 
+def spark_jars(settings: Settings) -> list[str]:
+    """The settings' jars, then the Delta and S3A jars `make install` put in the environment (infra/jars.py)."""
+    return list(dict.fromkeys([*settings.spark_jars, *runtime_jars()]))
+
+
 def delta_jars_on_classpath(settings: Settings) -> bool:
-    """Whether a delta-spark jar is among the configured jars or in the pyspark installation's jars folder."""
+    """Whether a delta-spark jar is among Spark's jars or in the pyspark installation's jars folder."""
     import pyspark
 
     bundled = [path.name for path in (Path(pyspark.__file__).parent / "jars").glob("*.jar")]
-    names = [Path(jar).name for jar in settings.spark_jars] + bundled
+    names = [Path(jar).name for jar in spark_jars(settings)] + bundled
     return any(name.startswith(("delta-spark_", "delta-core_")) for name in names)
 
 

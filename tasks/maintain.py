@@ -23,24 +23,26 @@ def protected_versions(client: MlflowClient, model_name: str, table_uri: str) ->
     )
 
 
-def maintain_table(table_uri: str, retention_hours: float, keep_versions: list[int]) -> dict:
-    """Compact, then vacuum; report what changed."""
-    table = Table(table_uri)
+def maintain_table(table: Table, retention_hours: float, keep_versions: list[int]) -> dict:
+    """Compact, then vacuum, with the table's engine; report what changed."""
+    table_uri = table.uri
     if not table.exists():
         return {"table": table_uri, "skipped": "no table yet"}
     compacted = table.compact()
     removed = table.vacuum(retention_hours, keep_versions)
-    return {"table": table_uri, **compacted, "files_vacuumed": len(removed), "kept_versions": keep_versions, "version": table.version()}
+    return {
+        "table": table_uri, "engine": table.engine, **compacted, "files_vacuumed": len(removed), "kept_versions": keep_versions, "version": table.version()
+    }
 
 
 @stage("maintain-images", cache_policy=NO_CACHE)
 def maintain_images(settings: Settings) -> dict:
     """Prefect stage: compact and vacuum the images table, keeping every registered model's version."""
     keep = protected_versions(mlflow_client(settings), settings.model_name, settings.table_uri)
-    return maintain_table(settings.table_uri, settings.vacuum_retention_hours, keep)
+    return maintain_table(Table.open(settings.table_uri, settings), settings.vacuum_retention_hours, keep)
 
 
 @stage("maintain-quarantine", cache_policy=NO_CACHE)
 def maintain_quarantine(settings: Settings) -> dict:
     """Prefect stage: compact and vacuum the quarantine table."""
-    return maintain_table(settings.quarantine_uri, settings.vacuum_retention_hours, [])
+    return maintain_table(Table.open(settings.quarantine_uri, settings), settings.vacuum_retention_hours, [])

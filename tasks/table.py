@@ -42,12 +42,12 @@ class ImageTable:
     def of(cls, settings: Settings, engine: Engine | None = None) -> ImageTable:
         """The settings' tables at the settings' image size; the engine is chosen here unless given."""
         images = Table.open(settings.table_uri, settings, engine)
-        return cls(images, Table(settings.quarantine_uri, images.spark), settings.image_size)
+        return cls(images, Table(settings.quarantine_uri, images.spark, images.engine), settings.image_size)
 
     @classmethod
     def at(cls, spark: SparkSession, table_uri: str, image_size: int, engine: Engine = "delta-rs", quarantine_uri: str | None = None) -> ImageTable:
         """The table at TABLE_URI (and quarantine, if given) read with ENGINE, for callers that hold their own Spark session."""
-        return cls(Table(table_uri, spark, engine), Table(quarantine_uri, spark) if quarantine_uri else None, image_size)
+        return cls(Table(table_uri, spark, engine), Table(quarantine_uri, spark, engine) if quarantine_uri else None, image_size)
 
     @classmethod
     def of_version(cls, spark: SparkSession, table: TableVersion, image_size: int, quarantine_uri: str | None = None) -> ImageTable:

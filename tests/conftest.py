@@ -40,12 +40,18 @@ def spark(tmp_path_factory: pytest.TempPathFactory):
     session.stop()
 
 
+@pytest.fixture(params=["delta-rs", "spark"])
+def engine(request: pytest.FixtureRequest) -> str:
+    """Each Delta engine in turn: delta-rs, and Spark's Delta (its jars come with `make install`)."""
+    return request.param
+
+
 @pytest.fixture
-def lake(spark, tmp_path: Path):
-    """Empty images and quarantine tables in a temp folder, with the data stages wired to them."""
+def lake(spark, tmp_path: Path, engine: str):
+    """Empty images and quarantine tables in a temp folder, with the data stages wired to them, on each Delta engine."""
     from tests.lake import Lake
 
-    return Lake(spark, tmp_path)
+    return Lake(spark, tmp_path, engine)
 
 
 @pytest.fixture(scope="session")

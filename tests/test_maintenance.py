@@ -11,7 +11,7 @@ from deltalake import DeltaTable
 from mlflow import MlflowClient
 from PIL import Image
 
-from infra.delta import read_version
+from infra.delta import Table, read_version
 from tasks.maintain import maintain_table, protected_versions
 from tests.lake import Lake, copy_digits
 
@@ -41,12 +41,13 @@ def test_vacuum_never_removes_a_registered_models_version(lake: Lake, digits_dir
     orphan.write_bytes(Path(DeltaTable(lake.table).file_uris()[0].removeprefix("file://")).read_bytes())
     os.utime(orphan, (time.time() - 7200, time.time() - 7200))
 
-    report = maintain_table(lake.table, retention_hours=0, keep_versions=keep)
+    report = maintain_table(Table(lake.table, lake.spark, lake.engine), retention_hours=0, keep_versions=keep)
+    assert report["engine"] == lake.engine
     assert report["version"] > 3 and report["files_vacuumed"] > 0
     assert not orphan.exists(), "vacuum removes files that no commit added"
-    assert read_version(lake.spark, lake.table, report["version"], "delta-rs").count() == 40
+    assert read_version(lake.spark, lake.table, report["version"], lake.engine).count() == 40
     if registered:
-        assert read_version(lake.spark, lake.table, 0, "delta-rs").count() == 40, "the registered version is intact"
+        assert read_version(lake.spark, lake.table, 0, lake.engine).count() == 40, "the registered version is intact"
     else:
         missing = [uri for uri in DeltaTable(lake.table, version=0).file_uris() if not Path(uri.removeprefix("file://")).exists()]
         assert missing, "without a registered model, retention 0 removes version 0's files"

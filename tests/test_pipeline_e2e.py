@@ -135,7 +135,7 @@ def test_pipeline_end_to_end_then_everything_is_cached(digits_dir: Path, tmp_pat
     table = DeltaTable(first["delta_table"])
     assert first["delta_version"] == table.version() == 0
     assert first["rows"] == table.to_pyarrow_dataset().count_rows() == 300
-    assert first["delta_engine"] == "delta-rs"  # Spark's Delta jars cannot load here
+    assert first["delta_engine"] == "delta-rs"  # auto, on an embedded Spark (Spark's Delta is forced in tests/test_delta_engines.py)
 
     # Cache: one folder per split, keyed, complete.
     cache_dir = Path(first["cache_dir"].removeprefix("file://"))
@@ -269,11 +269,30 @@ def test_doctor_reports_this_machine_and_names_what_is_missing(tmp_path: Path) -
     assert found.returncode == 0, found.stdout + found.stderr
     lines = {line.split()[1]: line for line in found.stdout.splitlines() if len(line.split()) > 1}
     assert lines["java"].startswith("ok") and "version" in lines["java"]
-    assert lines["delta"].startswith("absent") and "written with delta-rs" in lines["delta"]
+    assert lines["delta"].startswith("ok") and "delta_writer=auto gives delta-rs" in lines["delta"]
+    jars = [line for line in found.stdout.splitlines() if line.split()[1:2] == ["jar"]]
+    assert len(jars) == 4 and all(line.startswith("ok") and "SHA-256 as installed" in line for line in jars), jars
     assert lines["gpu"].startswith("absent") and "none" in lines["gpu"]
     assert lines["ray"].startswith("ok") and lines["pyarrow"].startswith("ok")
     assert lines["lightning"].startswith("ok") and "pytorch_lightning" in lines["lightning"]
 
-    forced = run_cli(["doctor", "--set", f"workspace={tmp_path / 'ws'}", "--set", "delta_writer=spark"], env, timeout=300)
+    # A jar whose bytes differ from those installed is named; Spark's Delta forced on it fails the doctor.
+    from infra.jars import SUMS, jar_folder, runtime_jars
+
+    tampered = tmp_path / "jars"
+    tampered.mkdir()
+    for jar in runtime_jars():
+        (tampered / Path(jar).name).symlink_to(jar)
+    sums = (jar_folder() / SUMS).read_text().splitlines()
+    sums[0] = "0" * 64 + sums[0][64:]
+    (tampered / SUMS).write_text("\n".join(sums) + "\n")
+    found = run_cli(["doctor", "--set", f"workspace={tmp_path / 'ws'}", "--set", "delta_writer=spark"], {**env, "IMAGELAKE_JARS_DIR": str(tampered)}, timeout=300)
+    assert found.returncode == 1 and "differs from the SHA-256 recorded at install" in found.stdout, found.stdout
+
+    # Without the jars (no mvn at install): delta-rs, said so; Spark's Delta forced is an error naming what to do.
+    bare = {**env, "IMAGELAKE_JARS_DIR": str(tmp_path / "no-jars")}
+    found = run_cli(["doctor", "--set", f"workspace={tmp_path / 'ws'}"], bare, timeout=300)
+    assert found.returncode == 0 and "absent: format('delta') is unavailable; Delta tables use delta-rs" in found.stdout, found.stdout
+    forced = run_cli(["doctor", "--set", f"workspace={tmp_path / 'ws'}", "--set", "delta_writer=spark"], bare, timeout=300)
     assert forced.returncode == 1
-    assert "missing: delta jars" in forced.stderr
+    assert "missing: delta jars" in forced.stderr and "make install" in forced.stdout

@@ -24,7 +24,6 @@ from tasks.resize import files_done, resize_images
 from tasks.resize_executor import DecodeRules
 from tasks.table import ImageTable, split_column
 from tasks.rules.bad_files import TooManyBadFiles
-from tasks.write import write_images
 
 from tests.lake import RULES, SCOPE, Lake, copy_digits
 
@@ -211,32 +210,15 @@ def test_cache_is_keyed_reused_and_readable_by_shard(spark, lake: Lake, digits_d
     with ShardBatches(cached.splits["train"], shard=0, shard_count=2, batch_size=4, image_size=32, seed=1, shuffle=True, workers=1) as loader:
         first = [len(labels) for _, labels in loader]
         assert [len(labels) for _, labels in loader] == first, "a second epoch reads again, from a fresh reader"
-    expected = ImageTable.at(spark, written.table_uri, 32).with_split(written.version, 0.2, 0.2).where("split = 'train'").count()
+    expected = ImageTable.at(spark, written.table_uri, 32, lake.engine).with_split(written.version, 0.2, 0.2).where("split = 'train'").count()
     assert expected == plan.counts["train"]
-    assert read_version(spark, written.table_uri, written.version, "delta-rs").count() == 40
-
-
-def test_spark_delta_writer_has_the_same_semantics_where_its_jars_load(spark, digits_dir: Path, tmp_path: Path) -> None:
-    from infra.spark import delta_jars_loaded
-
-    if not delta_jars_loaded(spark):
-        pytest.skip("Spark's Delta jars are not on this machine's classpath (add them with IMAGELAKE_SPARK_JARS)")
-    source = tmp_path / "src"
-    copy_digits(digits_dir, source)
-    lake = Lake(spark, tmp_path)
-    table = ImageTable.at(spark, lake.table, 24, "spark", lake.quarantine)
-    ingested = ingest_listing(table, source_uri(str(source)), SCOPE, False, str(tmp_path / "staging"))
-    resized = resize_images(table, ingested, RULES, str(tmp_path / "rs"))
-    assert write_images(table, resized, 0.5).rows == 40
-    assert write_images(table, resized, 0.5).rows == 0
-    assert len(lake.rows()) == 40
-
+    assert read_version(spark, written.table_uri, written.version, lake.engine).count() == 40
 
 
 def test_executors_report_their_progress_while_they_decode(spark, lake: Lake, digits_dir: Path, tmp_path: Path) -> None:
     # Every file reports (interval 0): the progress files the driver sums must be writable from the first one on.
     copy_digits(digits_dir, tmp_path / "src", labels=("0", "1"), per_label=10)
-    table = ImageTable.at(spark, lake.table, RULES.size, "delta-rs", lake.quarantine)
+    table = ImageTable.at(spark, lake.table, RULES.size, lake.engine, lake.quarantine)
     ingested = ingest_listing(table, source_uri(str(tmp_path / "src")), SCOPE, False, str(tmp_path / "staging"))
     resized = resize_images(table, ingested, RULES, str(tmp_path / "rs"), progress_seconds=0.0)
     assert resized.decoded == 20 and files_done(str(tmp_path / "rs")) == 20

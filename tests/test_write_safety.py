@@ -38,12 +38,12 @@ def stage_run(spark, source: Path, root: Path, name: str, scope: Scope) -> dict:
     return resized.model_dump()
 
 
-def lake_of(spark, table: str, quarantine: str) -> ImageTable:
-    return ImageTable.at(spark, table, RULES.size, "delta-rs", quarantine)
+def lake_of(spark, table: str, quarantine: str, engine: str) -> ImageTable:
+    return ImageTable.at(spark, table, RULES.size, engine, quarantine)
 
 
-def writer(root: Path, resized: dict, barrier: Path | None = None) -> subprocess.Popen:
-    args = {"workspace": str(root / "ws"), "resized": resized, "table": str(root / "tables" / "images"), "quarantine": str(root / "tables" / "quarantine"), "barrier": str(barrier) if barrier else None}
+def writer(root: Path, resized: dict, engine: str, barrier: Path | None = None) -> subprocess.Popen:
+    args = {"workspace": str(root / "ws"), "resized": resized, "engine": engine, "table": str(root / "tables" / "images"), "quarantine": str(root / "tables" / "quarantine"), "barrier": str(barrier) if barrier else None}
     # The writer's stderr goes to a file next to its data, so a failing writer can be diagnosed.
     log = (root / f"writer-{resized['staging_uri'].rstrip('/').rsplit('/', 1)[-1]}.log").open("w")
     return subprocess.Popen([sys.executable, str(REPO / "tests" / "writer.py"), json.dumps(args)], stdout=subprocess.PIPE, stderr=log, text=True, cwd=REPO)
@@ -56,13 +56,13 @@ def wait_for(process: subprocess.Popen, line: str) -> None:
     raise AssertionError(f"writer exited before printing {line}")
 
 
-def table_rows(spark, table: str) -> list[str]:
+def table_rows(spark, table: str, engine: str) -> list[str]:
     version = DeltaTable(table).version()
-    return [row["path"] for row in read_version(spark, table, version, "delta-rs").select("path").collect()]
+    return [row["path"] for row in read_version(spark, table, version, engine).select("path").collect()]
 
 
 @pytest.mark.slow
-def test_a_writer_killed_at_any_point_loses_and_duplicates_nothing(spark, digits_dir: Path, tmp_path: Path) -> None:
+def test_a_writer_killed_at_any_point_loses_and_duplicates_nothing(spark, digits_dir: Path, tmp_path: Path, engine: str) -> None:
     source = tmp_path / "src"
     copy_digits(digits_dir, source, labels=tuple(str(d) for d in range(10)), per_label=30)
     seen = []
@@ -70,32 +70,32 @@ def test_a_writer_killed_at_any_point_loses_and_duplicates_nothing(spark, digits
         root = tmp_path / f"attempt{attempt}"
         table, quarantine = str(root / "tables" / "images"), str(root / "tables" / "quarantine")
         resized = stage_run(spark, source, root, "all", Scope((".png",)))
-        process = writer(root, resized)
+        process = writer(root, resized, engine)
         wait_for(process, "WRITING")
         time.sleep(delay)
         os.kill(process.pid, signal.SIGKILL)
         process.wait()
-        committed = len(table_rows(spark, table)) if Path(table, "_delta_log").exists() else 0
+        committed = len(table_rows(spark, table, engine)) if Path(table, "_delta_log").exists() else 0
         seen.append(committed)
         assert committed in (0, 300), f"a killed writer left a partial commit: {seen}"
         # The re-run after the crash (or after a commit Prefect never recorded) completes the write exactly once.
-        written = write_images(lake_of(spark, table, quarantine), Resized.model_validate(resized), 1.0)
-        paths = table_rows(spark, table)
+        written = write_images(lake_of(spark, table, quarantine, engine), Resized.model_validate(resized), 1.0)
+        paths = table_rows(spark, table, engine)
         assert len(paths) == len(set(paths)) == 300
-        again = write_images(lake_of(spark, table, quarantine), Resized.model_validate(resized), 1.0)
+        again = write_images(lake_of(spark, table, quarantine, engine), Resized.model_validate(resized), 1.0)
         assert (again.rows, again.version) == (0, written.version)
     print(f"rows committed when the writer was killed: {seen}")
 
 
 @pytest.mark.slow
-def test_two_writers_at_once_both_land(spark, digits_dir: Path, tmp_path: Path) -> None:
+def test_two_writers_at_once_both_land(spark, digits_dir: Path, tmp_path: Path, engine: str) -> None:
     source = tmp_path / "src"
     copy_digits(digits_dir, source / "date=2024-03-01", labels=("0", "1", "2"), per_label=20)
     copy_digits(digits_dir, source / "date=2024-03-02", labels=("3", "4", "5"), per_label=20)
     first = stage_run(spark, source, tmp_path, "d1", Scope((".png",), start=date(2024, 3, 1), end=date(2024, 3, 1)))
     second = stage_run(spark, source, tmp_path, "d2", Scope((".png",), start=date(2024, 3, 2), end=date(2024, 3, 2)))
     barrier = tmp_path / "go"
-    writers = [writer(tmp_path, first, barrier), writer(tmp_path, second, barrier)]
+    writers = [writer(tmp_path, first, engine, barrier), writer(tmp_path, second, engine, barrier)]
     for process in writers:
         wait_for(process, "READY")
     barrier.touch()
@@ -106,17 +106,17 @@ def test_two_writers_at_once_both_land(spark, digits_dir: Path, tmp_path: Path) 
         results.append(json.loads(out.strip().splitlines()[-1]))
     assert sorted(r["rows"] for r in results) == [60, 60]
     assert len({r["version"] for r in results}) == 2
-    paths = table_rows(spark, str(tmp_path / "tables" / "images"))
+    paths = table_rows(spark, str(tmp_path / "tables" / "images"), engine)
     assert len(paths) == len(set(paths)) == 120
 
 
-def test_two_runs_adding_the_same_files_at_once_land_them_once(spark, digits_dir: Path, tmp_path: Path) -> None:
+def test_two_runs_adding_the_same_files_at_once_land_them_once(spark, digits_dir: Path, tmp_path: Path, engine: str) -> None:
     """The race an append cannot see: both runs plan before either commits, then both commit the same paths."""
     source = tmp_path / "src"
     copy_digits(digits_dir, source, labels=("0", "1"), per_label=10)
     copy_digits(digits_dir, tmp_path / "first", labels=("7",), per_label=5)
     table, quarantine = str(tmp_path / "tables" / "images"), str(tmp_path / "tables" / "quarantine")
-    images = lake_of(spark, table, quarantine)
+    images = lake_of(spark, table, quarantine, engine)
     write_images(images, Resized.model_validate(stage_run(spark, tmp_path / "first", tmp_path, "v0", Scope((".png",)))), 1.0)
     one = Resized.model_validate(stage_run(spark, source, tmp_path, "one", Scope((".png",))))
     two = Resized.model_validate(stage_run(spark, source, tmp_path, "two", Scope((".png",))))
@@ -125,13 +125,13 @@ def test_two_runs_adding_the_same_files_at_once_land_them_once(spark, digits_dir
     assert write_images(images, one, 1.0).rows == 20
     # The second run commits its own files for the same paths, as a blind append would, then settles.
     raced = commit_files(table, IMAGE_TABLE_SCHEMA, planned.files)
-    assert len(table_rows(spark, table)) == 45  # the duplicates are visible until the run settles
+    assert len(table_rows(spark, table, engine)) == 45  # the duplicates are visible until the run settles
     settled = settle_concurrent_append(images, two, planned, raced)
-    paths = table_rows(spark, table)
+    paths = table_rows(spark, table, engine)
     assert settled > raced and len(paths) == len(set(paths)) == 25
     # A replay of that write adds nothing and keeps the files the raced version still references.
     assert write_images(images, two, 1.0).rows == 0
     assert all((Path(table) / name).exists() for name in planned.files)
     # Time travel still shows each version as it was committed.
-    assert len(read_version(spark, table, 1, "delta-rs").collect()) == 25
-    assert len(read_version(spark, table, raced, "delta-rs").collect()) == 45
+    assert len(read_version(spark, table, 1, engine).collect()) == 25
+    assert len(read_version(spark, table, raced, engine).collect()) == 45

@@ -21,5 +21,5 @@ if __name__ == "__main__":
     while args.get("barrier") and not Path(args["barrier"]).exists():
         time.sleep(0.01)
     print("WRITING", flush=True)
-    written = write_images(ImageTable.at(spark, args["table"], resized.image_size, "delta-rs", args["quarantine"]), resized, 1.0)
+    written = write_images(ImageTable.at(spark, args["table"], resized.image_size, args["engine"], args["quarantine"]), resized, 1.0)
     print(json.dumps({"version": written.version, "rows": written.rows}), flush=True)

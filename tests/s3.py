@@ -1,0 +1,83 @@
+"""A real S3-compatible server for tests: S3Proxy (from Maven Central, fetched by `make install`) on a folder, on 127.0.0.1."""
+
+from __future__ import annotations
+
+import secrets
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+from infra.cluster import free_port
+from infra.jars import TEST_JARS, test_jar
+from infra.java import ensure_java
+from tests.servers import stop_group
+
+
+class S3Server:
+    """S3Proxy with a filesystem backend under ROOT, AWS signatures v2/v4, a random access key and secret."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.port = free_port()
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.key, self.secret = "test" + secrets.token_hex(6), secrets.token_hex(20)
+        self.log = root / "s3proxy.log"
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def env(self) -> dict[str, str]:
+        """The environment a client needs: where the server is and the credentials (nothing else carries them)."""
+        return {
+            "AWS_ACCESS_KEY_ID": self.key,
+            "AWS_SECRET_ACCESS_KEY": self.secret,
+            "AWS_ENDPOINT_URL": self.endpoint,
+            "AWS_REGION": "us-east-1",
+            "AWS_DEFAULT_REGION": "us-east-1",
+        }
+
+    def start(self) -> "S3Server":
+        jar = test_jar(TEST_JARS[0])
+        if jar is None:
+            raise RuntimeError(f"S3Proxy's jar ({TEST_JARS[0]}) is not installed: run `make install` (it fetches it with mvn)")
+        java = ensure_java() / "bin" / "java"
+        data = self.root / "data"
+        data.mkdir(parents=True, exist_ok=True)
+        properties = self.root / "s3proxy.properties"
+        properties.write_text(
+            "\n".join(
+                [
+                    f"s3proxy.endpoint={self.endpoint}",
+                    "s3proxy.authorization=aws-v2-or-v4",
+                    f"s3proxy.identity={self.key}",
+                    f"s3proxy.credential={self.secret}",
+                    "jclouds.provider=filesystem-nio2",
+                    f"jclouds.filesystem.basedir={data}",
+                ]
+            )
+            + "\n"
+        )
+        self.process = subprocess.Popen(
+            [str(java), "-Xmx512m", "-jar", str(jar), "--properties", str(properties)],
+            stdout=self.log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
+        )
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"S3Proxy exited {self.process.returncode}:\n{self.log.read_text()[-3000:]}")
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                return self
+            except OSError:
+                time.sleep(0.3)
+        raise TimeoutError(f"S3Proxy did not listen on {self.endpoint} within 60 s:\n{self.log.read_text()[-3000:]}")
+
+    def stop(self) -> None:
+        if self.process is not None:
+            stop_group(self.process)
+
+    def filesystem(self):
+        """An s3fs client for this server."""
+        import s3fs
+
+        return s3fs.S3FileSystem(key=self.key, secret=self.secret, client_kwargs={"endpoint_url": self.endpoint, "region_name": "us-east-1"})

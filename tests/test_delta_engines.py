@@ -1,0 +1,78 @@
+"""Both Delta engines on one table: what delta-rs writes, Spark's Delta reads, merges, compacts and vacuums, and back.
+
+Runs on the jars `make install` fetches; without them (no mvn) it fails, saying so, rather than skip.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from deltalake import DeltaTable
+
+from infra.delta import Table, choose_engine
+from infra.jars import runtime_jars
+from infra.settings import Settings
+from infra.spark import delta_jars_loaded
+
+
+def rows(paths: list[str], salt: str = "", action: str = "upsert") -> pa.Table:
+    return pa.table(
+        {
+            "path": paths,
+            "image_size": pa.array([8] * len(paths), pa.int32()),
+            "sha256": [hashlib.sha256((p + salt).encode()).hexdigest() for p in paths],
+            "image": pa.array([(p + salt).encode() * 16 for p in paths], pa.binary()),
+            "_action": [action] * len(paths),
+        }
+    )
+
+
+def state(table: Table, version: int | None = None) -> dict[str, str]:
+    data = table.read(["path", "sha256"], version=version)
+    return dict(zip(data.column("path").to_pylist(), data.column("sha256").to_pylist()))
+
+
+def test_the_jars_are_installed_and_spark_loads_them(spark) -> None:
+    assert runtime_jars(), "`make install` fetches Delta's and S3A's jars with mvn into the environment's jars/ folder"
+    assert delta_jars_loaded(spark)
+
+
+@pytest.mark.parametrize("writer,other", [("delta-rs", "spark"), ("spark", "delta-rs")])
+def test_a_table_written_by_one_engine_is_read_merged_compacted_and_vacuumed_by_the_other(spark, tmp_path: Path, writer: str, other: str) -> None:
+    uri = str(tmp_path / "images")
+    first, second = Table(uri, spark, writer), Table(uri, spark, other)
+    # The writer: a first write, a merge that replaces and deletes, and a compaction.
+    for start in (0, 4, 8):
+        first.merge(rows([f"a/{i:02d}.png" for i in range(start, start + 4)]))
+    first.merge(pa.concat_tables([rows([f"a/{i:02d}.png" for i in range(3)], salt="v2"), rows(["a/11.png"], action="delete")]))
+    compacted = first.compact()
+    assert compacted["files_added"] >= 1
+    written = {v: state(first, v) for v in range(first.version() + 1)}
+    assert [len(written[v]) for v in range(5)] == [4, 8, 12, 11, 11] and written[3] == written[4]
+    # The other engine sees every version the writer made, row for row (time travel included).
+    assert {v: state(second, v) for v in written} == written
+    assert second.frame(2).count() == 12
+    # ... and merges, compacts and vacuums the writer's table.
+    second.merge(pa.concat_tables([rows(["b/00.png", "b/01.png"]), rows(["a/05.png"], salt="v3"), rows(["a/00.png"], action="delete")]))
+    second.merge(rows(["b/02.png"]))
+    assert second.compact()["files_removed"] >= 2
+    vacuumed = second.vacuum(0, [])
+    assert vacuumed, "retention 0 removes the files that compaction replaced"
+    now = state(second)
+    assert len(now) == 13 and now["a/05.png"] == rows(["a/05.png"], salt="v3")["sha256"][0].as_py() and "a/00.png" not in now
+    # The writer reads the other's versions back the same way, and each engine's history lists every commit.
+    assert state(first) == now
+    assert [c["version"] for c in first.history()] == [c["version"] for c in second.history()] == list(range(second.version(), -1, -1))
+    # Every data file either engine left is one the pinned pyarrow can open (Petastorm reads with it).
+    for uri_ in DeltaTable(uri).file_uris():
+        pq.read_table(uri_.removeprefix("file://"), columns=["path"])
+
+
+def test_auto_is_delta_rs_on_an_embedded_spark_and_spark_forced_or_on_a_cluster(spark, tmp_path: Path) -> None:
+    assert choose_engine(Settings(workspace=tmp_path), spark) == "delta-rs"
+    assert choose_engine(Settings(workspace=tmp_path, delta_writer="spark"), spark) == "spark"
+    assert choose_engine(Settings(workspace=tmp_path, spark_master="spark://127.0.0.1:7077"), spark) == "spark"
