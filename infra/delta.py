@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import threading
 from contextlib import contextmanager
@@ -23,6 +24,7 @@ from deltalake import Schema as DeltaSchema
 from deltalake.exceptions import CommitFailedError, DeltaError, TableNotFoundError
 from deltalake.transaction import AddAction, RemoveAction, create_table_with_add_actions
 from pyspark.sql import Column, DataFrame, SparkSession
+from pyspark.sql.types import StructType
 
 from infra.compat import collect_arrow, delta_log_mentions
 from infra.errors import PermanentError
@@ -56,6 +58,22 @@ def choose_engine(settings: Settings, spark: SparkSession) -> Engine:
     return "spark" if jars and not settings.spark_master.startswith("local") else "delta-rs"
 
 
+def storage_options(table_uri: str) -> dict[str, str] | None:
+    """delta-rs' options for a table on S3. Credentials, region and endpoint come from the environment (AWS_*), which
+    delta-rs reads itself; commits use conditional puts (If-None-Match), so two writers never both take a version."""
+    if not table_uri.startswith(("s3://", "s3a://")):
+        return None
+    options = {"AWS_CONDITIONAL_PUT": os.environ.get("AWS_CONDITIONAL_PUT", "etag")}
+    if (os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or "").startswith("http://"):
+        options["AWS_ALLOW_HTTP"] = "true"  # an S3-compatible server without TLS, e.g. on loopback
+    return options
+
+
+def _rs(table_uri: str, version: int | None = None) -> DeltaTable:
+    """The table through delta-rs, with the options its store needs."""
+    return DeltaTable(table_uri, version=version, storage_options=storage_options(table_uri))
+
+
 def append_arrow(table_uri: str, batches: pa.RecordBatchReader | pa.Table) -> int:
     """Append a stream of Arrow batches with delta-rs in one commit; return the version that commit made."""
     write_id = uuid.uuid4().hex
@@ -63,6 +81,8 @@ def append_arrow(table_uri: str, batches: pa.RecordBatchReader | pa.Table) -> in
         table_uri,
         batches,
         mode="append",
+        schema_mode="merge",  # rows with a column the table lacks add it (tables written by older versions)
+        storage_options=storage_options(table_uri),
         commit_properties=CommitProperties(custom_metadata={WRITE_ID_KEY: write_id}),
     )
     return _version_of_write(table_uri, write_id)
@@ -86,10 +106,10 @@ def merge_arrow(table_uri: str, changes: pa.Table) -> int:
         try:
             if not table_exists(table_uri):
                 rows = changes.filter(pc.equal(changes["_action"], "upsert")).drop_columns(["_action"])
-                write_deltalake(table_uri, rows, mode="append", commit_properties=properties, writer_properties=IMAGE_WRITER)
+                write_deltalake(table_uri, rows, mode="append", commit_properties=properties, writer_properties=IMAGE_WRITER, storage_options=storage_options(table_uri))
             else:
                 (
-                    DeltaTable(table_uri)
+                    _rs(table_uri)
                     .merge(changes, MERGE_KEY, source_alias="s", target_alias="t", commit_properties=properties, writer_properties=IMAGE_WRITER)
                     .when_matched_update_all(predicate="s._action = 'upsert'", except_cols=["_action"])
                     .when_matched_delete(predicate="s._action = 'delete'")
@@ -118,9 +138,11 @@ def commit_files(table_uri: str, schema: pa.Schema, files: list[str]) -> int:
         creating = not table_exists(table_uri)
         try:
             if creating:
-                create_table_with_add_actions(table_uri, DeltaSchema.from_arrow(schema), actions, mode="append", commit_properties=properties)
+                create_table_with_add_actions(
+                    table_uri, DeltaSchema.from_arrow(schema), actions, mode="append", commit_properties=properties, storage_options=storage_options(table_uri)
+                )
             else:
-                DeltaTable(table_uri).create_write_transaction(actions, "append", DeltaSchema.from_arrow(schema), commit_properties=properties)
+                _rs(table_uri).create_write_transaction(actions, "append", DeltaSchema.from_arrow(schema), commit_properties=properties)
             return _version_of_write(table_uri, write_id)
         except (CommitFailedError, DeltaError) as exc:
             # Two first writes race to create the table: the loser (whatever delta-rs calls its error) appends to the winner's.
@@ -135,7 +157,7 @@ def uncommit_files(table_uri: str, files: list[str]) -> int:
     """Remove files this run committed (one commit); their rows leave the current version, older versions keep them."""
     now = int(time.time() * 1000)
     write_id = uuid.uuid4().hex
-    table = DeltaTable(table_uri)
+    table = _rs(table_uri)
     actions = [RemoveAction(name, True, now) for name in files]
     table.create_write_transaction(actions, "append", table.schema(), commit_properties=CommitProperties(custom_metadata={WRITE_ID_KEY: write_id}))
     return _version_of_write(table_uri, write_id)
@@ -265,7 +287,7 @@ def history_rs(table_uri: str) -> list[dict]:
             "operation": c.get("operation"),
             "write_id": c.get(WRITE_ID_KEY) or c.get("userMetadata"),
         }
-        for c in DeltaTable(table_uri).history()
+        for c in _rs(table_uri).history()
     ]
 
 
@@ -288,10 +310,13 @@ def read_version(spark: SparkSession, table_uri: str, version: int, engine: Engi
     if engine == "spark":
         return spark.read.format("delta").option("versionAsOf", version).load(table_uri)
     # Through the log: a plain Parquet read of the folder would also see files later commits removed.
-    files = DeltaTable(table_uri, version=version).file_uris()
+    table = _rs(table_uri, version)
+    files = table.file_uris()
     if not files:
         raise ValueError(f"Delta table {table_uri} has no data files at version {version}")
-    return spark.read.parquet(*files)
+    # The version's schema, not one file's: files written before a column was added read it as null.
+    # (Delta's schema JSON is Spark's StructType JSON.)
+    return spark.read.schema(StructType.fromJson(json.loads(table.schema().to_json()))).parquet(*files)
 
 
 def read_current(
@@ -304,7 +329,7 @@ def read_current(
     """
     if not table_exists(table_uri):
         return pa.table({name: pa.array([], pa.string()) for name in columns})
-    frame = read_version(spark, table_uri, DeltaTable(table_uri).version() if version is None else version, engine).select(*columns)
+    frame = read_version(spark, table_uri, _rs(table_uri).version() if version is None else version, engine).select(*columns)
     if where is not None:
         frame = frame.where(where)
     batches = collect_arrow(frame)  # Spark 3.5's only Arrow collect (private: see infra/compat.py)
@@ -313,13 +338,13 @@ def read_current(
 
 def table_version(table_uri: str) -> int | None:
     """The Delta table's current version, or None before its first write."""
-    return DeltaTable(table_uri).version() if table_exists(table_uri) else None
+    return _rs(table_uri).version() if table_exists(table_uri) else None
 
 
 def table_exists(table_uri: str) -> bool:
     """Whether a Delta table is at this URI."""
     try:
-        DeltaTable(table_uri)
+        _rs(table_uri)
     except TableNotFoundError:
         return False
     return True
@@ -348,13 +373,30 @@ class Table:
     def exists(self) -> bool:
         return table_exists(self.uri)
 
+    def columns(self) -> list[str]:
+        """The current version's column names ([] before the first write)."""
+        return [field.name for field in _rs(self.uri).schema().fields] if self.exists() else []
+
+    def add_columns(self, schema: pa.Schema) -> list[str]:
+        """Add SCHEMA's columns that the table lacks, as nullable (one metadata commit, through delta-rs, which both
+        engines read); old rows read them as null. Returns the names added."""
+        from deltalake.schema import Field
+
+        if not self.exists():
+            return []
+        present = set(self.columns())
+        missing = [field for field in schema if field.name not in present]
+        if missing:
+            _rs(self.uri).alter.add_columns([Field(f.name, DeltaSchema.from_arrow(pa.schema([f])).fields[0].type, nullable=True) for f in missing])
+        return [f.name for f in missing]
+
     def version(self) -> int | None:
         """The current version, or None before the first write."""
         return table_version(self.uri)
 
     def frame(self, version: int | None = None) -> DataFrame:
         """The table at VERSION (default: the current one) as a Spark DataFrame."""
-        return read_version(self._reader(), self.uri, DeltaTable(self.uri).version() if version is None else version, self.engine)
+        return read_version(self._reader(), self.uri, _rs(self.uri).version() if version is None else version, self.engine)
 
     def read(self, columns: list[str], where: Column | None = None, version: int | None = None) -> pa.Table:
         """Some columns at the current version (or VERSION), as Arrow on the driver; empty if there is no table."""
@@ -396,7 +438,7 @@ class Table:
         """Rewrite small files into fewer large ones (a new version with the same rows)."""
         if self.engine == "spark":
             return compact_spark(self._reader(), self.uri)
-        metrics = DeltaTable(self.uri).optimize.compact()
+        metrics = _rs(self.uri).optimize.compact()
         return {"files_added": metrics.get("numFilesAdded", 0), "files_removed": metrics.get("numFilesRemoved", 0)}
 
     def vacuum(self, retention_hours: float, keep_versions: list[int]) -> list[str]:
@@ -407,6 +449,6 @@ class Table:
         """
         if self.engine == "spark":
             return vacuum_spark(self._reader(), self.uri, retention_hours, keep_versions)
-        return DeltaTable(self.uri).vacuum(
+        return _rs(self.uri).vacuum(
             retention_hours=math.ceil(retention_hours), dry_run=False, enforce_retention_duration=False, keep_versions=keep_versions, full=True
         )

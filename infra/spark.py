@@ -64,6 +64,8 @@ def spark_session(settings: Settings) -> SparkSession:
                 # The log is replayed in this many tasks (50 unless set), whatever its size: as many as shuffles use.
                 .config("spark.databricks.delta.snapshotPartitions", partitions)
             )
+        for key, value in s3a_conf(jars).items():
+            builder = builder.config(key, value)
         for key, value in settings.spark_conf.items():
             builder = builder.config(key, value)
         session = builder.getOrCreate()
@@ -88,6 +90,31 @@ def spark_application() -> dict[str, str] | None:
         return None
     context = active.sparkContext
     return {"id": context.applicationId, "master": context.master}
+
+
+def s3a_conf(jars: list[str]) -> dict[str, str]:
+    """Spark's settings for s3:// and s3a:// URIs where the S3A jars are there: both schemes go through S3A.
+
+    Credentials are never put in Spark's configuration: S3A takes them from the environment (AWS_ACCESS_KEY_ID, ...)
+    or the machine's role. AWS_ENDPOINT_URL (an S3-compatible server) and AWS_REGION are passed on.
+    """
+    if not any(Path(jar).name.startswith("hadoop-aws-") for jar in jars):
+        return {}
+    conf = {
+        "spark.hadoop.fs.s3.impl": "org.apache.hadoop.fs.s3a.S3AFileSystem",
+        # Leave directory markers alone instead of deleting the parents' markers after every write (fewer requests;
+        # a store that keeps folders as real directories, as S3Proxy on a filesystem does, refuses those deletes).
+        "spark.hadoop.fs.s3a.directory.marker.retention": "keep",
+    }
+    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    if endpoint:
+        conf["spark.hadoop.fs.s3a.endpoint"] = endpoint
+        conf["spark.hadoop.fs.s3a.path.style.access"] = "true"
+        conf["spark.hadoop.fs.s3a.connection.ssl.enabled"] = str(endpoint.startswith("https://")).lower()
+    region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+    if region:
+        conf["spark.hadoop.fs.s3a.endpoint.region"] = region
+    return conf
 
 
 def spark_jars(settings: Settings) -> list[str]:

@@ -8,6 +8,7 @@ against the table (tasks/changes.py). The listing rules are in tasks/rules/listi
 from __future__ import annotations
 
 import csv
+import hashlib
 import io
 import os
 from pathlib import Path, PurePosixPath
@@ -19,7 +20,7 @@ import pyarrow.parquet as pq
 
 from infra.settings import Settings
 from tasks.results import Listed
-from tasks.rules.listing import DATE_FOLDER, Scope, SourceError, file_entry, listing_fingerprint, parse_day, scope_of
+from tasks.rules.listing import DATE_FOLDER, Scope, SourceError, change_stamp, file_entry, listing_fingerprint, parse_day, scope_of
 from tasks.rules.schemas import LISTING_SCHEMA
 from tasks.stage import stage
 
@@ -55,8 +56,32 @@ def _folder_entry(fs: Any, root: str, path: str, info: dict[str, Any], scope: Sc
         issue = "symlink_outside_source"
     elif info.get("islink") and not os.path.exists(path):
         issue = "unreadable"
-    size, mtime = int(info.get("size") or 0), float(info.get("mtime") or 0)
-    return file_entry(fs.unstrip_protocol(path), label_folders[-1] if label_folders else None, day, size, mtime, issue, scope.max_file_bytes)
+    size, mtime = int(info.get("size") or 0), _mtime(info)
+    stamp = stamp_of(fs, path, info) if issue is None else None
+    return file_entry(fs.unstrip_protocol(path), label_folders[-1] if label_folders else None, day, size, mtime, issue, scope.max_file_bytes, stamp)
+
+
+def _mtime(info: dict[str, Any]) -> float:
+    """Seconds since the epoch: local files give `mtime`; S3 `LastModified` (a datetime); 0.0 when the store gives neither."""
+    stamp = info.get("mtime") or info.get("LastModified") or info.get("updated") or info.get("last_modified") or 0
+    if hasattr(stamp, "timestamp"):
+        return float(stamp.timestamp())
+    try:
+        return float(stamp)
+    except (TypeError, ValueError):
+        return 0.0
+
+
+def stamp_of(fs: Any, path: str, info: dict[str, Any]) -> str | None:
+    """The store's change token for a file (tasks/rules/listing.py:change_stamp), or the SHA-256 of its content where it gives none."""
+    stamp = change_stamp(info)
+    if stamp is not None:
+        return stamp
+    try:
+        with fs.open(path, "rb") as handle:
+            return "sha256:" + hashlib.file_digest(handle, "sha256").hexdigest()
+    except OSError:
+        return None
 
 
 def list_folder(uri: str, scope: Scope) -> list[dict[str, Any]]:
@@ -94,8 +119,9 @@ def list_manifest(uri: str, scope: Scope) -> list[dict[str, Any]]:
         except (FileNotFoundError, OSError):
             entries.append(file_entry(file_fs.unstrip_protocol(file_path), row["label"], day, 0, 0.0, "unreadable"))
             continue
-        size, mtime = int(info.get("size") or 0), float(info.get("mtime") or 0)
-        entries.append(file_entry(file_fs.unstrip_protocol(file_path), row["label"], day, size, mtime, None, scope.max_file_bytes))
+        size, mtime = int(info.get("size") or 0), _mtime(info)
+        stamp = stamp_of(file_fs, file_path, info)
+        entries.append(file_entry(file_fs.unstrip_protocol(file_path), row["label"], day, size, mtime, None, scope.max_file_bytes, stamp))
     return entries
 
 

@@ -16,7 +16,7 @@ from pyspark.sql import functions as F
 from infra.delta import Engine, Table
 from infra.settings import Settings
 from tasks.results import TableVersion
-from tasks.rules.listing import Scope
+from tasks.rules.listing import Known, Scope
 from tasks.rules.splits import BUCKETS
 
 
@@ -73,15 +73,17 @@ class ImageTable:
         """Columns of this image size's rows at the current version (or VERSION), as Arrow on the driver."""
         return self.images.read(columns, self.this_size() if where is None else self.this_size() & where, version)
 
-    def known_files(self) -> tuple[int | None, dict[str, tuple[int, float]], set[str]]:
-        """The table's version; each path's (size, mtime) in the table (this image size) or the quarantine; the table's paths."""
-        known: dict[str, tuple[int, float]] = {}
+    def known_files(self) -> tuple[int | None, Known, set[str]]:
+        """The table's version; each path's (size, mtime, stamp) in the table (this image size) or the quarantine; the table's paths.
+
+        Tables written before stamps were recorded have no `stamp` column: their rows give None.
+        """
+        known: Known = {}
         if self.quarantine is not None:
-            rows = self.quarantine.read(["path", "size", "mtime"]).to_pydict()
-            known.update({p: (s, m) for p, s, m in zip(rows["path"], rows["size"], rows["mtime"])})
-        rows = self.rows(["path", "size", "mtime"]).to_pydict()
-        known.update({p: (s, m) for p, s, m in zip(rows["path"], rows["size"], rows["mtime"])})
-        return self.images.version(), known, set(rows["path"])
+            known.update(_known(self.quarantine.read(_stamped(self.quarantine))))
+        rows = self.rows(_stamped(self.images))
+        known.update(_known(rows))
+        return self.images.version(), known, set(rows.column("path").to_pylist())
 
     def paths_in_dates(self, scope: Scope) -> set[str]:
         """Paths whose date lies in the run's date range (what a date-limited run replaces)."""
@@ -105,3 +107,13 @@ class ImageTable:
         if self.quarantine is None:
             return {}
         return dict(sorted(Counter(self.quarantine.read(["reason"]).column("reason").to_pylist()).items()))
+
+
+def _stamped(table: Table) -> list[str]:
+    return ["path", "size", "mtime"] + (["stamp"] if "stamp" in table.columns() else [])
+
+
+def _known(rows: pa.Table) -> Known:
+    columns = rows.to_pydict()
+    stamps = columns.get("stamp") or [None] * rows.num_rows
+    return {p: (s, m, t) for p, s, m, t in zip(columns["path"], columns["size"], columns["mtime"], stamps)}

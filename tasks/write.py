@@ -93,7 +93,7 @@ def image_changes(resized: Resized, table_uri: str, changes: Changes) -> pa.Tabl
 def quarantine_rows(table: ImageTable, resized: Resized) -> pa.Table:
     """The run's bad files, minus those already quarantined for the same content and reason."""
     bad = staged_rows(resized).to_table(
-        columns=["path", "size", "mtime", "sha256", "reason", "detail", "issue"], filter=pc.field("status") == "quarantined"
+        columns=["path", "size", "mtime", "stamp", "sha256", "reason", "detail", "issue"], filter=pc.field("status") == "quarantined"
     )
     now = datetime.now(timezone.utc)
     # Problems seen in the listing carry an `issue`; the rest were found while reading or decoding.
@@ -134,6 +134,7 @@ def write_images(table: ImageTable, resized: Resized, max_bad_fraction: float) -
         remove_uncommitted(table_uri, run_files(resized))
         return Written(table_uri=table_uri, version=table.images.version(), engine=engine, rows=0, retired=0, quarantined=bad.num_rows)
     require_files(table_uri, changes.files)
+    table.images.add_columns(IMAGE_TABLE_SCHEMA)  # a table from before a column was added gets it first
     if table.images.commits_files and changes.whole_files and not changes.replaces and not changes.deletes:
         version = table.images.commit_files(IMAGE_TABLE_SCHEMA, changes.files)
         if version != (0 if changes.read_version is None else changes.read_version + 1):

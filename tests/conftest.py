@@ -31,8 +31,32 @@ def settings(tmp_path: Path) -> Settings:
 
 
 @pytest.fixture(scope="session")
-def spark(tmp_path_factory: pytest.TempPathFactory):
-    """One real local SparkSession for the whole test session."""
+def s3(tmp_path_factory: pytest.TempPathFactory):
+    """A real S3-compatible server (S3Proxy) on 127.0.0.1 for the session, with a bucket `lake`.
+
+    Its address and random credentials are in this process's environment (AWS_*), the only place
+    imagelake takes them from; the Spark session below starts after it, so S3A sees them too.
+    """
+    from tests.s3 import S3Server
+
+    server = S3Server(tmp_path_factory.mktemp("s3")).start()
+    saved = {key: os.environ.get(key) for key in server.env}
+    os.environ.update(server.env)
+    try:
+        server.create_bucket("lake")
+        yield server
+    finally:
+        server.stop()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+@pytest.fixture(scope="session")
+def spark(tmp_path_factory: pytest.TempPathFactory, s3):
+    """One real local SparkSession for the whole test session (S3A pointed at the test's S3 server)."""
     from infra.spark import spark_session
 
     session = spark_session(Settings(workspace=tmp_path_factory.mktemp("spark-ws"), spark_master="local[2]"))

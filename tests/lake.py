@@ -5,9 +5,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from deltalake import DeltaTable
-
-from infra.delta import read_version
+from infra.delta import Table, read_version
 from tasks.changes import ingest_listing
 from tasks.ingest import source_uri
 from tasks.rules.listing import Scope
@@ -23,22 +21,24 @@ RULES = DecodeRules(size=24, mode="letterbox", max_file_bytes=10_000_000, max_pi
 class Lake:
     """A table, a quarantine and a staging folder in one temp directory, and one run of the data stages."""
 
-    def __init__(self, spark, root: Path, engine: str = "delta-rs") -> None:
-        self.spark, self.root, self.engine = spark, root, engine
-        self.table, self.quarantine = str(root / "tables" / "images"), str(root / "tables" / "quarantine")
+    def __init__(self, spark, root: Path | str, engine: str = "delta-rs") -> None:
+        """ROOT: a folder, or an object-store URI such as s3://bucket/prefix."""
+        self.spark, self.engine = spark, engine
+        self.root = str(root).rstrip("/")
+        self.table, self.quarantine = f"{self.root}/tables/images", f"{self.root}/tables/quarantine"
         self.runs = 0
 
     def run(self, source: Path | str, scope: Scope = SCOPE, rules: DecodeRules = RULES, retire: bool = False, max_bad: float = 0.5):
         self.runs += 1
         table = ImageTable.at(self.spark, self.table, rules.size, self.engine, self.quarantine)
-        ingested = ingest_listing(table, source_uri(str(source)), scope, retire, str(self.root / "staging"))
-        resized = resize_images(table, ingested, rules, str(self.root / "staging" / f"resized-{self.runs}"))
+        ingested = ingest_listing(table, source_uri(str(source)), scope, retire, f"{self.root}/staging")
+        resized = resize_images(table, ingested, rules, f"{self.root}/staging/resized-{self.runs}")
         written = write_images(table, resized, max_bad)
         return ingested, resized, written
 
     def read(self, table: str, columns: list[str], version: int | None = None) -> dict[str, list]:
         """Columns of a table version, read by Spark (through the Delta log, with this lake's engine)."""
-        version = DeltaTable(table).version() if version is None else version
+        version = Table(table).version() if version is None else version
         rows = read_version(self.spark, table, version, self.engine).select(*columns).collect()
         return {name: [row[name] for row in rows] for name in columns}
 

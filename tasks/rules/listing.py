@@ -41,14 +41,36 @@ def scope_of(settings: Settings) -> Scope:
     return Scope(tuple(e.lower() for e in settings.image_extensions), settings.start_date, settings.end_date, settings.max_file_bytes)
 
 
-def file_entry(path: str, label: str | None, day: date | None, size: int, mtime: float, issue: str | None, max_bytes: int | None = None) -> dict[str, Any]:
+# Where a store gives one, the token that changes whenever an object's content is written, in order of preference:
+# S3's version id (versioned buckets), GCS' generation, then the ETag (S3, GCS, Azure, S3-compatible servers).
+STORE_STAMPS = ("VersionId", "generation", "ETag", "etag")
+
+
+def change_stamp(info: dict[str, Any]) -> str | None:
+    """What tells a rewritten file from the one the table holds, beyond size and mtime (which a copy can keep).
+
+    Object stores: their version id or ETag. A local file system has neither; its change time (ctime, which
+    `cp -p`, `touch -r` and `os.utime` cannot set) and inode do the job. None: the store gives nothing, and
+    ingest hashes the content instead.
+    """
+    for key in STORE_STAMPS:
+        if info.get(key):
+            return f"{key.lower()}:{str(info[key]).strip(chr(34))}"
+    if info.get("ino") and info.get("created"):
+        return f"ctime:{info['created']!r}:ino:{info['ino']}"
+    return None
+
+
+def file_entry(
+    path: str, label: str | None, day: date | None, size: int, mtime: float, issue: str | None, max_bytes: int | None = None, stamp: str | None = None
+) -> dict[str, Any]:
     if issue is None and size == 0:
         issue = "empty_file"
     elif issue is None and max_bytes and size > max_bytes:
         issue = "file_too_large"
     elif issue is None and not label:
         issue = "no_label"
-    return {"path": path, "label": label or "", "date": day, "size": size, "mtime": mtime, "issue": issue, "action": "upsert"}
+    return {"path": path, "label": label or "", "date": day, "size": size, "mtime": mtime, "stamp": stamp, "issue": issue, "action": "upsert"}
 
 
 def parse_day(text: str) -> date | None:
@@ -62,13 +84,27 @@ def listing_fingerprint(entries: list[dict[str, Any]]) -> str:
     """A hash of the listing (paths, sizes, stamps, labels, dates): changes when a file is added, removed or rewritten."""
     digest = hashlib.sha256()
     for e in entries:
-        digest.update(f"{e['path']}\t{e['size']}\t{e['mtime']}\t{e['label']}\t{e['date']}\t{e['issue']}\n".encode())
+        digest.update(f"{e['path']}\t{e['size']}\t{e['mtime']}\t{e.get('stamp')}\t{e['label']}\t{e['date']}\t{e['issue']}\n".encode())
     return digest.hexdigest()
 
 
-def diff_listing(entries: list[dict[str, Any]], known: dict[str, tuple[int, float]], retire_missing: bool, scoped_paths: set[str]) -> tuple[list[dict[str, Any]], int]:
+Known = dict[str, tuple[int, float, str | None]]  # path -> (size, mtime, stamp) of the table's row
+
+
+def is_changed(entry: dict[str, Any], known: Known) -> bool:
+    """Whether a listed file differs from the table's row for its path: new, another size or mtime, or another stamp.
+
+    Rows written before stamps were recorded (stamp None) are compared on size and mtime alone.
+    """
+    row = known.get(entry["path"])
+    if row is None or (row[0], row[1]) != (entry["size"], entry["mtime"]):
+        return True
+    return row[2] is not None and row[2] != entry.get("stamp")
+
+
+def diff_listing(entries: list[dict[str, Any]], known: Known, retire_missing: bool, scoped_paths: set[str]) -> tuple[list[dict[str, Any]], int]:
     """Entries that are new or changed, plus `delete` entries for table rows whose file is gone; and the unchanged count."""
-    changed = [e for e in entries if known.get(e["path"]) != (e["size"], e["mtime"])]
+    changed = [e for e in entries if is_changed(e, known)]
     unchanged = len(entries) - len(changed)
     if retire_missing:
         listed = {e["path"] for e in entries}
@@ -77,9 +113,9 @@ def diff_listing(entries: list[dict[str, Any]], known: dict[str, tuple[int, floa
     return changed, unchanged
 
 
-def date_plan(entries: list[dict[str, Any]], known: dict[str, tuple[int, float]], rows: list[dict[str, Any]], start: date, end: date) -> list[dict[str, Any]]:
+def date_plan(entries: list[dict[str, Any]], known: Known, rows: list[dict[str, Any]], start: date, end: date) -> list[dict[str, Any]]:
     """A backfill's plan: each date from START to END with listed files (ENTRIES) or table rows (ROWS: path, date) is
-    missing (no rows yet), stale (files new, changed or gone since the table, per KNOWN (size, mtime) by path) or done."""
+    missing (no rows yet), stale (files new, changed or gone since the table, per KNOWN (size, mtime, stamp) by path) or done."""
     table_paths: dict[date, set[str]] = {}
     for row in rows:
         table_paths.setdefault(row["date"], set()).add(row["path"])
@@ -91,7 +127,7 @@ def date_plan(entries: list[dict[str, Any]], known: dict[str, tuple[int, float]]
     while day <= end:
         files, present = listed.get(day, []), table_paths.get(day, set())
         if files or present:
-            changed = sum(1 for e in files if known.get(e["path"]) != (e["size"], e["mtime"]))
+            changed = sum(1 for e in files if is_changed(e, known))
             gone = len(present - {e["path"] for e in files})
             status = "missing" if not present and changed == len(files) else ("stale" if changed or gone else "done")
             plan.append({"date": day.isoformat(), "files": len(files), "new_or_changed": changed, "gone": gone, "status": status})

@@ -12,6 +12,7 @@ LISTING_SCHEMA = pa.schema(
         ("date", pa.date32()),
         ("size", pa.int64()),
         ("mtime", pa.float64()),
+        ("stamp", pa.string()),  # the store's change token (tasks/rules/listing.py:change_stamp)
         ("issue", pa.string()),
         ("action", pa.string()),
     ]
@@ -41,6 +42,7 @@ IMAGE_TABLE_SCHEMA = pa.schema(
         ("date", pa.date32()),
         ("size", pa.int64()),
         ("mtime", pa.float64()),
+        ("stamp", pa.string()),
         ("sha256", pa.string()),
         ("width", pa.int32()),
         ("height", pa.int32()),
