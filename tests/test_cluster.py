@@ -99,6 +99,7 @@ def test_the_spark_stages_ran_as_an_application_of_the_standalone_master(cluster
     apps = {app["id"]: app for app in master["activeapps"] + master["completedapps"]}
     assert application["id"] in apps, f"{application['id']} not among {list(apps)}"
     assert apps[application["id"]]["name"] == "imagelake"
+    assert cluster_run.summary["delta_engine"] == "spark", "the cluster reads and merges with Spark's Delta (infra/clusters/local.yaml)"
     # Both workers launched executors for it: each keeps a work folder per application.
     for number in (1, 2):
         work = Path(cluster_run.cluster.root) / f"spark-worker-{number}"

@@ -36,3 +36,10 @@ def test_a_source_and_tables_on_s3_land_rerun_cached_and_are_maintained(spark, s
     # Maintenance runs on the bucket with the same engine.
     report = maintain_table(Table(lake.table, spark, engine), 0, [])
     assert report["engine"] == engine and Table(lake.table, spark, engine).frame().count() == 40
+    # The credentials stay in the environment: not in Spark's configuration, not in anything written to the bucket.
+    fs = s3.filesystem()
+    assert not [key for key, value in spark.sparkContext.getConf().getAll() if s3.secret in value or s3.key in value]
+    written = [path for path in fs.find(prefix.removeprefix("s3://")) if not path.endswith(".png")]
+    assert any("/_delta_log/" in path for path in written) and any("/staging/" in path for path in written)
+    leaked = [path for path in written if s3.secret.encode() in fs.cat(path) or s3.key.encode() in fs.cat(path)]
+    assert not leaked, f"a credential was written to {leaked}"
