@@ -82,6 +82,12 @@ def kill_worker_from_env() -> dict | None:
     return {"rank": int(rank), "epoch": int(epoch), "marker": marker}
 
 
+def storage_uri(filesystem, path: str) -> str:
+    """A path in Ray's storage filesystem (pyarrow) as a URI that fsspec opens: as it is locally, s3://... on S3."""
+    kind = getattr(filesystem, "type_name", "local")
+    return path if kind == "local" else f"{kind}://{path}"
+
+
 def fit(cached: CachedSplits, settings: Settings, client: MlflowClient, run_id: str, name: str) -> Trained:
     """Run the TorchTrainer and return the best checkpoint by validation loss."""
     config = training_config(cached, settings, client.tracking_uri, run_id, name)
@@ -107,8 +113,8 @@ def fit(cached: CachedSplits, settings: Settings, client: MlflowClient, run_id: 
     result = trainer.fit()
     checkpoint, metrics = min(result.best_checkpoints, key=lambda pair: pair[1]["val_loss"])
     return Trained(
-        checkpoint_path=os.path.join(checkpoint.path, RayTrainReportCallback.CHECKPOINT_NAME),
-        ray_run_path=result.path,
+        checkpoint_path=storage_uri(checkpoint.filesystem, os.path.join(checkpoint.path, RayTrainReportCallback.CHECKPOINT_NAME)),
+        ray_run_path=storage_uri(result.filesystem, result.path),
         mlflow_run_id=run_id,
         num_workers=settings.num_workers,
         learning_rate=config["learning_rate"],

@@ -1,4 +1,4 @@
-"""A real S3-compatible server for tests: S3Proxy (from Maven Central, fetched by `make install`) on a folder, on 127.0.0.1."""
+"""A real S3-compatible server for tests: S3Proxy (from Maven Central, fetched by `make install`) on 127.0.0.1."""
 
 from __future__ import annotations
 
@@ -15,7 +15,11 @@ from tests.servers import stop_group
 
 
 class S3Server:
-    """S3Proxy with a filesystem backend under ROOT, AWS signatures v2/v4, a random access key and secret."""
+    """S3Proxy with its in-memory store, AWS signatures v2/v4, a random access key and secret; its log under ROOT.
+
+    The in-memory store keeps keys flat as S3 does; its filesystem stores map "folders" to directories and refuse
+    to delete a folder's marker while the folder has files, which S3A's commits do.
+    """
 
     def __init__(self, root: Path) -> None:
         self.root = root
@@ -41,8 +45,7 @@ class S3Server:
         if jar is None:
             raise RuntimeError(f"S3Proxy's jar ({TEST_JARS[0]}) is not installed: run `make install` (it fetches it with mvn)")
         java = ensure_java() / "bin" / "java"
-        data = self.root / "data"
-        data.mkdir(parents=True, exist_ok=True)
+        self.root.mkdir(parents=True, exist_ok=True)
         properties = self.root / "s3proxy.properties"
         properties.write_text(
             "\n".join(
@@ -53,14 +56,13 @@ class S3Server:
                     "s3proxy.ignore-unknown-headers=true",
                     f"s3proxy.identity={self.key}",
                     f"s3proxy.credential={self.secret}",
-                    "jclouds.provider=filesystem-nio2",
-                    f"jclouds.filesystem.basedir={data}",
+                    "jclouds.provider=transient",
                 ]
             )
             + "\n"
         )
         self.process = subprocess.Popen(
-            [str(java), "-Xmx512m", "-jar", str(jar), "--properties", str(properties)],
+            [str(java), "-Xmx1g", "-jar", str(jar), "--properties", str(properties)],
             stdout=self.log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
         )
         deadline = time.monotonic() + 60

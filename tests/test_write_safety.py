@@ -8,13 +8,14 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
+from typing import Callable
 from datetime import date
 from pathlib import Path
 
 import pytest
-from deltalake import DeltaTable
 
-from infra.delta import commit_files, read_version
+from infra.delta import Table, commit_files, read_version
 from tasks.changes import ingest_listing
 from tasks.ingest import source_uri
 from tasks.rules.listing import Scope
@@ -30,11 +31,11 @@ from tests.lake import copy_digits
 RULES = DecodeRules(size=64, mode="letterbox", max_file_bytes=10_000_000, max_pixels=10_000_000)
 
 
-def stage_run(spark, source: Path, root: Path, name: str, scope: Scope) -> dict:
-    table = str(root / "tables" / "images")
-    images = ImageTable.at(spark, table, RULES.size)
-    ingested = ingest_listing(images, source_uri(str(source)), scope, False, str(root / "staging"))
-    resized = resize_images(images, ingested, RULES, str(root / "staging" / name))
+def stage_run(spark, source: Path, root: Path | str, name: str, scope: Scope) -> dict:
+    """Resize into the table under ROOT (a folder or an s3:// prefix), without writing."""
+    images = ImageTable.at(spark, f"{root}/tables/images", RULES.size)
+    ingested = ingest_listing(images, source_uri(str(source)), scope, False, f"{root}/staging")
+    resized = resize_images(images, ingested, RULES, f"{root}/staging/{name}")
     return resized.model_dump()
 
 
@@ -42,8 +43,10 @@ def lake_of(spark, table: str, quarantine: str, engine: str) -> ImageTable:
     return ImageTable.at(spark, table, RULES.size, engine, quarantine)
 
 
-def writer(root: Path, resized: dict, engine: str, barrier: Path | None = None) -> subprocess.Popen:
-    args = {"workspace": str(root / "ws"), "resized": resized, "engine": engine, "table": str(root / "tables" / "images"), "quarantine": str(root / "tables" / "quarantine"), "barrier": str(barrier) if barrier else None}
+def writer(root: Path, resized: dict, engine: str, barrier: Path | None = None, lake: str | None = None) -> subprocess.Popen:
+    """A writer process for the tables under LAKE (default: ROOT), its workspace and log under ROOT."""
+    lake = lake or str(root)
+    args = {"workspace": str(root / "ws"), "resized": resized, "engine": engine, "table": f"{lake}/tables/images", "quarantine": f"{lake}/tables/quarantine", "barrier": str(barrier) if barrier else None}
     # The writer's stderr goes to a file next to its data, so a failing writer can be diagnosed.
     log = (root / f"writer-{resized['staging_uri'].rstrip('/').rsplit('/', 1)[-1]}.log").open("w")
     return subprocess.Popen([sys.executable, str(REPO / "tests" / "writer.py"), json.dumps(args)], stdout=subprocess.PIPE, stderr=log, text=True, cwd=REPO)
@@ -57,25 +60,24 @@ def wait_for(process: subprocess.Popen, line: str) -> None:
 
 
 def table_rows(spark, table: str, engine: str) -> list[str]:
-    version = DeltaTable(table).version()
+    version = Table(table).version()
     return [row["path"] for row in read_version(spark, table, version, engine).select("path").collect()]
 
 
-@pytest.mark.slow
-def test_a_writer_killed_at_any_point_loses_and_duplicates_nothing(spark, digits_dir: Path, tmp_path: Path, engine: str) -> None:
-    source = tmp_path / "src"
-    copy_digits(digits_dir, source, labels=tuple(str(d) for d in range(10)), per_label=30)
+def kill_writers_and_rerun(spark, source: Path, tmp_path: Path, engine: str, delays: tuple[float, ...], lake: Callable[[int], str]) -> list[int]:
+    """For each delay: resize, start a writer, kill it DELAY s into its write, then write again; the table ends whole."""
     seen = []
-    for attempt, delay in enumerate((0.0, 0.05, 0.15, 0.4, 0.8)):
-        root = tmp_path / f"attempt{attempt}"
-        table, quarantine = str(root / "tables" / "images"), str(root / "tables" / "quarantine")
-        resized = stage_run(spark, source, root, "all", Scope((".png",)))
-        process = writer(root, resized, engine)
+    for attempt, delay in enumerate(delays):
+        root, lake_root = tmp_path / f"attempt{attempt}", lake(attempt)
+        root.mkdir()
+        table, quarantine = f"{lake_root}/tables/images", f"{lake_root}/tables/quarantine"
+        resized = stage_run(spark, source, lake_root, "all", Scope((".png",)))
+        process = writer(root, resized, engine, lake=lake_root)
         wait_for(process, "WRITING")
         time.sleep(delay)
         os.kill(process.pid, signal.SIGKILL)
         process.wait()
-        committed = len(table_rows(spark, table, engine)) if Path(table, "_delta_log").exists() else 0
+        committed = len(table_rows(spark, table, engine)) if Table(table).exists() else 0
         seen.append(committed)
         assert committed in (0, 300), f"a killed writer left a partial commit: {seen}"
         # The re-run after the crash (or after a commit Prefect never recorded) completes the write exactly once.
@@ -84,7 +86,24 @@ def test_a_writer_killed_at_any_point_loses_and_duplicates_nothing(spark, digits
         assert len(paths) == len(set(paths)) == 300
         again = write_images(lake_of(spark, table, quarantine, engine), Resized.model_validate(resized), 1.0)
         assert (again.rows, again.version) == (0, written.version)
+    return seen
+
+
+@pytest.mark.slow
+def test_a_writer_killed_at_any_point_loses_and_duplicates_nothing(spark, digits_dir: Path, tmp_path: Path, engine: str) -> None:
+    source = tmp_path / "src"
+    copy_digits(digits_dir, source, labels=tuple(str(d) for d in range(10)), per_label=30)
+    seen = kill_writers_and_rerun(spark, source, tmp_path, engine, (0.0, 0.05, 0.15, 0.4, 0.8), lambda attempt: str(tmp_path / f"attempt{attempt}"))
     print(f"rows committed when the writer was killed: {seen}")
+
+
+@pytest.mark.slow
+def test_a_writer_killed_on_s3_loses_and_duplicates_nothing(spark, s3, digits_dir: Path, tmp_path: Path, engine: str) -> None:
+    source = tmp_path / "src"
+    copy_digits(digits_dir, source, labels=tuple(str(d) for d in range(10)), per_label=30)
+    prefix = f"s3://lake/{uuid.uuid4().hex[:12]}"
+    seen = kill_writers_and_rerun(spark, source, tmp_path, engine, (0.05, 0.3, 0.8), lambda attempt: f"{prefix}/attempt{attempt}")
+    print(f"rows committed when the writer was killed (S3): {seen}")
 
 
 @pytest.mark.slow

@@ -41,6 +41,32 @@ POSITION = "position"  # the cache's row id: names the row group a row came from
 
 
 @lru_cache(maxsize=32)
+def petastorm_filesystem(url: str) -> Any:
+    """The filesystem to hand Petastorm for URL: None (Petastorm's own) for local files; for an object store, its fsspec
+    filesystem in pyarrow's legacy wrapper. Petastorm 0.12 opens a dataset with ParquetDataset(validate_schema=...),
+    which pyarrow 14 only accepts with a legacy (`pyarrow.filesystem`) filesystem."""
+    fs, _ = fsspec.core.url_to_fs(url)
+    if "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)):
+        return None
+    from pyarrow.filesystem import DaskFileSystem  # the generic wrapper (S3FSWrapper calls s3fs' now-async internals)
+
+    class Legacy(DaskFileSystem):
+        """DaskFileSystem with the three calls it leaves unimplemented, through fsspec's public API."""
+
+        def isdir(self, path: str) -> bool:
+            return self.fs.isdir(path)
+
+        def isfile(self, path: str) -> bool:
+            return self.fs.isfile(path)
+
+        def walk(self, path: str):
+            return self.fs.walk(path)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # the wrapper's own deprecation notice
+        return Legacy(fs)
+
+
 def row_groups(url: str) -> tuple[tuple[int, int | None], ...]:
     """(rows, first position) of each row group of a Parquet folder, in the order Petastorm numbers them
     (files by path, then row groups). The first position is None where the files have no position column."""
@@ -196,6 +222,7 @@ class ShardBatches:
             shuffle_row_groups=self.shuffle,
             seed=seed,
             workers_count=self.workers,
+            filesystem=petastorm_filesystem(self.url),
         )
         replace_petastorm_results_reader(self._reader, PixelRowGroups(self.image_size, self.key_field, ordered))
         pool = RowPool(self.image_size * self.image_size * 3, np.random.default_rng([self.seed, self.shard, epoch]) if self.shuffle else None)
