@@ -29,7 +29,7 @@ from pyspark.sql.types import StructType
 from infra.compat import collect_arrow, delta_log_mentions
 from infra.errors import PermanentError
 from infra.settings import Settings
-from infra.spark import delta_jars_loaded, spark_session
+from infra.spark import delta_jars_loaded, s3_endpoint, spark_session
 
 Engine = Literal["delta-rs", "spark"]
 WRITE_ID_KEY = "imagelake.write_id"
@@ -64,7 +64,7 @@ def storage_options(table_uri: str) -> dict[str, str] | None:
     if not table_uri.startswith(("s3://", "s3a://")):
         return None
     options = {"AWS_CONDITIONAL_PUT": os.environ.get("AWS_CONDITIONAL_PUT", "etag")}
-    if (os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or "").startswith("http://"):
+    if (s3_endpoint() or "").startswith("http://"):
         options["AWS_ALLOW_HTTP"] = "true"  # an S3-compatible server without TLS, e.g. on loopback
     return options
 
@@ -375,17 +375,18 @@ class Table:
 
     def columns(self) -> list[str]:
         """The current version's column names ([] before the first write)."""
-        return [field.name for field in _rs(self.uri).schema().fields] if self.exists() else []
+        try:
+            return [field.name for field in _rs(self.uri).schema().fields]
+        except TableNotFoundError:
+            return []
 
     def add_columns(self, schema: pa.Schema) -> list[str]:
         """Add SCHEMA's columns that the table lacks, as nullable (one metadata commit, through delta-rs, which both
         engines read); old rows read them as null. Returns the names added."""
         from deltalake.schema import Field
 
-        if not self.exists():
-            return []
         present = set(self.columns())
-        missing = [field for field in schema if field.name not in present]
+        missing = [field for field in schema if field.name not in present] if present else []
         if missing:
             _rs(self.uri).alter.add_columns([Field(f.name, DeltaSchema.from_arrow(pa.schema([f])).fields[0].type, nullable=True) for f in missing])
         return [f.name for f in missing]
@@ -406,12 +407,6 @@ class Table:
         if self.spark is None:
             raise RuntimeError(f"table {self.uri} was opened without a Spark session, which reading it needs")
         return self.spark
-
-    @property
-    def commits_files(self) -> bool:
-        """Whether Parquet files already written in the table's folder can be committed as they are. Spark's Delta has
-        no public API for that, and delta-rs' commit is a plain Delta commit that Spark's Delta reads: both engines use it."""
-        return True
 
     def append(self, rows: pa.Table | pa.RecordBatchReader) -> int:
         """Append rows in one commit (delta-rs, either engine: small tables, no JVM round trip); return its version."""

@@ -106,7 +106,7 @@ def s3a_conf(jars: list[str]) -> dict[str, str]:
         # a store that keeps folders as real directories, as S3Proxy on a filesystem does, refuses those deletes).
         "spark.hadoop.fs.s3a.directory.marker.retention": "keep",
     }
-    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    endpoint = s3_endpoint()
     if endpoint:
         conf["spark.hadoop.fs.s3a.endpoint"] = endpoint
         conf["spark.hadoop.fs.s3a.path.style.access"] = "true"
@@ -115,6 +115,11 @@ def s3a_conf(jars: list[str]) -> dict[str, str]:
     if region:
         conf["spark.hadoop.fs.s3a.endpoint.region"] = region
     return conf
+
+
+def s3_endpoint() -> str | None:
+    """The S3 endpoint the environment names (an S3-compatible server), as AWS' own tools read it; None: AWS itself."""
+    return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
 
 
 def spark_jars(settings: Settings) -> list[str]:

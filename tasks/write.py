@@ -110,7 +110,7 @@ def write_images(table: ImageTable, resized: Resized, max_bad_fraction: float) -
     """Check the bad share, then land the images and append the quarantine; return the images table's version.
 
     A run that only adds rows commits the data files its executors wrote, as they are. A run
-    that replaces or deletes rows (or with Spark's Delta writer) merges them instead.
+    that replaces or deletes rows merges them instead (with the table's engine).
     """
     table_uri, engine = table.uri, table.engine
     if table_uri.rstrip("/") != resized.table_uri.rstrip("/"):
@@ -135,7 +135,7 @@ def write_images(table: ImageTable, resized: Resized, max_bad_fraction: float) -
         return Written(table_uri=table_uri, version=table.images.version(), engine=engine, rows=0, retired=0, quarantined=bad.num_rows)
     require_files(table_uri, changes.files)
     table.images.add_columns(IMAGE_TABLE_SCHEMA)  # a table from before a column was added gets it first
-    if table.images.commits_files and changes.whole_files and not changes.replaces and not changes.deletes:
+    if changes.whole_files and not changes.replaces and not changes.deletes:
         version = table.images.commit_files(IMAGE_TABLE_SCHEMA, changes.files)
         if version != (0 if changes.read_version is None else changes.read_version + 1):
             version = settle_concurrent_append(table, resized, changes, version)

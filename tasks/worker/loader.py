@@ -19,9 +19,11 @@ from functools import lru_cache
 from typing import Any, Callable, Iterator, Self
 
 import fsspec
+from fsspec.implementations.local import LocalFileSystem
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+from pyarrow.filesystem import DaskFileSystem
 import torch
 from petastorm import make_batch_reader
 from petastorm.arrow_reader_worker import ArrowReaderWorkerResultsQueueReader
@@ -46,25 +48,25 @@ def petastorm_filesystem(url: str) -> Any:
     filesystem in pyarrow's legacy wrapper. Petastorm 0.12 opens a dataset with ParquetDataset(validate_schema=...),
     which pyarrow 14 only accepts with a legacy (`pyarrow.filesystem`) filesystem."""
     fs, _ = fsspec.core.url_to_fs(url)
-    if "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)):
+    if isinstance(fs, LocalFileSystem):
         return None
-    from pyarrow.filesystem import DaskFileSystem  # the generic wrapper (S3FSWrapper calls s3fs' now-async internals)
-
-    class Legacy(DaskFileSystem):
-        """DaskFileSystem with the three calls it leaves unimplemented, through fsspec's public API."""
-
-        def isdir(self, path: str) -> bool:
-            return self.fs.isdir(path)
-
-        def isfile(self, path: str) -> bool:
-            return self.fs.isfile(path)
-
-        def walk(self, path: str):
-            return self.fs.walk(path)
-
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # the wrapper's own deprecation notice
-        return Legacy(fs)
+        return _LegacyFsspec(fs)
+
+
+class _LegacyFsspec(DaskFileSystem):
+    """pyarrow's generic fsspec wrapper (S3FSWrapper calls s3fs' now-async internals), with the three calls it
+    leaves unimplemented, through fsspec's public API."""
+
+    def isdir(self, path: str) -> bool:
+        return self.fs.isdir(path)
+
+    def isfile(self, path: str) -> bool:
+        return self.fs.isfile(path)
+
+    def walk(self, path: str):
+        return self.fs.walk(path)
 
 
 def row_groups(url: str) -> tuple[tuple[int, int | None], ...]:
