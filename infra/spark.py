@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 from pathlib import Path
 
 from pyspark.sql import SparkSession
@@ -19,6 +20,12 @@ DELTA_EXTENSION = "io.delta.sql.DeltaSparkSessionExtension"
 DELTA_CATALOG = "org.apache.spark.sql.delta.catalog.DeltaCatalog"
 
 _lock = threading.Lock()
+_started_in: list[float] = []  # seconds this process took to start its SparkSession (empty: none started)
+
+
+def spark_startup_seconds() -> float | None:
+    """How long this process's SparkSession took to start (None: this process started none)."""
+    return _started_in[-1] if _started_in else None
 
 
 def spark_session(settings: Settings) -> SparkSession:
@@ -29,6 +36,7 @@ def spark_session(settings: Settings) -> SparkSession:
         if active is not None:
             active.sparkContext.setLogLevel(settings.spark_log_level)
             return active
+        started = time.perf_counter()
         ensure_java()
         loopback = on_loopback(settings.spark_master)
         if loopback:
@@ -70,6 +78,7 @@ def spark_session(settings: Settings) -> SparkSession:
             builder = builder.config(key, value)
         session = builder.getOrCreate()
         session.sparkContext.setLogLevel(settings.spark_log_level)
+        _started_in.append(round(time.perf_counter() - started, 3))
         return session
 
 

@@ -1,39 +1,139 @@
 """What is new or changed: a listing diffed against the images table (at one image size) and the quarantine.
 
-The resize stage runs this diff, since what is new depends on the image size; only the files it keeps are read.
+The resize stage runs this diff, since what is new depends on the image size; only the files it keeps are read. The
+diff is a Spark join of the listing with the table's small columns, so no key or hash of the table reaches the
+driver: only the changed entries do. A write that leaves the table in step with a listing says so with a marker
+(named by the listing, the diff's inputs and the tables' versions), and a run that finds it skips the join.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 
 import fsspec
-import pyarrow.parquet as pq
+import pyarrow as pa
+import pyarrow.compute as pc
+from pyspark.sql import Column, DataFrame
+from pyspark.sql import functions as F
+from pyspark.sql.pandas.types import from_arrow_schema
 
+from infra.compat import collect_arrow
 from tasks.ingest import save_listing, write_manifest
 from tasks.results import ListingDiff, Listed
-from tasks.rules.listing import Scope, diff_listing
+from tasks.rules.listing import Scope
+from tasks.rules.schemas import CHANGES_SCHEMA, LISTING_SCHEMA
 from tasks.table import ImageTable
 
 
+def diff_basis(listed: Listed, table: ImageTable, scope: Scope, retire_deleted: bool) -> str:
+    """Everything the diff depends on besides the tables' versions, hashed."""
+    quarantine = table.quarantine.uri if table.quarantine is not None else None
+    parts = [listed.listing_fingerprint, table.uri, quarantine, table.image_size, str(scope.start), str(scope.end), retire_deleted]
+    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()
+
+
+def in_sync_marker(folder: str, basis: str, versions: tuple[int | None, int | None]) -> str:
+    """The file that says: the tables at VERSIONS already hold everything the listing of BASIS brings."""
+    return f"{folder}/{hashlib.sha256(f'{basis}|{versions[0]}|{versions[1]}'.encode()).hexdigest()[:32]}"
+
+
+def table_versions(table: ImageTable) -> tuple[int | None, int | None]:
+    """The images table's and the quarantine's current versions (None: no table yet, or no quarantine consulted)."""
+    return table.images.version(), table.quarantine.version() if table.quarantine is not None else None
+
+
+def mark_in_sync(folder: str, basis: str, versions: tuple[int | None, int | None]) -> None:
+    fs, path = fsspec.core.url_to_fs(in_sync_marker(folder, basis, versions))
+    fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+    fs.pipe_file(path, b"")
+
+
+def is_in_sync(folder: str, basis: str, versions: tuple[int | None, int | None]) -> bool:
+    fs, path = fsspec.core.url_to_fs(in_sync_marker(folder, basis, versions))
+    return fs.exists(path)
+
+
+def _known(frame: DataFrame, columns: list[str], with_sha: bool) -> DataFrame:
+    """path and the k_ columns the diff compares (stamp null where the table predates stamps)."""
+    stamp = F.col("stamp") if "stamp" in columns else F.lit(None).cast("string")
+    sha = F.col("sha256") if with_sha else F.lit(None).cast("string")
+    return frame.select("path", F.col("size").alias("k_size"), F.col("mtime").alias("k_mtime"), stamp.alias("k_stamp"), sha.alias("k_sha256"))
+
+
+def known_frame(table: ImageTable, version: int | None) -> DataFrame | None:
+    """Each known path's size, mtime, stamp and (for the table's rows) content hash: the table's rows at this size,
+    then the quarantine's rows for other paths. None: neither table exists yet."""
+    images = _known(table.images.frame(version).where(table.this_size()), table.images.columns(), True) if version is not None else None
+    if table.quarantine is None or not table.quarantine.exists():
+        return images
+    quarantined = _known(table.quarantine.frame(), table.quarantine.columns(), False)
+    if images is None:
+        return quarantined
+    return images.unionByName(quarantined.join(images.select("path"), "path", "left_anti"))
+
+
+def is_changed(listing: DataFrame) -> Column:
+    """tasks.rules.listing.is_changed as a Spark column: no known row, another size or mtime, or another stamp."""
+    other_stamp = F.col("k_stamp").isNotNull() & ~F.col("k_stamp").eqNullSafe(listing["stamp"])
+    return F.col("k_size").isNull() | (F.col("k_size") != listing["size"]) | (F.col("k_mtime") != listing["mtime"]) | other_stamp
+
+
+def changed_entries(table: ImageTable, listing: DataFrame, version: int | None, retire_in: Column | None) -> DataFrame:
+    """Listed entries that are new or changed (with the table's content hash for their path, if any), then `delete`
+    entries for table rows whose file is gone (of the rows RETIRE_IN selects; None: retire nothing)."""
+    known = known_frame(table, version)
+    if known is None:
+        return listing.withColumn("known_sha256", F.lit(None).cast("string"))
+    joined = listing.join(known, "path", "left")
+    todo = joined.where(is_changed(joined)).select(*LISTING_SCHEMA.names, F.col("k_sha256").alias("known_sha256"))
+    if retire_in is None or version is None:
+        return todo
+    present = table.images.frame(version).where(table.this_size() & retire_in).select("path")
+    gone = present.join(listing.select("path"), "path", "left_anti").select(
+        "path", F.lit("-").alias("label"), F.lit(None).cast("date").alias("date"), F.lit(0).cast("long").alias("size"),
+        F.lit(0.0).alias("mtime"), F.lit(None).cast("string").alias("stamp"), F.lit(None).cast("string").alias("issue"),
+        F.lit("delete").alias("action"), F.lit(None).cast("string").alias("known_sha256"),
+    )
+    return todo.unionByName(gone)
+
+
+def dates_of(scope: Scope) -> Column:
+    """The table rows whose date lies in the run's date range (what a date-limited run replaces)."""
+    predicate = F.lit(True)
+    if scope.start:
+        predicate &= F.col("date") >= F.lit(scope.start)
+    if scope.end:
+        predicate &= F.col("date") <= F.lit(scope.end)
+    return predicate
+
+
 def diff_against_table(table: ImageTable, listed: Listed, scope: Scope, retire_deleted: bool, staging_dir: str) -> ListingDiff:
-    """Keep what is new or changed in a listing since the table's current version (at its image size), and stage that list."""
-    with fsspec.open(listed.manifest_uri, "rb") as handle:
-        entries = pq.read_table(handle).to_pylist()
-    version, known, table_paths = table.known_files()
+    """Keep what is new or changed in a listing since the tables' current versions (at its image size), and stage that list."""
+    basis, versions = diff_basis(listed, table, scope, retire_deleted), table_versions(table)
     dated = scope.start is not None or scope.end is not None
-    # A date-limited run replaces exactly its dates: files gone from those dates are retired.
-    scoped = table.paths_in_dates(scope) if dated and version is not None else table_paths
-    todo, unchanged = diff_listing(entries, known, retire_deleted or dated, scoped)
-    fingerprint = hashlib.sha256(f"{listed.listing_fingerprint}|{table.uri}|{version}|{table.image_size}".encode()).hexdigest()
+    fingerprint = hashlib.sha256(f"{basis}|{versions[0]}|{versions[1]}".encode()).hexdigest()
+    in_sync_folder = f"{staging_dir.rstrip('/')}/in-sync"
+    if is_in_sync(in_sync_folder, basis, versions):
+        todo = CHANGES_SCHEMA.empty_table()
+    else:
+        listing = table.spark.read.schema(from_arrow_schema(LISTING_SCHEMA)).parquet(listed.manifest_uri)
+        # A date-limited run replaces exactly its dates: files gone from those dates are retired.
+        retire_in = dates_of(scope) if dated else (F.lit(True) if retire_deleted else None)
+        batches = collect_arrow(changed_entries(table, listing, versions[0], retire_in))  # only what changed reaches the driver
+        todo = pa.Table.from_batches(batches).cast(CHANGES_SCHEMA) if batches else CHANGES_SCHEMA.empty_table()
+    upserts = pc.sum(pc.equal(todo["action"], "upsert")).as_py() or 0
     return ListingDiff(
         manifest_uri=write_manifest(todo, f"{staging_dir.rstrip('/')}/ingest-{fingerprint[:20]}.parquet"),
         source_uri=listed.source_uri,
         listed=listed.listed,
-        unchanged=unchanged,
-        candidates=sum(1 for e in todo if e["action"] == "upsert"),
-        retired=sum(1 for e in todo if e["action"] == "delete"),
-        table_version_seen=version,
+        unchanged=listed.listed - upserts,
+        candidates=upserts,
+        retired=todo.num_rows - upserts,
+        table_version_seen=versions[0],
+        quarantine_version_seen=versions[1],
+        basis=basis,
+        in_sync_folder=in_sync_folder,
         content_fingerprint=fingerprint,
     )
 

@@ -141,11 +141,12 @@ def save_listing(uri: str, scope: Scope, staging_dir: str) -> Listed:
     return Listed(manifest_uri=manifest, source_uri=uri, listed=len(entries), listing_fingerprint=fingerprint)
 
 
-def write_manifest(entries: list[dict[str, Any]], manifest: str) -> str:
+def write_manifest(entries: list[dict[str, Any]] | pa.Table, manifest: str) -> str:
+    """A listing (or a diff's entries, already Arrow) as one Parquet file; returns its URI."""
     fs, path = fsspec.core.url_to_fs(manifest)
     fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
     with fs.open(path, "wb") as out:
-        pq.write_table(pa.Table.from_pylist(entries, schema=LISTING_SCHEMA), out)
+        pq.write_table(entries if isinstance(entries, pa.Table) else pa.Table.from_pylist(entries, schema=LISTING_SCHEMA), out)
     return manifest
 
 

@@ -10,6 +10,7 @@ from typing import Any
 
 import fsspec
 import pyarrow.parquet as pq
+from pyspark.sql import SparkSession
 from pyspark.sql.pandas.types import from_arrow_schema
 
 from infra.delta import Table
@@ -20,7 +21,7 @@ from tasks.resize_executor import PROGRESS_FOLDER, PROGRESS_SECONDS, SUMMARY_SCH
 from tasks.results import ListingDiff, Listed, Resized
 from tasks.rules.listing import scope_of
 from tasks.rules.partitions import ROWS_PER_DECODE_TASK, balanced_partitions
-from tasks.rules.schemas import LISTING_SCHEMA
+from tasks.rules.schemas import CHANGES_SCHEMA
 from tasks.stage import stage
 from tasks.table import ImageTable
 
@@ -34,37 +35,20 @@ def files_done(staging_uri: str) -> int:
 def resize_images(table: ImageTable, ingested: ListingDiff, rules: DecodeRules, staging_uri: str, progress_seconds: float = PROGRESS_SECONDS) -> Resized:
     """Decode and resize every new or changed file on the executors: pixels into uncommitted table files, the rest to staging.
 
-    A file whose content hash the table already holds at this image size is not decoded again. Each task writes how
-    many files it has done every `progress_seconds` for the driver's progress line.
+    A file whose content is what the table already holds for its path is not decoded again. Each task writes how
+    many files it has done every `progress_seconds` for the driver's progress line. Nothing to do starts no Spark job.
     """
-    spark, table_uri, known = table.spark, table.uri, table.known_hashes()  # plain values: the executors' closure carries no session
+    spark, table_uri = table.spark, table.uri  # plain values: the executors' closure carries no session
     fs, folder = fsspec.core.url_to_fs(staging_uri)
     if fs.exists(folder):
         fs.rm(folder, recursive=True)
     fs.makedirs(f"{folder}/{PROGRESS_FOLDER}", exist_ok=True)  # local folders must exist before the executors write into them
-    # The list is small: the driver reads it, so Spark itself never needs access to the staging store.
+    # Only what changed is listed here: the driver reads it, so Spark itself never needs access to the staging store.
     with fsspec.open(ingested.manifest_uri, "rb") as handle:
         listed = pq.read_table(handle).to_pylist()
-    # One task per core, more for a long list; each gets a fair share of the bytes to decode.
-    cores = spark.sparkContext.defaultParallelism
-    groups = balanced_partitions(listed, cores * max(1, math.ceil(len(listed) / (cores * ROWS_PER_DECODE_TASK))))
-    names = LISTING_SCHEMA.names
-    rows = spark.sparkContext.parallelize(groups, max(1, len(groups))).flatMap(lambda group: [tuple(r[n] for n in names) for r in group])
-    frame = spark.createDataFrame(rows, schema=from_arrow_schema(LISTING_SCHEMA))
-    shared = spark.sparkContext.broadcast(known)
-    ingested_at = datetime.now(timezone.utc)
-    summary = frame.mapInArrow(
-        lambda batches: process_partition(batches, rules, shared.value, staging_uri, table_uri, ingested_at, progress_seconds), SUMMARY_SCHEMA
-    )
     counts: dict[tuple[str, str | None], tuple[int, str]] = {}
-    logger, started = stage_logger(), time.monotonic()
-    with Every(lambda: logger.info(rate_line("resize", files_done(staging_uri), len(listed), time.monotonic() - started, "files")), logger):
-        rows = summary.collect()
-    logger.info(rate_line("resize", len(listed), len(listed), time.monotonic() - started, "files"))
-    for row in rows:
-        n, example = counts.get((row["status"], row["reason"]), (0, row["example"]))
-        counts[(row["status"], row["reason"])] = (n + row["files"], example)
-    shared.unpersist()
+    if listed:
+        counts = decode_on_executors(spark, listed, rules, staging_uri, table_uri, progress_seconds)
     by_status: dict[str, int] = {}
     for (status, _), (n, _) in counts.items():
         by_status[status] = by_status.get(status, 0) + n
@@ -78,7 +62,33 @@ def resize_images(table: ImageTable, ingested: ListingDiff, rules: DecodeRules, 
         quarantined={reason: n for (status, reason), (n, _) in counts.items() if status == "quarantined"},
         examples={reason: example for (status, reason), (_, example) in counts.items() if status == "quarantined"},
         content_fingerprint=ingested.content_fingerprint,
+        basis=ingested.basis,
+        versions_seen=(ingested.table_version_seen, ingested.quarantine_version_seen),
+        in_sync_folder=ingested.in_sync_folder,
     )
+
+
+def decode_on_executors(
+    spark: SparkSession, listed: list[dict], rules: DecodeRules, staging_uri: str, table_uri: str, progress_seconds: float
+) -> dict[tuple[str, str | None], tuple[int, str]]:
+    """Run process_partition over the listed entries in balanced tasks; files per (status, reason), with an example path."""
+    # One task per core, more for a long list; each gets a fair share of the bytes to decode.
+    cores = spark.sparkContext.defaultParallelism
+    groups = balanced_partitions(listed, cores * max(1, math.ceil(len(listed) / (cores * ROWS_PER_DECODE_TASK))))
+    names = CHANGES_SCHEMA.names
+    rows = spark.sparkContext.parallelize(groups, max(1, len(groups))).flatMap(lambda group: [tuple(r[n] for n in names) for r in group])
+    frame = spark.createDataFrame(rows, schema=from_arrow_schema(CHANGES_SCHEMA))
+    ingested_at = datetime.now(timezone.utc)
+    summary = frame.mapInArrow(lambda batches: process_partition(batches, rules, staging_uri, table_uri, ingested_at, progress_seconds), SUMMARY_SCHEMA)
+    logger, started = stage_logger(), time.monotonic()
+    with Every(lambda: logger.info(rate_line("resize", files_done(staging_uri), len(listed), time.monotonic() - started, "files")), logger):
+        rows = summary.collect()
+    logger.info(rate_line("resize", len(listed), len(listed), time.monotonic() - started, "files"))
+    counts: dict[tuple[str, str | None], tuple[int, str]] = {}
+    for row in rows:
+        n, example = counts.get((row["status"], row["reason"]), (0, row["example"]))
+        counts[(row["status"], row["reason"])] = (n + row["files"], example)
+    return counts
 
 
 def tables_now(inputs: dict[str, Any]) -> dict[str, str]:

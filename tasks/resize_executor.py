@@ -41,8 +41,12 @@ def read_bytes(path: str) -> bytes:
         return handle.read()
 
 
-def process_file(row: dict, rules: DecodeRules, known: frozenset[str]) -> tuple[dict, bytes | None]:
-    """One listed file to one staged row (retired, quarantined, already known, or new) and, if new, its pixels."""
+def process_file(row: dict, rules: DecodeRules) -> tuple[dict, bytes | None]:
+    """One listed file to one staged row (retired, quarantined, already known, or new) and, if new, its pixels.
+
+    Known: the content is what the table holds for this path (`known_sha256`: a file touched or copied over itself).
+    Content the table holds under another path is decoded, and the write stage leaves it out.
+    """
     out = {**row, "sha256": None, "width": None, "height": None, "status": "new", "reason": None, "detail": None, "data_file": None}
     if row["action"] == "delete":
         return {**out, "status": "delete"}, None
@@ -55,7 +59,7 @@ def process_file(row: dict, rules: DecodeRules, known: frozenset[str]) -> tuple[
     out["sha256"] = hashlib.sha256(data).hexdigest()
     if len(data) > rules.max_file_bytes:
         return {**out, "status": "quarantined", "reason": "file_too_large", "detail": f"{len(data)} bytes > max_file_bytes"}, None
-    if out["sha256"] in known:
+    if out["sha256"] == row.get("known_sha256"):
         return {**out, "status": "known"}, None
     try:
         square, width, height = decode_square(data, rules.size, rules.mode, rules.max_pixels)
@@ -143,10 +147,10 @@ def report_progress(fs, path: str, files: int) -> None:
 
 
 def process_partition(
-    batches: Iterator[pa.RecordBatch], rules: DecodeRules, known: frozenset[str], staging_uri: str, table_uri: str, ingested_at: datetime,
+    batches: Iterator[pa.RecordBatch], rules: DecodeRules, staging_uri: str, table_uri: str, ingested_at: datetime,
     progress_seconds: float = PROGRESS_SECONDS,
 ) -> Iterator[pa.RecordBatch]:
-    """mapInArrow body: read, hash and (only if its hash is new) decode every listed file of one partition.
+    """mapInArrow body: read, hash and (unless the table holds that content for its path) decode every listed file of one partition.
 
     New images are written here, in the table's own schema, as one Parquet data file in the
     table's folder; the write stage commits that file to the Delta log (or, if the run replaces
@@ -164,7 +168,7 @@ def process_partition(
     with ImageFileWriter(table_uri, partition, rules.size, ingested_at) as images:
         for batch in batches:
             for row in batch.to_pylist():
-                out, decoded = process_file(row, rules, known)
+                out, decoded = process_file(row, rules)
                 staged.append(out)
                 if decoded is not None:
                     images.add(out, decoded)

@@ -24,6 +24,9 @@ class ListingDiff(BaseModel):
     candidates: int
     retired: int
     table_version_seen: int | None
+    quarantine_version_seen: int | None = None
+    basis: str = ""  # what the diff depended on besides the versions (tasks/changes.py:diff_basis)
+    in_sync_folder: str = Field(default="", exclude=True)
     content_fingerprint: str
 
 
@@ -37,6 +40,10 @@ class Resized(BaseModel):
     quarantined: dict[str, int]
     examples: dict[str, str] = Field(default_factory=dict, exclude=True)
     content_fingerprint: str
+    # What the diff read: a write that leaves the tables in step with it marks the next versions so (tasks/changes.py).
+    basis: str = ""
+    versions_seen: tuple[int | None, int | None] = (None, None)
+    in_sync_folder: str = Field(default="", exclude=True)
 
     @property
     def bad(self) -> int:

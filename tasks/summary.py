@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import resource
 from typing import Any
 
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
@@ -10,7 +11,7 @@ from prefect.runtime import flow_run
 from prefect.utilities.urls import url_for
 
 from infra.settings import Settings
-from infra.spark import spark_application
+from infra.spark import spark_application, spark_startup_seconds
 from infra.tracking import mlflow_client, run_url
 from tasks.cards import dataset_card_markdown, dataset_card_of
 from tasks.registry import alias_version
@@ -94,6 +95,9 @@ def summarize(resized: Resized | None, table: TableVersion, cached: CachedSplits
     summary["ray_worker_nodes"] = getattr(trained, "worker_nodes", [])  # a result cached before this field has none
     summary["cache"] = cache_report(*stage_outcomes(summary["flow_run_id"])) if flow_run.id else []
     summary["cache_hits"] = [row["stage"] for row in summary["cache"] if row["cache"] == "hit"]
+    # Spark's start-up falls inside the first stage that needs it: reported apart, with the driver's peak memory.
+    summary["spark_startup_seconds"] = spark_startup_seconds()
+    summary["driver_peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
     summary["stage_seconds"] = {name: seconds for name, seconds in stage_seconds(summary["flow_run_id"]).items() if name != SUMMARY_STAGE} if flow_run.id else {}
     link = run_url(client, settings, trained.mlflow_run_id)
     summary["mlflow_run_url"] = link

@@ -10,13 +10,15 @@ from collections import Counter
 from dataclasses import dataclass
 
 import pyarrow as pa
+import pyarrow.compute as pc
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 
+from infra.compat import collect_arrow
 from infra.delta import Engine, Table
 from infra.settings import Settings
 from tasks.results import TableVersion
-from tasks.rules.listing import Known, Scope
+from tasks.rules.listing import Known
 from tasks.rules.splits import BUCKETS
 
 
@@ -73,6 +75,15 @@ class ImageTable:
         """Columns of this image size's rows at the current version (or VERSION), as Arrow on the driver."""
         return self.images.read(columns, self.this_size() if where is None else self.this_size() & where, version)
 
+    def rows_matching(self, keys: dict[str, pa.Array], columns: list[str], version: int | None = None) -> pa.Table:
+        """Columns of this size's rows (at VERSION, default current) whose value in any column of KEYS is one of its values.
+
+        A semi-join in Spark against the given values (which come from one run, so they are few): only the
+        matching rows reach the driver, never the table's keys."""
+        if not self.images.exists():
+            return pa.table({name: pa.array([], pa.string()) for name in columns})
+        return matching(self.images, keys, columns, self.this_size(), version)
+
     def known_files(self) -> tuple[int | None, Known, set[str]]:
         """The table's version; each path's (size, mtime, stamp) in the table (this image size) or the quarantine; the table's paths.
 
@@ -85,19 +96,6 @@ class ImageTable:
         known.update(_known(rows))
         return self.images.version(), known, set(rows.column("path").to_pylist())
 
-    def paths_in_dates(self, scope: Scope) -> set[str]:
-        """Paths whose date lies in the run's date range (what a date-limited run replaces)."""
-        predicate = F.lit(True)
-        if scope.start:
-            predicate &= F.col("date") >= F.lit(scope.start)
-        if scope.end:
-            predicate &= F.col("date") <= F.lit(scope.end)
-        return set(self.rows(["path"], predicate).column("path").to_pylist())
-
-    def known_hashes(self) -> frozenset[str]:
-        """Content hashes already in the table at this image size: those files are not decoded again."""
-        return frozenset(self.rows(["sha256"]).column("sha256").to_pylist())
-
     def with_split(self, version: int, val_fraction: float, test_fraction: float) -> DataFrame:
         """The table at VERSION, rows of this image size, with a `split` column."""
         return self.images.frame(version).where(self.this_size()).withColumn("split", split_column(val_fraction, test_fraction))
@@ -107,6 +105,32 @@ class ImageTable:
         if self.quarantine is None:
             return {}
         return dict(sorted(Counter(self.quarantine.read(["reason"]).column("reason").to_pylist()).items()))
+
+
+# Up to this many keys go into the query as literals; more are joined as a broadcast table.
+INLINE_KEYS = 1000
+
+
+def matching(table: Table, keys: dict[str, pa.Array], columns: list[str], where: Column | None = None, version: int | None = None) -> pa.Table:
+    """COLUMNS of TABLE's rows (those WHERE selects) whose value in a column of KEYS is one of that column's values
+    (each matching row once, as often as the table holds it)."""
+    empty = pa.table({name: pa.array([], pa.string()) for name in columns})
+    frame = table.frame(version)
+    if where is not None:
+        frame = frame.where(where)
+    wanted = {column: pc.unique(values.drop_null()) for column, values in keys.items() if len(values.drop_null())}
+    if not wanted:
+        return empty
+    hit = None
+    for column, values in wanted.items():
+        known = F.col(column).isin(values.to_pylist()) if len(values) <= INLINE_KEYS else None
+        if known is None:  # many keys: a broadcast semi-join marks the rows
+            marks = table.spark.createDataFrame(pa.table({column: values}).to_pandas()).withColumn(f"_hit_{column}", F.lit(True))
+            frame = frame.join(F.broadcast(marks), column, "left")
+            known = F.col(f"_hit_{column}").isNotNull()
+        hit = known if hit is None else hit | known
+    batches = collect_arrow(frame.where(hit).select(*columns))
+    return pa.Table.from_batches(batches) if batches else empty
 
 
 def _stamped(table: Table) -> list[str]:

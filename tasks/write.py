@@ -25,11 +25,15 @@ from tasks.rules.schemas import IMAGE_TABLE_SCHEMA, STAGED_ARROW_SCHEMA
 from tasks.results import Resized, Written
 from tasks.rules.bad_files import TooManyBadFiles, check_bad_fraction
 from tasks.stage import stage
-from tasks.table import ImageTable
+from tasks.changes import mark_in_sync
+from tasks.table import ImageTable, matching
 
 
 def staged_rows(resized: Resized) -> ds.Dataset:
-    """The resize stage's bookkeeping rows (a folder of small Parquet files, possibly none)."""
+    """The resize stage's bookkeeping rows (a folder of small Parquet files, possibly none: an object store then has no folder)."""
+    fs, folder = fsspec.core.url_to_fs(resized.staging_uri)
+    if not fs.exists(folder):
+        return ds.dataset(STAGED_ARROW_SCHEMA.empty_table())
     return ds.dataset(resized.staging_uri, format="parquet", schema=STAGED_ARROW_SCHEMA)
 
 
@@ -53,22 +57,27 @@ class Changes:
 
 
 def plan_changes(table: ImageTable, resized: Resized) -> Changes:
-    """Rows to upsert (new content at a path) and to delete (path gone), minus what the table already says."""
+    """Rows to upsert (new content at a path) and to delete (path gone), minus what the table already says.
+
+    Only the table's rows that share a path or a content hash with this run's are read: a semi-join, never the whole table.
+    """
     staged = staged_rows(resized)
     version = table.images.version()
-    present = table.rows(["path", "sha256"], version=version)
-    keys = pc.binary_join_element_wise(present.column("path"), present.column("sha256"), "\x00")
     upserts = staged.to_table(columns=["path", "sha256", "data_file"], filter=pc.field("status") == "new")
+    deletes = staged.to_table(columns=["path"], filter=pc.field("status") == "delete").column("path")
+    if not upserts.num_rows and not len(deletes):
+        return Changes(version, upserts, [], False, True)
+    paths = pa.concat_arrays([upserts["path"].combine_chunks(), deletes.combine_chunks()])
+    present = table.rows_matching({"path": paths, "sha256": upserts["sha256"].combine_chunks()}, ["path", "sha256"], version)
     whole = True
     if upserts.num_rows:
-        # The same (path, content) is never re-added; when one run sees the same new content twice, the first path wins.
-        fresh = pc.invert(pc.is_in(pc.binary_join_element_wise(upserts["path"], upserts["sha256"], "\x00"), keys))
+        # Content the table holds (at any path) is never added again; when one run sees the same new content twice, the first path wins.
+        fresh = pc.invert(pc.is_in(upserts["sha256"], present.column("sha256")))
         first = upserts.select(["sha256", "path"]).group_by("sha256").aggregate([("path", "min")]).column("path_min")
         keep = pc.and_(fresh, pc.is_in(upserts["path"], first))
         if not pc.all(keep).as_py():
             upserts, whole = upserts.filter(keep), False
     replaces = bool(pc.any(pc.is_in(upserts["path"], present.column("path"))).as_py()) if upserts.num_rows else False
-    deletes = staged.to_table(columns=["path"], filter=pc.field("status") == "delete").column("path")
     deletes = deletes.filter(pc.is_in(deletes, present.column("path"))).to_pylist()
     return Changes(version, upserts, deletes, replaces, whole)
 
@@ -100,7 +109,7 @@ def quarantine_rows(table: ImageTable, resized: Resized) -> pa.Table:
     bad = bad.append_column("stage", pc.if_else(pc.is_null(bad["issue"]), "resize", "ingest")).drop_columns(["issue"])
     bad = bad.append_column("quarantined_at", pa.array([now] * bad.num_rows, pa.timestamp("us", tz="UTC")))
     if bad.num_rows and table.quarantine.exists():
-        seen = table.quarantine.read(["path", "sha256", "reason"])
+        seen = matching(table.quarantine, {"path": bad["path"].combine_chunks()}, ["path", "sha256", "reason"])
         key = lambda t: pc.binary_join_element_wise(t["path"], pc.fill_null(t["sha256"], ""), t["reason"], "\x00")  # noqa: E731
         bad = bad.filter(pc.invert(pc.is_in(key(bad), key(seen))))
     return bad
@@ -127,11 +136,14 @@ def write_images(table: ImageTable, resized: Resized, max_bad_fraction: float) -
     if changes.empty and not table.images.exists():
         raise TooManyBadFiles(f"no image could be written to {table_uri}: no file of this run is a usable image ({resized.quarantined})")
     bad = quarantine_rows(table, resized)
+    quarantine_before = table.quarantine.version()
     if bad.num_rows:
         table.quarantine.append(bad)
     added, removed = changes.upserts.num_rows, len(changes.deletes)
+    before, expected = (changes.read_version, quarantine_before), (changes.read_version, next_version(quarantine_before, bad.num_rows > 0))
     if changes.empty:
         remove_uncommitted(table_uri, run_files(resized))
+        mark_if_in_step(table, resized, before, expected)
         return Written(table_uri=table_uri, version=table.images.version(), engine=engine, rows=0, retired=0, quarantined=bad.num_rows)
     require_files(table_uri, changes.files)
     table.images.add_columns(IMAGE_TABLE_SCHEMA)  # a table from before a column was added gets it first
@@ -142,7 +154,22 @@ def write_images(table: ImageTable, resized: Resized, max_bad_fraction: float) -
     else:
         version = table.images.merge(image_changes(resized, table_uri, changes))
         remove_uncommitted(table_uri, changes.files)
+    mark_if_in_step(table, resized, before, (next_version(changes.read_version, True), expected[1]))
     return Written(table_uri=table_uri, version=version, engine=engine, rows=added, retired=removed, quarantined=bad.num_rows)
+
+
+def next_version(version: int | None, committed: bool) -> int | None:
+    """The version a table has after one commit of ours (or none)."""
+    return (0 if version is None else version + 1) if committed else version
+
+
+def mark_if_in_step(table: ImageTable, resized: Resized, before: tuple[int | None, int | None], expected: tuple[int | None, int | None]) -> None:
+    """Say the tables now hold everything the run's listing brings, if nobody else wrote between the diff and now:
+    the tables were at the versions the diff read, and are now exactly our commits further on."""
+    if not resized.basis or not resized.in_sync_folder or before != tuple(resized.versions_seen):
+        return
+    if (table.images.version(), table.quarantine.version()) == expected:
+        mark_in_sync(resized.in_sync_folder, resized.basis, expected)
 
 
 def settle_concurrent_append(table: ImageTable, resized: Resized, changes: Changes, version: int) -> int:
@@ -153,8 +180,7 @@ def settle_concurrent_append(table: ImageTable, resized: Resized, changes: Chang
     again and merges its rows instead, which updates or skips what the other run wrote.
     """
     paths = changes.upserts.column("path")
-    seen = table.rows(["path"], version=version).column("path")
-    seen = seen.filter(pc.is_in(seen, paths))
+    seen = table.rows_matching({"path": paths.combine_chunks()}, ["path"], version).column("path")
     if len(seen) == len(paths):
         return version
     table.images.uncommit_files(changes.files)

@@ -102,17 +102,6 @@ def is_changed(entry: dict[str, Any], known: Known) -> bool:
     return row[2] is not None and row[2] != entry.get("stamp")
 
 
-def diff_listing(entries: list[dict[str, Any]], known: Known, retire_missing: bool, scoped_paths: set[str]) -> tuple[list[dict[str, Any]], int]:
-    """Entries that are new or changed, plus `delete` entries for table rows whose file is gone; and the unchanged count."""
-    changed = [e for e in entries if is_changed(e, known)]
-    unchanged = len(entries) - len(changed)
-    if retire_missing:
-        listed = {e["path"] for e in entries}
-        gone = sorted(path for path in scoped_paths if path not in listed)
-        changed += [{**file_entry(path, "-", None, 0, 0.0, None), "action": "delete"} for path in gone]
-    return changed, unchanged
-
-
 def date_plan(entries: list[dict[str, Any]], known: Known, rows: list[dict[str, Any]], start: date, end: date) -> list[dict[str, Any]]:
     """A backfill's plan: each date from START to END with listed files (ENTRIES) or table rows (ROWS: path, date) is
     missing (no rows yet), stale (files new, changed or gone since the table, per KNOWN (size, mtime, stamp) by path) or done."""

@@ -19,6 +19,10 @@ LISTING_SCHEMA = pa.schema(
 )
 
 
+# A listed entry the diff kept, with the content hash the table holds for its path (None: a new path).
+CHANGES_SCHEMA = pa.schema(list(LISTING_SCHEMA) + [("known_sha256", pa.string())])
+
+
 # The listing's columns, then what reading and decoding found.
 STAGED_ARROW_SCHEMA = pa.schema(
     list(LISTING_SCHEMA)
