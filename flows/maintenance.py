@@ -6,13 +6,14 @@ from typing import Any
 
 from flows.flow import imagelake_flow
 from infra.settings import load_settings
-from tasks.maintain import maintain_images, maintain_quarantine
+from tasks.maintain import maintain_cache, maintain_images, maintain_quarantine
 
 
 @imagelake_flow("imagelake-maintenance")
 def maintenance(config_file: str | None = None, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Compact small files and vacuum old ones, keeping the versions registered models were trained on."""
+    """Compact small files and vacuum old ones, keeping the versions registered models were trained on; clean the cache likewise."""
     settings = load_settings(config_file, overrides)
     images = maintain_images(settings)
     quarantine = maintain_quarantine(settings)
-    return {"images": images, "quarantine": quarantine}
+    cache = maintain_cache(settings)
+    return {"images": images, "quarantine": quarantine, "cache": cache}

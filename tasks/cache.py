@@ -1,12 +1,26 @@
-"""Cache: repartition each split of a table version into Petastorm-readable Parquet files (rows in a seeded order), in a
-folder keyed by table, version, size, partitioning and seed."""
+"""Cache: the Petastorm-readable Parquet files of each split of a table version, grown version by version.
+
+A cache line (one per table, image size, partitioning, split fractions, labels and seed) keeps its files under
+`data/<split>/g<generation>/` and one manifest per cached table version, `<split>-v<version>.json`, naming the
+files that hold that version's rows of the split. A new version adds a generation holding only its new rows;
+files holding rows the version retired or replaced are rewritten without them (into the new generation); every
+other file is shared, never copied. A row's split follows from its content hash, so rows never move between
+splits. A version whose rows are those of a cached one (a compaction) gets that cache back as it was, so the
+stages after it (training, the gate) are cache hits. `maintain_cache` removes what no kept manifest names.
+"""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import time
+import uuid
+from typing import Any
 
 import fsspec
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
@@ -17,73 +31,228 @@ from tasks.results import CachedSplits, SplitPlan
 from tasks.stage import stage
 from tasks.table import ImageTable
 
-META_FILE = "meta.json"
-# The cache's layout: rows shuffled by seed, with a `position` column. A new layout is a new folder.
-LAYOUT = 2
+# The cache's layout: manifests over generations of files, rows in a seeded order with a `position` column.
+LAYOUT = 3
+# A generation's positions start at generation << GENERATION_BITS, above every partition and row of Spark's ids.
+GENERATION_BITS = 48
+ROW_KEY = ("sha256", "label")
 
 
-def cache_key(plan: SplitPlan, image_size: int, seed: int) -> str:
-    """Everything the cached bytes depend on, hashed."""
-    parts = [plan.table_uri, plan.version, image_size, plan.num_partitions, plan.val_fraction, plan.test_fraction, plan.labels, seed, LAYOUT]
+def line_key(plan: SplitPlan, image_size: int, seed: int) -> str:
+    """Everything a cache line's bytes depend on besides the table version, hashed."""
+    parts = [plan.table_uri, image_size, plan.num_partitions, plan.val_fraction, plan.test_fraction, plan.labels, seed, LAYOUT]
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:20]
 
 
-def write_split(frame: DataFrame, uri: str, partitions: int, seed: int) -> None:
-    """One split as `partitions` Parquet files of 8 MB row groups, rows in a seeded random order.
+def write_split(frame: DataFrame, uri: str, partitions: int, seed: int, generation: int) -> None:
+    """Rows of one split as up to `partitions` Parquet files of 8 MB row groups, in a seeded random order.
 
     Rows are dealt to files by content hash and ordered inside each file by a seeded hash, so no
     row group holds a run of one label (the table's order follows the source folders); `position`
-    (file in the high bits, row in the low bits) lets the loader name the row group it was given.
+    (generation, then file, then row) lets the loader name the row group it was given.
     """
     (
         frame.repartition(partitions, "sha256")
         .sortWithinPartitions(F.xxhash64("sha256", F.lit(seed)))
-        .withColumn("position", F.monotonically_increasing_id())
+        .withColumn("position", F.monotonically_increasing_id() + F.lit(generation << GENERATION_BITS))
         .write.mode("overwrite")
         .option("parquet.block.size", 8 * 1024 * 1024)
         .parquet(uri)
     )
 
 
-def _as_uri(path: str) -> str:
-    return path if "://" in path else f"file://{path}"
+class CacheLine:
+    """One cache line's folder: its generations of files and its manifests, one per cached table version."""
+
+    def __init__(self, root: str) -> None:
+        self.uri = root.rstrip("/")
+        self.fs, self.root = fsspec.core.url_to_fs(self.uri)
+
+    def manifest(self, split: str, version: int) -> str:
+        return f"{self.root}/{split}-v{version}.json"
+
+    def versions(self) -> list[int]:
+        """Table versions with a complete manifest (the test split's is written last)."""
+        if not self.fs.exists(self.root):
+            return []
+        names = [path.rsplit("/", 1)[-1] for path in self.fs.ls(self.root, detail=False)]
+        return sorted(int(name[len("test-v") : -len(".json")]) for name in names if name.startswith("test-v") and name.endswith(".json"))
+
+    def read(self, version: int) -> dict[str, Any]:
+        """The manifest of every split of VERSION: files (relative to the line), generation and the CachedSplits it made."""
+        return {split: json.loads(self.fs.cat_file(self.manifest(split, version))) for split in SPLITS}
+
+    def cached(self, version: int, reused: bool) -> CachedSplits:
+        """The CachedSplits a version's manifest records (what the cache stage returned for it)."""
+        return CachedSplits.model_validate({**json.loads(self.fs.cat_file(self.manifest("test", version)))["cached"], "reused": reused})
+
+    def write(self, version: int, files: dict[str, list[str]], generation: int, cached: CachedSplits) -> None:
+        for split in SPLITS:  # test last: its manifest's presence means the version is complete
+            record = {"files": sorted(files[split]), "generation": generation, "cached": cached.model_dump(mode="json"), "rows": cached.counts[split]}
+            aside = f"{self.manifest(split, version)}.{uuid.uuid4().hex}"
+            self.fs.pipe_file(aside, json.dumps(record, indent=1).encode())
+            self.fs.mv(aside, self.manifest(split, version))
+
+    def generation_folder(self, split: str, generation: int) -> str:
+        return f"data/{split}/g{generation:06d}"
+
+    def files_in(self, folder: str) -> list[str]:
+        found = self.fs.find(f"{self.root}/{folder}")
+        return sorted(p[len(self.root) + 1 :] for p in found if p.endswith(".parquet") and not p.rsplit("/", 1)[-1].startswith(("_", ".")))
+
+    def rows_in(self, files: list[str]) -> int:
+        total = 0
+        for name in files:
+            with self.fs.open(f"{self.root}/{name}", "rb") as handle:
+                total += pq.ParquetFile(handle).metadata.num_rows
+        return total
+
+
+def nearest(versions: list[int], version: int) -> int | None:
+    """The cached version to grow from: the latest at or before VERSION, else the earliest after it."""
+    before = [v for v in versions if v <= version]
+    return before[-1] if before else (versions[0] if versions else None)
+
+
+def version_rows(spark: SparkSession, plan: SplitPlan, image_size: int) -> DataFrame:
+    """The version's rows as the cache stores them (image, label index, sha256) with their split."""
+    frame = ImageTable.of_version(spark, plan, image_size).with_split(plan.version, plan.val_fraction, plan.test_fraction)
+    index_of = F.create_map(*[F.lit(item) for index, label in enumerate(plan.labels) for item in (label, index)])
+    return frame.select("image", index_of[F.col("label")].cast("long").alias("label"), "sha256", "split")
 
 
 def cache_splits(spark: SparkSession, plan: SplitPlan, image_size: int, cache_root: str, seed: int = 42) -> CachedSplits:
-    """Write each split as Parquet with `num_partitions` files, unless a complete cache for this key is there."""
-    key = cache_key(plan, image_size, seed)
-    base = f"{cache_root.rstrip('/')}/{key}"
-    splits = {split: _as_uri(f"{base}/{split}") for split in SPLITS}
-    fs, root = fsspec.core.url_to_fs(base)
-    reused = fs.exists(f"{root}/{META_FILE}")
-    if not reused:
-        frame = ImageTable.of_version(spark, plan, image_size).with_split(plan.version, plan.val_fraction, plan.test_fraction)
-        index_of = F.create_map(*[F.lit(item) for index, label in enumerate(plan.labels) for item in (label, index)])
-        label_index = index_of[F.col("label")]
-        for split, uri in splits.items():
-            rows = frame.where(F.col("split") == split).select("image", label_index.cast("long").alias("label"), "sha256")
-            write_split(rows, uri, plan.num_partitions, seed)
-        # The meta file is written last: its presence means every split is complete.
-        meta = {"key": key, "labels": plan.labels, "counts": plan.counts, "image_size": image_size, "plan": plan.model_dump()}
-        with fs.open(f"{root}/{META_FILE}", "w") as out:
-            json.dump(meta, out, indent=2)
-    return CachedSplits(
-        table_uri=plan.table_uri,
-        table_version=plan.version,
-        cache_dir=_as_uri(base),
-        key=key,
-        splits=splits,
-        counts=plan.counts,
-        labels=plan.labels,
-        image_size=image_size,
-        num_partitions=plan.num_partitions,
-        reused=reused,
-        label_counts=plan.label_counts,
-        quarantined=plan.quarantined,
-    )
+    """The cache of every split of the plan's version: reused if cached, grown from the nearest cached version, or written whole."""
+    key = line_key(plan, image_size, seed)
+    line = CacheLine(f"{cache_root.rstrip('/')}/{key}")
+    versions = line.versions()
+    if plan.version in versions:
+        return line.cached(plan.version, reused=True)
+    base = nearest(versions, plan.version)
+    rows = version_rows(spark, plan, image_size)
+    grown = grow(spark, line, base, rows, plan, seed) if base is not None else None
+    if grown is None:  # nothing cached to grow from, or the grown files do not hold the plan's rows
+        generation = 1 + max((line.read(v)["test"]["generation"] for v in versions), default=-1)
+        files = {}
+        for split in SPLITS:
+            folder = line.generation_folder(split, generation)
+            write_split(rows.where(F.col("split") == split).drop("split"), f"{line.uri}/{folder}", plan.num_partitions, seed, generation)
+            files[split] = line.files_in(folder)
+        grown = files, generation, False
+    files, generation, same_rows = grown
+    if same_rows:
+        # The rows of a cached version (a compaction made this one): the same cache, so training is a cache hit too.
+        cached = line.cached(base, reused=True)
+    else:
+        cached = CachedSplits(
+            table_uri=plan.table_uri, table_version=plan.version, cache_dir=line.fs.unstrip_protocol(line.root), key=f"{key}-v{plan.version}",
+            splits={split: line.fs.unstrip_protocol(line.manifest(split, plan.version)) for split in SPLITS}, counts=plan.counts, labels=plan.labels,
+            image_size=image_size, num_partitions=plan.num_partitions, reused=False, label_counts=plan.label_counts, quarantined=plan.quarantined,
+        )
+    line.write(plan.version, files, generation, cached)
+    return cached.model_copy(update={"reused": same_rows, "quarantined": plan.quarantined})
+
+
+def grow(spark: SparkSession, line: CacheLine, base: int, rows: DataFrame, plan: SplitPlan, seed: int) -> tuple[dict[str, list[str]], int, bool] | None:
+    """Files for the plan's version made from BASE's: its new rows in a new generation, files that hold rows it lost
+    rewritten without them. None if the result would not hold exactly the plan's rows (then it is written whole)."""
+    manifests = line.read(base)
+    generation = 1 + max(m["generation"] for m in manifests.values())
+    files, changed = {}, False
+    for split in SPLITS:
+        old_files = manifests[split]["files"]
+        current = rows.where(F.col("split") == split).drop("split")
+        old = spark.read.parquet(*[f"{line.uri}/{name}" for name in old_files]).select(*ROW_KEY, F.input_file_name().alias("file")) if old_files else None
+        added = current.join(old.select(*ROW_KEY), list(ROW_KEY), "left_anti") if old is not None else current
+        lost = old.join(current.select(*ROW_KEY), list(ROW_KEY), "left_anti") if old is not None else None
+        lost_rows = pa.Table.from_pylist([r.asDict() for r in lost.collect()]) if lost is not None else pa.table({})
+        keep = list(old_files)
+        if lost_rows.num_rows:
+            changed = True
+            keep = rewrite_without(line, split, generation, old_files, lost_rows)
+        folder = line.generation_folder(split, generation)
+        if added.limit(1).count():
+            changed = True
+            write_split(added, f"{line.uri}/{folder}", max(1, plan.num_partitions), seed, generation)
+            keep += [name for name in line.files_in(folder) if name not in keep]
+        if line.rows_in(keep) != plan.counts[split]:
+            return None
+        files[split] = keep
+    return files, generation, not changed
+
+
+def rewrite_without(line: CacheLine, split: str, generation: int, old_files: list[str], lost: pa.Table) -> list[str]:
+    """OLD_FILES with the files that hold LOST rows (sha256, label, file) replaced by copies without them."""
+    keep = []
+    prefix = f"{line.generation_folder(split, generation)}/rewritten"
+    # Spark spells a file's URI its own way: the base name (a Spark part name, unique) is what compares.
+    lost_in = pa.array([uri.rsplit("/", 1)[-1] for uri in lost.column("file").to_pylist()], pa.string())
+    for name in old_files:
+        here = lost.filter(pc.equal(lost_in, name.rsplit("/", 1)[-1]))
+        if not here.num_rows:
+            keep.append(name)
+            continue
+        with line.fs.open(f"{line.root}/{name}", "rb") as handle:
+            table = pq.read_table(handle)
+        gone = pc.binary_join_element_wise(here["sha256"], pc.cast(here["label"], pa.string()), "\x00")
+        mine = pc.binary_join_element_wise(table["sha256"], pc.cast(table["label"], pa.string()), "\x00")
+        kept = table.filter(pc.invert(pc.is_in(mine, gone)))
+        if kept.num_rows:
+            target = f"{prefix}-{name.rsplit('/', 1)[-1]}"
+            line.fs.makedirs(f"{line.root}/{target.rsplit('/', 1)[0]}", exist_ok=True)
+            with line.fs.open(f"{line.root}/{target}", "wb") as out:
+                pq.write_table(kept, out)
+            keep.append(target)
+    return keep
+
+
+def clean_cache(cache_root: str, keep_versions: dict[str, list[int]], retention_hours: float, now: float | None = None) -> dict[str, int]:
+    """Remove manifests and files that no kept version needs, in every cache line under CACHE_ROOT.
+
+    Kept: each line's newest version, the versions in KEEP_VERSIONS (by table URI: what registered models were
+    trained on), and manifests younger than the retention. A file goes when no kept manifest names it and it is
+    older than the retention (a cache stage writing now has files no manifest names yet).
+    """
+    fs, root = fsspec.core.url_to_fs(cache_root)
+    now = time.time() if now is None else now
+    removed = {"manifests": 0, "files": 0, "bytes": 0}
+    if not fs.exists(root):
+        return removed
+    for folder in fs.ls(root, detail=False):
+        line = CacheLine(fs.unstrip_protocol(folder))
+        versions = line.versions()
+        if not versions:
+            continue  # not a cache line of this layout
+        table_uri = line.read(versions[-1])["test"]["cached"]["table_uri"]
+        kept = {versions[-1], *keep_versions.get(table_uri, [])}
+        needed: set[str] = set()
+        for version in versions:
+            young = now - _modified(fs, line.manifest("test", version)) < retention_hours * 3600
+            if version in kept or young:
+                needed.update(name for manifest in line.read(version).values() for name in manifest["files"])
+                continue
+            for split in SPLITS:
+                fs.rm(line.manifest(split, version))
+                removed["manifests"] += 1
+        for path, info in fs.find(f"{line.root}/data", detail=True).items():
+            name = path[len(line.root) + 1 :]
+            if name.endswith(".parquet") and name not in needed and now - _modified(fs, path, info) >= retention_hours * 3600:
+                folder, base = path.rsplit("/", 1)
+                fs.rm(path)
+                if fs.exists(f"{folder}/.{base}.crc"):  # the checksum Hadoop's local file system writes beside it
+                    fs.rm(f"{folder}/.{base}.crc")
+                removed["files"] += 1
+                removed["bytes"] += int(info.get("size") or 0)
+    return removed
+
+
+def _modified(fs: Any, path: str, info: dict | None = None) -> float:
+    info = info or fs.info(path)
+    stamp = info.get("mtime") or info.get("LastModified") or info.get("updated") or 0
+    return float(stamp.timestamp()) if hasattr(stamp, "timestamp") else float(stamp)
 
 
 @stage("cache", settings=("image_size", "cache_uri", "seed"), code=("tasks.table",))
 def cache(plan: SplitPlan, settings: Settings) -> CachedSplits:
-    """Prefect stage: materialise (or reuse) the Petastorm cache of every split."""
+    """Prefect stage: materialise (or reuse, or grow) the Petastorm cache of every split."""
     return cache_splits(spark_session(settings), plan, settings.image_size, settings.cache_uri, settings.seed)

@@ -9,6 +9,7 @@ from prefect.cache_policies import NO_CACHE
 from infra.delta import Table
 from infra.settings import Settings
 from infra.tracking import mlflow_client
+from tasks.cache import clean_cache
 from tasks.stage import stage
 
 
@@ -40,6 +41,14 @@ def maintain_images(settings: Settings) -> dict:
     """Prefect stage: compact and vacuum the images table, keeping every registered model's version."""
     keep = protected_versions(mlflow_client(settings), settings.model_name, settings.table_uri)
     return maintain_table(Table.open(settings.table_uri, settings), settings.vacuum_retention_hours, keep)
+
+
+@stage("maintain-cache", cache_policy=NO_CACHE)
+def maintain_cache(settings: Settings) -> dict:
+    """Prefect stage: remove cache manifests and files that neither the newest version, a registered model's version
+    nor the retention window needs."""
+    keep = protected_versions(mlflow_client(settings), settings.model_name, settings.table_uri)
+    return clean_cache(settings.cache_uri, {settings.table_uri: keep}, settings.vacuum_retention_hours)
 
 
 @stage("maintain-quarantine", cache_policy=NO_CACHE)

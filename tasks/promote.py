@@ -6,7 +6,8 @@ import json
 
 import mlflow
 import numpy as np
-import pyarrow.dataset as ds
+import pyarrow as pa
+import pyarrow.parquet as pq
 from matplotlib.figure import Figure
 from prefect.artifacts import create_markdown_artifact
 from prefect.runtime import flow_run
@@ -14,7 +15,7 @@ from prefect.runtime import flow_run
 from infra.settings import Settings
 from infra.tracking import git_commit, mlflow_client, run_url
 from tasks.cards import confusion_matrix, metric_keys, model_card, per_class_metrics, per_class_table
-from tasks.worker.loader import pixel_rows
+from tasks.worker.loader import pixel_rows, split_files
 from tasks.worker.model import ImageClassifier, ImageModel
 from tasks.predict import predict
 from tasks.registry import gate
@@ -32,7 +33,12 @@ def load_trained_model(checkpoint_path: str) -> ImageModel:
 
 def read_split(uri: str, image_size: int) -> tuple[np.ndarray, np.ndarray]:
     """All images (N, H, W, 3 uint8) and labels of one cached split."""
-    table = ds.dataset(uri, format="parquet").to_table(columns=["image", "label"])
+    fs, files = split_files(uri)
+    parts = []
+    for path in files:
+        with fs.open(path, "rb") as handle:
+            parts.append(pq.read_table(handle, columns=["image", "label"]))
+    table = pa.concat_tables(parts)
     pixels = pixel_rows(table.column("image"), image_size * image_size * 3, f"cached split {uri}")
     return pixels.reshape(len(pixels), image_size, image_size, 3), table.column("label").to_numpy()
 

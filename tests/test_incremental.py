@@ -1,5 +1,6 @@
 """A growing lake costs what it grows by: the diff against the table runs in Spark and brings only what changed to
-the driver, and a run over a listing the tables already hold starts no Spark job at all."""
+the driver, a run over a listing the tables already hold starts no Spark job at all, and the cache of a new version
+adds only its new rows (a compaction keeps it as it was)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,10 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from infra.delta import Table
+from tasks.cache import cache_splits, clean_cache
+from tasks.rules.splits import split_of
+from tasks.split import plan_splits
+from tasks.worker.loader import shard_rows, split_files
 from tests.lake import Lake, copy_digits
 
 
@@ -74,3 +79,98 @@ def test_a_file_touched_but_not_changed_is_hashed_once_not_every_run(lake: Lake,
     ingested, resized, _ = lake.run(source)
     assert (ingested.candidates, resized.known) == (0, 0)
 
+
+
+def cached_version(lake: Lake, written, settings, root: Path):
+    plan = plan_splits(lake.spark, written, settings.model_copy(update={"image_size": 24, "val_fraction": 0.2, "test_fraction": 0.2}))
+    return plan, cache_splits(lake.spark, plan, 24, str(root))
+
+
+def split_keys(cached) -> dict[str, list[str]]:
+    return {split: sorted(pq.read_table(split_files(uri)[1], columns=["sha256"]).column("sha256").to_pylist()) for split, uri in cached.splits.items()}
+
+
+def test_the_cache_of_a_new_version_adds_only_its_new_rows_and_drops_retired_ones(lake: Lake, digits_dir: Path, tmp_path: Path, settings) -> None:
+    source, root = tmp_path / "src", tmp_path / "cache"
+    copy_digits(digits_dir, source, per_label=10)
+    _, _, v0 = lake.run(source)
+    _, first = cached_version(lake, v0, settings, root)
+    first_files = {split: split_files(uri)[1] for split, uri in first.splits.items()}
+
+    copy_digits(digits_dir, source, per_label=2, skip=10)  # 8 new images
+    _, _, v1 = lake.run(source)
+    plan, grown = cached_version(lake, v1, settings, root)
+    assert not grown.reused and grown.table_version == v1.version and grown.cache_dir == first.cache_dir
+    for split, uri in grown.splits.items():
+        files = split_files(uri)[1]
+        assert set(first_files[split]) <= set(files), "the first version's files are shared, not copied"
+        new = [f for f in files if f not in first_files[split]]
+        assert all("/g000001/" in f for f in new)
+        assert sum(pq.read_metadata(f).num_rows for f in new) == plan.counts[split] - first.counts[split]
+    table = {split: sorted(keys) for split, keys in by_split(lake, v1.version).items()}
+    assert split_keys(grown) == table
+    assert split_keys(first) == {split: sorted(keys) for split, keys in by_split(lake, v0.version).items()}, "the first version reads as before"
+
+    # Retired files leave the cache of the next version; the files that held them are rewritten, the rest shared.
+    gone = sorted((source / "2").glob("*.png"))[:3]
+    for png in gone:
+        png.unlink()
+    _, _, v2 = lake.run(source, retire=True)
+    _, shrunk = cached_version(lake, v2, settings, root)
+    assert split_keys(shrunk) == {split: sorted(keys) for split, keys in by_split(lake, v2.version).items()}
+    assert sum(shrunk.counts.values()) == sum(grown.counts.values()) - 3
+
+    # Rows read through the loader: every row of a version's split once.
+    per_shard = shard_rows(shrunk.splits["train"], 2)
+    assert sum(per_shard) == shrunk.counts["train"]
+
+
+def by_split(lake: Lake, version: int) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {"train": [], "val": [], "test": []}
+    for sha in lake.rows(version).values():
+        out[split_of(sha, 0.2, 0.2)].append(sha)
+    return out
+
+
+def test_a_compaction_keeps_the_cache_and_so_the_model(lake: Lake, digits_dir: Path, tmp_path: Path, settings) -> None:
+    source, root = tmp_path / "src", tmp_path / "cache"
+    copy_digits(digits_dir, source, per_label=10)
+    for part in range(3):  # three commits, so compaction has files to merge
+        copy_digits(digits_dir, source, per_label=3, skip=10 + 3 * part)
+        _, _, written = lake.run(source)
+    _, before = cached_version(lake, written, settings, root)
+    Table(lake.table, lake.spark, lake.engine).compact()
+    _, _, after_write = lake.run(source)
+    assert after_write.version > written.version, "the compaction made a version"
+    _, after = cached_version(lake, after_write, settings, root)
+    # The same cache (key, version, files): the train stage's key, made of it, is a hit, and the model stays.
+    assert after.model_dump() == before.model_dump() and after.reused
+
+
+def test_maintenance_removes_cache_files_no_kept_version_needs(lake: Lake, digits_dir: Path, tmp_path: Path, settings) -> None:
+    source, root = tmp_path / "src", tmp_path / "cache"
+    copy_digits(digits_dir, source, per_label=10)
+    _, _, v0 = lake.run(source)
+    _, c0 = cached_version(lake, v0, settings, root)
+    for png in sorted((source / "1").glob("*.png"))[:4]:
+        png.unlink()
+    _, _, v1 = lake.run(source, retire=True)
+    _, c1 = cached_version(lake, v1, settings, root)
+    copy_digits(digits_dir, source, per_label=2, skip=10)
+    _, _, v2 = lake.run(source)
+    _, c2 = cached_version(lake, v2, settings, root)
+    files = {name: {f for uri in c.splits.values() for f in split_files(uri)[1]} for name, c in (("v0", c0), ("v1", c1), ("v2", c2))}
+    only_v0 = files["v0"] - files["v2"]
+    assert only_v0 and files["v1"] <= files["v2"], "v1 rewrote files of v0, and v2 grew from v1"
+
+    # Nothing is old enough yet: the retention keeps everything.
+    assert clean_cache(str(root), {v0.table_uri: [v0.version]}, retention_hours=1) == {"manifests": 0, "files": 0, "bytes": 0}
+    # v0 is a registered model's and v2 the newest: v1's manifests go, and no file (v2 names all of v1's).
+    removed = clean_cache(str(root), {v0.table_uri: [v0.version]}, retention_hours=0)
+    assert (removed["manifests"], removed["files"]) == (3, 0)
+    assert split_keys(c0) == {s: sorted(k) for s, k in by_split(lake, v0.version).items()}
+    # Once no model needs v0, the files only it named go too.
+    removed = clean_cache(str(root), {}, retention_hours=0)
+    assert (removed["manifests"], removed["files"]) == (3, len(only_v0))
+    assert not any(Path(f.removeprefix("file://")).exists() for f in only_v0)
+    assert split_keys(c2) == {s: sorted(k) for s, k in by_split(lake, v2.version).items()}

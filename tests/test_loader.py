@@ -20,7 +20,7 @@ def write_label_runs(spark, out: Path, rows: int, partitions: int, seed: int = 4
     """A split whose source order is one long run per label (as a table written folder by folder is)."""
     data = [(bytes([i % 251]) * (SIZE * SIZE * 3), i * 10 // rows, f"{i:064x}") for i in range(rows)]
     frame = spark.createDataFrame(data, "image binary, label long, sha256 string").coalesce(1)
-    write_split(frame, str(out), partitions, seed)
+    write_split(frame, str(out), partitions, seed, 0)
     return f"file://{out}"
 
 

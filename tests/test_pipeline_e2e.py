@@ -19,6 +19,7 @@ from mlflow import MlflowClient
 from PIL import Image, ImageOps
 
 from flows.demo_data import write_digits
+from tasks.worker.loader import split_files
 from tests.conftest import cli_env
 
 pytestmark = pytest.mark.slow
@@ -102,12 +103,13 @@ def quarantine_artifact(flow_run_id: str) -> list[dict]:
     return json.loads(found.data) if isinstance(found.data, str) else found.data
 
 
-def assert_knows_the_data_and_the_model(summary: dict, client: MlflowClient, cache_dir: Path, description: str) -> None:
+def assert_knows_the_data_and_the_model(summary: dict, client: MlflowClient, description: str) -> None:
     """The dataset card (Prefect and MLflow) counts what the cache holds; per-class test metrics add up; the model card."""
     run_id, labels = summary["mlflow_run_id"], summary["labels"]
     card = json.loads(Path(mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path="dataset/card.json")).read_text())
     for split in ("train", "val", "test"):
-        cached = pq.read_table(cache_dir / split, columns=["label"]).column("label").to_numpy()
+        manifest = Path(summary["cache_dir"].removeprefix("file://")) / f"{split}-v{summary['delta_version']}.json"
+        cached = pq.read_table(split_files(str(manifest))[1], columns=["label"]).column("label").to_numpy()
         assert card["images_per_label"][split] == {name: int((cached == i).sum()) for i, name in enumerate(labels)}
     assert card == summary["dataset_card"] and card["images_per_split"] == summary["split_counts"]
     assert {"dataset/card.md", "dataset/samples.png"} <= {a.path for a in client.list_artifacts(run_id, "dataset")}
@@ -137,11 +139,10 @@ def test_pipeline_end_to_end_then_everything_is_cached(digits_dir: Path, tmp_pat
     assert first["rows"] == table.to_pyarrow_dataset().count_rows() == 300
     assert first["delta_engine"] == "delta-rs"  # auto, on an embedded Spark (Spark's Delta is forced in tests/test_delta_engines.py)
 
-    # Cache: one folder per split, keyed, complete.
+    # Cache: a manifest per split naming its files, complete.
     cache_dir = Path(first["cache_dir"].removeprefix("file://"))
-    assert (cache_dir / "meta.json").is_file()
     for split in ("train", "val", "test"):
-        assert list((cache_dir / split).glob("*.parquet")), split
+        assert split_files(str(cache_dir / f"{split}-v0.json"))[1], split
     assert sum(first["split_counts"].values()) == 300
 
     # Ray: a checkpoint written under the run's storage path.
@@ -169,7 +170,7 @@ def test_pipeline_end_to_end_then_everything_is_cached(digits_dir: Path, tmp_pat
     assert {"learning_curves.png", "confusion_matrix.png"} <= {a.path for a in client.list_artifacts(first["mlflow_run_id"])}
     # Prefect links the flow run to its MLflow run.
     assert f"/runs/{first['mlflow_run_id']}" in flow_artifact(first["flow_run_id"], "imagelake-mlflow-run").data
-    assert_knows_the_data_and_the_model(first, client, cache_dir, champion.description)
+    assert_knows_the_data_and_the_model(first, client, champion.description)
 
     # Second run on unchanged data: every stage is a cache hit; no new Delta version, no new model version.
     second, second_seconds = run_pipeline(digits_dir, workspace, env)

@@ -11,6 +11,7 @@ and held until its turn in the order Petastorm ventilated them (seeded, see infr
 
 from __future__ import annotations
 
+import json
 import math
 import queue
 import threading
@@ -69,11 +70,26 @@ class _LegacyFsspec(DaskFileSystem):
         return self.fs.walk(path)
 
 
+def split_files(url: str) -> tuple[Any, list[str]]:
+    """A cached split's filesystem and Parquet files, sorted: those its manifest names (a .json file, names relative
+    to its folder; see tasks/cache.py) or those in a folder."""
+    fs, path = fsspec.core.url_to_fs(url)
+    if path.endswith(".json"):
+        folder = path.rsplit("/", 1)[0]
+        return fs, sorted(f"{folder}/{name}" for name in json.loads(fs.cat_file(path))["files"])
+    return fs, sorted(p for p in fs.find(path) if p.endswith(".parquet") and not p.rsplit("/", 1)[-1].startswith(("_", ".")))
+
+
+def split_urls(url: str) -> list[str]:
+    """A cached split's Parquet files as URIs (what Petastorm and pyarrow are given)."""
+    fs, files = split_files(url)
+    return [fs.unstrip_protocol(path) for path in files]
+
+
 def row_groups(url: str) -> tuple[tuple[int, int | None], ...]:
-    """(rows, first position) of each row group of a Parquet folder, in the order Petastorm numbers them
+    """(rows, first position) of each row group of a cached split, in the order Petastorm numbers them
     (files by path, then row groups). The first position is None where the files have no position column."""
-    fs, root = fsspec.core.url_to_fs(url)
-    files = sorted(path for path in fs.find(root) if path.endswith(".parquet") and not path.rsplit("/", 1)[-1].startswith(("_", ".")))
+    fs, files = split_files(url)
     groups: list[tuple[int, int | None]] = []
     for path in files:
         with fs.open(path, "rb") as handle:
@@ -216,7 +232,7 @@ class ShardBatches:
         # The seed changes every epoch, and so do the row groups' order and the rows drawn from the pool.
         seed = (self.seed * 100_003 + epoch) % 2**32 if self.shuffle else None  # numpy's RandomState takes 32 bits
         self._reader = make_batch_reader(
-            self.url,
+            split_urls(self.url),
             schema_fields=fields + ([POSITION] if ordered else []),
             cur_shard=self.shard,
             shard_count=self.shard_count,
@@ -420,8 +436,7 @@ class RowPool:
 def label_samples(url: str, image_size: int, labels: list[str], per_label: int = 8, max_groups: int = 64) -> dict[str, np.ndarray]:
     """The first `per_label` images of each label of a cached split (its rows are in a seeded random order),
     from at most `max_groups` row groups: a rare label may show fewer."""
-    fs, root = fsspec.core.url_to_fs(url)
-    files = sorted(path for path in fs.find(root) if path.endswith(".parquet") and not path.rsplit("/", 1)[-1].startswith(("_", ".")))
+    fs, files = split_files(url)
     found: dict[int, list[np.ndarray]] = {index: [] for index in range(len(labels))}
     read = 0
     for path in files:
