@@ -225,6 +225,8 @@ def clean_cache(cache_root: str, keep_versions: dict[str, list[int]], retention_
             continue  # not a cache line of this layout
         table_uri = line.read(versions[-1])["test"]["cached"]["table_uri"]
         kept = {versions[-1], *keep_versions.get(table_uri, [])}
+        # A version with a cached version's rows (a compaction) hands out that version's manifests: they stay with it.
+        kept |= {line.cached(version, reused=True).table_version for version in versions if version in kept}
         needed: set[str] = set()
         for version in versions:
             young = now - _modified(fs, line.manifest("test", version)) < retention_hours * 3600

@@ -145,6 +145,9 @@ def test_a_compaction_keeps_the_cache_and_so_the_model(lake: Lake, digits_dir: P
     _, after = cached_version(lake, after_write, settings, root)
     # The same cache (key, version, files): the train stage's key, made of it, is a hit, and the model stays.
     assert after.model_dump() == before.model_dump() and after.reused
+    # Maintenance keeps the manifests that cache hands out, though their version is no longer the newest.
+    clean_cache(str(root), {}, retention_hours=0)
+    assert split_keys(after) == {s: sorted(k) for s, k in by_split(lake, after_write.version).items()}
 
 
 def test_maintenance_removes_cache_files_no_kept_version_needs(lake: Lake, digits_dir: Path, tmp_path: Path, settings) -> None:
