@@ -26,6 +26,7 @@ from pyspark.sql import functions as F
 
 from infra.settings import Settings
 from infra.spark import spark_session
+from tasks.ingest import modified_seconds
 from tasks.rules.splits import SPLITS
 from tasks.results import CachedSplits, SplitPlan
 from tasks.stage import stage
@@ -229,7 +230,7 @@ def clean_cache(cache_root: str, keep_versions: dict[str, list[int]], retention_
         kept |= {line.cached(version, reused=True).table_version for version in versions if version in kept}
         needed: set[str] = set()
         for version in versions:
-            young = now - _modified(fs, line.manifest("test", version)) < retention_hours * 3600
+            young = now - modified_seconds(fs.info(line.manifest("test", version))) < retention_hours * 3600
             if version in kept or young:
                 needed.update(name for manifest in line.read(version).values() for name in manifest["files"])
                 continue
@@ -238,7 +239,7 @@ def clean_cache(cache_root: str, keep_versions: dict[str, list[int]], retention_
                 removed["manifests"] += 1
         for path, info in fs.find(f"{line.root}/data", detail=True).items():
             name = path[len(line.root) + 1 :]
-            if name.endswith(".parquet") and name not in needed and now - _modified(fs, path, info) >= retention_hours * 3600:
+            if name.endswith(".parquet") and name not in needed and now - modified_seconds(info) >= retention_hours * 3600:
                 folder, base = path.rsplit("/", 1)
                 fs.rm(path)
                 if fs.exists(f"{folder}/.{base}.crc"):  # the checksum Hadoop's local file system writes beside it
@@ -246,12 +247,6 @@ def clean_cache(cache_root: str, keep_versions: dict[str, list[int]], retention_
                 removed["files"] += 1
                 removed["bytes"] += int(info.get("size") or 0)
     return removed
-
-
-def _modified(fs: Any, path: str, info: dict | None = None) -> float:
-    info = info or fs.info(path)
-    stamp = info.get("mtime") or info.get("LastModified") or info.get("updated") or 0
-    return float(stamp.timestamp()) if hasattr(stamp, "timestamp") else float(stamp)
 
 
 @stage("cache", settings=("image_size", "cache_uri", "seed"), code=("tasks.table",))

@@ -56,12 +56,12 @@ def _folder_entry(fs: Any, root: str, path: str, info: dict[str, Any], scope: Sc
         issue = "symlink_outside_source"
     elif info.get("islink") and not os.path.exists(path):
         issue = "unreadable"
-    size, mtime = int(info.get("size") or 0), _mtime(info)
+    size, mtime = int(info.get("size") or 0), modified_seconds(info)
     stamp = stamp_of(fs, path, info) if issue is None else None
     return file_entry(fs.unstrip_protocol(path), label_folders[-1] if label_folders else None, day, size, mtime, issue, scope.max_file_bytes, stamp)
 
 
-def _mtime(info: dict[str, Any]) -> float:
+def modified_seconds(info: dict[str, Any]) -> float:
     """Seconds since the epoch: local files give `mtime`; S3 `LastModified` (a datetime); 0.0 when the store gives neither."""
     stamp = info.get("mtime") or info.get("LastModified") or info.get("updated") or info.get("last_modified") or 0
     if hasattr(stamp, "timestamp"):
@@ -119,7 +119,7 @@ def list_manifest(uri: str, scope: Scope) -> list[dict[str, Any]]:
         except (FileNotFoundError, OSError):
             entries.append(file_entry(file_fs.unstrip_protocol(file_path), row["label"], day, 0, 0.0, "unreadable"))
             continue
-        size, mtime = int(info.get("size") or 0), _mtime(info)
+        size, mtime = int(info.get("size") or 0), modified_seconds(info)
         stamp = stamp_of(file_fs, file_path, info)
         entries.append(file_entry(file_fs.unstrip_protocol(file_path), row["label"], day, size, mtime, None, scope.max_file_bytes, stamp))
     return entries
