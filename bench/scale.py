@@ -1,6 +1,7 @@
 """What a growing lake costs: a cold run, a re-run with nothing new, and a run with 1% new files, side by side.
 
     .venv/bin/python bench/scale.py [--files 40000] [--new 0.01] [--keep DIR]
+    .venv/bin/python bench/scale.py --listing-only --files 1000000
 
 Builds FILES small JPEGs (96-200 px, 10 labels), then runs `imagelake run` three times on one workspace
 (image_size 32, 1 epoch): cold, again with nothing changed (the first re-run after a write), and after adding
@@ -8,6 +9,10 @@ NEW x FILES new images. Each run is its own process, as a scheduled run is. Per 
 reports itself (`stage_seconds`); Spark's start-up (which falls inside the first stage that needs Spark) is
 taken out and reported apart. The data stages are ingest to cache; the ratios are each run's data-stage
 seconds over the cold run's. Also: bytes the run added to the Petastorm cache, and the Python driver's peak RSS.
+
+With --listing-only: FILES/10 and FILES empty files (date=/label folders, 10,000 files a day); in a fresh process
+each, the listing streamed to staging, then the driver's diff of that listing with one holding NEW x more files;
+seconds per 100,000 files and peak RSS, with the RSS over the imports' per file listed.
 """
 
 from __future__ import annotations
@@ -87,13 +92,86 @@ def run(source: Path, workspace: Path) -> dict:
     }
 
 
+def write_empty(args: tuple[Path, int, int]) -> None:
+    """COUNT empty .jpg files from START, in date=YYYY-MM-DD/label<K> folders of 10,000 files a day."""
+    out, start, count = args
+    for index in range(start, start + count):
+        folder = out / f"date=2026-{1 + index // 300_000 % 12:02d}-{1 + index // 10_000 % 28:02d}" / f"label{index % 10}"
+        folder.mkdir(parents=True, exist_ok=True)
+        os.close(os.open(folder / f"{index:08d}.jpg", os.O_CREAT | os.O_WRONLY, 0o644))
+
+
+def build_empty(out: Path, start: int, count: int) -> None:
+    chunk = 10_000  # one day's files: two processes never create the same folder's files
+    jobs = [(out, first, min(chunk, start + count - first)) for first in range(start, start + count, chunk)]
+    with multiprocessing.Pool(os.cpu_count() or 2) as pool:
+        pool.map(write_empty, jobs)
+
+
+def peak_rss_mb() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def measure_listing(source: Path, staging: Path, new: float) -> None:
+    """In its own process: list SOURCE into staging, add NEW x files, list again and diff the two listings in the
+    driver (what a run does when the tables are in step with the first); print seconds and peak RSS as JSON."""
+    from tasks.changes import listing_changes, read_listing
+    from tasks.ingest import save_listing, source_uri
+    from tasks.rules.listing import Scope
+
+    scope, uri, out = Scope((".jpg",)), source_uri(str(source)), {"rss_after_imports": peak_rss_mb()}
+    started = time.perf_counter()
+    first = save_listing(uri, scope, str(staging))
+    out.update(files=first.listed, listing_seconds=time.perf_counter() - started, rss_after_listing=peak_rss_mb())
+    build_empty(source, first.listed, max(1, round(first.listed * new)))
+    second = save_listing(uri, scope, str(staging))
+    started = time.perf_counter()
+    changes = listing_changes(read_listing(first.manifest_uri), read_listing(second.manifest_uri), retire=True)
+    out.update(diff_seconds=time.perf_counter() - started, changed=changes.num_rows, rss_after_diff=peak_rss_mb())
+    print(json.dumps(out), flush=True)
+
+
+def listing_scale(files: list[int], new: float, root: Path) -> None:
+    """The listing part at each size in FILES (empty files): seconds per 100,000 files and the driver's peak RSS."""
+    print(f"{'files':>10} {'list s':>7} {'s/100k':>7} {'diff s':>7} {'RSS MB':>7} {'imports MB':>10} {'bytes/file':>10}")
+    for count in files:
+        source, staging = root / f"empty-{count}", root / f"staging-{count}"
+        build_empty(source, 0, count)
+        done = subprocess.run(
+            [sys.executable, __file__, "--measure-listing", str(source), str(staging), "--new", str(new)], capture_output=True, text=True
+        )
+        if done.returncode:
+            sys.exit(f"listing {count} files failed:\n{done.stderr[-3000:]}")
+        r = json.loads(done.stdout.strip().splitlines()[-1])
+        peak = max(r["rss_after_listing"], r["rss_after_diff"])
+        print(
+            f"{r['files']:>10} {r['listing_seconds']:>7.1f} {r['listing_seconds'] / r['files'] * 1e5:>7.2f} {r['diff_seconds']:>7.2f} "
+            f"{peak:>7.0f} {r['rss_after_imports']:>10.0f} {(peak - r['rss_after_imports']) * 1e6 / r['files']:>10.0f}",
+            flush=True,
+        )
+        shutil.rmtree(source, ignore_errors=True)
+        shutil.rmtree(staging, ignore_errors=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--files", type=int, default=40_000)
     parser.add_argument("--new", type=float, default=0.01)
     parser.add_argument("--keep", type=Path, help="work in this folder and leave it (default: a temp folder, removed)")
+    parser.add_argument("--listing-only", action="store_true", help="only the listing part, on empty files, at FILES/10 and FILES")
+    parser.add_argument("--measure-listing", nargs=2, type=Path, metavar=("SOURCE", "STAGING"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.measure_listing:
+        return measure_listing(*args.measure_listing, args.new)
     root = args.keep or Path(tempfile.mkdtemp(prefix="imagelake-scale-"))
+    if args.listing_only:
+        try:
+            return listing_scale([max(1, args.files // 10), args.files], args.new, root)
+        finally:
+            if args.keep is None:
+                shutil.rmtree(root, ignore_errors=True)
     source, workspace = root / "source", root / "workspace"
     try:
         started = time.perf_counter()

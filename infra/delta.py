@@ -319,6 +319,14 @@ def read_version(spark: SparkSession, table_uri: str, version: int, engine: Engi
     return spark.read.schema(StructType.fromJson(json.loads(table.schema().to_json()))).parquet(*files)
 
 
+def read_files(spark: SparkSession, table_uri: str, version: int, files: list[str]) -> DataFrame:
+    """The rows that some of a version's data files hold (URIs as Spark's `input_file_name` spells them), with the
+    version's schema: a plain Parquet read of those files alone. Neither engine here writes deletion vectors, so a
+    data file of a version holds rows of that version only."""
+    table = _rs(table_uri, version)
+    return spark.read.schema(StructType.fromJson(json.loads(table.schema().to_json()))).parquet(*files)
+
+
 def read_current(
     spark: SparkSession, table_uri: str, engine: Engine, columns: list[str], where: Column | None = None, version: int | None = None
 ) -> pa.Table:
@@ -395,9 +403,12 @@ class Table:
         """The current version, or None before the first write."""
         return table_version(self.uri)
 
-    def frame(self, version: int | None = None) -> DataFrame:
-        """The table at VERSION (default: the current one) as a Spark DataFrame."""
-        return read_version(self._reader(), self.uri, _rs(self.uri).version() if version is None else version, self.engine)
+    def frame(self, version: int | None = None, files: list[str] | None = None) -> DataFrame:
+        """The table at VERSION (default: the current one) as a Spark DataFrame; with FILES, only the rows those data files hold."""
+        version = _rs(self.uri).version() if version is None else version
+        if files is not None:
+            return read_files(self._reader(), self.uri, version, files)
+        return read_version(self._reader(), self.uri, version, self.engine)
 
     def read(self, columns: list[str], where: Column | None = None, version: int | None = None) -> pa.Table:
         """Some columns at the current version (or VERSION), as Arrow on the driver; empty if there is no table."""

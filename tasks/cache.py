@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import time
 import uuid
 from typing import Any
@@ -24,6 +25,7 @@ import pyarrow.parquet as pq
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
+from infra.compat import collect_arrow
 from infra.settings import Settings
 from infra.spark import spark_session
 from tasks.ingest import modified_seconds
@@ -115,9 +117,9 @@ def nearest(versions: list[int], version: int) -> int | None:
     return before[-1] if before else (versions[0] if versions else None)
 
 
-def version_rows(spark: SparkSession, plan: SplitPlan, image_size: int) -> DataFrame:
-    """The version's rows as the cache stores them (image, label index, sha256) with their split."""
-    frame = ImageTable.of_version(spark, plan, image_size).with_split(plan.version, plan.val_fraction, plan.test_fraction)
+def version_rows(spark: SparkSession, plan: SplitPlan, image_size: int, files: list[str] | None = None) -> DataFrame:
+    """The version's rows (those FILES hold, if given) as the cache stores them (image, label index, sha256) with their split."""
+    frame = ImageTable.of_version(spark, plan, image_size).with_split(plan.version, plan.val_fraction, plan.test_fraction, files)
     index_of = F.create_map(*[F.lit(item) for index, label in enumerate(plan.labels) for item in (label, index)])
     return frame.select("image", index_of[F.col("label")].cast("long").alias("label"), "sha256", "split")
 
@@ -130,11 +132,10 @@ def cache_splits(spark: SparkSession, plan: SplitPlan, image_size: int, cache_ro
     if plan.version in versions:
         return line.cached(plan.version, reused=True)
     base = nearest(versions, plan.version)
-    rows = version_rows(spark, plan, image_size)
-    grown = grow(spark, line, base, rows, plan, seed) if base is not None else None
+    grown = grow(spark, line, base, plan, image_size, seed) if base is not None else None
     if grown is None:  # nothing cached to grow from, or the grown files do not hold the plan's rows
         generation = 1 + max((line.read(v)["test"]["generation"] for v in versions), default=-1)
-        files = {}
+        rows, files = version_rows(spark, plan, image_size), {}
         for split in SPLITS:
             folder = line.generation_folder(split, generation)
             write_split(rows.where(F.col("split") == split).drop("split"), f"{line.uri}/{folder}", plan.num_partitions, seed, generation)
@@ -154,32 +155,52 @@ def cache_splits(spark: SparkSession, plan: SplitPlan, image_size: int, cache_ro
     return cached.model_copy(update={"reused": same_rows, "quarantined": plan.quarantined})
 
 
-def grow(spark: SparkSession, line: CacheLine, base: int, rows: DataFrame, plan: SplitPlan, seed: int) -> tuple[dict[str, list[str]], int, bool] | None:
-    """Files for the plan's version made from BASE's: its new rows in a new generation, files that hold rows it lost
-    rewritten without them. None if the result would not hold exactly the plan's rows (then it is written whole)."""
+def row_changes(spark: SparkSession, line: CacheLine, manifests: dict[str, Any], plan: SplitPlan, image_size: int) -> pa.Table:
+    """Keys (sha256, label) of the rows the version has and the base's cache lacks (`split` and the `data_file` that holds
+    each) and of those the cache holds and the version lost (the cache `file` that holds each): one join of keys, no pixels,
+    and only the differences reach the driver."""
+    old_files = [f"{line.uri}/{name}" for split in SPLITS for name in manifests[split]["files"]]
+    now = version_rows(spark, plan, image_size).select(*ROW_KEY, "split", F.input_file_name().alias("data_file"))
+    if old_files:
+        old = spark.read.parquet(*old_files).select(*ROW_KEY, F.input_file_name().alias("file"))
+    else:
+        old = now.select(*ROW_KEY, F.lit(None).cast("string").alias("file")).limit(0)
+    differences = now.join(old, list(ROW_KEY), "full_outer").where(F.col("file").isNull() | F.col("split").isNull())
+    batches = collect_arrow(differences)
+    if not batches:
+        return pa.table({"sha256": pa.array([], pa.string()), "label": pa.array([], pa.int64()), "split": pa.array([], pa.string()),
+                         "data_file": pa.array([], pa.string()), "file": pa.array([], pa.string())})
+    return pa.Table.from_batches(batches)
+
+
+def grow(spark: SparkSession, line: CacheLine, base: int, plan: SplitPlan, image_size: int, seed: int) -> tuple[dict[str, list[str]], int, bool] | None:
+    """Files for the plan's version made from BASE's: its new rows in a new generation (read from the data files that hold
+    them alone), files that hold rows it lost rewritten without them. None if the result would not hold exactly the
+    plan's rows (then it is written whole)."""
     manifests = line.read(base)
     generation = 1 + max(m["generation"] for m in manifests.values())
-    files, changed = {}, False
+    changes = row_changes(spark, line, manifests, plan, image_size)
+    added, lost = changes.filter(pc.is_null(changes["file"])), changes.filter(pc.is_null(changes["split"]))
+    fresh = None
+    if added.num_rows:
+        keys = spark.createDataFrame(added.select(list(ROW_KEY)).to_pandas())
+        data_files = pc.unique(added["data_file"]).to_pylist()
+        fresh = version_rows(spark, plan, image_size, data_files).join(F.broadcast(keys), list(ROW_KEY), "left_semi")
+    files = {}
     for split in SPLITS:
-        old_files = manifests[split]["files"]
-        current = rows.where(F.col("split") == split).drop("split")
-        old = spark.read.parquet(*[f"{line.uri}/{name}" for name in old_files]).select(*ROW_KEY, F.input_file_name().alias("file")) if old_files else None
-        added = current.join(old.select(*ROW_KEY), list(ROW_KEY), "left_anti") if old is not None else current
-        lost = old.join(current.select(*ROW_KEY), list(ROW_KEY), "left_anti") if old is not None else None
-        lost_rows = pa.Table.from_pylist([r.asDict() for r in lost.collect()]) if lost is not None else pa.table({})
-        keep = list(old_files)
-        if lost_rows.num_rows:
-            changed = True
-            keep = rewrite_without(line, split, generation, old_files, lost_rows)
-        folder = line.generation_folder(split, generation)
-        if added.limit(1).count():
-            changed = True
-            write_split(added, f"{line.uri}/{folder}", max(1, plan.num_partitions), seed, generation)
-            keep += [name for name in line.files_in(folder) if name not in keep]
+        keep = list(manifests[split]["files"])
+        new_rows = pc.sum(pc.equal(added["split"], split)).as_py() or 0
+        if new_rows:  # first: Spark's overwrite empties the generation's folder
+            folder = line.generation_folder(split, generation)
+            partitions = max(1, min(plan.num_partitions, math.ceil(plan.num_partitions * new_rows / max(1, plan.counts[split]))))
+            write_split(fresh.where(F.col("split") == split).drop("split"), f"{line.uri}/{folder}", partitions, seed, generation)
+            keep += line.files_in(folder)
+        if lost.num_rows:
+            keep = rewrite_without(line, split, generation, keep, lost)
         if line.rows_in(keep) != plan.counts[split]:
             return None
         files[split] = keep
-    return files, generation, not changed
+    return files, generation, not changes.num_rows
 
 
 def rewrite_without(line: CacheLine, split: str, generation: int, old_files: list[str], lost: pa.Table) -> list[str]:

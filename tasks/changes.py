@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import uuid
 
 import fsspec
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 from pyspark.sql.pandas.types import from_arrow_schema
@@ -26,11 +28,16 @@ from tasks.rules.schemas import CHANGES_SCHEMA, LISTING_SCHEMA
 from tasks.table import ImageTable
 
 
+def state_key(table: ImageTable, scope: Scope, retire_deleted: bool) -> str:
+    """Everything the diff depends on besides the listing and the tables' versions, hashed."""
+    quarantine = table.quarantine.uri if table.quarantine is not None else None
+    parts = [table.uri, quarantine, table.image_size, str(scope.start), str(scope.end), retire_deleted]
+    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:32]
+
+
 def diff_basis(listed: Listed, table: ImageTable, scope: Scope, retire_deleted: bool) -> str:
     """Everything the diff depends on besides the tables' versions, hashed."""
-    quarantine = table.quarantine.uri if table.quarantine is not None else None
-    parts = [listed.listing_fingerprint, table.uri, quarantine, table.image_size, str(scope.start), str(scope.end), retire_deleted]
-    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()
+    return hashlib.sha256(f"{listed.listing_fingerprint}|{state_key(table, scope, retire_deleted)}".encode()).hexdigest()
 
 
 def in_sync_marker(folder: str, basis: str, versions: tuple[int | None, int | None]) -> str:
@@ -43,10 +50,71 @@ def table_versions(table: ImageTable) -> tuple[int | None, int | None]:
     return table.images.version(), table.quarantine.version() if table.quarantine is not None else None
 
 
-def mark_in_sync(folder: str, basis: str, versions: tuple[int | None, int | None]) -> None:
+def mark_in_sync(folder: str, basis: str, versions: tuple[int | None, int | None], key: str = "", listing_uri: str = "") -> None:
+    """Write the marker; with the diff's KEY and the listing, also record the listing as the last one in step with
+    the tables at VERSIONS (the next run with the same inputs then diffs its listing against that one)."""
     fs, path = fsspec.core.url_to_fs(in_sync_marker(folder, basis, versions))
     fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
     fs.pipe_file(path, b"")
+    if key and listing_uri:
+        last = f"{path.rsplit('/', 1)[0]}/last-{key}.json"
+        aside = f"{last}.{uuid.uuid4().hex}"
+        fs.pipe_file(aside, json.dumps({"versions": list(versions), "listing": listing_uri}).encode())
+        fs.mv(aside, last)
+
+
+def last_in_sync(folder: str, key: str, versions: tuple[int | None, int | None]) -> str | None:
+    """The listing the tables are in step with at VERSIONS, for a diff with inputs KEY (None: none recorded for
+    these versions, or its file is gone)."""
+    fs, path = fsspec.core.url_to_fs(f"{folder}/last-{key}.json")
+    if not fs.exists(path):
+        return None
+    record = json.loads(fs.cat_file(path))
+    if tuple(record["versions"]) != tuple(versions) or not fsspec.core.url_to_fs(record["listing"])[0].exists(record["listing"]):
+        return None
+    return record["listing"]
+
+
+def listing_changes(before: pa.Table, now: pa.Table, retire: bool) -> pa.Table:
+    """What the table diff would give when the tables hold exactly what listing BEFORE brings: NOW's entries that BEFORE
+    lacks or lists with another size, mtime or stamp, then (with RETIRE) `delete` entries for the paths NOW lost.
+    No content hash is known for them: a rewritten file is hashed, and the write leaves out content the table holds."""
+    keys = ["path", "size", "mtime", "_stamp"]
+
+    def keyed(listing: pa.Table) -> pa.Table:
+        return listing.append_column("_stamp", pc.fill_null(listing["stamp"], ""))
+
+    todo = keyed(now).join(keyed(before).select(keys), keys, join_type="left anti").drop_columns(["_stamp"])
+    todo = todo.select(LISTING_SCHEMA.names).append_column("known_sha256", pa.nulls(todo.num_rows, pa.string()))
+    if retire:
+        gone = before.select(["path"]).join(now.select(["path"]), "path", join_type="left anti").column("path").combine_chunks()
+        n = len(gone)
+        deleted = pa.table(
+            {"path": gone, "label": pa.array(["-"] * n, pa.string()), "date": pa.nulls(n, pa.date32()), "size": pa.array([0] * n, pa.int64()),
+             "mtime": pa.array([0.0] * n, pa.float64()), "stamp": pa.nulls(n, pa.string()), "issue": pa.nulls(n, pa.string()),
+             "action": pa.array(["delete"] * n, pa.string()), "known_sha256": pa.nulls(n, pa.string())}
+        )
+        todo = pa.concat_tables([todo.cast(CHANGES_SCHEMA), deleted.cast(CHANGES_SCHEMA)])
+    return todo.cast(CHANGES_SCHEMA)
+
+
+def with_known_hashes(table: ImageTable, todo: pa.Table, listed_before: pa.ChunkedArray, version: int | None) -> pa.Table:
+    """TODO with the table's content hash for each path of it that was LISTED_BEFORE (a file rewritten in place, or
+    only touched, whose bytes may be what the table has): a semi-join on those paths alone; none, no query."""
+    upserts = todo.filter(pc.equal(todo["action"], "upsert")).column("path")
+    listed = upserts.filter(pc.is_in(upserts, listed_before.combine_chunks())).combine_chunks()
+    if not len(listed) or version is None:
+        return todo
+    held = table.rows_matching({"path": listed}, ["path", "sha256"], version)
+    if not held.num_rows:
+        return todo
+    where = pc.index_in(todo["path"], held["path"])
+    return todo.set_column(todo.schema.get_field_index("known_sha256"), "known_sha256", pc.take(held["sha256"], where).cast(pa.string()))
+
+
+def read_listing(uri: str) -> pa.Table:
+    with fsspec.open(uri, "rb") as handle:
+        return pq.read_table(handle)
 
 
 def is_in_sync(folder: str, basis: str, versions: tuple[int | None, int | None]) -> bool:
@@ -110,12 +178,19 @@ def dates_of(scope: Scope) -> Column:
 
 def diff_against_table(table: ImageTable, listed: Listed, scope: Scope, retire_deleted: bool, staging_dir: str) -> ListingDiff:
     """Keep what is new or changed in a listing since the tables' current versions (at its image size), and stage that list."""
-    basis, versions = diff_basis(listed, table, scope, retire_deleted), table_versions(table)
+    basis, versions, key = diff_basis(listed, table, scope, retire_deleted), table_versions(table), state_key(table, scope, retire_deleted)
     dated = scope.start is not None or scope.end is not None
     fingerprint = hashlib.sha256(f"{basis}|{versions[0]}|{versions[1]}".encode()).hexdigest()
     in_sync_folder = f"{staging_dir.rstrip('/')}/in-sync"
+    before = last_in_sync(in_sync_folder, key, versions) if versions[0] is not None else None
     if is_in_sync(in_sync_folder, basis, versions):
         todo = CHANGES_SCHEMA.empty_table()
+    elif before is not None:
+        # Nobody wrote since the tables were last in step with a listing: the change is between the two listings,
+        # found in the driver from the two files, without a Spark job or a row of the table.
+        earlier = read_listing(before)
+        todo = listing_changes(earlier, read_listing(listed.manifest_uri), dated or retire_deleted)
+        todo = with_known_hashes(table, todo, earlier.column("path"), versions[0])
     else:
         listing = table.spark.read.schema(from_arrow_schema(LISTING_SCHEMA)).parquet(listed.manifest_uri)
         # A date-limited run replaces exactly its dates: files gone from those dates are retired.
@@ -134,6 +209,8 @@ def diff_against_table(table: ImageTable, listed: Listed, scope: Scope, retire_d
         quarantine_version_seen=versions[1],
         basis=basis,
         in_sync_folder=in_sync_folder,
+        listing_uri=listed.manifest_uri,
+        state_key=key,
         content_fingerprint=fingerprint,
     )
 

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import csv
 import hashlib
-import io
+import itertools
 import os
-from pathlib import Path, PurePosixPath
-from typing import Any
+import uuid
+from pathlib import Path
+from typing import Any, Iterator
 
 import fsspec
 import pyarrow as pa
@@ -20,7 +21,7 @@ import pyarrow.parquet as pq
 
 from infra.settings import Settings
 from tasks.results import Listed
-from tasks.rules.listing import DATE_FOLDER, Scope, SourceError, change_stamp, file_entry, listing_fingerprint, parse_day, scope_of
+from tasks.rules.listing import DATE_FOLDER, Scope, SourceError, add_to_fingerprint, change_stamp, file_entry, listing_fingerprint, parse_day, scope_of
 from tasks.rules.schemas import LISTING_SCHEMA
 from tasks.stage import stage
 
@@ -39,7 +40,7 @@ def source_uri(source: str) -> str:
 
 
 def _folder_entry(fs: Any, root: str, path: str, info: dict[str, Any], scope: Scope) -> dict[str, Any] | None:
-    parts = PurePosixPath(path).relative_to(root).parts
+    parts = path[len(root) :].strip("/").split("/")
     folders = parts[:-1]
     day, issue = None, None
     for folder in folders:
@@ -84,28 +85,39 @@ def stamp_of(fs: Any, path: str, info: dict[str, Any]) -> str | None:
         return None
 
 
-def list_folder(uri: str, scope: Scope) -> list[dict[str, Any]]:
+def walk_files(fs: Any, folder: str) -> Iterator[tuple[str, dict[str, Any]]]:
+    """Every file under FOLDER with the store's info on it, a folder at a time, in name order: memory holds the
+    folders on the way down, never the whole tree."""
+    for info in sorted(fs.ls(folder, detail=True), key=lambda item: item["name"]):
+        if info["type"] == "directory":
+            yield from walk_files(fs, info["name"])
+        else:
+            yield info["name"], info
+
+
+def list_folder(uri: str, scope: Scope) -> Iterator[dict[str, Any]]:
     """Every file with an image extension under a folder tree, with label, date and any problem seen so far."""
     fs, root = fsspec.core.url_to_fs(uri)
-    entries = []
-    for path, info in sorted(fs.find(root, detail=True, withdirs=False).items()):
-        if not path.lower().endswith(scope.extensions):
-            continue
-        entry = _folder_entry(fs, root, path, info, scope)
-        if entry is not None:
-            entries.append(entry)
-    return entries
+    root = root.rstrip("/")
+    fs.invalidate_cache()  # object stores' file systems keep the folders they listed: a run must see the store now
+    for path, info in walk_files(fs, root):
+        if path.lower().endswith(scope.extensions):
+            entry = _folder_entry(fs, root, path, info, scope)
+            if entry is not None:
+                yield entry
 
 
-def list_manifest(uri: str, scope: Scope) -> list[dict[str, Any]]:
-    """Files named by a manifest CSV (path,label[,date]); relative paths are relative to the manifest."""
+def list_manifest(uri: str, scope: Scope) -> Iterator[dict[str, Any]]:
+    """Files named by a manifest CSV (path,label[,date]), read a line at a time; relative paths are relative to the manifest."""
     fs, manifest = fsspec.core.url_to_fs(uri)
     base = manifest.rsplit("/", 1)[0]
-    with fs.open(manifest, "r", encoding="utf-8") as handle:
-        rows = list(csv.DictReader(io.StringIO(handle.read())))
-    if rows and not {"path", "label"} <= set(rows[0]):
-        raise SourceError(f"manifest {uri} needs the columns path,label[,date]; it has {', '.join(rows[0])}")
-    entries = []
+    with fs.open(manifest, "r", encoding="utf-8", newline="") as handle:
+        yield from manifest_entries(uri, base, fs, csv.DictReader(handle), scope)
+
+
+def manifest_entries(uri: str, base: str, fs: Any, rows: csv.DictReader, scope: Scope) -> Iterator[dict[str, Any]]:
+    if rows.fieldnames and not {"path", "label"} <= set(rows.fieldnames):
+        raise SourceError(f"manifest {uri} needs the columns path,label[,date]; it has {', '.join(rows.fieldnames)}")
     for number, row in enumerate(rows, start=2):
         day = parse_day(row["date"]) if row.get("date") else None
         if row.get("date") and day is None:
@@ -117,28 +129,50 @@ def list_manifest(uri: str, scope: Scope) -> list[dict[str, Any]]:
         try:
             info = file_fs.info(file_path)
         except (FileNotFoundError, OSError):
-            entries.append(file_entry(file_fs.unstrip_protocol(file_path), row["label"], day, 0, 0.0, "unreadable"))
+            yield file_entry(file_fs.unstrip_protocol(file_path), row["label"], day, 0, 0.0, "unreadable")
             continue
         size, mtime = int(info.get("size") or 0), modified_seconds(info)
         stamp = stamp_of(file_fs, file_path, info)
-        entries.append(file_entry(file_fs.unstrip_protocol(file_path), row["label"], day, size, mtime, None, scope.max_file_bytes, stamp))
-    return entries
+        yield file_entry(file_fs.unstrip_protocol(file_path), row["label"], day, size, mtime, None, scope.max_file_bytes, stamp)
 
 
-def list_source(uri: str, scope: Scope) -> list[dict[str, Any]]:
-    """List a folder tree or a manifest CSV."""
+def iter_source(uri: str, scope: Scope) -> Iterator[dict[str, Any]]:
+    """List a folder tree or a manifest CSV, an entry at a time."""
     return list_manifest(uri, scope) if uri.lower().endswith(".csv") else list_folder(uri, scope)
 
 
+def list_source(uri: str, scope: Scope) -> list[dict[str, Any]]:
+    """The whole listing of a folder tree or a manifest CSV, in memory (for a date plan; a run streams it instead)."""
+    return list(iter_source(uri, scope))
+
+
+# Entries per Parquet row group of a listing: the driver holds one batch of them, never the whole listing.
+LISTING_BATCH = 20_000
+
+
 def save_listing(uri: str, scope: Scope, staging_dir: str) -> Listed:
-    """List the source and keep the listing in staging, named by its fingerprint."""
-    entries = list_source(uri, scope)
-    if not entries:
-        where = f" dated {scope.start or '...'} to {scope.end or '...'}" if (scope.start or scope.end) else ""
-        raise SourceError(f"no image files ({', '.join(scope.extensions)}){where} under {uri}: lay images out as [date=YYYY-MM-DD/]<label>/<file>")
-    fingerprint = listing_fingerprint(entries)
-    manifest = write_manifest(entries, f"{staging_dir.rstrip('/')}/listing-{fingerprint[:20]}.parquet")
-    return Listed(manifest_uri=manifest, source_uri=uri, listed=len(entries), listing_fingerprint=fingerprint)
+    """List the source into staging a batch at a time, hashing it on the way; the file is named by that fingerprint."""
+    fs, folder = fsspec.core.url_to_fs(staging_dir)
+    folder = folder.rstrip("/")
+    fs.makedirs(folder, exist_ok=True)
+    aside, digest, listed = f"{folder}/.listing-{uuid.uuid4().hex}.parquet", hashlib.sha256(), 0
+    entries = iter_source(uri, scope)
+    try:
+        with fs.open(aside, "wb") as out, pq.ParquetWriter(out, LISTING_SCHEMA) as writer:
+            while batch := list(itertools.islice(entries, LISTING_BATCH)):
+                add_to_fingerprint(digest, batch)
+                writer.write_table(pa.Table.from_pylist(batch, schema=LISTING_SCHEMA))
+                listed += len(batch)
+        if not listed:
+            where = f" dated {scope.start or '...'} to {scope.end or '...'}" if (scope.start or scope.end) else ""
+            raise SourceError(f"no image files ({', '.join(scope.extensions)}){where} under {uri}: lay images out as [date=YYYY-MM-DD/]<label>/<file>")
+        fingerprint = digest.hexdigest()
+        manifest = f"{folder}/listing-{fingerprint[:20]}.parquet"
+        fs.mv(aside, manifest)
+    finally:
+        if fs.exists(aside):
+            fs.rm(aside)
+    return Listed(manifest_uri=fs.unstrip_protocol(manifest), source_uri=uri, listed=listed, listing_fingerprint=fingerprint)
 
 
 def write_manifest(entries: list[dict[str, Any]] | pa.Table, manifest: str) -> str:
@@ -150,12 +184,25 @@ def write_manifest(entries: list[dict[str, Any]] | pa.Table, manifest: str) -> s
     return manifest
 
 
+# The listing that computing the ingest stage's cache key just saved, for the stage itself: a run lists its source once.
+_saved_for_key: dict[tuple[str, Scope, str], Listed] = {}
+
+
 def source_listing(inputs: dict[str, Any]) -> dict[str, str]:
     """Cache key part for ingest: the listing itself, so new or changed files are a miss without reading them."""
-    return {"source listing": listing_fingerprint(list_source(source_uri(inputs["source"]), scope_of(inputs["settings"])))}
+    settings: Settings = inputs["settings"]
+    uri, scope = source_uri(inputs["source"]), scope_of(settings)
+    try:
+        listed = save_listing(uri, scope, settings.staging_uri)
+    except SourceError:  # the stage itself raises it, where the run reports a stage's failure
+        return {"source listing": listing_fingerprint([])}
+    _saved_for_key.clear()
+    _saved_for_key[(uri, scope, settings.staging_uri)] = listed
+    return {"source listing": listed.listing_fingerprint}
 
 
 @stage("ingest", settings=("image_extensions", "start_date", "end_date", "max_file_bytes", "staging_uri"), facts=source_listing, code=("tasks.rules.listing", "tasks.rules.schemas"))
 def ingest(source: str, settings: Settings) -> Listed:
     """Prefect stage: list the source (what changed since the table is resize's to find, at its image size)."""
-    return save_listing(source_uri(source), scope_of(settings), settings.staging_uri)
+    uri, scope = source_uri(source), scope_of(settings)
+    return _saved_for_key.pop((uri, scope, settings.staging_uri), None) or save_listing(uri, scope, settings.staging_uri)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import time
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, Iterable
 
 import fsspec
 import pyarrow.parquet as pq
@@ -20,7 +20,7 @@ from tasks.progress import Every, rate_line, stage_logger
 from tasks.resize_executor import PROGRESS_FOLDER, PROGRESS_SECONDS, SUMMARY_SCHEMA, DecodeRules, process_partition
 from tasks.results import ListingDiff, Listed, Resized
 from tasks.rules.listing import scope_of
-from tasks.rules.partitions import ROWS_PER_DECODE_TASK, balanced_partitions
+from tasks.rules.partitions import DECODE_IN_DRIVER_UP_TO, ROWS_PER_DECODE_TASK, balanced_partitions
 from tasks.rules.schemas import CHANGES_SCHEMA
 from tasks.stage import stage
 from tasks.table import ImageTable
@@ -32,11 +32,14 @@ def files_done(staging_uri: str) -> int:
     return sum(int(fs.cat_file(path) or 0) for path in fs.find(folder)) if fs.exists(folder) else 0
 
 
-def resize_images(table: ImageTable, ingested: ListingDiff, rules: DecodeRules, staging_uri: str, progress_seconds: float = PROGRESS_SECONDS) -> Resized:
+def resize_images(
+    table: ImageTable, ingested: ListingDiff, rules: DecodeRules, staging_uri: str, progress_seconds: float = PROGRESS_SECONDS, in_driver_up_to: int = 0
+) -> Resized:
     """Decode and resize every new or changed file on the executors: pixels into uncommitted table files, the rest to staging.
 
     A file whose content is what the table already holds for its path is not decoded again. Each task writes how
-    many files it has done every `progress_seconds` for the driver's progress line. Nothing to do starts no Spark job.
+    many files it has done every `progress_seconds` for the driver's progress line. Nothing to do starts no Spark job;
+    a list of at most `in_driver_up_to` files is decoded by the driver itself, the same way.
     """
     spark, table_uri = table.spark, table.uri  # plain values: the executors' closure carries no session
     fs, folder = fsspec.core.url_to_fs(staging_uri)
@@ -45,10 +48,13 @@ def resize_images(table: ImageTable, ingested: ListingDiff, rules: DecodeRules, 
     fs.makedirs(f"{folder}/{PROGRESS_FOLDER}", exist_ok=True)  # local folders must exist before the executors write into them
     # Only what changed is listed here: the driver reads it, so Spark itself never needs access to the staging store.
     with fsspec.open(ingested.manifest_uri, "rb") as handle:
-        listed = pq.read_table(handle).to_pylist()
+        listed = pq.read_table(handle)
     counts: dict[tuple[str, str | None], tuple[int, str]] = {}
-    if listed:
-        counts = decode_on_executors(spark, listed, rules, staging_uri, table_uri, progress_seconds)
+    if 0 < listed.num_rows <= in_driver_up_to:
+        summary = process_partition(iter(listed.to_batches()), rules, staging_uri, table_uri, datetime.now(timezone.utc), progress_seconds, partition=0)
+        counts = count_by_status(row for batch in summary for row in batch.to_pylist())
+    elif listed.num_rows:
+        counts = decode_on_executors(spark, listed.to_pylist(), rules, staging_uri, table_uri, progress_seconds)
     by_status: dict[str, int] = {}
     for (status, _), (n, _) in counts.items():
         by_status[status] = by_status.get(status, 0) + n
@@ -65,6 +71,8 @@ def resize_images(table: ImageTable, ingested: ListingDiff, rules: DecodeRules, 
         basis=ingested.basis,
         versions_seen=(ingested.table_version_seen, ingested.quarantine_version_seen),
         in_sync_folder=ingested.in_sync_folder,
+        listing_uri=ingested.listing_uri,
+        state_key=ingested.state_key,
     )
 
 
@@ -84,6 +92,11 @@ def decode_on_executors(
     with Every(lambda: logger.info(rate_line("resize", files_done(staging_uri), len(listed), time.monotonic() - started, "files")), logger):
         rows = summary.collect()
     logger.info(rate_line("resize", len(listed), len(listed), time.monotonic() - started, "files"))
+    return count_by_status(row.asDict() for row in rows)
+
+
+def count_by_status(rows: Iterable[dict]) -> dict[tuple[str, str | None], tuple[int, str]]:
+    """The tasks' summary rows added up: files per (status, reason), with the first example path."""
     counts: dict[tuple[str, str | None], tuple[int, str]] = {}
     for row in rows:
         n, example = counts.get((row["status"], row["reason"]), (0, row["example"]))
@@ -113,4 +126,4 @@ def resize(listed: Listed, settings: Settings) -> Resized:
     ingested = diff_against_table(table, listed, scope_of(settings), settings.retire_deleted, settings.staging_uri)
     rules = DecodeRules(settings.image_size, settings.resize_mode, settings.max_file_bytes, settings.max_image_pixels)
     key = f"{ingested.content_fingerprint[:16]}-{settings.image_size}-{settings.resize_mode}"
-    return resize_images(table, ingested, rules, f"{settings.staging_uri}/resize-{key}")
+    return resize_images(table, ingested, rules, f"{settings.staging_uri}/resize-{key}", in_driver_up_to=DECODE_IN_DRIVER_UP_TO)

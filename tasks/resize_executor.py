@@ -148,7 +148,7 @@ def report_progress(fs, path: str, files: int) -> None:
 
 def process_partition(
     batches: Iterator[pa.RecordBatch], rules: DecodeRules, staging_uri: str, table_uri: str, ingested_at: datetime,
-    progress_seconds: float = PROGRESS_SECONDS,
+    progress_seconds: float = PROGRESS_SECONDS, partition: int | None = None,
 ) -> Iterator[pa.RecordBatch]:
     """mapInArrow body: read, hash and (unless the table holds that content for its path) decode every listed file of one partition.
 
@@ -156,12 +156,13 @@ def process_partition(
     table's folder; the write stage commits that file to the Delta log (or, if the run replaces
     rows, merges its rows). Uncommitted, it is invisible to every reader. Every listed file also
     gets a small staged row (no pixels) for the write stage's bookkeeping. The pixels never pass
-    through the JVM: Spark gets back only counts by (status, reason) with an example path.
+    through the JVM: Spark gets back only counts by (status, reason) with an example path. The driver calls it
+    itself, as PARTITION 0, for a list too short to be worth starting Spark's Python workers.
     """
     # Our own check quarantines at max_pixels; Pillow's (warning at 1x, error at 2x) stays as a backstop.
     Image.MAX_IMAGE_PIXELS = rules.max_pixels
     warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-    partition = TaskContext.get().partitionId()
+    partition = TaskContext.get().partitionId() if partition is None else partition
     staged: list[dict] = []
     fs, folder = fsspec.core.url_to_fs(staging_uri)
     reported = time.monotonic()

@@ -27,6 +27,8 @@ class ListingDiff(BaseModel):
     quarantine_version_seen: int | None = None
     basis: str = ""  # what the diff depended on besides the versions (tasks/changes.py:diff_basis)
     in_sync_folder: str = Field(default="", exclude=True)
+    listing_uri: str = Field(default="", exclude=True)  # the whole listing the diff was of
+    state_key: str = Field(default="", exclude=True)  # the diff's inputs but the listing (tasks/changes.py:state_key)
     content_fingerprint: str
 
 
@@ -44,6 +46,8 @@ class Resized(BaseModel):
     basis: str = ""
     versions_seen: tuple[int | None, int | None] = (None, None)
     in_sync_folder: str = Field(default="", exclude=True)
+    listing_uri: str = Field(default="", exclude=True)
+    state_key: str = Field(default="", exclude=True)
 
     @property
     def bad(self) -> int:
@@ -104,6 +108,8 @@ class Trained(BaseModel):
     best_val_loss: float
     val_accuracy: float
     worker_nodes: list[str] = []  # the Ray node of each rank
+    warm_started_from: str = "none"  # the champion version training started from, or "none" (from scratch)
+    fit_seconds: float = Field(default=0.0, exclude=True)  # Lightning's fit on rank 0, Ray's start-up apart
 
 
 class Promoted(BaseModel):

@@ -96,9 +96,9 @@ class ImageTable:
         known.update(_known(rows))
         return self.images.version(), known, set(rows.column("path").to_pylist())
 
-    def with_split(self, version: int, val_fraction: float, test_fraction: float) -> DataFrame:
-        """The table at VERSION, rows of this image size, with a `split` column."""
-        return self.images.frame(version).where(self.this_size()).withColumn("split", split_column(val_fraction, test_fraction))
+    def with_split(self, version: int, val_fraction: float, test_fraction: float, files: list[str] | None = None) -> DataFrame:
+        """The table at VERSION, rows of this image size (of FILES only, if given), with a `split` column."""
+        return self.images.frame(version, files).where(self.this_size()).withColumn("split", split_column(val_fraction, test_fraction))
 
     def quarantined_by_reason(self) -> dict[str, int]:
         """Files in the quarantine table now, by reason."""

@@ -169,7 +169,7 @@ def mark_if_in_step(table: ImageTable, resized: Resized, before: tuple[int | Non
     if not resized.basis or not resized.in_sync_folder or before != tuple(resized.versions_seen):
         return
     if (table.images.version(), table.quarantine.version()) == expected:
-        mark_in_sync(resized.in_sync_folder, resized.basis, expected)
+        mark_in_sync(resized.in_sync_folder, resized.basis, expected, resized.state_key, resized.listing_uri)
 
 
 def settle_concurrent_append(table: ImageTable, resized: Resized, changes: Changes, version: int) -> int:

@@ -1,6 +1,7 @@
 """A growing lake costs what it grows by: the diff against the table runs in Spark and brings only what changed to
-the driver, a run over a listing the tables already hold starts no Spark job at all, and the cache of a new version
-adds only its new rows (a compaction keeps it as it was)."""
+the driver, or, when the tables are in step with an earlier listing, compares the two listings without Spark; a run
+over a listing the tables already hold starts no Spark job at all; the cache of a new version adds only its new rows
+(a compaction keeps it as it was)."""
 
 from __future__ import annotations
 
@@ -12,10 +13,13 @@ import pyarrow.parquet as pq
 
 from infra.delta import Table
 from tasks.cache import cache_splits, clean_cache
+from tasks.changes import ingest_listing
+from tasks.ingest import source_uri
 from tasks.rules.splits import split_of
 from tasks.split import plan_splits
 from tasks.worker.loader import shard_rows, split_files
-from tests.lake import Lake, copy_digits
+from tasks.table import ImageTable
+from tests.lake import SCOPE, Lake, copy_digits
 
 
 def spark_jobs(spark, run) -> tuple[object, int]:
@@ -53,6 +57,40 @@ def test_a_rerun_over_a_listing_the_table_holds_starts_no_spark_job(lake: Lake, 
     assert (ingested.candidates, ingested.unchanged, resized.decoded, written.rows) == (2, 25, 2, 2)
     (_, _, again), jobs = spark_jobs(lake.spark, lambda: lake.run(source))
     assert jobs == 0 and again.version == written.version
+
+
+def test_after_a_write_the_diff_compares_two_listings_and_finds_what_the_spark_join_finds(lake: Lake, digits_dir: Path, tmp_path: Path) -> None:
+    source, staging = tmp_path / "src", f"{lake.root}/staging"
+    copy_digits(digits_dir, source, per_label=6)
+    lake.run(source, retire=True)
+    table = ImageTable.at(lake.spark, lake.table, 24, lake.engine, lake.quarantine)
+
+    def diffed() -> tuple[list[dict], int]:
+        ingested, jobs = spark_jobs(lake.spark, lambda: ingest_listing(table, source_uri(str(source)), SCOPE, True, staging))
+        return sorted(pq.read_table(ingested.manifest_uri.removeprefix("file://")).to_pylist(), key=lambda row: row["path"]), jobs
+
+    def by_the_join() -> list[dict]:
+        for state in Path(staging.removeprefix("file://"), "in-sync").glob("last-*.json"):
+            state.unlink()  # no listing in step with the tables: the diff joins the listing with the table
+        rows, jobs = diffed()
+        assert jobs > 0
+        return rows
+
+    # A new file and a deleted one: found from the two listings alone, without a Spark job.
+    shutil.copy(next((digits_dir / "5").glob("*.png")), source / "1" / "new-a.png")
+    sorted((source / "2").glob("*.png"))[0].unlink()
+    by_listings, jobs = diffed()
+    assert jobs == 0
+    assert [(Path(row["path"]).name, row["action"]) for row in by_listings] == [("new-a.png", "upsert"), (sorted((digits_dir / "2").glob("*.png"))[0].name, "delete")]
+    assert by_listings == by_the_join()
+
+    # A file rewritten with the same bytes: only its path is looked up in the table, for the hash it holds there.
+    lake.run(source, retire=True)
+    rewritten = sorted((source / "3").glob("*.png"))[0]
+    rewritten.write_bytes(rewritten.read_bytes())
+    by_listings, jobs = diffed()
+    assert jobs > 0 and [row["known_sha256"] for row in by_listings] == [lake.rows()[f"file://{rewritten}"]]
+    assert by_listings == by_the_join()
 
 
 def test_a_version_made_by_another_writer_is_diffed_again(lake: Lake, digits_dir: Path, tmp_path: Path) -> None:
@@ -120,9 +158,18 @@ def test_the_cache_of_a_new_version_adds_only_its_new_rows_and_drops_retired_one
     assert split_keys(shrunk) == {split: sorted(keys) for split, keys in by_split(lake, v2.version).items()}
     assert sum(shrunk.counts.values()) == sum(grown.counts.values()) - 3
 
+    # New and retired rows in one version: both land, and the rewritten files sit beside the new ones.
+    for png in sorted((source / "3").glob("*.png"))[:2]:
+        png.unlink()
+    copy_digits(digits_dir, source, labels=("1",), per_label=2, skip=12)
+    _, _, v3 = lake.run(source, retire=True)
+    _, mixed = cached_version(lake, v3, settings, root)
+    assert split_keys(mixed) == {split: sorted(keys) for split, keys in by_split(lake, v3.version).items()}
+    assert sum(mixed.counts.values()) == sum(shrunk.counts.values())
+
     # Rows read through the loader: every row of a version's split once.
-    per_shard = shard_rows(shrunk.splits["train"], 2)
-    assert sum(per_shard) == shrunk.counts["train"]
+    per_shard = shard_rows(mixed.splits["train"], 2)
+    assert sum(per_shard) == mixed.counts["train"]
 
 
 def by_split(lake: Lake, version: int) -> dict[str, list[str]]:

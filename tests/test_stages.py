@@ -215,6 +215,30 @@ def test_cache_is_keyed_reused_and_readable_by_shard(spark, lake: Lake, digits_d
     assert read_version(spark, written.table_uri, written.version, lake.engine).count() == 40
 
 
+def test_the_driver_decodes_a_short_list_as_the_executors_do(spark, lake: Lake, digits_dir: Path, tmp_path: Path) -> None:
+    copy_digits(digits_dir, tmp_path / "src", labels=("0", "1"), per_label=6)
+    (tmp_path / "src" / "1" / "broken.png").write_bytes(b"not an image")
+    table = ImageTable.at(spark, lake.table, RULES.size, lake.engine, lake.quarantine)
+    ingested = ingest_listing(table, source_uri(str(tmp_path / "src")), SCOPE, False, str(tmp_path / "staging"))
+    context, group = spark.sparkContext, "decoded-by-the-driver"
+    context.setJobGroup(group, "counted by a test")
+    try:
+        by_driver = resize_images(table, ingested, RULES, str(tmp_path / "driver"), in_driver_up_to=100)
+    finally:
+        context.setLocalProperty("spark.jobGroup.id", None)
+    assert context.statusTracker().getJobIdsForGroup(group) == [], "a short list starts no Spark job"
+    by_executors = resize_images(table, ingested, RULES, str(tmp_path / "executors"))
+    assert (by_driver.decoded, by_driver.quarantined) == (by_executors.decoded, by_executors.quarantined) == (12, {"not_an_image": 1})
+
+    def staged_and_pixels(resized) -> tuple[list, list]:
+        staged = pq.read_table(resized.staging_uri).drop_columns(["data_file"]).sort_by("path").to_pylist()
+        files = sorted({f for f in pq.read_table(resized.staging_uri).column("data_file").to_pylist() if f})
+        pixels = [row for f in files for row in pq.read_table(f"{lake.table}/{f}", columns=["path", "sha256", "image"]).to_pylist()]
+        return staged, sorted(pixels, key=lambda row: row["path"])
+
+    assert staged_and_pixels(by_driver) == staged_and_pixels(by_executors)
+
+
 def test_executors_report_their_progress_while_they_decode(spark, lake: Lake, digits_dir: Path, tmp_path: Path) -> None:
     # Every file reports (interval 0): the progress files the driver sums must be writable from the first one on.
     copy_digits(digits_dir, tmp_path / "src", labels=("0", "1"), per_label=10)

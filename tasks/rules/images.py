@@ -67,7 +67,10 @@ def decode_square(data: bytes, size: int, mode: ResizeMode = "letterbox", max_pi
         raise
     except Image.DecompressionBombError as exc:
         raise ImageDecodeError("decompression_bomb", str(exc)) from None
-    except (UnidentifiedImageError, SyntaxError) as exc:
+    except UnidentifiedImageError:
+        # Pillow's own message names the in-memory buffer it was given, which tells the user nothing.
+        raise ImageDecodeError("not_an_image", "no image format recognises these bytes") from None
+    except SyntaxError as exc:
         raise ImageDecodeError("not_an_image", str(exc)) from None
     except (OSError, ValueError) as exc:
         reason = "truncated" if "truncated" in str(exc) or "broken data stream" in str(exc) else "undecodable"

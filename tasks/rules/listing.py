@@ -10,7 +10,7 @@ import hashlib
 import re
 from dataclasses import dataclass
 from datetime import date, timedelta
-from typing import Any
+from typing import Any, Iterable
 
 from infra.settings import Settings
 
@@ -80,12 +80,17 @@ def parse_day(text: str) -> date | None:
         return None
 
 
-def listing_fingerprint(entries: list[dict[str, Any]]) -> str:
+def listing_fingerprint(entries: Iterable[dict[str, Any]]) -> str:
     """A hash of the listing (paths, sizes, stamps, labels, dates): changes when a file is added, removed or rewritten."""
     digest = hashlib.sha256()
+    add_to_fingerprint(digest, entries)
+    return digest.hexdigest()
+
+
+def add_to_fingerprint(digest: Any, entries: Iterable[dict[str, Any]]) -> None:
+    """Feed entries to a listing's hash (a listing is hashed a batch at a time, in its order)."""
     for e in entries:
         digest.update(f"{e['path']}\t{e['size']}\t{e['mtime']}\t{e.get('stamp')}\t{e['label']}\t{e['date']}\t{e['issue']}\n".encode())
-    return digest.hexdigest()
 
 
 Known = dict[str, tuple[int, float, str | None]]  # path -> (size, mtime, stamp) of the table's row
