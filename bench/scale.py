@@ -12,7 +12,8 @@ seconds over the cold run's. Also: bytes the run added to the Petastorm cache, a
 
 With --listing-only: FILES/10 and FILES empty files (date=/label folders, 10,000 files a day); in a fresh process
 each, the listing streamed to staging, then the driver's diff of that listing with one holding NEW x more files;
-seconds per 100,000 files and peak RSS, with the RSS over the imports' per file listed.
+seconds per 100,000 files, and the process's peak RSS after its imports, after the listing and after the diff, with
+the growth over the imports per file.
 """
 
 from __future__ import annotations
@@ -117,7 +118,7 @@ def peak_rss_mb() -> float:
 def measure_listing(source: Path, staging: Path, new: float) -> None:
     """In its own process: list SOURCE into staging, add NEW x files, list again and diff the two listings in the
     driver (what a run does when the tables are in step with the first); print seconds and peak RSS as JSON."""
-    from tasks.changes import listing_changes, read_listing
+    from tasks.changes import changes_between
     from tasks.ingest import save_listing, source_uri
     from tasks.rules.listing import Scope
 
@@ -128,14 +129,14 @@ def measure_listing(source: Path, staging: Path, new: float) -> None:
     build_empty(source, first.listed, max(1, round(first.listed * new)))
     second = save_listing(uri, scope, str(staging))
     started = time.perf_counter()
-    changes = listing_changes(read_listing(first.manifest_uri), read_listing(second.manifest_uri), retire=True)
+    changes = changes_between(first.manifest_uri, second.manifest_uri, retire=True)
     out.update(diff_seconds=time.perf_counter() - started, changed=changes.num_rows, rss_after_diff=peak_rss_mb())
     print(json.dumps(out), flush=True)
 
 
 def listing_scale(files: list[int], new: float, root: Path) -> None:
     """The listing part at each size in FILES (empty files): seconds per 100,000 files and the driver's peak RSS."""
-    print(f"{'files':>10} {'list s':>7} {'s/100k':>7} {'diff s':>7} {'RSS MB':>7} {'imports MB':>10} {'bytes/file':>10}")
+    print(f"{'files':>10} {'list s':>7} {'s/100k':>7} {'diff s':>7} {'imports MB':>10} {'listed MB':>9} {'diffed MB':>9} {'B/file listed':>13} {'B/file diffed':>13}")
     for count in files:
         source, staging = root / f"empty-{count}", root / f"staging-{count}"
         build_empty(source, 0, count)
@@ -145,10 +146,10 @@ def listing_scale(files: list[int], new: float, root: Path) -> None:
         if done.returncode:
             sys.exit(f"listing {count} files failed:\n{done.stderr[-3000:]}")
         r = json.loads(done.stdout.strip().splitlines()[-1])
-        peak = max(r["rss_after_listing"], r["rss_after_diff"])
+        base, listed, diffed = r["rss_after_imports"], r["rss_after_listing"], r["rss_after_diff"]
         print(
             f"{r['files']:>10} {r['listing_seconds']:>7.1f} {r['listing_seconds'] / r['files'] * 1e5:>7.2f} {r['diff_seconds']:>7.2f} "
-            f"{peak:>7.0f} {r['rss_after_imports']:>10.0f} {(peak - r['rss_after_imports']) * 1e6 / r['files']:>10.0f}",
+            f"{base:>10.0f} {listed:>9.0f} {diffed:>9.0f} {(listed - base) * 1e6 / r['files']:>13.0f} {(diffed - base) * 1e6 / r['files']:>13.0f}",
             flush=True,
         )
         shutil.rmtree(source, ignore_errors=True)

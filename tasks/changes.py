@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import uuid
+from typing import Iterator
 
 import fsspec
 import pyarrow as pa
@@ -75,6 +76,11 @@ def last_in_sync(folder: str, key: str, versions: tuple[int | None, int | None])
     return record["listing"]
 
 
+# A diff of two listings: the changes, and whether each path was in the earlier listing.
+LISTED_BEFORE = "listed_before"
+LISTING_CHANGES = CHANGES_SCHEMA.append(pa.field(LISTED_BEFORE, pa.bool_()))
+
+
 def listing_changes(before: pa.Table, now: pa.Table, retire: bool) -> pa.Table:
     """What the table diff would give when the tables hold exactly what listing BEFORE brings: NOW's entries that BEFORE
     lacks or lists with another size, mtime or stamp, then (with RETIRE) `delete` entries for the paths NOW lost.
@@ -86,23 +92,25 @@ def listing_changes(before: pa.Table, now: pa.Table, retire: bool) -> pa.Table:
 
     todo = keyed(now).join(keyed(before).select(keys), keys, join_type="left anti").drop_columns(["_stamp"])
     todo = todo.select(LISTING_SCHEMA.names).append_column("known_sha256", pa.nulls(todo.num_rows, pa.string()))
+    todo = todo.append_column(LISTED_BEFORE, pc.is_in(todo["path"], before["path"].combine_chunks()))
     if retire:
         gone = before.select(["path"]).join(now.select(["path"]), "path", join_type="left anti").column("path").combine_chunks()
         n = len(gone)
         deleted = pa.table(
             {"path": gone, "label": pa.array(["-"] * n, pa.string()), "date": pa.nulls(n, pa.date32()), "size": pa.array([0] * n, pa.int64()),
              "mtime": pa.array([0.0] * n, pa.float64()), "stamp": pa.nulls(n, pa.string()), "issue": pa.nulls(n, pa.string()),
-             "action": pa.array(["delete"] * n, pa.string()), "known_sha256": pa.nulls(n, pa.string())}
+             "action": pa.array(["delete"] * n, pa.string()), "known_sha256": pa.nulls(n, pa.string()), LISTED_BEFORE: pa.array([True] * n)}
         )
-        todo = pa.concat_tables([todo.cast(CHANGES_SCHEMA), deleted.cast(CHANGES_SCHEMA)])
-    return todo.cast(CHANGES_SCHEMA)
+        todo = pa.concat_tables([todo.cast(LISTING_CHANGES), deleted.cast(LISTING_CHANGES)])
+    return todo.cast(LISTING_CHANGES)
 
 
-def with_known_hashes(table: ImageTable, todo: pa.Table, listed_before: pa.ChunkedArray, version: int | None) -> pa.Table:
-    """TODO with the table's content hash for each path of it that was LISTED_BEFORE (a file rewritten in place, or
-    only touched, whose bytes may be what the table has): a semi-join on those paths alone; none, no query."""
-    upserts = todo.filter(pc.equal(todo["action"], "upsert")).column("path")
-    listed = upserts.filter(pc.is_in(upserts, listed_before.combine_chunks())).combine_chunks()
+def with_known_hashes(table: ImageTable, todo: pa.Table, version: int | None) -> pa.Table:
+    """A diff of two listings as the table diff gives it: with the table's content hash for each upserted path that
+    the earlier listing had (a file rewritten in place, or only touched, whose bytes may be what the table holds),
+    from a semi-join on those paths alone (none: no query)."""
+    listed = todo.filter(pc.and_(pc.equal(todo["action"], "upsert"), todo[LISTED_BEFORE])).column("path").combine_chunks()
+    todo = todo.drop_columns([LISTED_BEFORE])
     if not len(listed) or version is None:
         return todo
     held = table.rows_matching({"path": listed}, ["path", "sha256"], version)
@@ -110,6 +118,52 @@ def with_known_hashes(table: ImageTable, todo: pa.Table, listed_before: pa.Chunk
         return todo
     where = pc.index_in(todo["path"], held["path"])
     return todo.set_column(todo.schema.get_field_index("known_sha256"), "known_sha256", pc.take(held["sha256"], where).cast(pa.string()))
+
+
+class NotInPathOrder(ValueError):
+    """A listing whose paths are not in ascending order (a manifest CSV's own order): it is diffed in memory."""
+
+
+def listing_batches(uri: str, columns: list[str], rows: int) -> Iterator[pa.Table]:
+    """A listing file, ROWS entries at a time; raises NotInPathOrder when its paths do not ascend."""
+    last = None
+    with fsspec.open(uri, "rb") as handle:
+        for batch in pq.ParquetFile(handle).iter_batches(batch_size=rows, columns=columns):
+            paths = batch.column(0)
+            if len(paths) > 1 and not pc.all(pc.less(paths[:-1], paths[1:])).as_py() or (last is not None and len(paths) and not paths[0].as_py() > last):
+                raise NotInPathOrder(uri)
+            if len(paths):
+                last = paths[-1].as_py()
+                yield pa.Table.from_batches([batch])
+
+
+def merged_listing_changes(before_uri: str, now_uri: str, retire: bool, rows: int = 50_000) -> pa.Table:
+    """listing_changes of two listings in path order, by a merge: the driver holds ROWS entries of the new listing
+    and the earlier one's entries in the same range of paths, never a whole listing."""
+    keys = ["path", "size", "mtime", "stamp"]
+    earlier, window, parts = listing_batches(before_uri, keys, rows), pa.Table.from_pylist([], schema=LISTING_SCHEMA).select(keys), []
+    for batch in listing_batches(now_uri, LISTING_SCHEMA.names, rows):
+        last = batch.column("path")[-1].as_py()
+        while window.num_rows == 0 or window.column("path")[-1].as_py() <= last:
+            more = next(earlier, None)
+            if more is None:
+                break
+            window = pa.concat_tables([window, more])
+        inside = pc.less_equal(window["path"], last)
+        parts.append(listing_changes(window.filter(inside), batch, retire))
+        window = window.filter(pc.invert(inside))
+    rest = pa.concat_tables([window, *earlier])
+    if retire and rest.num_rows:
+        parts.append(listing_changes(rest, LISTING_SCHEMA.empty_table(), retire))
+    return pa.concat_tables(parts) if parts else LISTING_CHANGES.empty_table()
+
+
+def changes_between(before_uri: str, now_uri: str, retire: bool) -> pa.Table:
+    """listing_changes of two listing files: merged when both are in path order (a folder's are), else in memory."""
+    try:
+        return merged_listing_changes(before_uri, now_uri, retire)
+    except NotInPathOrder:
+        return listing_changes(read_listing(before_uri), read_listing(now_uri), retire)
 
 
 def read_listing(uri: str) -> pa.Table:
@@ -188,9 +242,7 @@ def diff_against_table(table: ImageTable, listed: Listed, scope: Scope, retire_d
     elif before is not None:
         # Nobody wrote since the tables were last in step with a listing: the change is between the two listings,
         # found in the driver from the two files, without a Spark job or a row of the table.
-        earlier = read_listing(before)
-        todo = listing_changes(earlier, read_listing(listed.manifest_uri), dated or retire_deleted)
-        todo = with_known_hashes(table, todo, earlier.column("path"), versions[0])
+        todo = with_known_hashes(table, changes_between(before, listed.manifest_uri, dated or retire_deleted), versions[0])
     else:
         listing = table.spark.read.schema(from_arrow_schema(LISTING_SCHEMA)).parquet(listed.manifest_uri)
         # A date-limited run replaces exactly its dates: files gone from those dates are retired.

@@ -86,9 +86,11 @@ def stamp_of(fs: Any, path: str, info: dict[str, Any]) -> str | None:
 
 
 def walk_files(fs: Any, folder: str) -> Iterator[tuple[str, dict[str, Any]]]:
-    """Every file under FOLDER with the store's info on it, a folder at a time, in name order: memory holds the
-    folders on the way down, never the whole tree."""
-    for info in sorted(fs.ls(folder, detail=True), key=lambda item: item["name"]):
+    """Every file under FOLDER with the store's info on it, a folder at a time, in the order of their full paths
+    (a folder sorts as its name and a slash, before which its files all fall): memory holds the folders on the way
+    down, never the whole tree, and two listings of one tree can be diffed by a merge."""
+    entries = fs.ls(folder, detail=True)
+    for info in sorted(entries, key=lambda item: item["name"] + ("/" if item["type"] == "directory" else "")):
         if info["type"] == "directory":
             yield from walk_files(fs, info["name"])
         else:

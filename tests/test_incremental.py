@@ -5,16 +5,18 @@ over a listing the tables already hold starts no Spark job at all; the cache of 
 
 from __future__ import annotations
 
+import random
 import shutil
 import uuid
 from pathlib import Path
 
 import pyarrow.parquet as pq
+import pytest
 
 from infra.delta import Table
 from tasks.cache import cache_splits, clean_cache
-from tasks.changes import ingest_listing
-from tasks.ingest import source_uri
+from tasks.changes import NotInPathOrder, changes_between, ingest_listing, listing_changes, merged_listing_changes, read_listing
+from tasks.ingest import source_uri, write_manifest
 from tasks.rules.splits import split_of
 from tasks.split import plan_splits
 from tasks.worker.loader import shard_rows, split_files
@@ -224,3 +226,25 @@ def test_maintenance_removes_cache_files_no_kept_version_needs(lake: Lake, digit
     assert (removed["manifests"], removed["files"]) == (3, len(only_v0))
     assert not any(Path(f.removeprefix("file://")).exists() for f in only_v0)
     assert split_keys(c2) == {s: sorted(k) for s, k in by_split(lake, v2.version).items()}
+
+
+@pytest.mark.parametrize("rows", [1, 7, 50_000])
+def test_two_listings_merged_a_batch_at_a_time_give_what_the_whole_listings_give(tmp_path: Path, rows: int) -> None:
+    def entry(i: int, mtime: float = 1.0) -> dict:
+        return {"path": f"file:///src/{i % 7}/{i:05d}.png", "label": str(i % 7), "date": None, "size": 10 + i, "mtime": mtime,
+                "stamp": None if i % 3 else f"s{i}", "issue": None, "action": "upsert"}
+
+    before = sorted((entry(i) for i in range(300) if i % 11), key=lambda e: e["path"])
+    now = sorted((entry(i, 2.0 if i % 17 == 0 else 1.0) for i in range(330) if i % 13), key=lambda e: e["path"])  # new, gone, rewritten
+    earlier, later = write_manifest(before, str(tmp_path / "before.parquet")), write_manifest(now, str(tmp_path / "now.parquet"))
+    whole = listing_changes(read_listing(earlier), read_listing(later), retire=True)
+    in_order = lambda table: sorted(table.to_pylist(), key=lambda row: (row["path"], row["action"]))  # noqa: E731
+    assert in_order(merged_listing_changes(earlier, later, retire=True, rows=rows)) == in_order(whole)
+    kinds = {(row["action"], row["listed_before"]) for row in whole.to_pylist()}
+    assert kinds == {("upsert", False), ("upsert", True), ("delete", True)}, "new, rewritten and gone files are all there"
+
+    # A manifest lists in its own order: no merge, the two listings are diffed whole.
+    shuffled = write_manifest(random.Random(1).sample(now, len(now)), str(tmp_path / "shuffled.parquet"))
+    with pytest.raises(NotInPathOrder):
+        merged_listing_changes(earlier, shuffled, retire=True, rows=rows)
+    assert in_order(changes_between(earlier, shuffled, retire=True)) == in_order(whole)
