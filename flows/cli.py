@@ -119,7 +119,8 @@ def format_summary(summary: dict[str, Any]) -> str:
             f"  cache         {summary['cache_dir']}",
             f"  stages        from cache: {', '.join(summary.get('cache_hits') or []) or 'none'}{recomputed(summary.get('cache', []))}",
             f"  stage times   {timings(summary.get('stage_seconds') or {})}",
-            f"  training      {summary['epochs_run']} epochs, val accuracy {summary['val_accuracy']:.3f}, MLflow run {summary['mlflow_run_id']}",
+            f"  training      {summary['epochs_run']} epochs, val accuracy {summary['val_accuracy']:.3f}, MLflow run {summary['mlflow_run_id']}"
+            + (f", warm start from v{summary['warm_started_from']}" if summary.get("warm_started_from", "none") != "none" else ""),
             f"  model         {summary['model_name']} v{summary['model_version']} -> {summary['model_alias']} "
             f"(test accuracy {summary['test_accuracy']:.3f}; champion is v{summary['champion_version']})",
             f"  ran on        {engines(summary)}",

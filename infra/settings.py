@@ -116,6 +116,10 @@ class Settings(BaseSettings):
     model_arch: Literal["small_cnn", "resnet18", "resnet50"] = "small_cnn"
     pretrained_weights: str | None = Field(default=None, description="Path or URI of a state dict for the model (never a hub download)")
     freeze_backbone: bool = Field(default=False, description="Train only the classification head (transfer learning)")
+    warm_start: bool = Field(
+        default=False,
+        description="Start from the champion's weights when it was trained for the same labels (same order), image size, resize mode and model_arch; else from scratch",
+    )
     max_epochs: int = Field(default=8, ge=1, description="Most epochs of one training run (early stopping may end it sooner)")
     batch_size: int = Field(default=32, ge=1, description="Per worker")
     base_lr: float = Field(default=1e-3, gt=0, description="Learning rate of one worker; scaled with num_workers")

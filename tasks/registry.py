@@ -26,6 +26,7 @@ from tasks.rules.schemas import HISTORY_SCHEMA
 from tasks.rules.training import PARAM_SETTINGS
 from tasks.predict import evaluate
 from tasks.rules.promotion import CHALLENGER, CHAMPION, PREVIOUS, Decision, decide_promotion
+from tasks.rules.warm_start import Champion, shape_from_tags
 
 
 _EXPORT_LOAD = threading.Lock()
@@ -80,6 +81,23 @@ def alias_version(client: MlflowClient, name: str, alias: str) -> str | None:
         except MlflowException:
             raise RegistryError(f"no registered model named {name!r}") from exc
         return None
+
+
+def champion_of(client: MlflowClient, name: str) -> Champion | None:
+    """The champion of model NAME with the shape it was trained for, or None if there is none (or no such model yet)."""
+    try:
+        version = alias_version(client, name, CHAMPION)
+    except RegistryError:  # nothing registered under this name yet: no champion either
+        return None
+    if version is None:
+        return None
+    return Champion(version, shape_from_tags(client.get_model_version(name, version).tags))
+
+
+def champion_state_dict(client: MlflowClient, name: str, version: str, allow_pickle: bool = False) -> dict[str, torch.Tensor]:
+    """A registered version's weights, named as ImageModel names them (torch.export keeps the module's names)."""
+    model = load_registered_model(client, name, version, allow_pickle)
+    return {key: tensor.detach().clone() for key, tensor in model.state_dict().items()}
 
 
 @contextmanager

@@ -69,7 +69,7 @@ def explain(previous: dict[str, Any] | None, key: str, parts: dict[str, str], re
     changed = []
     for name in sorted(set(parts) | set(old)):
         if parts.get(name) != old.get(name):
-            detail = f" {old.get(name)} -> {parts.get(name)}" if name.startswith(("setting", "table")) else ""
+            detail = f" {old.get(name)} -> {parts.get(name)}" if name.startswith(("setting", "table", "warm start")) else ""
             changed.append(f"{name} changed{detail}")
     return "; ".join(changed)
 

@@ -41,6 +41,8 @@ def run_summary(resized: Resized | None, table: TableVersion, cached: CachedSpli
         "cache_dir": cached.cache_dir,
         "checkpoint": trained.checkpoint_path,
         "epochs_run": trained.epochs_run,
+        "fit_seconds": getattr(trained, "fit_seconds", 0.0),
+        "warm_started_from": getattr(trained, "warm_started_from", "none"),  # a result cached before this field has none
         "val_accuracy": trained.val_accuracy,
         "mlflow_run_id": trained.mlflow_run_id,
         "model_name": promoted.model_name,

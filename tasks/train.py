@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
-from typing import Callable
+import re
+import uuid
+from typing import Any, Callable
+
+import fsspec
+import torch
 
 from matplotlib.figure import Figure
 from mlflow import MlflowClient
@@ -23,25 +29,60 @@ from infra.tracking import experiment_id, mlflow_client, run_url
 from tasks.cards import dataset_card_markdown, dataset_card_of, sample_grid
 from tasks.worker.loader import label_samples
 from tasks.progress import Every, stage_logger
+from tasks.registry import champion_of, champion_state_dict
 from tasks.rules.training import TRAINING_SETTINGS, logged_params, scaled_learning_rate
+from tasks.rules.warm_start import WarmStart, WeightsShape, decide_warm_start
 from tasks.results import CachedSplits, Trained
 from tasks.stage import code_digest, stage
-from tasks.worker.train_loop import WORKER_NODES_TAG, LightningMismatch, ray_lightning_problem, train_loop_per_worker
+from tasks.worker.train_loop import FIT_SECONDS, WORKER_NODES_TAG, LightningMismatch, ray_lightning_problem, train_loop_per_worker
 
 
-def run_name(cached: CachedSplits, settings: Settings, fresh: str | None = None) -> str:
+def run_name(cached: CachedSplits, settings: Settings, fresh: str | None = None, warm_from: str | None = None) -> str:
     """The Ray run's name: the same for the same data, training settings and code, so a retried task resumes that run.
 
     `fresh` (a refreshed flow run's id) makes a new run: a refresh trains from scratch, its retries resume it.
+    `warm_from` (the champion version a warm start begins from) makes a new run when the champion changes.
     """
     code = code_digest(__name__, "tasks.worker.train_loop", "tasks.worker.model", "tasks.worker.loader", "infra.compat")
-    parts = [cached.key, *(getattr(settings, f) for f in TRAINING_SETTINGS), code, fresh]
+    parts = [cached.key, *(getattr(settings, f) for f in TRAINING_SETTINGS), code, fresh, *([warm_from] if warm_from else [])]
     digest = hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:12]
     return f"train-{cached.key}-{digest}"
 
 
-def training_config(cached: CachedSplits, settings: Settings, tracking_uri: str, run_id: str, name: str) -> dict:
-    """Everything a worker needs, as plain values."""
+def warm_start_of(client: MlflowClient, settings: Settings, cached: CachedSplits) -> WarmStart:
+    """Where this run's weights start: the champion's if warm_start is on and it was trained for this data's shape."""
+    if not settings.warm_start:
+        return WarmStart(None, "warm_start is off")
+    wanted = WeightsShape(tuple(cached.labels), cached.image_size, settings.model_arch, settings.resize_mode)
+    return decide_warm_start(wanted, champion_of(client, settings.model_name))
+
+
+def warm_start_key(inputs: dict[str, Any]) -> dict[str, str]:
+    """Cache key part for train with warm_start on: the champion version it would start from, so a new champion is a miss."""
+    settings: Settings = inputs["settings"]
+    if not settings.warm_start:
+        return {}
+    return {"warm start from": warm_start_of(mlflow_client(settings), settings, inputs["cached"]).source}
+
+
+def staged_champion_weights(client: MlflowClient, settings: Settings, version: str) -> str:
+    """The champion's weights as a state dict file in staging, which every Ray worker reads (as it reads the cache)."""
+    uri = f"{settings.staging_uri}/warm-start/{re.sub(r'[^A-Za-z0-9._-]', '_', settings.model_name)}-v{version}.pt"
+    fs, path = fsspec.core.url_to_fs(uri)
+    if fs.exists(path):  # a registered version's weights never change
+        return uri
+    buffer = io.BytesIO()
+    torch.save(champion_state_dict(client, settings.model_name, version, settings.allow_pickle_models), buffer)
+    fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+    # Written aside and moved into place: a run beside this one never reads half a file.
+    aside = f"{path}.{uuid.uuid4().hex}"
+    fs.pipe_file(aside, buffer.getvalue())
+    fs.mv(aside, path)
+    return uri
+
+
+def training_config(cached: CachedSplits, settings: Settings, tracking_uri: str, run_id: str, name: str, warm_start_weights: str | None = None) -> dict:
+    """Everything a worker needs, as plain values; `warm_start_weights` is a state dict file the model starts from."""
     return {
         "train_uri": cached.splits["train"],
         "val_uri": cached.splits["val"],
@@ -52,6 +93,7 @@ def training_config(cached: CachedSplits, settings: Settings, tracking_uri: str,
         "arch": settings.model_arch,
         "pretrained_weights": settings.pretrained_weights,
         "freeze_backbone": settings.freeze_backbone,
+        "warm_start_weights": warm_start_weights,
         "batch_size": settings.batch_size,
         "learning_rate": scaled_learning_rate(settings.base_lr, settings.num_workers, settings.lr_scaling),
         "lr_scaling": settings.lr_scaling,
@@ -88,10 +130,13 @@ def storage_uri(filesystem, path: str) -> str:
     return path if kind == "local" else f"{kind}://{path}"
 
 
-def fit(cached: CachedSplits, settings: Settings, client: MlflowClient, run_id: str, name: str) -> Trained:
+def fit(cached: CachedSplits, settings: Settings, client: MlflowClient, run_id: str, name: str, warm: WarmStart) -> Trained:
     """Run the TorchTrainer and return the best checkpoint by validation loss."""
-    config = training_config(cached, settings, client.tracking_uri, run_id, name)
-    client.log_batch(run_id, params=[Param(name, value) for name, value in logged_params(config, settings).items()])
+    weights = staged_champion_weights(client, settings, warm.version) if warm.version else None
+    config = training_config(cached, settings, client.tracking_uri, run_id, name, weights)
+    params = {**logged_params(config, settings), "warm_started_from": warm.source}
+    client.log_batch(run_id, params=[Param(key, value) for key, value in params.items()])
+    client.set_tag(run_id, "warm_start_reason", warm.reason)
     run_config = RunConfig(
         name=name,
         storage_path=settings.ray_storage_path,
@@ -123,6 +168,8 @@ def fit(cached: CachedSplits, settings: Settings, client: MlflowClient, run_id: 
         best_val_loss=float(metrics["val_loss"]),
         val_accuracy=float(metrics["val_acc"]),
         worker_nodes=json.loads(client.get_run(run_id).data.tags.get(WORKER_NODES_TAG, "[]")),
+        fit_seconds=client.get_run(run_id).data.metrics.get(FIT_SECONDS, 0.0),
+        warm_started_from=warm.source,
     )
 
 
@@ -195,17 +242,20 @@ def train_model(cached: CachedSplits, settings: Settings, fresh: str | None = No
     """
     connect_ray(settings)
     client = mlflow_client(settings)
-    name = run_name(cached, settings, fresh)
+    warm = warm_start_of(client, settings, cached)
+    name = run_name(cached, settings, fresh, warm.version)
     run_id = training_run(client, settings, cached, name)
     logger = stage_logger()
     logger.info(f"train: MLflow run {run_url(client, settings, run_id)} ({settings.num_workers} Ray worker(s), up to {settings.max_epochs} epochs)")
+    if settings.warm_start:
+        logger.info(f"train: warm start from {settings.model_name} v{warm.version} ({warm.reason})" if warm.version else f"train: warm_start is on, but trains from scratch: {warm.reason}")
     report = EpochReport(client, run_id, settings.max_epochs)
     try:
         if on_start is not None:
             on_start(run_id)
         log_dataset_card(client, run_id, cached)
         with Every(lambda: report.show(logger), logger):
-            trained = fit(cached, settings, client, run_id, name)
+            trained = fit(cached, settings, client, run_id, name, warm)
         report.show(logger)
         client.log_figure(run_id, learning_curves(client, run_id), "learning_curves.png")
     except BaseException:
@@ -215,7 +265,7 @@ def train_model(cached: CachedSplits, settings: Settings, fresh: str | None = No
     return trained
 
 
-@stage("train", settings=TRAINING_SETTINGS, code=("tasks.rules.training",), retries=1)
+@stage("train", settings=TRAINING_SETTINGS, facts=warm_start_key, code=("tasks.rules.training", "tasks.rules.warm_start"), retries=1)
 def train(cached: CachedSplits, settings: Settings) -> Trained:
     """Prefect stage: distributed training on Ray, linked from the flow run to its MLflow run."""
     # A refresh trains from scratch: the flow run's id gives it a Ray run of its own (its retries resume that one).

@@ -56,6 +56,7 @@ def test_a_worker_killed_mid_run_resumes_from_the_last_checkpoint(cached, settin
     trained = train_model(cached, settings)
     assert marker.read_text().startswith("killed at epoch 2"), "rank 1 was killed once"
     assert trained.epochs_run == 4
+    assert trained.fit_seconds > 0, "rank 0 logs how long the fitting took"
     assert_resumed(settings, trained.mlflow_run_id)
 
 

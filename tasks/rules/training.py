@@ -22,8 +22,9 @@ def scaled_learning_rate(base_lr: float, num_workers: int, rule: str = "linear")
 
 
 # The settings that change what training produces: they name the Ray run and key the train stage's cache.
+# With warm_start on, the champion's version it starts from does too (tasks/train.py:warm_start_key).
 TRAINING_SETTINGS = (
-    "model_arch", "pretrained_weights", "freeze_backbone", "max_epochs", "batch_size", "base_lr", "lr_scaling", "num_workers",
+    "model_arch", "pretrained_weights", "freeze_backbone", "warm_start", "max_epochs", "batch_size", "base_lr", "lr_scaling", "num_workers",
     "early_stopping_patience", "early_stopping_min_delta", "early_stopping_threshold", "seed", "use_gpu",
     "shuffle_buffer_batches", "bf16", "channels_last", "tracking_uri", "mlflow_experiment", "ray_storage_path",
 )

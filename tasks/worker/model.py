@@ -93,16 +93,16 @@ ARCHS = ("small_cnn", "resnet18", "resnet50")
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 
-def load_state_dict(uri: str) -> dict[str, torch.Tensor]:
-    """A state dict from a local path or any fsspec URI, loaded without unpickling arbitrary objects."""
+def load_state_dict(uri: str, what: str = "pretrained_weights") -> dict[str, torch.Tensor]:
+    """A state dict from a local path or any fsspec URI, loaded without unpickling arbitrary objects; `what` names it in errors."""
     try:
         with fsspec.open(uri, "rb") as handle:
             state = torch.load(io.BytesIO(handle.read()), map_location="cpu", weights_only=True)
     except FileNotFoundError:
-        raise FileNotFoundError(f"pretrained_weights {uri} does not exist: give a local path or URI of a saved state dict") from None
+        raise FileNotFoundError(f"{what} {uri} does not exist: give a local path or URI of a saved state dict") from None
     state = state.get("state_dict", state) if isinstance(state, dict) else state
     if not isinstance(state, dict):
-        raise ValueError(f"pretrained_weights {uri} is not a state dict (a mapping of parameter names to tensors)")
+        raise ValueError(f"{what} {uri} is not a state dict (a mapping of parameter names to tensors)")
     return state
 
 
@@ -140,6 +140,17 @@ class ImageModel(nn.Module):
         if not any(name in usable for name in backbone):
             raise ValueError("pretrained_weights matches none of the model's layers: is it a state dict for this model_arch?")
         self.net.load_state_dict(usable, strict=False)
+
+    def load_weights(self, state: dict[str, torch.Tensor]) -> None:
+        """Load a whole model's weights (a warm start from the champion): every name and shape must match."""
+        own = self.state_dict()
+        wrong = sorted(set(own) ^ set(state)) + sorted(name for name in own if name in state and own[name].shape != state[name].shape)
+        if wrong:
+            raise ValueError(
+                f"the warm start weights do not fit this model ({len(wrong)} mismatched, e.g. {', '.join(wrong[:3])}): the champion was trained "
+                "for other labels or another model_arch; set warm_start=false to train from scratch"
+            )
+        self.load_state_dict(state)
 
     def train(self, mode: bool = True) -> "ImageModel":
         super().train(mode)

@@ -21,10 +21,11 @@ from ray.train.lightning import (
 
 from infra.errors import PermanentError
 from tasks.worker.loader import ShardBatches
-from tasks.worker.model import ImageClassifier
+from tasks.worker.model import ImageClassifier, load_state_dict
 
 CHECKPOINT_FILE = RayTrainReportCallback.CHECKPOINT_NAME
 WORKER_NODES_TAG = "ray_worker_nodes"  # the Ray node id of each rank, in rank order
+FIT_SECONDS = "fit_seconds"  # rank 0's seconds in Lightning's fit, logged to the MLflow run
 
 
 class LightningMismatch(PermanentError, RuntimeError):
@@ -175,6 +176,8 @@ def make_model(config: dict[str, Any], steps_per_epoch: int = 0) -> ImageClassif
         config["num_classes"], config["learning_rate"], config["arch"], config.get("pretrained_weights"), config.get("freeze_backbone", False),
         total_steps=total, warmup_steps=min(steps_per_epoch, total // 2),
     )
+    if config.get("warm_start_weights"):  # the champion's weights, over the fresh (or pretrained) ones
+        model.model.load_weights(load_state_dict(config["warm_start_weights"], "warm start weights"))
     if config.get("use_gpu") and torch.cuda.is_available() and config.get("channels_last", True):
         model.model.channels_last = True
         model = model.to(memory_format=torch.channels_last)
@@ -243,5 +246,11 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         # Reshuffle as the interrupted run would have: the epoch to come is the checkpoint's plus one.
         train_batches.epoch = resumed_epoch + 1
         print(f"imagelake: rank {rank} resumes after epoch {resumed_epoch} from {resume}", flush=True)
+    started = time.perf_counter()
     with train_batches, val_batches:
         trainer.fit(make_model(config, len(train_batches)), train_dataloaders=train_batches, val_dataloaders=val_batches, ckpt_path=resume)
+    if rank == 0 and config.get("mlflow_run_id"):
+        from mlflow import MlflowClient
+
+        # The fitting alone (this attempt's epochs), apart from Ray's start-up and the driver's MLflow work.
+        MlflowClient(config["tracking_uri"]).log_metric(config["mlflow_run_id"], FIT_SECONDS, time.perf_counter() - started)
