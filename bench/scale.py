@@ -10,7 +10,7 @@ reports itself (`stage_seconds`); Spark's start-up (which falls inside the first
 taken out and reported apart. The data stages are ingest to cache; the ratios are each run's data-stage
 seconds over the cold run's. Also: bytes the run added to the Petastorm cache, and the Python driver's peak RSS.
 
-With --listing-only: FILES/10 and FILES empty files (date=/label folders, 10,000 files a day); in a fresh process
+With --listing-only: FILES/10 and FILES empty files (date=/label folders of 1,000 to 2,000 files); in a fresh process
 each, the listing streamed to staging, then the driver's diff of that listing with one holding NEW x more files;
 seconds per 100,000 files, and the process's peak RSS after its imports, after the listing and after the diff, with
 the growth over the imports per file.
@@ -94,7 +94,7 @@ def run(source: Path, workspace: Path) -> dict:
 
 
 def write_empty(args: tuple[Path, int, int]) -> None:
-    """COUNT empty .jpg files from START, in date=YYYY-MM-DD/label<K> folders of 10,000 files a day."""
+    """COUNT empty .jpg files from START, in date=YYYY-MM-DD/label<K> folders (10,000 files a day, 10 labels; a day comes back after 28)."""
     out, start, count = args
     for index in range(start, start + count):
         folder = out / f"date=2026-{1 + index // 300_000 % 12:02d}-{1 + index // 10_000 % 28:02d}" / f"label{index % 10}"
