@@ -9,6 +9,7 @@ driver: only the changed entries do. A write that leaves the table in step with 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import uuid
 from typing import Iterator
@@ -152,9 +153,9 @@ def merged_listing_changes(before_uri: str, now_uri: str, retire: bool, rows: in
         inside = pc.less_equal(window["path"], last)
         parts.append(listing_changes(window.filter(inside), batch, retire))
         window = window.filter(pc.invert(inside))
-    rest = pa.concat_tables([window, *earlier])
-    if retire and rest.num_rows:
-        parts.append(listing_changes(rest, LISTING_SCHEMA.empty_table(), retire))
+    for rest in itertools.chain([window], earlier):  # past the new listing's last path: gone (read to the end, for the order check)
+        if retire and rest.num_rows:
+            parts.append(listing_changes(rest, LISTING_SCHEMA.empty_table(), retire))
     return pa.concat_tables(parts) if parts else LISTING_CHANGES.empty_table()
 
 

@@ -242,6 +242,11 @@ def test_two_listings_merged_a_batch_at_a_time_give_what_the_whole_listings_give
     assert in_order(merged_listing_changes(earlier, later, retire=True, rows=rows)) == in_order(whole)
     kinds = {(row["action"], row["listed_before"]) for row in whole.to_pylist()}
     assert kinds == {("upsert", False), ("upsert", True), ("delete", True)}, "new, rewritten and gone files are all there"
+    # Files gone past the new listing's last path.
+    shorter = write_manifest(now[: len(now) // 2], str(tmp_path / "shorter.parquet"))
+    assert in_order(merged_listing_changes(earlier, shorter, retire=True, rows=rows)) == in_order(
+        listing_changes(read_listing(earlier), read_listing(shorter), retire=True)
+    )
 
     # A manifest lists in its own order: no merge, the two listings are diffed whole.
     shuffled = write_manifest(random.Random(1).sample(now, len(now)), str(tmp_path / "shuffled.parquet"))
