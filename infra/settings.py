@@ -89,6 +89,9 @@ class Settings(BaseSettings):
     max_file_bytes: int = Field(default=50 * 1024 * 1024, ge=1, description="Larger files are quarantined")
     max_image_pixels: int = Field(default=64_000_000, ge=1, description="Larger images are quarantined as decompression bombs")
     max_bad_fraction: float = Field(default=0.2, ge=0, le=1, description="A run with more bad files fails and writes nothing")
+    decode_in_driver_up_to: int = Field(
+        default=1000, ge=0, description="A run with at most this many files to decode decodes them in the driver, without Spark's Python workers (0: always on the executors)"
+    )
     quarantine_table_name: str = "quarantine"
     vacuum_retention_hours: float = Field(default=168, ge=0, description="Keep files of table versions this recent")
 

@@ -20,7 +20,7 @@ from tasks.progress import Every, rate_line, stage_logger
 from tasks.resize_executor import PROGRESS_FOLDER, PROGRESS_SECONDS, SUMMARY_SCHEMA, DecodeRules, process_partition
 from tasks.results import ListingDiff, Listed, Resized
 from tasks.rules.listing import scope_of
-from tasks.rules.partitions import DECODE_IN_DRIVER_UP_TO, ROWS_PER_DECODE_TASK, balanced_partitions
+from tasks.rules.partitions import ROWS_PER_DECODE_TASK, balanced_partitions
 from tasks.rules.schemas import CHANGES_SCHEMA
 from tasks.stage import stage
 from tasks.table import ImageTable
@@ -126,4 +126,5 @@ def resize(listed: Listed, settings: Settings) -> Resized:
     ingested = diff_against_table(table, listed, scope_of(settings), settings.retire_deleted, settings.staging_uri)
     rules = DecodeRules(settings.image_size, settings.resize_mode, settings.max_file_bytes, settings.max_image_pixels)
     key = f"{ingested.content_fingerprint[:16]}-{settings.image_size}-{settings.resize_mode}"
-    return resize_images(table, ingested, rules, f"{settings.staging_uri}/resize-{key}", in_driver_up_to=DECODE_IN_DRIVER_UP_TO)
+    # Spark's Python workers take seconds to start; the driver decodes a short list in a fraction of that.
+    return resize_images(table, ingested, rules, f"{settings.staging_uri}/resize-{key}", in_driver_up_to=settings.decode_in_driver_up_to)

@@ -113,6 +113,7 @@ class Deployed:
         workspace = workspace or self.root / f"ws-{name}"
         log = self.root / f"worker-{name}-{marker[:6]}.log"
         env = {"IMAGELAKE_WORKSPACE": str(workspace), MARKER: marker, "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": str(HEARTBEAT_SECONDS)}
+        env["IMAGELAKE_DECODE_IN_DRIVER_UP_TO"] = "0"  # resize on Spark's Python workers, which the tests watch for
         return Worker(self.server.start_worker(POOL, log, env), marker, workspace, log)
 
     def submit(self, **params: object) -> FlowRun:

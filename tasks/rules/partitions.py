@@ -5,9 +5,6 @@ from __future__ import annotations
 
 # Rows per decode task beyond one task per core: small enough to balance a long list, large enough to amortise a task.
 ROWS_PER_DECODE_TASK = 2048
-# Up to this many files the driver decodes a run's list itself: Spark's Python workers take seconds to start,
-# decoding this many small images a fraction of one.
-DECODE_IN_DRIVER_UP_TO = 1000
 
 
 def balanced_partitions(rows: list[dict], partitions: int) -> list[list[dict]]:
