@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import time
 from datetime import datetime, timezone
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import fsspec
 import pyarrow.parquet as pq
@@ -51,8 +51,12 @@ def resize_images(
         listed = pq.read_table(handle)
     counts: dict[tuple[str, str | None], tuple[int, str]] = {}
     if 0 < listed.num_rows <= in_driver_up_to:
-        summary = process_partition(iter(listed.to_batches()), rules, staging_uri, table_uri, datetime.now(timezone.utc), progress_seconds, partition=0)
-        counts = count_by_status(row for batch in summary for row in batch.to_pylist())
+        batches = iter(listed.to_batches())
+        summary = with_progress(listed.num_rows, staging_uri, lambda: [
+            row for batch in process_partition(batches, rules, staging_uri, table_uri, datetime.now(timezone.utc), progress_seconds, partition=0)
+            for row in batch.to_pylist()
+        ])
+        counts = count_by_status(summary)
     elif listed.num_rows:
         counts = decode_on_executors(spark, listed.to_pylist(), rules, staging_uri, table_uri, progress_seconds)
     by_status: dict[str, int] = {}
@@ -88,11 +92,16 @@ def decode_on_executors(
     frame = spark.createDataFrame(rows, schema=from_arrow_schema(CHANGES_SCHEMA))
     ingested_at = datetime.now(timezone.utc)
     summary = frame.mapInArrow(lambda batches: process_partition(batches, rules, staging_uri, table_uri, ingested_at, progress_seconds), SUMMARY_SCHEMA)
+    return count_by_status(row.asDict() for row in with_progress(len(listed), staging_uri, summary.collect))
+
+
+def with_progress(total: int, staging_uri: str, decode: Callable[[], list]) -> list:
+    """Run DECODE with the driver's progress line every few seconds (from the decoders' progress files), and a last one."""
     logger, started = stage_logger(), time.monotonic()
-    with Every(lambda: logger.info(rate_line("resize", files_done(staging_uri), len(listed), time.monotonic() - started, "files")), logger):
-        rows = summary.collect()
-    logger.info(rate_line("resize", len(listed), len(listed), time.monotonic() - started, "files"))
-    return count_by_status(row.asDict() for row in rows)
+    with Every(lambda: logger.info(rate_line("resize", files_done(staging_uri), total, time.monotonic() - started, "files")), logger):
+        rows = decode()
+    logger.info(rate_line("resize", total, total, time.monotonic() - started, "files"))
+    return rows
 
 
 def count_by_status(rows: Iterable[dict]) -> dict[tuple[str, str | None], tuple[int, str]]:
