@@ -157,6 +157,7 @@ def fit(cached: CachedSplits, settings: Settings, client: MlflowClient, run_id: 
     trainer = TorchTrainer(train_loop_per_worker, train_loop_config=config, scaling_config=scaling, run_config=run_config)
     result = trainer.fit()
     checkpoint, metrics = min(result.best_checkpoints, key=lambda pair: pair[1]["val_loss"])
+    recorded = client.get_run(run_id).data  # what rank 0 logged: its Ray node ids and its fit time
     return Trained(
         checkpoint_path=storage_uri(checkpoint.filesystem, os.path.join(checkpoint.path, RayTrainReportCallback.CHECKPOINT_NAME)),
         ray_run_path=storage_uri(result.filesystem, result.path),
@@ -167,8 +168,8 @@ def fit(cached: CachedSplits, settings: Settings, client: MlflowClient, run_id: 
         epochs_run=int((result.metrics or metrics)["epoch"]) + 1,
         best_val_loss=float(metrics["val_loss"]),
         val_accuracy=float(metrics["val_acc"]),
-        worker_nodes=json.loads(client.get_run(run_id).data.tags.get(WORKER_NODES_TAG, "[]")),
-        fit_seconds=client.get_run(run_id).data.metrics.get(FIT_SECONDS, 0.0),
+        worker_nodes=json.loads(recorded.tags.get(WORKER_NODES_TAG, "[]")),
+        fit_seconds=recorded.metrics.get(FIT_SECONDS, 0.0),
         warm_started_from=warm.source,
     )
 
