@@ -15,6 +15,7 @@ import) Spark, Ray, Petastorm or Prefect (infra/lifecycle.py asks whether pyspar
 | prefect 3.8.8 | `FlowRunContext.model_copy(update={"result_store": ...})` entered as a context manager | a copy of the flow run context, entered, becomes the current one: tasks inside it persist and look up cached results in its result store | `flow_run_context_with_result_storage` | `test_flow_run_context_swap_moves_task_results` |
 | petastorm 0.12.1 | the order `Reader._partition_row_groups` and `ConcurrentVentilator` hand a shard's row groups to the reader's threads | with a seed: all indexes shuffled by `random.Random(seed)`, those equal to the shard modulo the shard count kept, then (shuffle_row_groups) shuffled by `np.random.RandomState(seed)` | `petastorm_ventilation_order` | `tests/test_loader.py::test_ventilation_order_is_petastorms` |
 | Delta protocol / deltalake 1.6.6 layout | `<table>/_delta_log/*.json` commit files read as text | every commit is a JSON-lines file under `_delta_log` naming the data files it adds (and removes) by their relative path | `delta_log_mentions` | `test_delta_log_mentions_every_file_ever_added` |
+| Delta protocol / deltalake 1.6.6 layout | `<table>/_delta_log/<20-digit version>.json`, one JSON object per line, one of them `{"commitInfo": {...}}` | a commit's version is its file's name; delta-rs writes a commit's custom metadata as keys of its `commitInfo`, Spark its `userMetadata` as one | `delta_log_commits` | `test_delta_log_commits_numbered_by_file_name` |
 
 """
 
@@ -116,6 +117,26 @@ def delta_log_mentions(table_uri: str, names: list[str]) -> set[str]:
         text = fs.cat_file(commit).decode("utf-8")
         found |= {name for name in names if f'"{name}"' in text}
     return found
+
+
+def delta_log_commits(table_uri: str) -> Iterator[tuple[int, dict]]:
+    """The table's JSON commits, newest first: each commit's version (its file's name) and its `commitInfo` ({} if it has none).
+
+    delta-rs' `DeltaTable.history()` numbers commits by counting back from a latest version it reads
+    apart from the commits, so with another writer committing meanwhile its numbers can be out by one.
+    A commit file's name is its version. Commits already folded into a checkpoint and cleaned up are not seen.
+    """
+    import json
+
+    import fsspec
+
+    fs, folder = fsspec.core.url_to_fs(table_uri)
+    named = {path.rsplit("/", 1)[-1]: path for path in fs.ls(f"{folder}/_delta_log", detail=False)}
+    versions = sorted((int(name[:-5]) for name in named if name.endswith(".json") and name[:-5].isdigit()), reverse=True)
+    for version in versions:
+        text = fs.cat_file(named[f"{version:020d}.json"]).decode("utf-8")
+        info = next((json.loads(line)["commitInfo"] for line in text.splitlines() if line.startswith('{"commitInfo"')), {})
+        yield version, info
 
 
 def petastorm_ventilation_order(groups: int, shard: int, shard_count: int, seed: int | None, shuffle: bool) -> list[int]:

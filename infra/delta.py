@@ -26,7 +26,7 @@ from deltalake.transaction import AddAction, RemoveAction, create_table_with_add
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql.types import StructType
 
-from infra.compat import collect_arrow, delta_log_mentions
+from infra.compat import collect_arrow, delta_log_commits, delta_log_mentions
 from infra.errors import PermanentError
 from infra.settings import Settings
 from infra.spark import delta_jars_loaded, s3_endpoint, spark_session
@@ -279,16 +279,19 @@ def history_spark(spark: SparkSession, table_uri: str) -> list[dict]:
 
 
 def history_rs(table_uri: str) -> list[dict]:
-    """The table's commits through delta-rs' `DeltaTable.history()`, newest first."""
-    return [
-        {
-            "version": int(c["version"]),
-            "timestamp": datetime.fromtimestamp(c["timestamp"] / 1000, timezone.utc),
-            "operation": c.get("operation"),
-            "write_id": c.get(WRITE_ID_KEY) or c.get("userMetadata"),
-        }
-        for c in _rs(table_uri).history()
-    ]
+    """The table's commits as its log files give them, newest first (delta-rs' own `history()` can misnumber them
+    while another writer commits: see `delta_log_commits`)."""
+    return [_commit_row(version, info) for version, info in delta_log_commits(table_uri)]
+
+
+def _commit_row(version: int, info: dict) -> dict:
+    stamp = info.get("timestamp")
+    return {
+        "version": version,
+        "timestamp": None if stamp is None else datetime.fromtimestamp(stamp / 1000, timezone.utc),
+        "operation": info.get("operation"),
+        "write_id": info.get(WRITE_ID_KEY) or info.get("userMetadata"),
+    }
 
 
 def _data_files(table_uri: str) -> set[str]:
@@ -297,11 +300,11 @@ def _data_files(table_uri: str) -> set[str]:
 
 
 def _version_of_write(table_uri: str, write_id: str) -> int:
-    # Another writer may have committed since ours: find our commit by its id, not by "latest".
-    # delta-rs' commits carry it as custom metadata, Spark's as userMetadata; delta-rs' history shows both.
-    for commit in history_rs(table_uri):
-        if commit["write_id"] == write_id:
-            return commit["version"]
+    # Another writer may have committed since ours: find our commit by its id, not by "latest". Our commit is
+    # recent, so the newest-first walk stops early. delta-rs' commits carry the id as custom metadata, Spark's as userMetadata.
+    for version, info in delta_log_commits(table_uri):
+        if _commit_row(version, info)["write_id"] == write_id:
+            return version
     raise RuntimeError(f"the commit of write {write_id} is missing from the history of {table_uri}")
 
 

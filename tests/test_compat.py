@@ -140,3 +140,19 @@ def test_delta_log_mentions_every_file_ever_added(tmp_path: Path) -> None:
     assert sorted((tmp_path / "table" / "_delta_log").glob("*.json")), "commits are JSON files in _delta_log"
     assert compat.delta_log_mentions(uri, [*first, *second, "part-00000-never-written.parquet"]) == {*first, *second}
     assert compat.delta_log_mentions(f"file://{uri}", first) == set(first)
+
+
+def test_delta_log_commits_numbered_by_file_name(spark, tmp_path: Path) -> None:
+    from deltalake import CommitProperties, DeltaTable, write_deltalake
+
+    uri = str(tmp_path / "table")
+    write_deltalake(uri, pa.table({"x": [1]}), commit_properties=CommitProperties(custom_metadata={"imagelake.test": "rs-0"}))
+    write_deltalake(uri, pa.table({"x": [2]}), mode="append", commit_properties=CommitProperties(custom_metadata={"imagelake.test": "rs-1"}))
+    spark.createDataFrame([(3,)], "x long").write.format("delta").option("userMetadata", "spark-2").mode("append").save(uri)
+    assert sorted(p.name for p in (tmp_path / "table" / "_delta_log").glob("*.json")) == [f"{v:020d}.json" for v in range(3)]
+    commits = list(compat.delta_log_commits(uri))
+    assert [version for version, _ in commits] == [2, 1, 0], "newest first, numbered by the file's name"
+    assert [info.get("imagelake.test") or info.get("userMetadata") for _, info in commits] == ["spark-2", "rs-1", "rs-0"]
+    assert all(info["operation"] in ("WRITE", "CREATE TABLE") and info["timestamp"] > 0 for _, info in commits)
+    assert DeltaTable(uri).version() == 2
+    assert list(compat.delta_log_commits(f"file://{uri}")) == commits
