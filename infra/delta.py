@@ -330,6 +330,33 @@ def read_files(spark: SparkSession, table_uri: str, version: int, files: list[st
     return spark.read.schema(StructType.fromJson(json.loads(table.schema().to_json()))).parquet(*files)
 
 
+def version_files(table_uri: str, version: int) -> list[str]:
+    """The data files of one version, as URIs (delta-rs' `file_uris`)."""
+    return _rs(table_uri, version).file_uris()
+
+
+def read_files_arrow(table_uri: str, files: list[str], schema: pa.Schema) -> pa.Table | None:
+    """SCHEMA's columns of these data files (URIs as `version_files` gives them) read by this process's pyarrow, no Spark job;
+    None if one of them is in a form this pyarrow cannot open (delta-rs' merges and compactions store Arrow view types in
+    the Parquet metadata, which pyarrow 14 rejects): the caller then reads them with Spark. Files that lack a column
+    (written before it was added) give nulls."""
+    fs, _ = fsspec.core.url_to_fs(table_uri)
+    parts = []
+    for uri in files:
+        try:
+            with fs.open(uri, "rb") as handle:
+                data = pq.ParquetFile(handle)
+                present = [name for name in schema.names if name in data.schema_arrow.names]
+                part = data.read(columns=present)
+        except pa.ArrowInvalid:
+            return None
+        for field in schema:
+            if field.name not in present:
+                part = part.append_column(field.name, pa.nulls(part.num_rows, field.type))
+        parts.append(part.select(schema.names).cast(schema))
+    return pa.concat_tables(parts) if parts else schema.empty_table()
+
+
 def read_current(
     spark: SparkSession, table_uri: str, engine: Engine, columns: list[str], where: Column | None = None, version: int | None = None
 ) -> pa.Table:
@@ -412,6 +439,23 @@ class Table:
         if files is not None:
             return read_files(self._reader(), self.uri, version, files)
         return read_version(self._reader(), self.uri, version, self.engine)
+
+    def table_id(self) -> str:
+        """The id Delta gives the table when it is created: a table made anew at the same place has another."""
+        return _rs(self.uri).metadata().id
+
+    def row_count(self, version: int) -> int | None:
+        """Rows of VERSION by the log's file statistics (no data read); None where a file was committed without them."""
+        counts = pa.table(_rs(self.uri, version).get_add_actions(flatten=True)).column("num_records")
+        return None if counts.null_count else (pc.sum(counts).as_py() or 0)
+
+    def files(self, version: int) -> list[str]:
+        """The data files of VERSION, as URIs."""
+        return version_files(self.uri, version)
+
+    def read_files_arrow(self, files: list[str], schema: pa.Schema) -> pa.Table | None:
+        """SCHEMA's columns of some data files, read without Spark; None where this pyarrow cannot open one (see `read_files_arrow`)."""
+        return read_files_arrow(self.uri, files, schema)
 
     def read(self, columns: list[str], where: Column | None = None, version: int | None = None) -> pa.Table:
         """Some columns at the current version (or VERSION), as Arrow on the driver; empty if there is no table."""

@@ -29,10 +29,10 @@ from infra.compat import collect_arrow
 from infra.settings import Settings
 from infra.spark import spark_session
 from tasks.ingest import modified_seconds
-from tasks.rules.splits import SPLITS
+from tasks.rules.splits import SPLITS, split_of
 from tasks.results import CachedSplits, SplitPlan
 from tasks.stage import stage
-from tasks.table import ImageTable
+from tasks.table import DRIVER_BYTES, ImageTable
 
 # The cache's layout: manifests over generations of files, rows in a seeded order with a `position` column.
 LAYOUT = 3
@@ -173,16 +173,105 @@ def row_changes(spark: SparkSession, line: CacheLine, manifests: dict[str, Any],
     return pa.Table.from_batches(batches)
 
 
+CACHE_SCHEMA = pa.schema([("image", pa.binary()), ("label", pa.int64()), ("sha256", pa.string()), pa.field("position", pa.int64(), nullable=False)])
+
+
+def row_key(sha256: pa.ChunkedArray | pa.Array, label: pa.ChunkedArray | pa.Array) -> pa.ChunkedArray | pa.Array:
+    """One string per (sha256, label index) row key, to compare keys as one column."""
+    return pc.binary_join_element_wise(sha256, pc.cast(label, pa.string()), "\x00")
+
+
+def label_index(plan: SplitPlan, labels: pa.ChunkedArray | pa.Array) -> pa.Array:
+    """The cache's label (its index in the plan's labels; -1 for one the plan lacks) of each label name."""
+    return pc.fill_null(pc.index_in(labels, pa.array(plan.labels, pa.string())), -1).cast(pa.int64())
+
+
+def log_changes(table: ImageTable, line: CacheLine, manifests: dict[str, Any], base: int, plan: SplitPlan) -> tuple[pa.Table, list[str]] | None:
+    """`row_changes` from the Delta log instead of a join (`ImageTable.rows_between`): keys of the rows in the data files
+    the plan's version has and BASE lacks, less those in the files BASE has and it lacks, and the reverse (a rewritten
+    file's unchanged rows cancel out); no Spark job, no unchanged file read. Also the version's new data files.
+    None where that cannot be had (then the join runs)."""
+    between = table.rows_between(base, plan.version, ["sha256", "label"], max_bytes=DRIVER_BYTES)
+    if between is None:
+        return None
+    added, removed = (side.set_column(1, "label", label_index(plan, side["label"])) for side in between)
+    added_keys, removed_keys = row_key(added["sha256"], added["label"]), row_key(removed["sha256"], removed["label"])
+    added = added.filter(pc.invert(pc.is_in(added_keys, removed_keys)))
+    gone = removed.filter(pc.invert(pc.is_in(removed_keys, added_keys)))
+    split = pa.array([split_of(sha, plan.val_fraction, plan.test_fraction) for sha in added["sha256"].to_pylist()], pa.string())
+    added = added.append_column("split", split).append_column("file", pa.nulls(added.num_rows, pa.string()))
+    lost = cache_files_holding(line, manifests, gone, plan)
+    lost = lost.append_column("split", pa.nulls(lost.num_rows, pa.string())).append_column("data_file", pa.nulls(lost.num_rows, pa.string()))
+    columns = ["sha256", "label", "split", "data_file", "file"]
+    return pa.concat_tables([added.select(columns), lost.select(columns)]), sorted(set(between[0]["data_file"].to_pylist()))
+
+
+def cache_files_holding(line: CacheLine, manifests: dict[str, Any], rows: pa.Table, plan: SplitPlan) -> pa.Table:
+    """(sha256, label, file) of ROWS' keys in the cached files of their split that hold them (only the key columns of
+    the splits that lost rows are read)."""
+    found = []
+    wanted = row_key(rows["sha256"], rows["label"])
+    splits = {split_of(sha, plan.val_fraction, plan.test_fraction) for sha in rows["sha256"].to_pylist()}
+    for split in sorted(splits):
+        for name in manifests[split]["files"]:
+            with line.fs.open(f"{line.root}/{name}", "rb") as handle:
+                keys = pq.read_table(handle, columns=list(ROW_KEY))
+            here = keys.filter(pc.is_in(row_key(keys["sha256"], keys["label"]), wanted))
+            found.append(here.append_column("file", pa.array([name] * here.num_rows, pa.string())))
+    return pa.concat_tables(found) if found else pa.table({"sha256": pa.array([], pa.string()), "label": pa.array([], pa.int64()), "file": pa.array([], pa.string())})
+
+
+def new_rows_arrow(table: ImageTable, plan: SplitPlan, files: list[str], added: pa.Table) -> pa.Table | None:
+    """The cache's columns (image, label index, sha256) and split of the ADDED rows, read by pyarrow from FILES."""
+    read = table.images.read_files_arrow(files, pa.schema([("image", pa.binary()), ("label", pa.string()), ("sha256", pa.string()), ("image_size", pa.int32())]))
+    if read is None:
+        return None
+    read = read.filter(pc.equal(read["image_size"], table.image_size))
+    rows = pa.table({"image": read["image"], "label": label_index(plan, read["label"]), "sha256": read["sha256"]})
+    rows = rows.filter(pc.is_in(row_key(rows["sha256"], rows["label"]), row_key(added["sha256"], added["label"])))
+    split = pa.array([split_of(sha, plan.val_fraction, plan.test_fraction) for sha in rows["sha256"].to_pylist()], pa.string())
+    return rows.append_column("split", split)
+
+
+def write_split_arrow(rows: pa.Table, fs: Any, folder: str, partitions: int, seed: int, generation: int) -> None:
+    """`write_split` by the driver, for few rows: the same layout (rows dealt to files by content hash, a seeded order
+    inside each file, `position` = generation, then file, then row; row groups of about 8 MB)."""
+    if fs.exists(folder):
+        fs.rm(folder, recursive=True)  # what a crashed attempt left (Spark's overwrite does the same)
+    fs.makedirs(folder, exist_ok=True)
+    run = uuid.uuid4().hex  # file names unique across splits and generations, as Spark's are
+    shas = rows["sha256"].to_pylist()
+    dealt = [int(sha[:8], 16) % partitions for sha in shas]
+    order = [hashlib.sha256(f"{seed}:{sha}".encode()).hexdigest() for sha in shas]
+    for part in range(partitions):
+        mine = sorted((i for i, p in enumerate(dealt) if p == part), key=order.__getitem__)
+        if not mine:
+            continue
+        chunk = rows.take(pa.array(mine, pa.int64())).select(["image", "label", "sha256"])
+        start = (generation << GENERATION_BITS) + (part << 33)
+        chunk = chunk.append_column("position", pa.array(range(start, start + chunk.num_rows), pa.int64())).cast(CACHE_SCHEMA)
+        per_row = max(1, chunk.nbytes // max(1, chunk.num_rows))
+        with fs.open(f"{folder}/part-{part:05d}-{run}.parquet", "wb") as out:
+            pq.write_table(chunk, out, row_group_size=max(1, (8 * 1024 * 1024) // per_row))
+
+
 def grow(spark: SparkSession, line: CacheLine, base: int, plan: SplitPlan, image_size: int, seed: int) -> tuple[dict[str, list[str]], int, bool] | None:
     """Files for the plan's version made from BASE's: its new rows in a new generation (read from the data files that hold
     them alone), files that hold rows it lost rewritten without them. None if the result would not hold exactly the
-    plan's rows (then it is written whole)."""
+    plan's rows (then it is written whole).
+
+    What changed comes from the Delta log and is cached by the driver when that is little (`log_changes`), else from
+    one Spark join of keys (`row_changes`) with Spark writing the new rows."""
     manifests = line.read(base)
     generation = 1 + max(m["generation"] for m in manifests.values())
-    changes = row_changes(spark, line, manifests, plan, image_size)
+    table = ImageTable.of_version(spark, plan, image_size)
+    logged = log_changes(table, line, manifests, base, plan)
+    changes = logged[0] if logged is not None else row_changes(spark, line, manifests, plan, image_size)
     added, lost = changes.filter(pc.is_null(changes["file"])), changes.filter(pc.is_null(changes["split"]))
     fresh = None
-    if added.num_rows:
+    if added.num_rows and logged is not None:
+        fresh = new_rows_arrow(table, plan, logged[1], added)
+    if added.num_rows and fresh is None:
         keys = spark.createDataFrame(added.select(list(ROW_KEY)).to_pandas())
         data_files = pc.unique(added["data_file"]).to_pylist()
         fresh = version_rows(spark, plan, image_size, data_files).join(F.broadcast(keys), list(ROW_KEY), "left_semi")
@@ -193,7 +282,10 @@ def grow(spark: SparkSession, line: CacheLine, base: int, plan: SplitPlan, image
         if new_rows:  # first: Spark's overwrite empties the generation's folder
             folder = line.generation_folder(split, generation)
             partitions = max(1, min(plan.num_partitions, math.ceil(plan.num_partitions * new_rows / max(1, plan.counts[split]))))
-            write_split(fresh.where(F.col("split") == split).drop("split"), f"{line.uri}/{folder}", partitions, seed, generation)
+            if isinstance(fresh, pa.Table):
+                write_split_arrow(fresh.filter(pc.equal(fresh["split"], split)), line.fs, f"{line.root}/{folder}", partitions, seed, generation)
+            else:
+                write_split(fresh.where(F.col("split") == split).drop("split"), f"{line.uri}/{folder}", partitions, seed, generation)
             keep += line.files_in(folder)
         if lost.num_rows:
             keep = rewrite_without(line, split, generation, keep, lost)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
+import fsspec
 import pyarrow as pa
 import pyarrow.compute as pc
 from pyspark.sql import Column, DataFrame, SparkSession
@@ -19,6 +20,7 @@ from infra.delta import Engine, Table
 from infra.settings import Settings
 from tasks.results import TableVersion
 from tasks.rules.listing import Known
+from tasks.rules.schemas import IMAGE_TABLE_SCHEMA
 from tasks.rules.splits import BUCKETS
 
 
@@ -78,11 +80,61 @@ class ImageTable:
     def rows_matching(self, keys: dict[str, pa.Array], columns: list[str], version: int | None = None) -> pa.Table:
         """Columns of this size's rows (at VERSION, default current) whose value in any column of KEYS is one of its values.
 
-        A semi-join in Spark against the given values (which come from one run, so they are few): only the
-        matching rows reach the driver, never the table's keys."""
+        A semi-join against the given values (which come from one run, so they are few): only the matching rows are
+        kept, never the table's keys. Up to DRIVER_SCAN_ROWS rows, the driver scans the key columns one data file at a
+        time (no Spark job); larger tables, or files this pyarrow cannot open, are joined by Spark."""
         if not self.images.exists():
             return pa.table({name: pa.array([], pa.string()) for name in columns})
-        return matching(self.images, keys, columns, self.this_size(), version)
+        version = self.images.version() if version is None else version
+        scanned = self._scan_matching(keys, columns, version)
+        return scanned if scanned is not None else matching(self.images, keys, columns, self.this_size(), version)
+
+    def _scan_matching(self, keys: dict[str, pa.Array], columns: list[str], version: int) -> pa.Table | None:
+        rows = self.images.row_count(version)
+        if rows is None or rows > DRIVER_SCAN_ROWS:
+            return None
+        wanted = {column: pc.unique(values.drop_null()) for column, values in keys.items() if len(values.drop_null())}
+        schema = pa.schema([IMAGE_TABLE_SCHEMA.field(name) for name in dict.fromkeys([*columns, *wanted, "image_size"])])
+        parts = [schema.empty_table().select(columns)]
+        for uri in self.images.files(version) if wanted else []:
+            data = self.images.read_files_arrow([uri], schema)
+            if data is None:
+                return None
+            hit = None
+            for column, values in wanted.items():
+                known = pc.is_in(data[column], values)
+                hit = known if hit is None else pc.or_(hit, known)
+            parts.append(data.filter(pc.and_(pc.equal(data["image_size"], self.image_size), hit)).select(columns))
+        return pa.concat_tables(parts)
+
+    def rows_between(self, base: int, version: int, columns: list[str], max_bytes: int | None = None) -> tuple[pa.Table, pa.Table] | None:
+        """COLUMNS (with `data_file`, the file's URI) of this size's rows in the data files VERSION has and BASE lacks,
+        and in those BASE has and VERSION lacks: what changed between two versions, from the Delta log's file lists,
+        read by pyarrow with no Spark job and no unchanged file opened. A rewritten file is on both sides, so rows it
+        kept appear twice. None where that cannot be had: a version the log no longer holds, a file this pyarrow cannot
+        open, new files of more than MAX_BYTES."""
+        try:
+            now, then = set(self.images.files(version)), set(self.images.files(base))
+        except Exception:  # noqa: BLE001 - delta-rs' error for a version whose commit is gone: the caller reads the data
+            return None
+        new, old = sorted(now - then), sorted(then - now)
+        if max_bytes is not None:
+            fs, _ = fsspec.core.url_to_fs(self.uri)
+            if sum(fs.size(uri) for uri in new) > max_bytes:
+                return None
+        schema = pa.schema([IMAGE_TABLE_SCHEMA.field(name) for name in dict.fromkeys([*columns, "image_size"])])
+        sides = []
+        for files in (new, old):
+            parts = []
+            for uri in files:
+                rows = self.images.read_files_arrow([uri], schema)
+                if rows is None:
+                    return None
+                rows = rows.filter(pc.equal(rows["image_size"], self.image_size)).select(columns)
+                parts.append(rows.append_column("data_file", pa.array([uri] * rows.num_rows, pa.string())))
+            empty = schema.empty_table().select(columns).append_column("data_file", pa.array([], pa.string()))
+            sides.append(pa.concat_tables([empty, *parts]))
+        return sides[0], sides[1]
 
     def known_files(self) -> tuple[int | None, Known, set[str]]:
         """The table's version; each path's (size, mtime, stamp) in the table (this image size) or the quarantine; the table's paths.
@@ -102,11 +154,18 @@ class ImageTable:
 
     def quarantined_by_reason(self) -> dict[str, int]:
         """Files in the quarantine table now, by reason."""
-        if self.quarantine is None:
+        version = None if self.quarantine is None else self.quarantine.version()
+        if version is None:
             return {}
-        return dict(sorted(Counter(self.quarantine.read(["reason"]).column("reason").to_pylist()).items()))
+        reasons = self.quarantine.read_files_arrow(self.quarantine.files(version), pa.schema([("reason", pa.string())]))  # no Spark job
+        reasons = self.quarantine.read(["reason"], version=version) if reasons is None else reasons
+        return dict(sorted(Counter(reasons.column("reason").to_pylist()).items()))
 
 
+# The driver reads changed data files of up to this many bytes itself; more are read by Spark.
+DRIVER_BYTES = 256 * 1024 * 1024
+# A semi-join against a table of up to this many rows is a scan by the driver of its key columns, a file at a time.
+DRIVER_SCAN_ROWS = 2_000_000
 # Up to this many keys go into the query as literals; more are joined as a broadcast table.
 INLINE_KEYS = 1000
 

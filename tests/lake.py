@@ -28,11 +28,11 @@ class Lake:
         self.table, self.quarantine = f"{self.root}/tables/images", f"{self.root}/tables/quarantine"
         self.runs = 0
 
-    def run(self, source: Path | str, scope: Scope = SCOPE, rules: DecodeRules = RULES, retire: bool = False, max_bad: float = 0.5):
+    def run(self, source: Path | str, scope: Scope = SCOPE, rules: DecodeRules = RULES, retire: bool = False, max_bad: float = 0.5, in_driver_up_to: int = 0):
         self.runs += 1
         table = ImageTable.at(self.spark, self.table, rules.size, self.engine, self.quarantine)
         ingested = ingest_listing(table, source_uri(str(source)), scope, retire, f"{self.root}/staging")
-        resized = resize_images(table, ingested, rules, f"{self.root}/staging/resized-{self.runs}")
+        resized = resize_images(table, ingested, rules, f"{self.root}/staging/resized-{self.runs}", in_driver_up_to=in_driver_up_to)
         written = write_images(table, resized, max_bad)
         return ingested, resized, written
 

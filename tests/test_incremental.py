@@ -48,15 +48,20 @@ def test_a_rerun_over_a_listing_the_table_holds_starts_no_spark_job(lake: Lake, 
     assert jobs == 0
     assert (ingested.candidates, ingested.unchanged, resized.decoded, written.rows, written.version) == (0, 25, 0, 0, first.version)
 
-    # Two new files: the join finds them, and the diff staged for the executors holds just those two.
+    # Two new files: the diff staged for decoding holds just those two, which the driver decodes, and the write's
+    # semi-join against the table (the driver's at this size) finds nothing: no Spark job.
     shutil.copy(next((digits_dir / "5").glob("*.png")), source / "1" / "new-a.png")
     shutil.copy(next((digits_dir / "6").glob("*.png")), source / "2" / "new-b.png")
-    (ingested, resized, written), jobs = spark_jobs(lake.spark, lambda: lake.run(source))
-    assert jobs > 0
+    (ingested, resized, written), jobs = spark_jobs(lake.spark, lambda: lake.run(source, in_driver_up_to=10))
+    assert jobs == 0
     assert pq.read_table(ingested.manifest_uri.removeprefix("file://")).column("path").to_pylist() == sorted(
         f"file://{source}/{label}/{name}" for label, name in (("1", "new-a.png"), ("2", "new-b.png"))
     )
     assert (ingested.candidates, ingested.unchanged, resized.decoded, written.rows) == (2, 25, 2, 2)
+    # A copy of an image the table holds, under a new path: that semi-join drops it.
+    shutil.copy(sorted((source / "0").glob("*.png"))[0], source / "3" / "copy-c.png")
+    (_, resized, written) = lake.run(source, in_driver_up_to=10)
+    assert (resized.decoded, written.rows) == (1, 0) and f"file://{source}/3/copy-c.png" not in lake.rows(written.version)
     (_, _, again), jobs = spark_jobs(lake.spark, lambda: lake.run(source))
     assert jobs == 0 and again.version == written.version
 
@@ -86,12 +91,13 @@ def test_after_a_write_the_diff_compares_two_listings_and_finds_what_the_spark_j
     assert [(Path(row["path"]).name, row["action"]) for row in by_listings] == [("new-a.png", "upsert"), (sorted((digits_dir / "2").glob("*.png"))[0].name, "delete")]
     assert by_listings == by_the_join()
 
-    # A file rewritten with the same bytes: only its path is looked up in the table, for the hash it holds there.
+    # A file rewritten with the same bytes: only its path is looked up in the table, for the hash it holds there (a
+    # semi-join: the driver's scan where this pyarrow opens the table's files, Spark's where a delta-rs merge wrote them).
     lake.run(source, retire=True)
     rewritten = sorted((source / "3").glob("*.png"))[0]
     rewritten.write_bytes(rewritten.read_bytes())
-    by_listings, jobs = diffed()
-    assert jobs > 0 and [row["known_sha256"] for row in by_listings] == [lake.rows()[f"file://{rewritten}"]]
+    by_listings, _ = diffed()
+    assert [row["known_sha256"] for row in by_listings] == [lake.rows()[f"file://{rewritten}"]]
     assert by_listings == by_the_join()
 
 
@@ -139,7 +145,9 @@ def test_the_cache_of_a_new_version_adds_only_its_new_rows_and_drops_retired_one
 
     copy_digits(digits_dir, source, per_label=2, skip=10)  # 8 new images
     _, _, v1 = lake.run(source)
-    plan, grown = cached_version(lake, v1, settings, root)
+    (plan, grown), jobs = spark_jobs(lake.spark, lambda: cached_version(lake, v1, settings, root))
+    # Counts carried forward from v0's and the new rows cached, both from the data files the commit added alone.
+    assert jobs == 0, f"planning and caching a version that only added rows started {jobs} Spark job(s)"
     assert not grown.reused and grown.table_version == v1.version and grown.cache_dir == first.cache_dir
     for split, uri in grown.splits.items():
         files = split_files(uri)[1]
@@ -172,6 +180,41 @@ def test_the_cache_of_a_new_version_adds_only_its_new_rows_and_drops_retired_one
     # Rows read through the loader: every row of a version's split once.
     per_shard = shard_rows(mixed.splits["train"], 2)
     assert sum(per_shard) == mixed.counts["train"]
+
+
+def counted(lake: Lake, version: int) -> dict[str, dict[str, int]]:
+    """Images per split and label of a version, counted by Spark over the whole version."""
+    frame = ImageTable.at(lake.spark, lake.table, 24, lake.engine).with_split(version, 0.2, 0.2)
+    counts: dict[str, dict[str, int]] = {"train": {}, "val": {}, "test": {}}
+    for row in frame.groupBy("split", "label").count().collect():
+        counts[row["split"]][row["label"]] = row["count"]
+    return {split: dict(sorted(by_label.items())) for split, by_label in counts.items()}
+
+
+def test_split_counts_carried_forward_are_those_counted_over_the_version(lake: Lake, digits_dir: Path, tmp_path: Path, settings) -> None:
+    source = tmp_path / "src"
+    planning = settings.model_copy(update={"image_size": 24, "val_fraction": 0.2, "test_fraction": 0.2})
+    copy_digits(digits_dir, source, per_label=10)
+    _, _, v0 = lake.run(source)
+    assert plan_splits(lake.spark, v0, planning).label_counts == counted(lake, v0.version)
+    # Added rows: v0's counts plus the rows of the files the commit added, no Spark job.
+    copy_digits(digits_dir, source, per_label=3, skip=10)
+    _, _, v1 = lake.run(source)
+    plan, jobs = spark_jobs(lake.spark, lambda: plan_splits(lake.spark, v1, planning))
+    assert jobs == 0 and plan.label_counts == counted(lake, v1.version) != counted(lake, v0.version)
+    # Retired rows (a merge: files rewritten, their kept rows on both sides) and a compaction (every file rewritten).
+    for png in sorted((source / "2").glob("*.png"))[:4]:
+        png.unlink()
+    _, _, v2 = lake.run(source, retire=True)
+    assert plan_splits(lake.spark, v2, planning).label_counts == counted(lake, v2.version)
+    Table(lake.table, lake.spark, lake.engine).compact()
+    v3 = v2.model_copy(update={"version": Table(lake.table).version()})
+    assert v3.version > v2.version and plan_splits(lake.spark, v3, planning).label_counts == counted(lake, v3.version)
+    # A table made anew at the same place starts from its own rows, not the old table's counts.
+    shutil.rmtree(lake.table.removeprefix("file://"))
+    shutil.rmtree(source / "0")
+    _, _, anew = lake.run(source)
+    assert anew.version == 0 and plan_splits(lake.spark, anew, planning).label_counts == counted(lake, 0)
 
 
 def by_split(lake: Lake, version: int) -> dict[str, list[str]]:
@@ -253,3 +296,52 @@ def test_two_listings_merged_a_batch_at_a_time_give_what_the_whole_listings_give
     with pytest.raises(NotInPathOrder):
         merged_listing_changes(earlier, shuffled, retire=True, rows=rows)
     assert in_order(changes_between(earlier, shuffled, retire=True)) == in_order(whole)
+
+
+def test_new_rows_cached_by_the_driver_have_the_layout_spark_writes(spark, tmp_path: Path) -> None:
+    import hashlib
+
+    import fsspec
+    import pyarrow as pa
+
+    from tasks.cache import GENERATION_BITS, write_split, write_split_arrow
+    from tasks.worker.loader import row_groups
+
+    shas = [hashlib.sha256(str(i).encode()).hexdigest() for i in range(300)]
+    rows = pa.table({"image": [random.Random(i).randbytes(64) for i in range(300)], "label": pa.array([i % 4 for i in range(300)], pa.int64()), "sha256": shas})
+    fs = fsspec.filesystem("file")
+    write_split_arrow(rows, fs, str(tmp_path / "driver"), partitions=3, seed=42, generation=5)
+    write_split(spark.createDataFrame(rows.to_pandas()), str(tmp_path / "spark"), 3, 42, 5)
+    by_driver, by_spark = split_files(str(tmp_path / "driver"))[1], split_files(str(tmp_path / "spark"))[1]
+    assert pq.read_schema(by_driver[0]).remove_metadata() == pq.read_schema(by_spark[0]).remove_metadata(), "the loader reads both alike"
+    firsts = []
+    for name in by_driver:
+        data = pq.read_table(name)
+        positions = data.column("position").to_pylist()
+        assert positions == sorted(positions) and all(p >> GENERATION_BITS == 5 for p in positions), "positions rise through a file"
+        assert len({int(sha[:8], 16) % 3 for sha in data.column("sha256").to_pylist()}) == 1, "a file holds the rows dealt to it by content hash"
+        assert data.column("label").to_pylist() != sorted(data.column("label").to_pylist()), "rows in a seeded order, not by label"
+        firsts.append(positions[0])
+    assert len(set(firsts)) == len(by_driver) == 3
+    assert sorted(pq.read_table(by_driver, columns=["sha256"]).column("sha256").to_pylist()) == sorted(shas)
+    assert sum(rows for rows, _ in row_groups(str(tmp_path / "driver"))) == 300
+
+
+def test_the_drivers_semi_join_finds_what_sparks_finds(lake: Lake, digits_dir: Path, tmp_path: Path) -> None:
+    import pyarrow as pa
+
+    from tasks.table import matching
+
+    source = tmp_path / "src"
+    copy_digits(digits_dir, source, per_label=5)
+    _, _, written = lake.run(source)
+    table = ImageTable.at(lake.spark, lake.table, 24, lake.engine)
+    rows = lake.rows(written.version)
+    paths, hashes = sorted(rows)[:3], [rows[p] for p in sorted(rows)[5:7]]
+    keys = {"path": pa.array([*paths, "file:///nowhere.png"]), "sha256": pa.array([*hashes, "0" * 64])}
+    (scanned, jobs) = spark_jobs(lake.spark, lambda: table.rows_matching(keys, ["path", "sha256"], written.version))
+    joined = matching(table.images, keys, ["path", "sha256"], table.this_size(), written.version)
+    assert jobs == 0 and scanned.num_rows == 5
+    assert sorted(scanned.to_pylist(), key=str) == sorted(joined.to_pylist(), key=str)
+    other_size = ImageTable.at(lake.spark, lake.table, 16, lake.engine)
+    assert other_size.rows_matching(keys, ["path"], written.version).num_rows == 0, "rows of another image size are not matched"
