@@ -8,13 +8,13 @@ from datetime import date
 from typing import Any
 
 from prefect.artifacts import create_table_artifact
-from pyspark.sql import functions as F
 
 from flows.flow import imagelake_flow
 from flows.pipeline import train_and_promote
 from infra.prefect_env import stage_results
 from infra.settings import Settings, load_settings
-from tasks.ingest import ingest, list_source, source_uri
+from tasks.changes import date_counts
+from tasks.ingest import ingest, save_listing, source_uri
 from tasks.resize import resize
 from tasks.results import TableVersion
 from tasks.rules.listing import Scope, date_plan
@@ -27,12 +27,10 @@ class BackfillFailed(RuntimeError):
 
 
 def plan_dates(table: ImageTable, settings: Settings, source: str, start: date, end: date) -> list[dict[str, Any]]:
-    """Each date in the range that has source files or table rows: missing, stale or done (see tasks.rules.listing.date_plan)."""
+    """Each date in the range that has source files or table rows: missing, stale or done (see tasks.rules.listing.date_plan).
+    The listing goes to staging and is compared with the tables by Spark; the driver gets counts per date."""
     scope = Scope(tuple(e.lower() for e in settings.image_extensions), start, end, settings.max_file_bytes)
-    entries = list_source(source_uri(source), scope)
-    _, known, _ = table.known_files()
-    rows = table.rows(["path", "date"], (F.col("date") >= F.lit(start)) & (F.col("date") <= F.lit(end))).to_pylist()
-    return date_plan(entries, known, rows, start, end)
+    return date_plan(date_counts(table, save_listing(source_uri(source), scope, settings.staging_uri), scope), start, end)
 
 
 @imagelake_flow("imagelake-ingest-date")

@@ -12,6 +12,7 @@ import hashlib
 import itertools
 import json
 import uuid
+from datetime import date
 from typing import Iterator
 
 import fsspec
@@ -271,3 +272,24 @@ def diff_against_table(table: ImageTable, listed: Listed, scope: Scope, retire_d
 def ingest_listing(table: ImageTable, uri: str, scope: Scope, retire_deleted: bool, staging_dir: str) -> ListingDiff:
     """List the source and keep what is new or changed since the table's current version (both steps at once)."""
     return diff_against_table(table, save_listing(uri, scope, staging_dir), scope, retire_deleted, staging_dir)
+
+
+def date_counts(table: ImageTable, listed: Listed, scope: Scope) -> dict[date, dict[str, int]]:
+    """Per date of a listing (and of the table's rows in the scope's date range): files listed, of those new or changed
+    since the tables, table rows (this image size) and rows whose file is gone. Counted by Spark: only one row per
+    date and count reaches the driver, never the table's paths."""
+    listing = table.spark.read.schema(from_arrow_schema(LISTING_SCHEMA)).parquet(listed.manifest_uri)
+    version = table.images.version()
+    counts: dict[date, dict[str, int]] = {}
+
+    def count(frame: DataFrame, name: str) -> None:
+        for row in frame.where(F.col("date").isNotNull()).groupBy("date").count().collect():
+            counts.setdefault(row["date"], {"files": 0, "new_or_changed": 0, "rows": 0, "gone": 0})[name] = row["count"]
+
+    count(listing, "files")
+    count(changed_entries(table, listing, version, None), "new_or_changed")
+    if version is not None:
+        present = table.images.frame(version).where(table.this_size() & dates_of(scope)).select("path", "date")
+        count(present, "rows")
+        count(present.join(listing.select("path"), "path", "left_anti"), "gone")
+    return counts

@@ -19,7 +19,6 @@ from infra.compat import collect_arrow
 from infra.delta import Engine, Table
 from infra.settings import Settings
 from tasks.results import TableVersion
-from tasks.rules.listing import Known
 from tasks.rules.schemas import IMAGE_TABLE_SCHEMA
 from tasks.rules.splits import BUCKETS
 
@@ -72,10 +71,6 @@ class ImageTable:
 
     def this_size(self) -> Column:
         return F.col("image_size") == self.image_size
-
-    def rows(self, columns: list[str], where: Column | None = None, version: int | None = None) -> pa.Table:
-        """Columns of this image size's rows at the current version (or VERSION), as Arrow on the driver."""
-        return self.images.read(columns, self.this_size() if where is None else self.this_size() & where, version)
 
     def rows_matching(self, keys: dict[str, pa.Array], columns: list[str], version: int | None = None) -> pa.Table:
         """Columns of this size's rows (at VERSION, default current) whose value in any column of KEYS is one of its values.
@@ -136,18 +131,6 @@ class ImageTable:
             sides.append(pa.concat_tables([empty, *parts]))
         return sides[0], sides[1]
 
-    def known_files(self) -> tuple[int | None, Known, set[str]]:
-        """The table's version; each path's (size, mtime, stamp) in the table (this image size) or the quarantine; the table's paths.
-
-        Tables written before stamps were recorded have no `stamp` column: their rows give None.
-        """
-        known: Known = {}
-        if self.quarantine is not None:
-            known.update(_known(self.quarantine.read(_stamped(self.quarantine))))
-        rows = self.rows(_stamped(self.images))
-        known.update(_known(rows))
-        return self.images.version(), known, set(rows.column("path").to_pylist())
-
     def with_split(self, version: int, val_fraction: float, test_fraction: float, files: list[str] | None = None) -> DataFrame:
         """The table at VERSION, rows of this image size (of FILES only, if given), with a `split` column."""
         return self.images.frame(version, files).where(self.this_size()).withColumn("split", split_column(val_fraction, test_fraction))
@@ -190,13 +173,3 @@ def matching(table: Table, keys: dict[str, pa.Array], columns: list[str], where:
         hit = known if hit is None else hit | known
     batches = collect_arrow(frame.where(hit).select(*columns))
     return pa.Table.from_batches(batches) if batches else empty
-
-
-def _stamped(table: Table) -> list[str]:
-    return ["path", "size", "mtime"] + (["stamp"] if "stamp" in table.columns() else [])
-
-
-def _known(rows: pa.Table) -> Known:
-    columns = rows.to_pydict()
-    stamps = columns.get("stamp") or [None] * rows.num_rows
-    return {p: (s, m, t) for p, s, m, t in zip(columns["path"], columns["size"], columns["mtime"], stamps)}

@@ -345,3 +345,28 @@ def test_the_drivers_semi_join_finds_what_sparks_finds(lake: Lake, digits_dir: P
     assert sorted(scanned.to_pylist(), key=str) == sorted(joined.to_pylist(), key=str)
     other_size = ImageTable.at(lake.spark, lake.table, 16, lake.engine)
     assert other_size.rows_matching(keys, ["path"], written.version).num_rows == 0, "rows of another image size are not matched"
+
+
+def test_a_backfill_plan_is_counted_per_date_by_spark_and_sees_stale_dates(lake: Lake, digits_dir: Path, tmp_path: Path, settings) -> None:
+    from datetime import date
+
+    from flows.backfill import plan_dates
+
+    source = tmp_path / "landing"
+    copy_digits(digits_dir, source / "date=2024-03-01", per_label=3)
+    copy_digits(digits_dir, source / "date=2024-03-02", per_label=3, skip=3)
+    lake.run(source)
+    table = ImageTable.at(lake.spark, lake.table, 24, lake.engine, lake.quarantine)
+    planning = settings.model_copy(update={"image_size": 24})
+    span = (date(2024, 3, 1), date(2024, 3, 4))
+    assert [(p["date"], p["status"], p["files"]) for p in plan_dates(table, planning, str(source), *span)] == [
+        ("2024-03-01", "done", 12), ("2024-03-02", "done", 12)
+    ]
+    sorted((source / "date=2024-03-01" / "1").glob("*.png"))[0].unlink()
+    shutil.copy(next((digits_dir / "7").glob("*.png")), source / "date=2024-03-02" / "2" / "new.png")
+    copy_digits(digits_dir, source / "date=2024-03-03", labels=("0", "1"), per_label=2, skip=6)
+    plan = plan_dates(table, planning, str(source), *span)
+    assert [(p["date"], p["status"], p["files"], p["new_or_changed"], p["gone"]) for p in plan] == [
+        ("2024-03-01", "stale", 11, 0, 1), ("2024-03-02", "stale", 13, 1, 0), ("2024-03-03", "missing", 4, 4, 0)
+    ]
+    assert plan_dates(table, planning, str(source), date(2024, 3, 2), date(2024, 3, 2)) == [plan[1]], "only the range's dates"

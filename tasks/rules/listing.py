@@ -107,23 +107,17 @@ def is_changed(entry: dict[str, Any], known: Known) -> bool:
     return row[2] is not None and row[2] != entry.get("stamp")
 
 
-def date_plan(entries: list[dict[str, Any]], known: Known, rows: list[dict[str, Any]], start: date, end: date) -> list[dict[str, Any]]:
-    """A backfill's plan: each date from START to END with listed files (ENTRIES) or table rows (ROWS: path, date) is
-    missing (no rows yet), stale (files new, changed or gone since the table, per KNOWN (size, mtime, stamp) by path) or done."""
-    table_paths: dict[date, set[str]] = {}
-    for row in rows:
-        table_paths.setdefault(row["date"], set()).add(row["path"])
-    listed: dict[date, list[dict]] = {}
-    for entry in entries:
-        listed.setdefault(entry["date"], []).append(entry)
+def date_plan(days: dict[date, dict[str, int]], start: date, end: date) -> list[dict[str, Any]]:
+    """A backfill's plan: each date from START to END with listed files or table rows is missing (no rows yet, every
+    listed file new), stale (files new, changed or gone since the table) or done. DAYS gives per date the files listed,
+    how many of them are new or changed, the table's rows and how many of those lost their file."""
     plan = []
     day = start
     while day <= end:
-        files, present = listed.get(day, []), table_paths.get(day, set())
-        if files or present:
-            changed = sum(1 for e in files if is_changed(e, known))
-            gone = len(present - {e["path"] for e in files})
-            status = "missing" if not present and changed == len(files) else ("stale" if changed or gone else "done")
-            plan.append({"date": day.isoformat(), "files": len(files), "new_or_changed": changed, "gone": gone, "status": status})
+        counts = {"files": 0, "new_or_changed": 0, "rows": 0, "gone": 0, **days.get(day, {})}
+        if counts["files"] or counts["rows"]:
+            changed, gone = counts["new_or_changed"], counts["gone"]
+            status = "missing" if not counts["rows"] and changed == counts["files"] else ("stale" if changed or gone else "done")
+            plan.append({"date": day.isoformat(), "files": counts["files"], "new_or_changed": changed, "gone": gone, "status": status})
         day += timedelta(days=1)
     return plan
