@@ -46,6 +46,15 @@ def test_exif_orientation_is_applied() -> None:
     assert pixels[:5].mean() > 200 and pixels[-5:].mean() < 50  # white half is now on top
 
 
+@pytest.mark.parametrize("orientation,expected", [(1, (198, 188)), (6, (188, 198))])
+def test_a_jpeg_records_its_own_size_not_that_of_its_reduced_decode(orientation: int, expected: tuple[int, int]) -> None:
+    # Pillow's draft() decodes this JPEG at a quarter scale (50x47) for a 32-pixel square; the table records the source's size.
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    pixels, width, height = resize_image(encode(Image.new("RGB", (198, 188), (90, 20, 20)), "JPEG", exif=exif), 32)
+    assert pixels.shape == (32, 32, 3) and (width, height) == expected
+
+
 def palette_with_transparency() -> Image.Image:
     image = Image.new("P", (10, 10), 0)
     image.putpalette([0, 0, 0, 255, 0, 0] + [0] * 762)

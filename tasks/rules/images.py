@@ -13,6 +13,7 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 
 
 ResizeMode = Literal["letterbox", "center_crop"]
+EXIF_ORIENTATION = 0x0112
 
 
 class ImageDecodeError(ValueError):
@@ -58,10 +59,13 @@ def decode_square(data: bytes, size: int, mode: ResizeMode = "letterbox", max_pi
         with Image.open(io.BytesIO(data)) as image:
             if max_pixels and image.width * image.height > max_pixels:
                 raise ImageDecodeError("decompression_bomb", f"{image.width}x{image.height} is over max_image_pixels={max_pixels}")
+            # The source's size as displayed: EXIF orientations 5-8 turn it a quarter (read before draft() shrinks it).
+            width, height = image.size
+            if image.getexif().get(EXIF_ORIENTATION, 1) in (5, 6, 7, 8):
+                width, height = height, width
             # draft() only helps before pixels load: JPEGs then decode at a reduced scale, still >= size.
             image.draft("RGB", (size, size))
             oriented = ImageOps.exif_transpose(image)
-            width, height = oriented.size
             square = fit_square(to_rgb(oriented), size, mode)
     except ImageDecodeError:
         raise
