@@ -13,12 +13,28 @@ from tasks.cache import clean_cache
 from tasks.stage import stage
 
 
+class RegistryUnavailable(RuntimeError):
+    """The model registry did not answer: nothing is known to be safe to remove, so maintenance removes nothing."""
+
+
 def protected_versions(client: MlflowClient, model_name: str, table_uri: str) -> list[int]:
-    """Delta versions of this table that registered model versions were trained on (their `delta_version` tags)."""
+    """Delta versions of this table that registered model versions were trained on (their `delta_version` tags).
+
+    Every page of the registry's model versions is read and matched on the name here, so any name works (a filter
+    string would need the name quoted). No answer raises `RegistryUnavailable`: maintenance fails closed."""
+    versions, token = [], None
     try:
-        versions = client.search_model_versions(f"name='{model_name}'")
-    except MlflowException:
-        return []
+        while True:
+            page = client.search_model_versions(max_results=1000, page_token=token)
+            versions += [v for v in page if v.name == model_name]
+            token = page.token
+            if not token:
+                break
+    except MlflowException as exc:
+        raise RegistryUnavailable(
+            f"the model registry at {client.tracking_uri} did not say which versions of {table_uri} registered models of "
+            f"{model_name!r} were trained on, so nothing was compacted, vacuumed or removed: {exc}"
+        ) from exc
     return sorted(
         {int(v.tags["delta_version"]) for v in versions if v.tags.get("delta_table") == table_uri and v.tags.get("delta_version", "").isdigit()}
     )

@@ -51,3 +51,29 @@ def test_vacuum_never_removes_a_registered_models_version(lake: Lake, digits_dir
     else:
         missing = [uri for uri in DeltaTable(lake.table, version=0).file_uris() if not Path(uri.removeprefix("file://")).exists()]
         assert missing, "without a registered model, retention 0 removes version 0's files"
+
+
+def test_a_model_name_with_a_quote_still_protects_its_versions(tmp_path: Path) -> None:
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    client.create_registered_model("it's digits")
+    client.create_model_version("it's digits", source=str(tmp_path), tags={"delta_table": "/lake/images", "delta_version": "4"})
+    client.create_registered_model("other")
+    client.create_model_version("other", source=str(tmp_path), tags={"delta_table": "/lake/images", "delta_version": "7"})
+    assert protected_versions(client, "it's digits", "/lake/images") == [4]
+
+
+def test_no_answer_from_the_registry_means_nothing_is_vacuumed(lake: Lake, digits_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import socket
+
+    grow_table(lake, digits_dir, tmp_path / "src")
+    files = sorted(p.name for p in Path(lake.table).glob("*.parquet"))
+    with socket.socket() as probe:  # a loopback port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    client = MlflowClient(f"http://127.0.0.1:{port}", f"http://127.0.0.1:{port}")
+    with pytest.raises(RuntimeError, match=r"nothing was compacted, vacuumed or removed"):  # RegistryUnavailable
+        keep = protected_versions(client, "digits", lake.table)
+        maintain_table(Table(lake.table, lake.spark, lake.engine), retention_hours=0, keep_versions=keep)
+    assert sorted(p.name for p in Path(lake.table).glob("*.parquet")) == files
+    assert read_version(lake.spark, lake.table, 0, lake.engine).count() == 40
