@@ -66,7 +66,7 @@ worker: install
 	PREFECT_API_URL=$${PREFECT_API_URL:-http://127.0.0.1:4200/api} $(BIN)/prefect work-pool create imagelake-process --type process 2>/dev/null || true
 	PREFECT_API_URL=$${PREFECT_API_URL:-http://127.0.0.1:4200/api} $(BIN)/prefect deploy --all
 	PREFECT_API_URL=$${PREFECT_API_URL:-http://127.0.0.1:4200/api} PREFECT_FLOWS_HEARTBEAT_FREQUENCY=$${PREFECT_FLOWS_HEARTBEAT_FREQUENCY:-30} $(BIN)/python -m infra.lifecycle
-	PREFECT_API_URL=$${PREFECT_API_URL:-http://127.0.0.1:4200/api} $(BIN)/prefect worker start --pool imagelake-process
+	PREFECT_API_URL=$${PREFECT_API_URL:-http://127.0.0.1:4200/api} IMAGELAKE_HOME=$(CURDIR) $(BIN)/prefect worker start --pool imagelake-process
 
 # A Spark standalone master and 2 workers, 2 Ray nodes, an MLflow server (basic auth) and a Prefect server, on 127.0.0.1.
 cluster-up: install

@@ -96,12 +96,13 @@ class PrefectServer:
         return done
 
     def start_worker(self, pool: str, log: Path, extra_env: dict[str, str] | None = None) -> subprocess.Popen:
-        """A process worker for POOL, run from the repository root (where the deployments' entrypoints are)."""
+        """A process worker for POOL, run from the repository root (where the deployments' entrypoints are), which its
+        runs' pull step (prefect.yaml) finds through IMAGELAKE_HOME."""
         with log.open("w") as out:
             worker = subprocess.Popen(
                 [str(BIN / "prefect"), "worker", "start", "--pool", pool, "--type", "process"],
-                cwd=REPO, env=self.env(extra_env), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                start_new_session=True,
+                cwd=REPO, env=self.env({"IMAGELAKE_HOME": str(REPO), **(extra_env or {})}), stdout=out, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL, start_new_session=True,
             )
         self.workers.append(worker)
         return worker

@@ -44,3 +44,35 @@ def test_the_ad_hoc_form_declares_each_setting_as_settings_does() -> None:
         assert form[name] == settings[name], name
     assert form["image_size"]["maximum"] == Settings.model_fields["image_size"].metadata[-1].le == 2048
     assert list(form)[:2] == ["source", "image_size"] and list(form)[-2:] == ["config_file", "refresh"]
+
+
+DEPLOYMENT_FILES = [REPO / "prefect.yaml", REPO / "infra" / "clusters" / "prefect-kubernetes.yaml"]
+
+
+@pytest.mark.parametrize("path", DEPLOYMENT_FILES, ids=lambda p: p.name)
+def test_every_deployment_arms_crash_detection_says_where_it_runs_and_never_overlaps_itself(path, monkeypatch) -> None:
+    import inspect
+
+    monkeypatch.chdir(REPO)
+    text = path.read_text()
+    config = yaml.safe_load(text)
+    # One environment block, shared by every deployment through a YAML anchor, not repeated by hand.
+    assert text.count("PREFECT_FLOWS_HEARTBEAT_FREQUENCY") == 1 and "*" in text
+    # Where a run's code is: a pull step on the project, never the folder of the machine that deployed it.
+    steps = [step for entry in config.get("pull") or [] for name, step in entry.items() if name.endswith("set_working_directory")]
+    assert steps and all(step["directory"].startswith(("{{ $", "/opt/")) for step in steps), f"{path.name}: no pull step"
+    deployments = {d["name"]: d for d in config["deployments"]}
+    for name, deployment in deployments.items():
+        env = deployment["work_pool"]["job_variables"]["env"]
+        assert int(env["PREFECT_FLOWS_HEARTBEAT_FREQUENCY"]) <= 60, f"{name}: a lost run would stay Running"
+        flow = load_flow_from_entrypoint(deployment["entrypoint"])
+        given = deployment.get("parameters", {})
+        assert set(given) <= set(inspect.signature(flow.fn).parameters), f"{name}: parameters the flow does not take"
+        if deployment.get("schedules"):  # a scheduled run has nobody to fill in a parameter
+            flow.validate_parameters(given)
+            assert deployment["concurrency_limit"]["limit"] == 1 and deployment["concurrency_limit"]["collision_strategy"] == "ENQUEUE", (
+                f"{name}: a slow run would overlap the next scheduled one"
+            )
+    maintenance = [d for d in deployments.values() if d["entrypoint"] == "flows/maintenance.py:maintenance"]
+    assert maintenance and all(d.get("schedules") for d in maintenance), f"{path.name}: maintenance has no scheduled deployment"
+    assert any(d["entrypoint"] == "flows/pipeline.py:pipeline" and d.get("schedules") for d in deployments.values())
