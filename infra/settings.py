@@ -86,6 +86,9 @@ class Settings(BaseSettings):
     start_date: date | None = Field(default=None, description="Only source files of dates on or after this one")
     end_date: date | None = Field(default=None, description="Only source files of dates on or before this one")
     retire_deleted: bool = Field(default=False, description="Remove rows whose source file is gone")
+    manifest_roots: list[str] = Field(
+        default_factory=list, description="Folders or URIs besides a manifest CSV's own folder whose files its rows may name"
+    )
     max_file_bytes: int = Field(default=50 * 1024 * 1024, ge=1, description="Larger files are quarantined")
     max_image_pixels: int = Field(default=64_000_000, ge=1, description="Larger images are quarantined as decompression bombs")
     max_bad_fraction: float = Field(default=0.2, ge=0, le=1, description="A run with more bad files fails and writes nothing")

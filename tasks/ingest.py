@@ -11,6 +11,7 @@ import csv
 import hashlib
 import itertools
 import os
+import posixpath
 import uuid
 from pathlib import Path
 from typing import Any, Iterator
@@ -120,6 +121,7 @@ def list_manifest(uri: str, scope: Scope) -> Iterator[dict[str, Any]]:
 def manifest_entries(uri: str, base: str, fs: Any, rows: csv.DictReader, scope: Scope) -> Iterator[dict[str, Any]]:
     if rows.fieldnames and not {"path", "label"} <= set(rows.fieldnames):
         raise SourceError(f"manifest {uri} needs the columns path,label[,date]; it has {', '.join(rows.fieldnames)}")
+    roots = [fs.unstrip_protocol(posixpath.normpath(base)), *(canonical_uri(root) for root in scope.manifest_roots)]
     for number, row in enumerate(rows, start=2):
         day = parse_day(row["date"]) if row.get("date") else None
         if row.get("date") and day is None:
@@ -128,6 +130,12 @@ def manifest_entries(uri: str, base: str, fs: Any, rows: csv.DictReader, scope: 
             continue
         target = row["path"] if "://" in row["path"] or row["path"].startswith("/") else f"{base}/{row['path']}"
         file_fs, file_path = fsspec.core.url_to_fs(target) if "://" in target else (fs, target)
+        file_path = posixpath.normpath(file_path)
+        if not any(is_within(file_fs.unstrip_protocol(file_path), root) for root in roots):
+            raise SourceError(
+                f"manifest {uri} line {number}: {row['path']!r} is outside the manifest's folder {fs.unstrip_protocol(base)}; "
+                "name files under it, or add their folder to the setting manifest_roots"
+            )
         try:
             info = file_fs.info(file_path)
         except (FileNotFoundError, OSError):
@@ -136,6 +144,17 @@ def manifest_entries(uri: str, base: str, fs: Any, rows: csv.DictReader, scope: 
         size, mtime = int(info.get("size") or 0), modified_seconds(info)
         stamp = stamp_of(file_fs, file_path, info)
         yield file_entry(file_fs.unstrip_protocol(file_path), row["label"], day, size, mtime, None, scope.max_file_bytes, stamp)
+
+
+def canonical_uri(location: str) -> str:
+    """A folder or URI as fsspec spells it, with `.` and `..` resolved (local paths become file:// URIs)."""
+    fs, path = fsspec.core.url_to_fs(location)
+    return fs.unstrip_protocol(posixpath.normpath(path))
+
+
+def is_within(uri: str, root: str) -> bool:
+    """Whether URI is ROOT or below it (both canonical)."""
+    return uri == root or uri.startswith(root.rstrip("/") + "/")
 
 
 def iter_source(uri: str, scope: Scope) -> Iterator[dict[str, Any]]:
@@ -203,7 +222,7 @@ def source_listing(inputs: dict[str, Any]) -> dict[str, str]:
     return {"source listing": listed.listing_fingerprint}
 
 
-@stage("ingest", settings=("image_extensions", "start_date", "end_date", "max_file_bytes", "staging_uri"), facts=source_listing, code=("tasks.rules.listing", "tasks.rules.schemas"))
+@stage("ingest", settings=("image_extensions", "start_date", "end_date", "max_file_bytes", "manifest_roots", "staging_uri"), facts=source_listing, code=("tasks.rules.listing", "tasks.rules.schemas"))
 def ingest(source: str, settings: Settings) -> Listed:
     """Prefect stage: list the source (what changed since the table is resize's to find, at its image size)."""
     uri, scope = source_uri(source), scope_of(settings)

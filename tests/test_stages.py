@@ -95,13 +95,38 @@ def test_date_partitions_limit_a_run_and_rerunning_a_date_replaces_exactly_it(la
 
 
 def test_a_manifest_csv_lists_files_labels_and_dates(lake: Lake, digits_dir: Path, tmp_path: Path) -> None:
-    files = sorted((digits_dir / "7").glob("*.png"))[:3] + sorted((digits_dir / "8").glob("*.png"))[:3]
-    lines = ["path,label,date"] + [f"{f},{f.parent.name},2024-02-0{i % 2 + 1}" for i, f in enumerate(files)]
+    copy_digits(digits_dir, tmp_path / "files", labels=("7", "8"), per_label=3)
+    files = sorted((tmp_path / "files").rglob("*.png"))
+    # Paths relative to the manifest, absolute ones and file:// URIs, all under the manifest's folder.
+    spelled = [(f.relative_to(tmp_path), f, f"file://{f}")[i % 3] for i, f in enumerate(files)]
+    lines = ["path,label,date"] + [f"{s},{f.parent.name},2024-02-0{i % 2 + 1}" for i, (s, f) in enumerate(zip(spelled, files))]
     (tmp_path / "list.csv").write_text("\n".join(lines) + "\n")
     lake.run(tmp_path / "list.csv")
     data = lake.read(lake.table, ["label", "date"])
     assert sorted(data["label"]) == ["7", "7", "7", "8", "8", "8"]
     assert set(data["date"]) == {date(2024, 2, 1), date(2024, 2, 2)}
+
+
+@pytest.mark.parametrize("spelling", ["absolute", "dotdot", "url"])
+def test_a_manifest_row_outside_its_folder_is_refused_naming_the_line(lake: Lake, digits_dir: Path, tmp_path: Path, spelling: str) -> None:
+    from tasks.ingest import list_source
+    from tasks.rules.listing import Scope, SourceError
+
+    inside, outside = tmp_path / "landing", tmp_path / "elsewhere"
+    copy_digits(digits_dir, inside, labels=("1",), per_label=2)
+    copy_digits(digits_dir, outside, labels=("2",), per_label=1)
+    stray = next((outside / "2").glob("*.png"))
+    named = {"absolute": str(stray), "dotdot": f"../elsewhere/2/{stray.name}", "url": f"file://{stray}"}[spelling]
+    ok = sorted((inside / "1").glob("*.png"))
+    (inside / "list.csv").write_text(f"path,label\n1/{ok[0].name},1\n{named},2\n1/{ok[1].name},1\n")
+    with pytest.raises(SourceError, match=r"list.csv line 3: .* is outside the manifest's folder .*landing; .*manifest_roots"):
+        list_source(f"file://{inside / 'list.csv'}", Scope((".png",)))
+    with pytest.raises(SourceError, match="line 3"):  # a run stops before it reads anything
+        lake.run(inside / "list.csv")
+    assert not Path(lake.table).exists()
+    # A folder named in manifest_roots may be pointed at.
+    listed = list_source(f"file://{inside / 'list.csv'}", Scope((".png",), manifest_roots=(str(outside),)))
+    assert [Path(e["path"]).name for e in listed] == [ok[0].name, stray.name, ok[1].name]
 
 
 def test_bad_files_are_quarantined_by_reason_and_odd_names_still_land(lake: Lake, digits_dir: Path, tmp_path: Path) -> None:

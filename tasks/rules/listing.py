@@ -24,12 +24,13 @@ class SourceError(ValueError):
 
 @dataclass(frozen=True)
 class Scope:
-    """Which files a run looks at: the extensions, an optional date range, the size limit."""
+    """Which files a run looks at: the extensions, an optional date range, the size limit, where a manifest may point."""
 
     extensions: tuple[str, ...]
     start: date | None = None
     end: date | None = None
     max_file_bytes: int | None = None
+    manifest_roots: tuple[str, ...] = ()  # beside a manifest's own folder, where its rows may point
 
     def in_range(self, day: date | None) -> bool:
         if self.start is None and self.end is None:
@@ -38,7 +39,9 @@ class Scope:
 
 
 def scope_of(settings: Settings) -> Scope:
-    return Scope(tuple(e.lower() for e in settings.image_extensions), settings.start_date, settings.end_date, settings.max_file_bytes)
+    return Scope(
+        tuple(e.lower() for e in settings.image_extensions), settings.start_date, settings.end_date, settings.max_file_bytes, tuple(settings.manifest_roots)
+    )
 
 
 # Where a store gives one, the token that changes whenever an object's content is written, in order of preference:
