@@ -29,6 +29,7 @@ from infra.compat import collect_arrow
 from infra.settings import Settings
 from infra.spark import spark_session
 from tasks.ingest import modified_seconds
+from tasks.progress import stage_logger
 from tasks.rules.splits import SPLITS, split_of
 from tasks.results import CachedSplits, SplitPlan
 from tasks.stage import stage
@@ -103,6 +104,17 @@ class CacheLine:
         found = self.fs.find(f"{self.root}/{folder}")
         return sorted(p[len(self.root) + 1 :] for p in found if p.endswith(".parquet") and not p.rsplit("/", 1)[-1].startswith(("_", ".")))
 
+    def problem(self, version: int) -> str | None:
+        """What is wrong with a cached version's files (one gone, or fewer or more rows than its manifest records); None if nothing."""
+        for split, manifest in self.read(version).items():
+            for name in manifest["files"]:
+                if not self.fs.exists(f"{self.root}/{name}"):
+                    return f"{self.fs.unstrip_protocol(f'{self.root}/{name}')} of its {split} split is gone"
+            rows = self.rows_in(manifest["files"])
+            if rows != manifest["rows"]:
+                return f"its {split} split holds {rows} rows where its manifest records {manifest['rows']}"
+        return None
+
     def rows_in(self, files: list[str]) -> int:
         total = 0
         for name in files:
@@ -130,8 +142,14 @@ def cache_splits(spark: SparkSession, plan: SplitPlan, image_size: int, cache_ro
     line = CacheLine(f"{cache_root.rstrip('/')}/{key}")
     versions = line.versions()
     if plan.version in versions:
-        return line.cached(plan.version, reused=True)
+        problem = line.problem(plan.version)
+        if problem is None:
+            return line.cached(plan.version, reused=True)
+        stage_logger().warning(f"cache: v{plan.version} is cached, but {problem}: written again")
+        versions.remove(plan.version)
     base = nearest(versions, plan.version)
+    if base is not None and line.problem(base) is not None:
+        base = None  # a damaged version is not grown from
     grown = grow(spark, line, base, plan, image_size, seed) if base is not None else None
     if grown is None:  # nothing cached to grow from, or the grown files do not hold the plan's rows
         generation = 1 + max((line.read(v)["test"]["generation"] for v in versions), default=-1)
@@ -362,7 +380,19 @@ def clean_cache(cache_root: str, keep_versions: dict[str, list[int]], retention_
     return removed
 
 
-@stage("cache", settings=("image_size", "cache_uri", "seed"), code=("tasks.table",))
+def cached_files(cached: CachedSplits) -> list[str]:
+    """What a cache result names: each split's manifest and the files it lists (the first missing manifest ends the list)."""
+    uris = []
+    for uri in cached.splits.values():
+        fs, path = fsspec.core.url_to_fs(uri)
+        if not fs.exists(path):
+            return [*uris, uri]
+        folder = uri.rsplit("/", 1)[0]
+        uris += [uri, *(f"{folder}/{name}" for name in json.loads(fs.cat_file(path))["files"])]
+    return uris
+
+
+@stage("cache", settings=("image_size", "cache_uri", "seed"), code=("tasks.table",), needs=cached_files)
 def cache(plan: SplitPlan, settings: Settings) -> CachedSplits:
     """Prefect stage: materialise (or reuse, or grow) the Petastorm cache of every split."""
     return cache_splits(spark_session(settings), plan, settings.image_size, settings.cache_uri, settings.seed)

@@ -222,7 +222,8 @@ def source_listing(inputs: dict[str, Any]) -> dict[str, str]:
     return {"source listing": listed.listing_fingerprint}
 
 
-@stage("ingest", settings=("image_extensions", "start_date", "end_date", "max_file_bytes", "manifest_roots", "staging_uri"), facts=source_listing, code=("tasks.rules.listing", "tasks.rules.schemas"))
+@stage("ingest", settings=("image_extensions", "start_date", "end_date", "max_file_bytes", "manifest_roots", "staging_uri"), facts=source_listing, code=("tasks.rules.listing", "tasks.rules.schemas"),
+       needs=lambda listed: [listed.manifest_uri])
 def ingest(source: str, settings: Settings) -> Listed:
     """Prefect stage: list the source (what changed since the table is resize's to find, at its image size)."""
     uri, scope = source_uri(source), scope_of(settings)

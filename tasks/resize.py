@@ -119,6 +119,11 @@ def tables_now(inputs: dict[str, Any]) -> dict[str, str]:
     return {"table version": str(Table(settings.table_uri).version()), "table version (quarantine)": str(Table(settings.quarantine_uri).version())}
 
 
+def staged_for_write(resized: Resized) -> list[str]:
+    """What a resize result names that its write reads: the staging folder of its bookkeeping rows, when it staged any."""
+    return [resized.staging_uri] if resized.decoded or resized.known or resized.retired or resized.bad else []
+
+
 @stage(
     "resize",
     # max_bad_fraction too: a write that refused too many bad files took back the files this stage wrote.
@@ -127,6 +132,7 @@ def tables_now(inputs: dict[str, Any]) -> dict[str, str]:
         "table_uri", "quarantine_uri", "staging_uri",
     ),
     facts=tables_now,
+    needs=staged_for_write,
     code=("tasks.changes", "tasks.table", "tasks.resize_executor", "tasks.rules.listing", "tasks.rules.images", "tasks.rules.schemas", "tasks.rules.partitions"),
 )
 def resize(listed: Listed, settings: Settings) -> Resized:

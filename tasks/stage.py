@@ -69,7 +69,7 @@ def explain(previous: dict[str, Any] | None, key: str, parts: dict[str, str], re
     changed = []
     for name in sorted(set(parts) | set(old)):
         if parts.get(name) != old.get(name):
-            detail = f" {old.get(name)} -> {parts.get(name)}" if name.startswith(("setting", "table", "warm start")) else ""
+            detail = f" {old.get(name)} -> {parts.get(name)}" if name.startswith(("setting", "table", "warm start", "cached result")) else ""
             changed.append(f"{name} changed{detail}")
     return "; ".join(changed)
 
@@ -82,6 +82,7 @@ class StageKey(CachePolicy):
     settings_fields: tuple[str, ...] = ()
     facts: Callable[[dict[str, Any]], dict[str, str]] | None = field(default=None, repr=False)
     code: tuple[str, ...] = ()  # modules besides the task's own whose code the stage runs
+    needs: Callable[[Any], list[str]] | None = field(default=None, repr=False)  # files a result of the stage names
 
     def compute_key(self, task_ctx: Any, inputs: dict[str, Any], flow_parameters: dict[str, Any], **kwargs: Any) -> str | None:
         if not task_ctx:
@@ -90,10 +91,31 @@ class StageKey(CachePolicy):
         if self.facts is not None:
             parts.update(self.facts(inputs))
         key = f"{self.stage}-{hash_objects(parts, raise_on_failure=True)}"
+        gone = gone_from(getattr(task_ctx, "result_store", None), key, self.needs)
+        if gone is not None:
+            # A cached result whose files are gone is no result: another key makes it a miss, and the report says why.
+            parts["cached result"] = f"needs {gone}, which is gone"
+            key = f"{self.stage}-{hash_objects(parts, raise_on_failure=True)}"
         settings = inputs.get("settings")
         if settings is not None:
             note_key(settings.results_uri, self.stage, key, parts, str(task_ctx.task_run.flow_run_id), bool(PREFECT_TASKS_REFRESH_CACHE.value()))
         return key
+
+
+def gone_from(store: Any, key: str, needs: Callable[[Any], list[str]] | None) -> str | None:
+    """The first file or folder that the result cached under KEY names (NEEDS says which) and that is gone; None if
+    there is no such result or nothing it names is gone (a cleaned disk, a moved workspace, a vacuum)."""
+    if needs is None or store is None or not store.exists(key):
+        return None
+    try:
+        result = store.read(key).result
+    except Exception:  # noqa: BLE001 - a record that cannot be read: Prefect's own lookup decides what it is
+        return None
+    for uri in needs(result):
+        fs, path = fsspec.core.url_to_fs(uri)
+        if not fs.exists(path):
+            return uri
+    return None
 
 
 def note_key(results_uri: str, stage: str, key: str, parts: dict[str, str], flow_run_id: str, refresh: bool) -> None:
@@ -191,6 +213,7 @@ def stage(
     settings: tuple[str, ...] = (),
     facts: Callable[[dict[str, Any]], dict[str, str]] | None = None,
     code: tuple[str, ...] = (),
+    needs: Callable[[Any], list[str]] | None = None,
     retries: int = 2,
     backoff: float = 2.0,
     cache_policy: CachePolicy | None = None,
@@ -198,7 +221,8 @@ def stage(
     """Declare a pipeline stage: a Prefect task that retries with jittered exponential backoff and caches its result.
 
     `settings` names the settings fields that change the stage's output; `facts` adds key parts read at call time;
-    `code` names other modules whose code the stage runs.
+    `code` names other modules whose code the stage runs; `needs` gives the files and folders a result of the stage names,
+    so that a cached result whose files are gone is a miss.
     """
     def declare(fn: F) -> F:
         return Stage(  # type: ignore[return-value]
@@ -208,7 +232,7 @@ def stage(
             retry_delay_seconds=exponential_backoff(backoff_factor=backoff),
             retry_jitter_factor=0.5,
             retry_condition_fn=retry_transient_only,
-            cache_policy=cache_policy or StageKey(stage=name, settings_fields=settings, facts=facts, code=code),
+            cache_policy=cache_policy or StageKey(stage=name, settings_fields=settings, facts=facts, code=code, needs=needs),
             persist_result=True,
             log_prints=True,
         )

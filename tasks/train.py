@@ -27,7 +27,7 @@ from infra.ray_runtime import connect_ray
 from infra.settings import Settings
 from infra.tracking import experiment_id, mlflow_client, run_url
 from tasks.cards import dataset_card_markdown, dataset_card_of, sample_grid
-from tasks.worker.loader import label_samples
+from tasks.worker.loader import check_split, label_samples
 from tasks.progress import Every, stage_logger
 from tasks.registry import champion_of, champion_state_dict
 from tasks.rules.training import TRAINING_SETTINGS, logged_params, scaled_learning_rate
@@ -241,6 +241,8 @@ def train_model(cached: CachedSplits, settings: Settings, fresh: str | None = No
 
     `on_start` gets the MLflow run id as soon as the run exists, before any worker starts.
     """
+    for split, uri in cached.splits.items():
+        check_split(uri, split, cached.counts[split])
     connect_ray(settings)
     client = mlflow_client(settings)
     warm = warm_start_of(client, settings, cached)
@@ -266,7 +268,10 @@ def train_model(cached: CachedSplits, settings: Settings, fresh: str | None = No
     return trained
 
 
-@stage("train", settings=TRAINING_SETTINGS, facts=warm_start_key, code=("tasks.rules.training", "tasks.rules.warm_start"), retries=1)
+@stage(
+    "train", settings=TRAINING_SETTINGS, facts=warm_start_key, code=("tasks.rules.training", "tasks.rules.warm_start"), retries=1,
+    needs=lambda trained: [trained.checkpoint_path],
+)
 def train(cached: CachedSplits, settings: Settings) -> Trained:
     """Prefect stage: distributed training on Ray, linked from the flow run to its MLflow run."""
     # A refresh trains from scratch: the flow run's id gives it a Ray run of its own (its retries resume that one).

@@ -370,3 +370,23 @@ def test_a_backfill_plan_is_counted_per_date_by_spark_and_sees_stale_dates(lake:
         ("2024-03-01", "stale", 11, 0, 1), ("2024-03-02", "stale", 13, 1, 0), ("2024-03-03", "missing", 4, 4, 0)
     ]
     assert plan_dates(table, planning, str(source), date(2024, 3, 2), date(2024, 3, 2)) == [plan[1]], "only the range's dates"
+
+
+def test_a_cached_split_missing_a_file_is_rebuilt_and_never_trained_on(lake: Lake, digits_dir: Path, tmp_path: Path, settings) -> None:
+    from tasks.worker.loader import check_split
+
+    source, root = tmp_path / "src", tmp_path / "cache"
+    copy_digits(digits_dir, source, per_label=10)
+    _, _, v0 = lake.run(source)
+    plan, first = cached_version(lake, v0, settings, root)
+    for split, uri in first.splits.items():
+        check_split(uri, split, first.counts[split])
+    lost = split_files(first.splits["train"])[1][0]
+    Path(lost.removeprefix("file://")).unlink()
+    with pytest.raises(FileNotFoundError, match=r"cached train split .* names .*, which is gone"):
+        check_split(first.splits["train"], "train", first.counts["train"])
+    # The cache stage does not hand out the damaged version: it writes it again, whole.
+    again = cache_splits(lake.spark, plan, 24, str(root))
+    assert not again.reused and split_keys(again) == {split: sorted(keys) for split, keys in by_split(lake, v0.version).items()}
+    for split, uri in again.splits.items():
+        check_split(uri, split, again.counts[split])

@@ -57,3 +57,38 @@ def test_a_permanent_failure_fails_after_one_attempt(prefect_api: str, tmp_path:
     with pytest.raises(type(ERRORS[error]), match=str(ERRORS[error]).split(" ")[0]):
         one_stage(str(log), error)
     assert attempts(log) == 1
+
+
+@stage("writes-a-file", needs=lambda written: [written])
+def writes_a_file(path: str, settings) -> str:
+    with Path(path).with_suffix(".calls").open("a") as out:
+        out.write("call\n")
+    Path(path).write_text("the stage's output")
+    return path
+
+
+@flow
+def file_flow(path: str, settings) -> dict:
+    from infra.prefect_env import stage_results
+    from prefect.context import FlowRunContext
+    from tasks.stage import stage_outcomes
+
+    with stage_results(settings):
+        writes_a_file(path, settings)
+    states, reasons = stage_outcomes(str(FlowRunContext.get().flow_run.id))
+    return {"state": states["writes-a-file"], "why": reasons["writes-a-file"]}
+
+
+def test_a_cached_result_whose_file_is_gone_is_a_miss_that_says_why(prefect_api: str, tmp_path: Path) -> None:
+    from infra.settings import load_settings
+
+    settings = load_settings(overrides={"workspace": str(tmp_path / "ws")})
+    output = tmp_path / "out.txt"
+    assert file_flow(str(output), settings)["state"] == "Completed"
+    assert file_flow(str(output), settings)["state"] == "Cached"
+    output.unlink()  # a cleaned disk, a moved workspace
+    again = file_flow(str(output), settings)
+    assert again["state"] == "Completed" and output.exists()
+    assert again["why"] == f"cached result changed None -> needs {output}, which is gone"
+    assert file_flow(str(output), settings)["state"] == "Cached", "the new result is the cache from then on"
+    assert len(output.with_suffix(".calls").read_text().splitlines()) == 2

@@ -103,6 +103,18 @@ def row_groups(url: str) -> tuple[tuple[int, int | None], ...]:
     return tuple(groups)
 
 
+def check_split(url: str, split: str, expected_rows: int) -> None:
+    """A cached split must hold the rows its plan counted: every file its manifest names is there, and their rows add
+    up. Training never runs on a partial split (a part file deleted by hand, a cleaned disk)."""
+    fs, files = split_files(url)
+    for path in files:
+        if not fs.exists(path):
+            raise FileNotFoundError(f"the cached {split} split {url} names {fs.unstrip_protocol(path)}, which is gone: run again (the cache stage rebuilds it)")
+    rows = sum(rows for rows, _ in row_groups(url))
+    if rows != expected_rows:
+        raise ValueError(f"the cached {split} split {url} holds {rows} rows where its table version has {expected_rows}: run again with refresh")
+
+
 def row_group_sizes(url: str) -> tuple[int, ...]:
     """Rows of each row group of a Parquet folder, in Petastorm's order."""
     return tuple(rows for rows, _ in row_groups(url))
