@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import secrets
 import shutil
 import socket
@@ -58,8 +59,8 @@ class Ports:
     @classmethod
     def free(cls) -> "Ports":
         """Ports nothing listens on now (tests run beside a developer's own cluster)."""
-        return cls(spark=free_port(), spark_ui=free_port(), spark_workers_ui=(free_port(), free_port()), ray=free_port(),
-                   mlflow=free_port(), prefect=free_port(), ray_client=free_port())
+        spark, spark_ui, worker_1, worker_2, ray, mlflow, prefect, ray_client = free_ports(8)
+        return cls(spark=spark, spark_ui=spark_ui, spark_workers_ui=(worker_1, worker_2), ray=ray, mlflow=mlflow, prefect=prefect, ray_client=ray_client)
 
 
 @dataclass
@@ -122,10 +123,27 @@ class Cluster:
         return read_env_file(self.env_file)
 
 
+def free_ports(count: int) -> list[int]:
+    """COUNT different loopback ports nothing listens on, below the kernel's range for ephemeral ports: the cluster's
+    parts start one after another, and a port from that range (what binding port 0 gives) can be taken meanwhile by any
+    process that binds one, Ray's many workers included."""
+    bounds = Path("/proc/sys/net/ipv4/ip_local_port_range")
+    low = int(bounds.read_text().split()[0]) if bounds.exists() else 32768
+    found: list[int] = []
+    for port in random.Random().sample(range(max(1024, low - 12000), low), 2000):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        found.append(port)
+        if len(found) == count:
+            return found
+    raise ClusterError(f"fewer than {count} free loopback ports between {max(1024, low - 12000)} and {low}")
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return free_ports(1)[0]
 
 
 def read_env_file(path: Path, only: tuple[str, ...] | None = None) -> dict[str, str]:
