@@ -9,7 +9,7 @@ from typing import Any
 
 from prefect.artifacts import create_table_artifact
 
-from flows.flow import imagelake_flow
+from flows.flow import imagelake_flow, run_overrides
 from flows.pipeline import train_and_promote
 from infra.prefect_env import stage_results
 from infra.settings import Settings, load_settings
@@ -36,7 +36,7 @@ def plan_dates(table: ImageTable, settings: Settings, source: str, start: date, 
 @imagelake_flow("imagelake-ingest-date")
 def ingest_date(source: str, day: str, config_file: str | None = None, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     """Ingest, resize and write one date partition (re-running it replaces exactly that date's rows)."""
-    settings = load_settings(config_file, {**(overrides or {}), "start_date": day, "end_date": day})
+    settings = load_settings(config_file, {**(run_overrides(overrides) or {}), "start_date": day, "end_date": day})
     with stage_results(settings):
         written = write(resize(ingest(source, settings), settings), settings)
     return {"date": day, "version": written.version, "rows_added": written.rows, "rows_retired": written.retired}
@@ -58,7 +58,7 @@ def backfill(
         raise ValueError(f"start_date {start_date} is after end_date {end_date}: swap them")
     if max_concurrency < 1:
         raise ValueError(f"max_concurrency must be at least 1, got {max_concurrency}")
-    settings = load_settings(config_file, overrides)
+    settings = load_settings(config_file, run_overrides(overrides))
     table = ImageTable.of(settings)
     plan = plan_dates(table, settings, source, start_date, end_date)
     if not plan:

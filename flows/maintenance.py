@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from flows.flow import imagelake_flow
+from flows.flow import imagelake_flow, run_overrides
 from infra.settings import load_settings
 from tasks.maintain import maintain_cache, maintain_images, maintain_quarantine
 
@@ -12,7 +12,7 @@ from tasks.maintain import maintain_cache, maintain_images, maintain_quarantine
 @imagelake_flow("imagelake-maintenance")
 def maintenance(config_file: str | None = None, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     """Compact small files and vacuum old ones, keeping the versions registered models were trained on; clean the cache likewise."""
-    settings = load_settings(config_file, overrides)
+    settings = load_settings(config_file, run_overrides(overrides))
     images = maintain_images(settings)
     quarantine = maintain_quarantine(settings)
     cache = maintain_cache(settings)

@@ -10,7 +10,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field, create_model
 
-from flows.flow import imagelake_flow
+from flows.flow import imagelake_flow, run_overrides
 from infra.delta import Table
 from infra.prefect_env import stage_results
 from infra.settings import Settings, load_settings
@@ -41,7 +41,7 @@ def train_and_promote(table: TableVersion, settings: Settings, resized: Resized 
 @imagelake_flow("imagelake-pipeline")
 def pipeline(source: str, config_file: str | None = None, overrides: dict[str, Any] | None = None, refresh: bool = False) -> dict[str, Any]:
     """Take a folder of labelled images to a registered, tested and (if better) promoted model; `refresh` recomputes every stage."""
-    settings = load_settings(config_file, overrides)
+    settings = load_settings(config_file, run_overrides(overrides))
     with stage_results(settings, refresh):
         listed = ingest(source, settings)
         resized = resize(listed, settings)
@@ -52,7 +52,7 @@ def pipeline(source: str, config_file: str | None = None, overrides: dict[str, A
 @imagelake_flow("imagelake-retrain")
 def retrain_flow(table_uri: str, table_version: int, config_file: str | None = None, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     """Train and promote again on one pinned Delta table version (what `imagelake retrain` runs)."""
-    settings = load_settings(config_file, overrides)
+    settings = load_settings(config_file, run_overrides(overrides))
     table = TableVersion(table_uri=table_uri, version=table_version, engine=Table.open(table_uri, settings).engine)
     with stage_results(settings):
         return train_and_promote(table, settings)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextvars
 import json
+import os
 import re
 import tomllib
 from datetime import date
@@ -92,6 +93,9 @@ class Settings(BaseSettings):
     max_file_bytes: int = Field(default=50 * 1024 * 1024, ge=1, description="Larger files are quarantined")
     max_image_pixels: int = Field(default=64_000_000, ge=1, description="Larger images are quarantined as decompression bombs")
     max_bad_fraction: float = Field(default=0.2, ge=0, le=1, description="A run with more bad files fails and writes nothing")
+    max_retire_fraction: float = Field(
+        default=0.5, ge=0, le=1, description="A run that would retire more of any date's rows fails and writes nothing"
+    )
     decode_in_driver_up_to: int = Field(
         default=1000, ge=0, description="A run with at most this many files to decode decodes them in the driver, without Spark's Python workers (0: always on the executors)"
     )
@@ -273,6 +277,24 @@ _SECRET_SOURCE = re.compile(r"(provider|file|path|type|class|endpoint|url|uri)$"
 def _names_a_secret(key: str) -> bool:
     """Whether a Spark property is a credential itself (fs.s3a.secret.key, fs.azure.account.key.*, ...)."""
     return bool(_SECRET_KEY.search(key)) and not _SECRET_SOURCE.search(key)
+
+
+# Settings that can run code (Spark's JVM and Python options, jars on its class path) or load pickles: a run started
+# from the UI or a deployment's parameters may not set them, unless the worker lists them in this variable.
+UNSAFE_FROM_RUNS = ("spark_conf", "spark_jars", "allow_pickle_models")
+ALLOW_FROM_RUNS_VARIABLE = "IMAGELAKE_ALLOW_FROM_RUNS"
+
+
+def refuse_unsafe(overrides: dict[str, Any] | None, where: str) -> dict[str, Any] | None:
+    """OVERRIDES, unless they set one of UNSAFE_FROM_RUNS that the worker's IMAGELAKE_ALLOW_FROM_RUNS does not allow."""
+    allowed = {name.strip() for name in os.environ.get(ALLOW_FROM_RUNS_VARIABLE, "").split(",") if name.strip()}
+    refused = sorted(name for name in (overrides or {}) if name in UNSAFE_FROM_RUNS and name not in allowed)
+    if refused:
+        raise SettingsError(
+            f"{', '.join(refused)} cannot be set from {where}: they can run code or load pickles. Set them in the worker's "
+            f"config file or IMAGELAKE_* environment, or allow them for runs with {ALLOW_FROM_RUNS_VARIABLE}={','.join(refused)} on the worker."
+        )
+    return overrides
 
 
 def load_settings(config_file: str | Path | None = None, overrides: dict[str, Any] | None = None) -> Settings:

@@ -86,11 +86,22 @@ def stamp_of(fs: Any, path: str, info: dict[str, Any]) -> str | None:
         return None
 
 
+class ListingIncomplete(OSError):
+    """A folder of the source could not be listed: a listing without it would retire its rows, so there is none.
+    An OSError, so the stage retries (a mount or a store may come back)."""
+
+
 def walk_files(fs: Any, folder: str) -> Iterator[tuple[str, dict[str, Any]]]:
     """Every file under FOLDER with the store's info on it, a folder at a time, in the order of their full paths
     (a folder sorts as its name and a slash, before which its files all fall): memory holds the folders on the way
     down, never the whole tree, and two listings of one tree can be diffed by a merge."""
-    entries = fs.ls(folder, detail=True)
+    try:
+        entries = fs.ls(folder, detail=True)
+    except OSError as exc:  # permissions, a lost mount, a store that timed out: never a listing with a folder missing
+        raise ListingIncomplete(
+            f"could not list {fs.unstrip_protocol(folder)} ({type(exc).__name__}: {exc}); the run stops before it reads, writes or "
+            "retires anything: make that folder readable and run again"
+        ) from exc
     for info in sorted(entries, key=lambda item: item["name"] + ("/" if item["type"] == "directory" else "")):
         if info["type"] == "directory":
             yield from walk_files(fs, info["name"])

@@ -21,7 +21,7 @@ from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
 
 from infra.delta import Table
-from infra.settings import Settings
+from infra.settings import UNSAFE_FROM_RUNS, Settings
 from tasks.rules.schemas import HISTORY_SCHEMA
 from tasks.rules.training import PARAM_SETTINGS
 from tasks.predict import evaluate
@@ -256,7 +256,8 @@ def retrain_overrides(found: dict[str, str]) -> dict:
     params = json.loads(found.get("training_params") or "{}")
     overrides = {setting: _value(params[param]) for param, setting in PARAM_SETTINGS.items() if param in params}
     overrides.update(json.loads(found.get("split_settings") or "{}"))
-    return overrides
+    # What a model version recorded never turns on a setting that can run code or load pickles.
+    return {name: value for name, value in overrides.items() if name not in UNSAFE_FROM_RUNS}
 
 
 def resolve(client: MlflowClient, reference: str) -> tuple[str, str]:

@@ -126,9 +126,9 @@ def staged_for_write(resized: Resized) -> list[str]:
 
 @stage(
     "resize",
-    # max_bad_fraction too: a write that refused too many bad files took back the files this stage wrote.
+    # max_bad_fraction and max_retire_fraction too: a write that refused took back the files this stage wrote.
     settings=(
-        "image_size", "resize_mode", "max_file_bytes", "max_image_pixels", "max_bad_fraction", "retire_deleted", "start_date", "end_date",
+        "image_size", "resize_mode", "max_file_bytes", "max_image_pixels", "max_bad_fraction", "max_retire_fraction", "retire_deleted", "start_date", "end_date",
         "table_uri", "quarantine_uri", "staging_uri",
     ),
     facts=tables_now,

@@ -102,6 +102,15 @@ class ImageTable:
             parts.append(data.filter(pc.and_(pc.equal(data["image_size"], self.image_size), hit)).select(columns))
         return pa.concat_tables(parts)
 
+    def rows_by_date(self, version: int, dates: list) -> dict:
+        """This size's rows at VERSION of each of these dates (None: rows without a date), counted by Spark."""
+        wanted = [d for d in dates if d is not None]
+        where = F.col("date").isin(wanted) if wanted else F.lit(False)
+        if None in dates:
+            where = where | F.col("date").isNull()
+        counted = self.images.frame(version).where(self.this_size() & where).groupBy("date").count().collect()
+        return {row["date"]: row["count"] for row in counted}
+
     def rows_between(self, base: int, version: int, columns: list[str], max_bytes: int | None = None) -> tuple[pa.Table, pa.Table] | None:
         """COLUMNS (with `data_file`, the file's URI) of this size's rows in the data files VERSION has and BASE lacks,
         and in those BASE has and VERSION lacks: what changed between two versions, from the Delta log's file lists,

@@ -9,6 +9,7 @@ commit no reader sees the files, after it the rows are there and are skipped.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
@@ -23,7 +24,7 @@ from infra.delta import Table
 from infra.settings import Settings
 from tasks.rules.schemas import IMAGE_TABLE_SCHEMA, STAGED_ARROW_SCHEMA
 from tasks.results import Resized, Written
-from tasks.rules.bad_files import TooManyBadFiles, check_bad_fraction
+from tasks.rules.bad_files import TooManyBadFiles, TooManyRetired, check_bad_fraction, check_retire_fraction
 from tasks.stage import stage
 from tasks.changes import mark_in_sync
 from tasks.table import ImageTable, matching
@@ -115,7 +116,7 @@ def quarantine_rows(table: ImageTable, resized: Resized) -> pa.Table:
     return bad
 
 
-def write_images(table: ImageTable, resized: Resized, max_bad_fraction: float) -> Written:
+def write_images(table: ImageTable, resized: Resized, max_bad_fraction: float, max_retire_fraction: float = 1.0) -> Written:
     """Check the bad share, then land the images and append the quarantine; return the images table's version.
 
     A run that only adds rows commits the data files its executors wrote, as they are. A run
@@ -133,6 +134,11 @@ def write_images(table: ImageTable, resized: Resized, max_bad_fraction: float) -
         discard_run_files(resized)
         raise
     changes = plan_changes(table, resized)
+    try:
+        check_retired_share(table, changes, max_retire_fraction)
+    except TooManyRetired:
+        discard_run_files(resized)
+        raise
     if changes.empty and not table.images.exists():
         raise TooManyBadFiles(f"no image could be written to {table_uri}: no file of this run is a usable image ({resized.quarantined})")
     bad = quarantine_rows(table, resized)
@@ -156,6 +162,16 @@ def write_images(table: ImageTable, resized: Resized, max_bad_fraction: float) -
         remove_uncommitted(table_uri, changes.files)
     mark_if_in_step(table, resized, before, (next_version(changes.read_version, True), expected[1]))
     return Written(table_uri=table_uri, version=version, engine=engine, rows=added, retired=removed, quarantined=bad.num_rows)
+
+
+def check_retired_share(table: ImageTable, changes: Changes, max_retire_fraction: float) -> None:
+    """Refuse a write that would retire more than MAX_RETIRE_FRACTION of any date's rows (a folder that could not be
+    seen looks like files deleted); only the dates that lose rows are counted, by Spark."""
+    if not changes.deletes or max_retire_fraction >= 1:
+        return
+    gone = table.rows_matching({"path": pa.array(changes.deletes, pa.string())}, ["path", "date"], changes.read_version)
+    retired = Counter(gone.column("date").to_pylist())
+    check_retire_fraction(retired, table.rows_by_date(changes.read_version, list(retired)), max_retire_fraction)
 
 
 def next_version(version: int | None, committed: bool) -> int | None:
@@ -223,7 +239,7 @@ def discard_run_files(resized: Resized) -> None:
         fs.rmdir(folder)
 
 
-@stage("write", settings=("table_uri", "quarantine_uri", "max_bad_fraction", "delta_writer"), code=("tasks.rules.schemas", "tasks.rules.bad_files", "tasks.table"))
+@stage("write", settings=("table_uri", "quarantine_uri", "max_bad_fraction", "max_retire_fraction", "delta_writer"), code=("tasks.rules.schemas", "tasks.rules.bad_files", "tasks.table"))
 def write(resized: Resized, settings: Settings) -> Written:
     """Prefect stage: merge into the Delta table with the engine that can run here."""
-    return write_images(ImageTable.of(settings), resized, settings.max_bad_fraction)
+    return write_images(ImageTable.of(settings), resized, settings.max_bad_fraction, settings.max_retire_fraction)

@@ -28,12 +28,15 @@ class Lake:
         self.table, self.quarantine = f"{self.root}/tables/images", f"{self.root}/tables/quarantine"
         self.runs = 0
 
-    def run(self, source: Path | str, scope: Scope = SCOPE, rules: DecodeRules = RULES, retire: bool = False, max_bad: float = 0.5, in_driver_up_to: int = 0):
+    def run(
+        self, source: Path | str, scope: Scope = SCOPE, rules: DecodeRules = RULES, retire: bool = False, max_bad: float = 0.5, in_driver_up_to: int = 0,
+        max_retire: float = 1.0,
+    ):
         self.runs += 1
         table = ImageTable.at(self.spark, self.table, rules.size, self.engine, self.quarantine)
         ingested = ingest_listing(table, source_uri(str(source)), scope, retire, f"{self.root}/staging")
         resized = resize_images(table, ingested, rules, f"{self.root}/staging/resized-{self.runs}", in_driver_up_to=in_driver_up_to)
-        written = write_images(table, resized, max_bad)
+        written = write_images(table, resized, max_bad, max_retire)
         return ingested, resized, written
 
     def read(self, table: str, columns: list[str], version: int | None = None) -> dict[str, list]:

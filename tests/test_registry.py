@@ -182,3 +182,12 @@ def test_a_pickled_model_is_refused_and_its_payload_never_runs(registry, tmp_pat
         load_registered_model(client, NAME, str(version))
     assert not marker.exists(), "the crafted pickle was never loaded"
     assert pickle.loads((folder / "data" / "model.pth").read_bytes()) is None and marker.exists(), "the payload is real"
+
+
+def test_a_model_versions_recorded_settings_never_turn_on_what_runs_code_or_loads_pickles() -> None:
+    import json
+
+    from tasks.registry import retrain_overrides
+
+    found = {"delta_version": "3", "training_params": json.dumps({}), "split_settings": json.dumps({"val_fraction": 0.2, "allow_pickle_models": True, "spark_conf": {"a": "b"}})}
+    assert retrain_overrides(found) == {"val_fraction": 0.2}

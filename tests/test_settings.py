@@ -78,3 +78,14 @@ def test_cli_overrides_parse_json_values_and_reject_malformed_pairs() -> None:
     }
     with pytest.raises(SettingsError, match="NAME=VALUE"):
         parse_overrides(["max_epochs"])
+
+
+def test_settings_that_run_code_are_refused_from_runs_unless_the_worker_allows_them(monkeypatch) -> None:
+    from infra.settings import SettingsError, refuse_unsafe
+
+    monkeypatch.delenv("IMAGELAKE_ALLOW_FROM_RUNS", raising=False)
+    assert refuse_unsafe({"max_epochs": 2}, "a run") == {"max_epochs": 2}
+    with pytest.raises(SettingsError, match=r"allow_pickle_models, spark_jars cannot be set from a run: .*IMAGELAKE_ALLOW_FROM_RUNS=allow_pickle_models,spark_jars"):
+        refuse_unsafe({"spark_jars": ["/tmp/x.jar"], "allow_pickle_models": True, "max_epochs": 2}, "a run")
+    monkeypatch.setenv("IMAGELAKE_ALLOW_FROM_RUNS", "spark_jars, allow_pickle_models")
+    assert refuse_unsafe({"spark_jars": ["/tmp/x.jar"], "allow_pickle_models": True}, "a run")

@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from infra.delta import read_version
+from infra.delta import Table, read_version
 from tasks.cache import cache_splits
 from tasks.changes import ingest_listing
 from tasks.ingest import source_uri
@@ -271,3 +271,49 @@ def test_executors_report_their_progress_while_they_decode(spark, lake: Lake, di
     ingested = ingest_listing(table, source_uri(str(tmp_path / "src")), SCOPE, False, str(tmp_path / "staging"))
     resized = resize_images(table, ingested, RULES, str(tmp_path / "rs"), progress_seconds=0.0)
     assert resized.decoded == 20 and files_done(str(tmp_path / "rs")) == 20
+
+
+def test_a_folder_that_cannot_be_listed_stops_the_run_and_retires_nothing(lake: Lake, digits_dir: Path, tmp_path: Path) -> None:
+    import fsspec
+    from fsspec.implementations.local import LocalFileSystem
+
+    from tasks.ingest import ListingIncomplete, list_source
+    from tasks.rules.listing import Scope
+
+    class LostMount(LocalFileSystem):
+        """The local file system, but one folder cannot be listed (a lost mount, its permissions changed)."""
+
+        protocol = ("lostmount",)
+        root_marker = "/"
+
+        def ls(self, path, detail=False, **kwargs):
+            if str(path).rstrip("/").endswith("/2"):
+                raise PermissionError(13, "Permission denied", str(path))
+            return super().ls(path, detail=detail, **kwargs)
+
+    fsspec.register_implementation("lostmount", LostMount, clobber=True)
+    source = tmp_path / "src"
+    copy_digits(digits_dir, source / "date=2024-03-01", labels=("1", "2"), per_label=4)
+    with pytest.raises(ListingIncomplete, match=r"could not list lostmount://.*date=2024-03-01/2 \(PermissionError.*retires anything"):
+        list(list_source(f"lostmount://{source}", Scope((".png",))))
+    assert isinstance(ListingIncomplete("x"), OSError), "the stage retries it: a mount may come back"
+
+
+def test_a_run_that_would_retire_most_of_a_dates_rows_is_refused(lake: Lake, digits_dir: Path, tmp_path: Path) -> None:
+    from tasks.rules.bad_files import TooManyRetired
+    from tasks.rules.listing import Scope
+
+    source = tmp_path / "src"
+    copy_digits(digits_dir, source / "date=2024-03-01", labels=("1", "2"), per_label=5)
+    copy_digits(digits_dir, source / "date=2024-03-02", labels=("1", "2"), per_label=5, skip=5)
+    day = Scope((".png",), start=date(2024, 3, 1), end=date(2024, 3, 1))
+    lake.run(source)
+    before = Table(lake.table).version()
+    shutil.rmtree(source / "date=2024-03-01" / "2")  # 5 of the date's 10 rows: allowed at 0.5
+    for png in sorted((source / "date=2024-03-01" / "1").glob("*.png"))[:2]:
+        png.unlink()  # and 2 more: 7 of 10
+    with pytest.raises(TooManyRetired, match=r"retire 7 of 10 rows of 2024-03-01 .* over max_retire_fraction=0.5; nothing was written"):
+        lake.run(source, scope=day, max_retire=0.5)
+    assert Table(lake.table).version() == before and len(lake.rows()) == 20
+    _, _, written = lake.run(source, scope=day, max_retire=1.0)  # they are really gone: the setting lets it through
+    assert written.retired == 7 and len(lake.rows()) == 13
