@@ -290,8 +290,13 @@ def _commit_row(version: int, info: dict) -> dict:
         "version": version,
         "timestamp": None if stamp is None else datetime.fromtimestamp(stamp / 1000, timezone.utc),
         "operation": info.get("operation"),
-        "write_id": info.get(WRITE_ID_KEY) or info.get("userMetadata"),
+        "write_id": _write_id(info),
     }
+
+
+def _write_id(info: dict) -> str | None:
+    """The id this project gives a commit: delta-rs' commits carry it as custom metadata, Spark's as userMetadata."""
+    return info.get(WRITE_ID_KEY) or info.get("userMetadata")
 
 
 def _data_files(table_uri: str) -> set[str]:
@@ -301,9 +306,9 @@ def _data_files(table_uri: str) -> set[str]:
 
 def _version_of_write(table_uri: str, write_id: str) -> int:
     # Another writer may have committed since ours: find our commit by its id, not by "latest". Our commit is
-    # recent, so the newest-first walk stops early. delta-rs' commits carry the id as custom metadata, Spark's as userMetadata.
+    # recent, so the newest-first walk stops early.
     for version, info in delta_log_commits(table_uri):
-        if _commit_row(version, info)["write_id"] == write_id:
+        if _write_id(info) == write_id:
             return version
     raise RuntimeError(f"the commit of write {write_id} is missing from the history of {table_uri}")
 

@@ -30,10 +30,10 @@ from infra.settings import Settings
 from infra.spark import spark_session
 from tasks.ingest import modified_seconds
 from tasks.progress import stage_logger
-from tasks.rules.splits import SPLITS, split_of
+from tasks.rules.splits import SPLITS
 from tasks.results import CachedSplits, SplitPlan
 from tasks.stage import stage
-from tasks.table import DRIVER_BYTES, ImageTable
+from tasks.table import DRIVER_BYTES, ImageTable, splits_of
 
 # The cache's layout: manifests over generations of files, rows in a seeded order with a `position` column.
 LAYOUT = 3
@@ -105,14 +105,14 @@ class CacheLine:
         return sorted(p[len(self.root) + 1 :] for p in found if p.endswith(".parquet") and not p.rsplit("/", 1)[-1].startswith(("_", ".")))
 
     def problem(self, version: int) -> str | None:
-        """What is wrong with a cached version's files (one gone, or fewer or more rows than its manifest records); None if nothing."""
-        for split, manifest in self.read(version).items():
-            for name in manifest["files"]:
-                if not self.fs.exists(f"{self.root}/{name}"):
-                    return f"{self.fs.unstrip_protocol(f'{self.root}/{name}')} of its {split} split is gone"
-            rows = self.rows_in(manifest["files"])
-            if rows != manifest["rows"]:
-                return f"its {split} split holds {rows} rows where its manifest records {manifest['rows']}"
+        """What is wrong with a cached version's files (one gone, or other rows than its manifest records); None if nothing."""
+        from tasks.worker.loader import check_split  # the loader's own check (it imports Petastorm: only when asked)
+
+        try:
+            for split, manifest in self.read(version).items():
+                check_split(self.fs.unstrip_protocol(self.manifest(split, version)), split, manifest["rows"])
+        except (FileNotFoundError, ValueError) as exc:
+            return str(exc)
         return None
 
     def rows_in(self, files: list[str]) -> int:
@@ -204,11 +204,11 @@ def label_index(plan: SplitPlan, labels: pa.ChunkedArray | pa.Array) -> pa.Array
     return pc.fill_null(pc.index_in(labels, pa.array(plan.labels, pa.string())), -1).cast(pa.int64())
 
 
-def log_changes(table: ImageTable, line: CacheLine, manifests: dict[str, Any], base: int, plan: SplitPlan) -> tuple[pa.Table, list[str]] | None:
+def log_changes(table: ImageTable, line: CacheLine, manifests: dict[str, Any], base: int, plan: SplitPlan) -> pa.Table | None:
     """`row_changes` from the Delta log instead of a join (`ImageTable.rows_between`): keys of the rows in the data files
     the plan's version has and BASE lacks, less those in the files BASE has and it lacks, and the reverse (a rewritten
-    file's unchanged rows cancel out); no Spark job, no unchanged file read. Also the version's new data files.
-    None where that cannot be had (then the join runs)."""
+    file's unchanged rows cancel out); no Spark job, no unchanged file read. None where that cannot be had (then the
+    join runs)."""
     between = table.rows_between(base, plan.version, ["sha256", "label"], max_bytes=DRIVER_BYTES)
     if between is None:
         return None
@@ -216,12 +216,11 @@ def log_changes(table: ImageTable, line: CacheLine, manifests: dict[str, Any], b
     added_keys, removed_keys = row_key(added["sha256"], added["label"]), row_key(removed["sha256"], removed["label"])
     added = added.filter(pc.invert(pc.is_in(added_keys, removed_keys)))
     gone = removed.filter(pc.invert(pc.is_in(removed_keys, added_keys)))
-    split = pa.array([split_of(sha, plan.val_fraction, plan.test_fraction) for sha in added["sha256"].to_pylist()], pa.string())
-    added = added.append_column("split", split).append_column("file", pa.nulls(added.num_rows, pa.string()))
+    added = added.append_column("split", splits_of(added["sha256"], plan.val_fraction, plan.test_fraction)).append_column("file", pa.nulls(added.num_rows, pa.string()))
     lost = cache_files_holding(line, manifests, gone, plan)
     lost = lost.append_column("split", pa.nulls(lost.num_rows, pa.string())).append_column("data_file", pa.nulls(lost.num_rows, pa.string()))
     columns = ["sha256", "label", "split", "data_file", "file"]
-    return pa.concat_tables([added.select(columns), lost.select(columns)]), sorted(set(between[0]["data_file"].to_pylist()))
+    return pa.concat_tables([added.select(columns), lost.select(columns)])
 
 
 def cache_files_holding(line: CacheLine, manifests: dict[str, Any], rows: pa.Table, plan: SplitPlan) -> pa.Table:
@@ -229,8 +228,7 @@ def cache_files_holding(line: CacheLine, manifests: dict[str, Any], rows: pa.Tab
     the splits that lost rows are read)."""
     found = []
     wanted = row_key(rows["sha256"], rows["label"])
-    splits = {split_of(sha, plan.val_fraction, plan.test_fraction) for sha in rows["sha256"].to_pylist()}
-    for split in sorted(splits):
+    for split in sorted(set(splits_of(rows["sha256"], plan.val_fraction, plan.test_fraction).to_pylist())):
         for name in manifests[split]["files"]:
             with line.fs.open(f"{line.root}/{name}", "rb") as handle:
                 keys = pq.read_table(handle, columns=list(ROW_KEY))
@@ -239,16 +237,16 @@ def cache_files_holding(line: CacheLine, manifests: dict[str, Any], rows: pa.Tab
     return pa.concat_tables(found) if found else pa.table({"sha256": pa.array([], pa.string()), "label": pa.array([], pa.int64()), "file": pa.array([], pa.string())})
 
 
-def new_rows_arrow(table: ImageTable, plan: SplitPlan, files: list[str], added: pa.Table) -> pa.Table | None:
-    """The cache's columns (image, label index, sha256) and split of the ADDED rows, read by pyarrow from FILES."""
-    read = table.images.read_files_arrow(files, pa.schema([("image", pa.binary()), ("label", pa.string()), ("sha256", pa.string()), ("image_size", pa.int32())]))
+def new_rows_arrow(table: ImageTable, plan: SplitPlan, added: pa.Table) -> pa.Table | None:
+    """The cache's columns (image, label index, sha256) and split of the ADDED rows, read by pyarrow from the data files
+    that hold them (their `data_file`)."""
+    read = table.images.read_files_arrow(pc.unique(added["data_file"]).to_pylist(), pa.schema([("image", pa.binary()), ("label", pa.string()), ("sha256", pa.string()), ("image_size", pa.int32())]))
     if read is None:
         return None
     read = read.filter(pc.equal(read["image_size"], table.image_size))
     rows = pa.table({"image": read["image"], "label": label_index(plan, read["label"]), "sha256": read["sha256"]})
     rows = rows.filter(pc.is_in(row_key(rows["sha256"], rows["label"]), row_key(added["sha256"], added["label"])))
-    split = pa.array([split_of(sha, plan.val_fraction, plan.test_fraction) for sha in rows["sha256"].to_pylist()], pa.string())
-    return rows.append_column("split", split)
+    return rows.append_column("split", splits_of(rows["sha256"], plan.val_fraction, plan.test_fraction))
 
 
 def write_split_arrow(rows: pa.Table, fs: Any, folder: str, partitions: int, seed: int, generation: int) -> None:
@@ -283,12 +281,14 @@ def grow(spark: SparkSession, line: CacheLine, base: int, plan: SplitPlan, image
     manifests = line.read(base)
     generation = 1 + max(m["generation"] for m in manifests.values())
     table = ImageTable.of_version(spark, plan, image_size)
-    logged = log_changes(table, line, manifests, base, plan)
-    changes = logged[0] if logged is not None else row_changes(spark, line, manifests, plan, image_size)
+    changes = log_changes(table, line, manifests, base, plan)
+    in_driver = changes is not None
+    if changes is None:
+        changes = row_changes(spark, line, manifests, plan, image_size)
     added, lost = changes.filter(pc.is_null(changes["file"])), changes.filter(pc.is_null(changes["split"]))
     fresh = None
-    if added.num_rows and logged is not None:
-        fresh = new_rows_arrow(table, plan, logged[1], added)
+    if added.num_rows and in_driver:
+        fresh = new_rows_arrow(table, plan, added)
     if added.num_rows and fresh is None:
         keys = spark.createDataFrame(added.select(list(ROW_KEY)).to_pandas())
         data_files = pc.unique(added["data_file"]).to_pylist()
@@ -326,9 +326,7 @@ def rewrite_without(line: CacheLine, split: str, generation: int, old_files: lis
             continue
         with line.fs.open(f"{line.root}/{name}", "rb") as handle:
             table = pq.read_table(handle)
-        gone = pc.binary_join_element_wise(here["sha256"], pc.cast(here["label"], pa.string()), "\x00")
-        mine = pc.binary_join_element_wise(table["sha256"], pc.cast(table["label"], pa.string()), "\x00")
-        kept = table.filter(pc.invert(pc.is_in(mine, gone)))
+        kept = table.filter(pc.invert(pc.is_in(row_key(table["sha256"], table["label"]), row_key(here["sha256"], here["label"]))))
         if kept.num_rows:
             target = f"{prefix}-{name.rsplit('/', 1)[-1]}"
             line.fs.makedirs(f"{line.root}/{target.rsplit('/', 1)[0]}", exist_ok=True)
@@ -382,13 +380,14 @@ def clean_cache(cache_root: str, keep_versions: dict[str, list[int]], retention_
 
 def cached_files(cached: CachedSplits) -> list[str]:
     """What a cache result names: each split's manifest and the files it lists (the first missing manifest ends the list)."""
+    from tasks.worker.loader import split_files  # it imports Petastorm: only when asked
+
     uris = []
     for uri in cached.splits.values():
         fs, path = fsspec.core.url_to_fs(uri)
         if not fs.exists(path):
             return [*uris, uri]
-        folder = uri.rsplit("/", 1)[0]
-        uris += [uri, *(f"{folder}/{name}" for name in json.loads(fs.cat_file(path))["files"])]
+        uris += [uri, *(fs.unstrip_protocol(name) for name in split_files(uri)[1])]
     return uris
 
 

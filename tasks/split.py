@@ -13,9 +13,9 @@ from infra.delta import Table
 from infra.settings import Settings
 from infra.spark import spark_session
 from tasks.results import SplitPlan, TableVersion
-from tasks.rules.splits import SPLITS, check_splits, split_of
+from tasks.rules.splits import SPLITS, check_splits
 from tasks.stage import stage
-from tasks.table import DRIVER_BYTES, ImageTable
+from tasks.table import DRIVER_BYTES, ImageTable, splits_of
 
 
 def plan_splits(spark: SparkSession, written: TableVersion, settings: Settings) -> SplitPlan:
@@ -82,8 +82,8 @@ class PlanRecords:
         if between is None:
             return None
         for side, sign in zip(between, (1, -1)):
-            for sha, label in zip(side["sha256"].to_pylist(), side["label"].to_pylist()):
-                by_label = counts.setdefault(split_of(sha, self.val_fraction, self.test_fraction), {})
+            for split, label in zip(splits_of(side["sha256"], self.val_fraction, self.test_fraction).to_pylist(), side["label"].to_pylist()):
+                by_label = counts.setdefault(split, {})
                 by_label[label] = by_label.get(label, 0) + sign
         if any(n < 0 for by_label in counts.values() for n in by_label.values()):
             return None  # not the record of this table's history (a table made anew at the same place): count again

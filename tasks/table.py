@@ -20,7 +20,7 @@ from infra.delta import Engine, Table
 from infra.settings import Settings
 from tasks.results import TableVersion
 from tasks.rules.schemas import IMAGE_TABLE_SCHEMA
-from tasks.rules.splits import BUCKETS
+from tasks.rules.splits import BUCKETS, split_of
 
 
 def split_column(val_fraction: float, test_fraction: float, sha_col: str = "sha256") -> Column:
@@ -31,6 +31,11 @@ def split_column(val_fraction: float, test_fraction: float, sha_col: str = "sha2
         .when(bucket < F.lit(test_fraction + val_fraction), "val")
         .otherwise("train")
     )
+
+
+def splits_of(sha256: pa.ChunkedArray | pa.Array, val_fraction: float, test_fraction: float) -> pa.Array:
+    """tasks.rules.splits.split_of of each content hash, as an Arrow column (for rows the driver reads itself)."""
+    return pa.array([split_of(sha, val_fraction, test_fraction) for sha in sha256.to_pylist()], pa.string())
 
 
 @dataclass(frozen=True)
@@ -88,7 +93,7 @@ class ImageTable:
         rows = self.images.row_count(version)
         if rows is None or rows > DRIVER_SCAN_ROWS:
             return None
-        wanted = {column: pc.unique(values.drop_null()) for column, values in keys.items() if len(values.drop_null())}
+        wanted = wanted_keys(keys)
         schema = pa.schema([IMAGE_TABLE_SCHEMA.field(name) for name in dict.fromkeys([*columns, *wanted, "image_size"])])
         parts = [schema.empty_table().select(columns)]
         for uri in self.images.files(version) if wanted else []:
@@ -162,6 +167,11 @@ DRIVER_SCAN_ROWS = 2_000_000
 INLINE_KEYS = 1000
 
 
+def wanted_keys(keys: dict[str, pa.Array]) -> dict[str, pa.Array]:
+    """Each key column's distinct non-null values (columns with none left out)."""
+    return {column: pc.unique(values.drop_null()) for column, values in keys.items() if len(values.drop_null())}
+
+
 def matching(table: Table, keys: dict[str, pa.Array], columns: list[str], where: Column | None = None, version: int | None = None) -> pa.Table:
     """COLUMNS of TABLE's rows (those WHERE selects) whose value in a column of KEYS is one of that column's values
     (each matching row once, as often as the table holds it)."""
@@ -169,7 +179,7 @@ def matching(table: Table, keys: dict[str, pa.Array], columns: list[str], where:
     frame = table.frame(version)
     if where is not None:
         frame = frame.where(where)
-    wanted = {column: pc.unique(values.drop_null()) for column, values in keys.items() if len(values.drop_null())}
+    wanted = wanted_keys(keys)
     if not wanted:
         return empty
     hit = None
