@@ -19,7 +19,7 @@ from tasks.resize import resize
 from tasks.results import TableVersion
 from tasks.rules.listing import Scope, date_plan
 from tasks.table import ImageTable
-from tasks.write import write
+from tasks.write import requeue_by_setting, write
 
 
 class BackfillFailed(RuntimeError):
@@ -60,6 +60,10 @@ def backfill(
         raise ValueError(f"max_concurrency must be at least 1, got {max_concurrency}")
     settings = load_settings(config_file, run_overrides(overrides))
     table = ImageTable.of(settings)
+    if settings.requeue_reasons and not dry_run:  # once, before the plan (which then finds their dates stale); never per date
+        with stage_results(settings):
+            requeue_by_setting(settings)
+        overrides = {**(overrides or {}), "requeue_reasons": []}
     plan = plan_dates(table, settings, source, start_date, end_date)
     if not plan:
         raise ValueError(f"no date=YYYY-MM-DD folders between {start_date} and {end_date} under {source}")

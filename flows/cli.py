@@ -114,7 +114,7 @@ def format_summary(summary: dict[str, Any]) -> str:
             f"  Delta table   {summary['delta_table']} v{summary['delta_version']} ({summary['rows']} images, "
             f"{summary['rows_added']} added, {summary['rows_retired']} retired, writer {summary['delta_engine']})",
             f"  files         {summary['files_decoded']} decoded, {summary['files_known']} already known, "
-            f"quarantined {summary['quarantined'] or 'none'}",
+            f"quarantined {summary['quarantined'] or 'none'}" + unread_line(summary),
             f"  splits        {summary['split_counts']}",
             f"  cache         {summary['cache_dir']}",
             f"  stages        from cache: {', '.join(summary.get('cache_hits') or []) or 'none'}{recomputed(summary.get('cache', []))}",
@@ -126,6 +126,13 @@ def format_summary(summary: dict[str, Any]) -> str:
             f"  ran on        {engines(summary)}",
         ]
     )
+
+
+def unread_line(summary: dict[str, Any]) -> str:
+    """Files no read could get (left out of this version, read again by the next run) and reads that were retried."""
+    unread, retries = summary.get("files_unread") or {}, summary.get("read_retries") or 0
+    text = f"; could not read {sum(unread.values())} ({', '.join(f'{k}: {v}' for k, v in sorted(unread.items()))}), the next run reads them" if unread else ""
+    return text + (f"; {retries} read(s) retried" if retries else "")
 
 
 def timings(seconds: dict[str, float]) -> str:
@@ -181,6 +188,35 @@ def maintain(config: Optional[Path] = ConfigOption, set_: Optional[list[str]] = 
 
     report = _start(settings, maintenance, config_file=_file(config), overrides=overrides or None)
     typer.echo(json.dumps(report, indent=2, default=str))
+
+@app.command()
+def requeue(
+    reason: Optional[list[str]] = typer.Option(None, "--reason", "-r", help="Only files quarantined for this reason (repeatable); default: every file."),
+    config: Optional[Path] = ConfigOption,
+    set_: Optional[list[str]] = SetOption,
+) -> None:
+    """Send quarantined files back through: the next run reads them again (a file still bad is quarantined again)."""
+    settings, _ = _settings_or_exit(config, set_)
+    from tasks.table import ImageTable
+    from tasks.write import requeue as requeue_files
+
+    table = ImageTable.of(settings)
+    held = table.quarantined_by_reason()
+    unknown = [name for name in reason or [] if name not in held]
+    if unknown:
+        _fail(ValueError(
+            f"--reason {', '.join(unknown)}: no file in the quarantine table {settings.quarantine_uri} has that reason; "
+            f"its reasons now: {', '.join(f'{name} ({n})' for name, n in held.items()) or 'none (it is empty)'}"
+        ))
+    requeued = requeue_files(table, reason or None)
+    if not requeued:
+        typer.echo(f"nothing to requeue: the quarantine table {settings.quarantine_uri} is empty")
+        return
+    typer.echo(
+        f"requeued {sum(requeued.values())} file(s) ({', '.join(f'{name}: {n}' for name, n in requeued.items())}); "
+        "the next run reads them again"
+    )
+
 
 @app.command()
 def doctor(config: Optional[Path] = ConfigOption, set_: Optional[list[str]] = SetOption) -> None:

@@ -22,7 +22,7 @@ from tasks.resize import resize
 from tasks.results import Resized, TableVersion
 from tasks.summary import summarize
 from tasks.train import train
-from tasks.write import write
+from tasks.write import requeue_by_setting, write
 
 
 def train_and_promote(table: TableVersion, settings: Settings, resized: Resized | None = None) -> dict[str, Any]:
@@ -43,6 +43,8 @@ def pipeline(source: str, config_file: str | None = None, overrides: dict[str, A
     """Take a folder of labelled images to a registered, tested and (if better) promoted model; `refresh` recomputes every stage."""
     settings = load_settings(config_file, run_overrides(overrides))
     with stage_results(settings, refresh):
+        if settings.requeue_reasons:
+            requeue_by_setting(settings)
         listed = ingest(source, settings)
         resized = resize(listed, settings)
         written = write(resized, settings)

@@ -320,11 +320,10 @@ def read_version(spark: SparkSession, table_uri: str, version: int, engine: Engi
     # Through the log: a plain Parquet read of the folder would also see files later commits removed.
     table = _rs(table_uri, version)
     files = table.file_uris()
-    if not files:
-        raise ValueError(f"Delta table {table_uri} has no data files at version {version}")
     # The version's schema, not one file's: files written before a column was added read it as null.
-    # (Delta's schema JSON is Spark's StructType JSON.)
-    return spark.read.schema(StructType.fromJson(json.loads(table.schema().to_json()))).parquet(*files)
+    # (Delta's schema JSON is Spark's StructType JSON.) A version whose rows were all deleted has no files, and no rows.
+    schema = StructType.fromJson(json.loads(table.schema().to_json()))
+    return spark.read.schema(schema).parquet(*files) if files else spark.createDataFrame([], schema)
 
 
 def read_files(spark: SparkSession, table_uri: str, version: int, files: list[str]) -> DataFrame:
@@ -377,6 +376,13 @@ def read_current(
         frame = frame.where(where)
     batches = collect_arrow(frame)  # Spark 3.5's only Arrow collect (private: see infra/compat.py)
     return pa.Table.from_batches(batches) if batches else pa.table({name: pa.array([], pa.string()) for name in columns})
+
+
+def sql_in(column: str, values: list[str]) -> str:
+    """A predicate for `Table.delete_where` and `update_where`: COLUMN is one of VALUES (quoted as SQL string literals)."""
+    if not values:
+        return "FALSE"
+    return f"{column} IN (" + ", ".join("'" + value.replace("'", "''") + "'" for value in values) + ")"
 
 
 def table_version(table_uri: str) -> int | None:
@@ -474,6 +480,15 @@ class Table:
     def append(self, rows: pa.Table | pa.RecordBatchReader) -> int:
         """Append rows in one commit (delta-rs, either engine: small tables, no JVM round trip); return its version."""
         return append_arrow(self.uri, rows)
+
+    def delete_where(self, predicate: str) -> int:
+        """Delete the rows PREDICATE (SQL; see `sql_in`) selects in one commit (delta-rs, either engine, like `append`:
+        small tables); return how many went."""
+        return int(_rs(self.uri).delete(predicate).get("num_deleted_rows") or 0)
+
+    def update_where(self, predicate: str, values: dict[str, object]) -> int:
+        """Set columns to VALUES in the rows PREDICATE selects, in one commit (delta-rs, as `delete_where`); return how many."""
+        return int(_rs(self.uri).update(new_values=values, predicate=predicate).get("num_updated_rows") or 0)
 
     def merge(self, changes: pa.Table) -> int:
         """Upsert and delete rows keyed on (path, image_size) (`_action` column) in one commit; return its version."""

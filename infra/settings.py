@@ -91,6 +91,12 @@ class Settings(BaseSettings):
         default_factory=list, description="Folders or URIs besides a manifest CSV's own folder whose files its rows may name"
     )
     max_file_bytes: int = Field(default=50 * 1024 * 1024, ge=1, description="Larger files are quarantined")
+    read_attempts: int = Field(
+        default=3, ge=1, description="Reads of a source file before it is left for the next run (a read error is never quarantined)"
+    )
+    requeue_reasons: list[str] = Field(
+        default_factory=list, description="Quarantine reasons whose files every run sends back through (as `imagelake requeue --reason` does once)"
+    )
     max_image_pixels: int = Field(default=64_000_000, ge=1, description="Larger images are quarantined as decompression bombs")
     max_bad_fraction: float = Field(default=0.2, ge=0, le=1, description="A run with more bad files fails and writes nothing")
     max_retire_fraction: float = Field(

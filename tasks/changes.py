@@ -187,11 +187,14 @@ def _known(frame: DataFrame, columns: list[str], with_sha: bool) -> DataFrame:
 
 def known_frame(table: ImageTable, version: int | None) -> DataFrame | None:
     """Each known path's size, mtime, stamp and (for the table's rows) content hash: the table's rows at this size,
-    then the quarantine's rows for other paths. None: neither table exists yet."""
+    then the quarantine's rows for other paths (but those requeued). None: neither table exists yet."""
     images = _known(table.images.frame(version).where(table.this_size()), table.images.columns(), True) if version is not None else None
     if table.quarantine is None or not table.quarantine.exists():
         return images
-    quarantined = _known(table.quarantine.frame(), table.quarantine.columns(), False)
+    quarantine, columns = table.quarantine.frame(), table.quarantine.columns()
+    if "requeued_at" in columns:  # a requeued file is not known: it is read again
+        quarantine = quarantine.where(F.col("requeued_at").isNull())
+    quarantined = _known(quarantine, columns, False)
     if images is None:
         return quarantined
     return images.unionByName(quarantined.join(images.select("path"), "path", "left_anti"))

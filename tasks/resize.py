@@ -17,8 +17,8 @@ from infra.delta import Table
 from infra.settings import Settings
 from tasks.changes import diff_against_table
 from tasks.progress import Every, rate_line, stage_logger
-from tasks.resize_executor import PROGRESS_FOLDER, PROGRESS_SECONDS, SUMMARY_SCHEMA, DecodeRules, process_partition
-from tasks.results import ListingDiff, Listed, Resized
+from tasks.resize_executor import PROGRESS_FOLDER, PROGRESS_SECONDS, READ_RETRIES, SUMMARY_SCHEMA, DecodeRules, process_partition
+from tasks.results import ListingDiff, Listed, Resized, left_unread
 from tasks.rules.listing import scope_of
 from tasks.rules.partitions import ROWS_PER_DECODE_TASK, balanced_partitions
 from tasks.rules.schemas import CHANGES_SCHEMA
@@ -62,6 +62,12 @@ def resize_images(
     by_status: dict[str, int] = {}
     for (status, _), (n, _) in counts.items():
         by_status[status] = by_status.get(status, 0) + n
+    if by_status.get("unread"):
+        example = next(example for (status, _), (_, example) in counts.items() if status == "unread")
+        stage_logger().warning(
+            f"resize: {by_status['unread']} file(s) could not be read after {rules.read_attempts} attempt(s) (e.g. {example}); "
+            "this version leaves them out and the next run reads them again"
+        )
     return Resized(
         staging_uri=staging_uri,
         table_uri=table_uri,
@@ -70,7 +76,9 @@ def resize_images(
         known=by_status.get("known", 0),
         retired=by_status.get("delete", 0),
         quarantined={reason: n for (status, reason), (n, _) in counts.items() if status == "quarantined"},
-        examples={reason: example for (status, reason), (_, example) in counts.items() if status == "quarantined"},
+        examples={reason: example for (status, reason), (_, example) in counts.items() if status in ("quarantined", "unread")},
+        unread={reason: n for (status, reason), (n, _) in counts.items() if status == "unread"},
+        read_retries=by_status.get(READ_RETRIES, 0),
         content_fingerprint=ingested.content_fingerprint,
         basis=ingested.basis,
         versions_seen=(ingested.table_version_seen, ingested.quarantine_version_seen),
@@ -121,25 +129,26 @@ def tables_now(inputs: dict[str, Any]) -> dict[str, str]:
 
 def staged_for_write(resized: Resized) -> list[str]:
     """What a resize result names that its write reads: the staging folder of its bookkeeping rows, when it staged any."""
-    return [resized.staging_uri] if resized.decoded or resized.known or resized.retired or resized.bad else []
+    return [resized.staging_uri] if resized.decoded or resized.known or resized.retired or resized.bad or resized.unread_files else []
 
 
 @stage(
     "resize",
     # max_bad_fraction and max_retire_fraction too: a write that refused took back the files this stage wrote.
     settings=(
-        "image_size", "resize_mode", "max_file_bytes", "max_image_pixels", "max_bad_fraction", "max_retire_fraction", "retire_deleted", "start_date", "end_date",
+        "image_size", "resize_mode", "max_file_bytes", "max_image_pixels", "read_attempts", "max_bad_fraction", "max_retire_fraction", "retire_deleted", "start_date", "end_date",
         "table_uri", "quarantine_uri", "staging_uri",
     ),
     facts=tables_now,
     needs=staged_for_write,
+    unfinished=left_unread,
     code=("tasks.changes", "tasks.table", "tasks.resize_executor", "tasks.rules.listing", "tasks.rules.images", "tasks.rules.schemas", "tasks.rules.partitions"),
 )
 def resize(listed: Listed, settings: Settings) -> Resized:
     """Prefect stage: find what is new or changed at this image size, then read, hash and resize it."""
     table = ImageTable.of(settings)
     ingested = diff_against_table(table, listed, scope_of(settings), settings.retire_deleted, settings.staging_uri)
-    rules = DecodeRules(settings.image_size, settings.resize_mode, settings.max_file_bytes, settings.max_image_pixels)
+    rules = DecodeRules(settings.image_size, settings.resize_mode, settings.max_file_bytes, settings.max_image_pixels, settings.read_attempts)
     key = f"{ingested.content_fingerprint[:16]}-{settings.image_size}-{settings.resize_mode}"
     # Spark's Python workers take seconds to start; the driver decodes a short list in a fraction of that.
     return resize_images(table, ingested, rules, f"{settings.staging_uri}/resize-{key}", in_driver_up_to=settings.decode_in_driver_up_to)

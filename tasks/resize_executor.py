@@ -33,6 +33,16 @@ class DecodeRules:
     mode: ResizeMode
     max_file_bytes: int
     max_pixels: int
+    read_attempts: int = 3  # a read that fails this many times is left for the next run, never quarantined
+    read_backoff: float = 0.5  # seconds before the second attempt, doubled before each later one
+
+
+class ReadFailed(OSError):
+    """A file that could not be read in all its attempts: a fact about the store now, not about the file's content."""
+
+    def __init__(self, path: str, attempts: int, last: OSError) -> None:
+        super().__init__(f"{path}: {attempts} attempt(s) failed, the last with {type(last).__name__}: {last}")
+        self.attempts = attempts
 
 
 def read_bytes(path: str) -> bytes:
@@ -41,21 +51,42 @@ def read_bytes(path: str) -> bytes:
         return handle.read()
 
 
+def read_with_retries(path: str, attempts: int, backoff: float) -> tuple[bytes, int]:
+    """A file's bytes and how many reads failed before they came; ReadFailed after ATTEMPTS failures. A file that is
+    not there is no hiccup: FileNotFoundError is raised at once."""
+    for attempt in range(attempts):
+        try:
+            return read_bytes(path), attempt
+        except FileNotFoundError:
+            raise
+        except OSError as exc:
+            if attempt + 1 == attempts:
+                raise ReadFailed(path, attempts, exc) from exc
+            time.sleep(backoff * 2**attempt)
+    raise ValueError(f"read_attempts must be at least 1, not {attempts}")
+
+
 def process_file(row: dict, rules: DecodeRules) -> tuple[dict, bytes | None]:
-    """One listed file to one staged row (retired, quarantined, already known, or new) and, if new, its pixels.
+    """One listed file to one staged row (retired, quarantined, unread, already known, or new) and, if new, its pixels.
 
     Known: the content is what the table holds for this path (`known_sha256`: a file touched or copied over itself).
-    Content the table holds under another path is decoded, and the write stage leaves it out.
+    Content the table holds under another path is decoded, and the write stage leaves it out. A read that fails is
+    tried again (`read_retries` counts the failures); one that fails every time is `unread`, which no table records,
+    so the next run reads it again. A file gone since the listing is unread too. Only content is quarantined.
     """
-    out = {**row, "sha256": None, "width": None, "height": None, "status": "new", "reason": None, "detail": None, "data_file": None}
+    out = {
+        **row, "sha256": None, "width": None, "height": None, "status": "new", "reason": None, "detail": None, "data_file": None, "read_retries": 0,
+    }
     if row["action"] == "delete":
         return {**out, "status": "delete"}, None
     if row["issue"]:
         return {**out, "status": "quarantined", "reason": row["issue"], "detail": row["issue"].replace("_", " ")}, None
     try:
-        data = read_bytes(row["path"])
-    except OSError as exc:
-        return {**out, "status": "quarantined", "reason": "unreadable", "detail": f"{type(exc).__name__}: {exc}"}, None
+        data, out["read_retries"] = read_with_retries(row["path"], rules.read_attempts, rules.read_backoff)
+    except ReadFailed as exc:
+        return {**out, "status": "unread", "reason": "read_error", "detail": str(exc), "read_retries": exc.attempts}, None
+    except FileNotFoundError as exc:
+        return {**out, "status": "unread", "reason": "gone", "detail": f"{type(exc).__name__}: {exc}"}, None
     out["sha256"] = hashlib.sha256(data).hexdigest()
     if len(data) > rules.max_file_bytes:
         return {**out, "status": "quarantined", "reason": "file_too_large", "detail": f"{len(data)} bytes > max_file_bytes"}, None
@@ -69,6 +100,7 @@ def process_file(row: dict, rules: DecodeRules) -> tuple[dict, bytes | None]:
 
 
 SUMMARY_SCHEMA = "status string, reason string, files long, example string"
+READ_RETRIES = "read_retries"  # the summary's row of failed reads (its `files` counts reads, not files)
 
 
 def binary_column(values: list[bytes]) -> pa.Array:
@@ -184,6 +216,8 @@ def process_partition(
     counts: dict[tuple[str, str | None], list] = {}
     for row in staged:
         counts.setdefault((row["status"], row["reason"]), [0, row["path"]])[0] += 1
+        if row["read_retries"]:
+            counts.setdefault((READ_RETRIES, None), [0, row["path"]])[0] += row["read_retries"]
     yield pa.RecordBatch.from_pylist(
         [{"status": status, "reason": reason, "files": n, "example": example} for (status, reason), (n, example) in counts.items()],
         schema=pa.schema([("status", pa.string()), ("reason", pa.string()), ("files", pa.int64()), ("example", pa.string())]),

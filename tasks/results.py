@@ -41,6 +41,8 @@ class Resized(BaseModel):
     retired: int
     quarantined: dict[str, int]
     examples: dict[str, str] = Field(default_factory=dict, exclude=True)
+    unread: dict[str, int] = Field(default_factory=dict, exclude=True)  # reason -> files no read could get: the next run reads them
+    read_retries: int = Field(default=0, exclude=True)  # reads that failed and were tried again
     content_fingerprint: str
     # What the diff read: a write that leaves the tables in step with it marks the next versions so (tasks/changes.py).
     basis: str = ""
@@ -52,6 +54,16 @@ class Resized(BaseModel):
     @property
     def bad(self) -> int:
         return sum(self.quarantined.values())
+
+    @property
+    def unread_files(self) -> int:
+        return sum(self.unread.values())
+
+
+def left_unread(result: "Resized | Written") -> str | None:
+    """Why a resize or write result is not reused: files it could not read, which the next run reads again."""
+    unread = result.unread_files if isinstance(result, Resized) else result.unread
+    return f"{unread} file(s) could not be read then; read again" if unread else None
 
 
 class TableVersion(BaseModel):
@@ -68,6 +80,7 @@ class Written(TableVersion):
     rows: int = Field(exclude=True)
     retired: int = Field(default=0, exclude=True)
     quarantined: int = Field(default=0, exclude=True)
+    unread: int = Field(default=0, exclude=True)  # files the resize stage could not read: this version lacks them, the next run reads them
 
 
 class SplitPlan(TableVersion):

@@ -74,6 +74,9 @@ def explain(previous: dict[str, Any] | None, key: str, parts: dict[str, str], re
     return "; ".join(changed)
 
 
+MAX_LINKS = 50  # results passed over before a stage stops looking for a usable one and computes anew
+
+
 @dataclass
 class StageKey(CachePolicy):
     """Cache key of one stage: code + upstream results + the settings that change its output + facts read now."""
@@ -83,6 +86,7 @@ class StageKey(CachePolicy):
     facts: Callable[[dict[str, Any]], dict[str, str]] | None = field(default=None, repr=False)
     code: tuple[str, ...] = ()  # modules besides the task's own whose code the stage runs
     needs: Callable[[Any], list[str]] | None = field(default=None, repr=False)  # files a result of the stage names
+    unfinished: Callable[[Any], str | None] | None = field(default=None, repr=False)  # why a result of the stage is not to be reused
 
     def compute_key(self, task_ctx: Any, inputs: dict[str, Any], flow_parameters: dict[str, Any], **kwargs: Any) -> str | None:
         if not task_ctx:
@@ -91,31 +95,36 @@ class StageKey(CachePolicy):
         if self.facts is not None:
             parts.update(self.facts(inputs))
         key = f"{self.stage}-{hash_objects(parts, raise_on_failure=True)}"
-        gone = gone_from(getattr(task_ctx, "result_store", None), key, self.needs)
-        if gone is not None:
-            # A cached result whose files are gone is no result: another key makes it a miss, and the report says why.
-            parts["cached result"] = f"needs {gone}, which is gone"
-            key = f"{self.stage}-{hash_objects(parts, raise_on_failure=True)}"
+        store = getattr(task_ctx, "result_store", None)
+        why, links = not_reusable(store, key, self.needs, self.unfinished), 0
+        while why is not None:
+            # A cached result whose files are gone, or that left work for the next run, is no result: the next key of
+            # a chain makes it a miss, and the report says why. A run that finds the same trouble again adds a link;
+            # the first usable result along the chain is the hit.
+            parts["cached result"], links = why, links + 1
+            key = f"{self.stage}-{hash_objects([parts, links] if links < MAX_LINKS else [parts, uuid.uuid4().hex], raise_on_failure=True)}"
+            why = not_reusable(store, key, self.needs, self.unfinished) if links < MAX_LINKS else None
         settings = inputs.get("settings")
         if settings is not None:
             note_key(settings.results_uri, self.stage, key, parts, str(task_ctx.task_run.flow_run_id), bool(PREFECT_TASKS_REFRESH_CACHE.value()))
         return key
 
 
-def gone_from(store: Any, key: str, needs: Callable[[Any], list[str]] | None) -> str | None:
-    """The first file or folder that the result cached under KEY names (NEEDS says which) and that is gone; None if
-    there is no such result or nothing it names is gone (a cleaned disk, a moved workspace, a vacuum)."""
-    if needs is None or store is None or not store.exists(key):
+def not_reusable(store: Any, key: str, needs: Callable[[Any], list[str]] | None, unfinished: Callable[[Any], str | None] | None = None) -> str | None:
+    """Why the result cached under KEY may not be reused, or None (no such result, or nothing against it): the first
+    file or folder it names (NEEDS says which) that is gone (a cleaned disk, a moved workspace, a vacuum), or what
+    UNFINISHED says the run that made it left for the next one."""
+    if (needs is None and unfinished is None) or store is None or not store.exists(key):
         return None
     try:
         result = store.read(key).result
     except Exception:  # noqa: BLE001 - a record that cannot be read: Prefect's own lookup decides what it is
         return None
-    for uri in needs(result):
+    for uri in needs(result) if needs is not None else []:
         fs, path = fsspec.core.url_to_fs(uri)
         if not fs.exists(path):
-            return uri
-    return None
+            return f"needs {uri}, which is gone"
+    return unfinished(result) if unfinished is not None else None
 
 
 def note_key(results_uri: str, stage: str, key: str, parts: dict[str, str], flow_run_id: str, refresh: bool) -> None:
@@ -214,6 +223,7 @@ def stage(
     facts: Callable[[dict[str, Any]], dict[str, str]] | None = None,
     code: tuple[str, ...] = (),
     needs: Callable[[Any], list[str]] | None = None,
+    unfinished: Callable[[Any], str | None] | None = None,
     retries: int = 2,
     backoff: float = 2.0,
     cache_policy: CachePolicy | None = None,
@@ -222,7 +232,8 @@ def stage(
 
     `settings` names the settings fields that change the stage's output; `facts` adds key parts read at call time;
     `code` names other modules whose code the stage runs; `needs` gives the files and folders a result of the stage names,
-    so that a cached result whose files are gone is a miss.
+    so that a cached result whose files are gone is a miss; `unfinished` says why a result is not to be reused (work
+    it left for the next run), or None.
     """
     def declare(fn: F) -> F:
         return Stage(  # type: ignore[return-value]
@@ -232,7 +243,7 @@ def stage(
             retry_delay_seconds=exponential_backoff(backoff_factor=backoff),
             retry_jitter_factor=0.5,
             retry_condition_fn=retry_transient_only,
-            cache_policy=cache_policy or StageKey(stage=name, settings_fields=settings, facts=facts, code=code, needs=needs),
+            cache_policy=cache_policy or StageKey(stage=name, settings_fields=settings, facts=facts, code=code, needs=needs, unfinished=unfinished),
             persist_result=True,
             log_prints=True,
         )

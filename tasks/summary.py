@@ -36,6 +36,8 @@ def run_summary(resized: Resized | None, table: TableVersion, cached: CachedSpli
         "files_decoded": resized.decoded if resized else 0,
         "files_known": resized.known if resized else 0,
         "quarantined": resized.quarantined if resized else {},
+        "files_unread": resized.unread if resized else {},  # reason -> files no read could get: not in this version, read next run
+        "read_retries": resized.read_retries if resized else 0,
         "split_counts": cached.counts,
         "labels": cached.labels,
         "cache_dir": cached.cache_dir,

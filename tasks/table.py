@@ -150,13 +150,16 @@ class ImageTable:
         return self.images.frame(version, files).where(self.this_size()).withColumn("split", split_column(val_fraction, test_fraction))
 
     def quarantined_by_reason(self) -> dict[str, int]:
-        """Files in the quarantine table now, by reason."""
+        """Files in the quarantine table now, by reason (those requeued, which the next run reads again, apart)."""
         version = None if self.quarantine is None else self.quarantine.version()
         if version is None:
             return {}
-        reasons = self.quarantine.read_files_arrow(self.quarantine.files(version), pa.schema([("reason", pa.string())]))  # no Spark job
-        reasons = self.quarantine.read(["reason"], version=version) if reasons is None else reasons
-        return dict(sorted(Counter(reasons.column("reason").to_pylist()).items()))
+        schema = pa.schema([("reason", pa.string()), ("requeued_at", pa.timestamp("us", tz="UTC"))])
+        rows = self.quarantine.read_files_arrow(self.quarantine.files(version), schema)  # no Spark job
+        if rows is None:
+            rows = self.quarantine.read([name for name in schema.names if name in self.quarantine.columns()], version=version)
+        held = rows.filter(pc.is_null(rows["requeued_at"])) if "requeued_at" in rows.column_names else rows
+        return dict(sorted(Counter(held.column("reason").to_pylist()).items()))
 
 
 # The driver reads changed data files of up to this many bytes itself; more are read by Spark.

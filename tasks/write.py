@@ -19,11 +19,12 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
+from prefect.cache_policies import NO_CACHE
 
-from infra.delta import Table
+from infra.delta import Table, sql_in
 from infra.settings import Settings
 from tasks.rules.schemas import IMAGE_TABLE_SCHEMA, STAGED_ARROW_SCHEMA
-from tasks.results import Resized, Written
+from tasks.results import Resized, Written, left_unread
 from tasks.rules.bad_files import TooManyBadFiles, TooManyRetired, check_bad_fraction, check_retire_fraction
 from tasks.stage import stage
 from tasks.changes import mark_in_sync
@@ -100,20 +101,69 @@ def image_changes(resized: Resized, table_uri: str, changes: Changes) -> pa.Tabl
     return pa.concat_tables([upserts, gone])
 
 
-def quarantine_rows(table: ImageTable, resized: Resized) -> pa.Table:
-    """The run's bad files, minus those already quarantined for the same content and reason."""
+QUARANTINE_EXTRA = pa.schema([("stage", pa.string()), ("quarantined_at", pa.timestamp("us", tz="UTC")), ("requeued_at", pa.timestamp("us", tz="UTC"))])
+
+
+def bad_key(rows: pa.Table) -> pa.ChunkedArray:
+    """What makes two quarantine rows one: the path, the content and the reason."""
+    return pc.binary_join_element_wise(rows["path"], pc.fill_null(rows["sha256"], ""), rows["reason"], "\x00")
+
+
+@dataclass
+class Quarantine:
+    """What one write does to the quarantine table."""
+
+    rows: pa.Table  # the run's bad files that it holds no live row for: appended
+    known: int  # the run's bad files it holds already for the same content and reason (requeued or not): no news
+    requeued: list[str]  # paths whose requeued rows the appended rows take the place of
+
+
+def quarantine_rows(table: ImageTable, resized: Resized) -> Quarantine:
+    """The run's bad files, minus those already quarantined for the same content and reason (a requeued file that is
+    still bad is quarantined again, in place of its requeued row)."""
     bad = staged_rows(resized).to_table(
         columns=["path", "size", "mtime", "stamp", "sha256", "reason", "detail", "issue"], filter=pc.field("status") == "quarantined"
     )
     now = datetime.now(timezone.utc)
     # Problems seen in the listing carry an `issue`; the rest were found while reading or decoding.
     bad = bad.append_column("stage", pc.if_else(pc.is_null(bad["issue"]), "resize", "ingest")).drop_columns(["issue"])
-    bad = bad.append_column("quarantined_at", pa.array([now] * bad.num_rows, pa.timestamp("us", tz="UTC")))
-    if bad.num_rows and table.quarantine.exists():
-        seen = matching(table.quarantine, {"path": bad["path"].combine_chunks()}, ["path", "sha256", "reason"])
-        key = lambda t: pc.binary_join_element_wise(t["path"], pc.fill_null(t["sha256"], ""), t["reason"], "\x00")  # noqa: E731
-        bad = bad.filter(pc.invert(pc.is_in(key(bad), key(seen))))
-    return bad
+    bad = bad.append_column("quarantined_at", pa.array([now] * bad.num_rows, QUARANTINE_EXTRA.field("quarantined_at").type))
+    bad = bad.append_column("requeued_at", pa.nulls(bad.num_rows, QUARANTINE_EXTRA.field("requeued_at").type))
+    if not bad.num_rows or not table.quarantine.exists():
+        return Quarantine(bad, 0, [])
+    requeued = "requeued_at" in table.quarantine.columns()
+    seen = matching(table.quarantine, {"path": bad["path"].combine_chunks()}, ["path", "sha256", "reason", *(["requeued_at"] if requeued else [])])
+    waiting = seen.filter(pc.is_valid(seen["requeued_at"])) if requeued and seen.num_rows else seen.slice(0, 0)
+    live = seen.filter(pc.is_null(seen["requeued_at"])) if requeued and seen.num_rows else seen
+    fresh = bad.filter(pc.invert(pc.is_in(bad_key(bad), bad_key(live))))
+    known = pc.sum(pc.is_in(bad_key(bad), bad_key(seen))).as_py() or 0
+    replaced = pc.is_in(waiting["path"], fresh["path"]) if waiting.num_rows else pa.array([], pa.bool_())
+    return Quarantine(fresh, known, sorted(set(waiting.filter(replaced)["path"].to_pylist())) if waiting.num_rows else [])
+
+
+def land_quarantine(table: ImageTable, quarantine: Quarantine) -> int:
+    """Append the run's new quarantine rows (and drop the requeued rows they replace); return the commits made."""
+    commits = 0
+    if quarantine.requeued:
+        commits += table.quarantine.delete_where(f"requeued_at IS NOT NULL AND {sql_in('path', quarantine.requeued)}") > 0
+    if quarantine.rows.num_rows:
+        table.quarantine.add_columns(quarantine.rows.schema)  # a quarantine from before requeue_at gets it first
+        table.quarantine.append(quarantine.rows)
+        commits += 1
+    return commits
+
+
+def requeue(table: ImageTable, reasons: list[str] | None = None) -> dict[str, int]:
+    """Send quarantined files back through: their quarantine rows (all, or those of REASONS) are marked requeued in one
+    commit, so the next run's diff does not count them known and reads them again. A file still bad is quarantined
+    again (and not counted against max_bad_fraction: it is no news); a good one lands in the images table. Returns the
+    files requeued by reason; {} where none matched, and then nothing is committed."""
+    held = table.quarantined_by_reason()
+    chosen = {reason: n for reason, n in held.items() if reasons is None or reason in reasons}
+    if chosen:
+        table.quarantine.add_columns(QUARANTINE_EXTRA)
+        table.quarantine.update_where(f"requeued_at IS NULL AND {sql_in('reason', sorted(chosen))}", {"requeued_at": datetime.now(timezone.utc)})
+    return chosen
 
 
 def write_images(table: ImageTable, resized: Resized, max_bad_fraction: float, max_retire_fraction: float = 1.0) -> Written:
@@ -128,8 +178,9 @@ def write_images(table: ImageTable, resized: Resized, max_bad_fraction: float, m
             f"write_images: table {table_uri} is not the table {resized.table_uri} that the resize stage wrote its files into; "
             "run resize with the same table_root and table_name"
         )
+    bad = quarantine_rows(table, resized)
     try:
-        check_bad_fraction(resized, max_bad_fraction)
+        check_bad_fraction(resized, max_bad_fraction, bad.known)
     except TooManyBadFiles:
         discard_run_files(resized)
         raise
@@ -141,16 +192,16 @@ def write_images(table: ImageTable, resized: Resized, max_bad_fraction: float, m
         raise
     if changes.empty and not table.images.exists():
         raise TooManyBadFiles(f"no image could be written to {table_uri}: no file of this run is a usable image ({resized.quarantined})")
-    bad = quarantine_rows(table, resized)
     quarantine_before = table.quarantine.version()
-    if bad.num_rows:
-        table.quarantine.append(bad)
+    commits = land_quarantine(table, bad)
     added, removed = changes.upserts.num_rows, len(changes.deletes)
-    before, expected = (changes.read_version, quarantine_before), (changes.read_version, next_version(quarantine_before, bad.num_rows > 0))
+    before, expected = (changes.read_version, quarantine_before), (changes.read_version, next_version(quarantine_before, commits))
     if changes.empty:
         remove_uncommitted(table_uri, run_files(resized))
         mark_if_in_step(table, resized, before, expected)
-        return Written(table_uri=table_uri, version=table.images.version(), engine=engine, rows=0, retired=0, quarantined=bad.num_rows)
+        return Written(
+            table_uri=table_uri, version=table.images.version(), engine=engine, rows=0, retired=0, quarantined=bad.rows.num_rows, unread=resized.unread_files,
+        )
     require_files(table_uri, changes.files)
     table.images.add_columns(IMAGE_TABLE_SCHEMA)  # a table from before a column was added gets it first
     if changes.whole_files and not changes.replaces and not changes.deletes:
@@ -161,7 +212,7 @@ def write_images(table: ImageTable, resized: Resized, max_bad_fraction: float, m
         version = table.images.merge(image_changes(resized, table_uri, changes))
         remove_uncommitted(table_uri, changes.files)
     mark_if_in_step(table, resized, before, (next_version(changes.read_version, True), expected[1]))
-    return Written(table_uri=table_uri, version=version, engine=engine, rows=added, retired=removed, quarantined=bad.num_rows)
+    return Written(table_uri=table_uri, version=version, engine=engine, rows=added, retired=removed, quarantined=bad.rows.num_rows, unread=resized.unread_files)
 
 
 def check_retired_share(table: ImageTable, changes: Changes, max_retire_fraction: float) -> None:
@@ -174,15 +225,16 @@ def check_retired_share(table: ImageTable, changes: Changes, max_retire_fraction
     check_retire_fraction(retired, table.rows_by_date(changes.read_version, list(retired)), max_retire_fraction)
 
 
-def next_version(version: int | None, committed: bool) -> int | None:
-    """The version a table has after one commit of ours (or none)."""
-    return (0 if version is None else version + 1) if committed else version
+def next_version(version: int | None, commits: int | bool) -> int | None:
+    """The version a table has after COMMITS commits of ours (True: one)."""
+    return (version if version is not None else -1) + int(commits) if commits else version
 
 
 def mark_if_in_step(table: ImageTable, resized: Resized, before: tuple[int | None, int | None], expected: tuple[int | None, int | None]) -> None:
     """Say the tables now hold everything the run's listing brings, if nobody else wrote between the diff and now:
-    the tables were at the versions the diff read, and are now exactly our commits further on."""
-    if not resized.basis or not resized.in_sync_folder or before != tuple(resized.versions_seen):
+    the tables were at the versions the diff read, and are now exactly our commits further on. A run that could not
+    read some files is not in step: the next run must find them again."""
+    if not resized.basis or not resized.in_sync_folder or before != tuple(resized.versions_seen) or resized.unread_files:
         return
     if (table.images.version(), table.quarantine.version()) == expected:
         mark_in_sync(resized.in_sync_folder, resized.basis, expected, resized.state_key, resized.listing_uri)
@@ -239,7 +291,16 @@ def discard_run_files(resized: Resized) -> None:
         fs.rmdir(folder)
 
 
-@stage("write", settings=("table_uri", "quarantine_uri", "max_bad_fraction", "max_retire_fraction", "delta_writer"), code=("tasks.rules.schemas", "tasks.rules.bad_files", "tasks.table"))
+@stage("requeue", settings=("quarantine_uri", "requeue_reasons"), cache_policy=NO_CACHE)
+def requeue_by_setting(settings: Settings) -> dict[str, int]:
+    """Prefect stage (never cached): send the files quarantined for a reason in the setting requeue_reasons back through."""
+    return requeue(ImageTable.of(settings), settings.requeue_reasons)
+
+
+@stage(
+    "write", settings=("table_uri", "quarantine_uri", "max_bad_fraction", "max_retire_fraction", "delta_writer"),
+    code=("tasks.rules.schemas", "tasks.rules.bad_files", "tasks.table"), unfinished=left_unread,
+)
 def write(resized: Resized, settings: Settings) -> Written:
     """Prefect stage: merge into the Delta table with the engine that can run here."""
     return write_images(ImageTable.of(settings), resized, settings.max_bad_fraction, settings.max_retire_fraction)

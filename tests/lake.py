@@ -50,8 +50,11 @@ class Lake:
         return dict(zip(data["path"], data["sha256"]))
 
     def quarantined(self) -> dict[str, str]:
-        data = self.read(self.quarantine, ["path", "reason"])
-        return {Path(p).name: r for p, r in zip(data["path"], data["reason"])}
+        """File name -> reason of the files the quarantine holds (not those requeued, which the next run reads again)."""
+        requeued = "requeued_at" in Table(self.quarantine).columns()
+        data = self.read(self.quarantine, ["path", "reason", *(["requeued_at"] if requeued else [])])
+        held = [not requeued or at is None for at in data.get("requeued_at", data["path"])]
+        return {Path(p).name: r for p, r, keep in zip(data["path"], data["reason"], held) if keep}
 
 
 def copy_digits(digits_dir: Path, target: Path, labels=("0", "1", "2", "3"), per_label: int = 10, skip: int = 0) -> None:

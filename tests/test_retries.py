@@ -92,3 +92,38 @@ def test_a_cached_result_whose_file_is_gone_is_a_miss_that_says_why(prefect_api:
     assert again["why"] == f"cached result changed None -> needs {output}, which is gone"
     assert file_flow(str(output), settings)["state"] == "Cached", "the new result is the cache from then on"
     assert len(output.with_suffix(".calls").read_text().splitlines()) == 2
+
+
+@stage("reads-what-it-can", unfinished=lambda left: f"{left} file(s) could not be read then; read again" if left else None)
+def reads_what_it_can(path: str, settings) -> int:
+    with Path(path).with_suffix(".calls").open("a") as out:
+        out.write("call\n")
+    return int(Path(path).read_text())  # files this call could not read
+
+
+@flow
+def reading_flow(path: str, settings) -> dict:
+    from infra.prefect_env import stage_results
+    from prefect.context import FlowRunContext
+    from tasks.stage import stage_outcomes
+
+    with stage_results(settings):
+        reads_what_it_can(path, settings)
+    states, reasons = stage_outcomes(str(FlowRunContext.get().flow_run.id))
+    return {"state": states["reads-what-it-can"], "why": reasons["reads-what-it-can"]}
+
+
+def test_a_cached_result_that_left_files_unread_is_a_miss_until_none_are(prefect_api: str, tmp_path: Path) -> None:
+    from infra.settings import load_settings
+
+    settings = load_settings(overrides={"workspace": str(tmp_path / "ws")})
+    left = tmp_path / "left.txt"
+    left.write_text("2")
+    assert reading_flow(str(left), settings)["state"] == "Completed"
+    again = reading_flow(str(left), settings)
+    assert again["state"] == "Completed", "a result that left files unread is not reused: the next run reads them"
+    assert again["why"] == "cached result changed None -> 2 file(s) could not be read then; read again"
+    left.write_text("0")  # the store is back
+    assert reading_flow(str(left), settings)["state"] == "Completed"
+    assert reading_flow(str(left), settings)["state"] == "Cached", "a complete result is the cache from then on"
+    assert len(left.with_suffix(".calls").read_text().splitlines()) == 3

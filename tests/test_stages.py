@@ -13,6 +13,7 @@ import pytest
 from PIL import Image
 
 from infra.delta import Table, read_version
+from infra.settings import load_settings
 from tasks.cache import cache_splits
 from tasks.changes import ingest_listing
 from tasks.ingest import source_uri
@@ -317,3 +318,76 @@ def test_a_run_that_would_retire_most_of_a_dates_rows_is_refused(lake: Lake, dig
     assert Table(lake.table).version() == before and len(lake.rows()) == 20
     _, _, written = lake.run(source, scope=day, max_retire=1.0)  # they are really gone: the setting lets it through
     assert written.retired == 7 and len(lake.rows()) == 13
+
+
+def test_a_read_that_fails_is_retried_and_never_quarantined(lake: Lake, digits_dir: Path, tmp_path: Path) -> None:
+    import fsspec
+    from fsspec.implementations.local import LocalFileSystem
+
+    class Hiccups(LocalFileSystem):
+        """The local file system, but reads of chosen files time out a given number of times (an NFS hiccup, a store's timeout)."""
+
+        protocol = ("hiccups",)
+        root_marker = "/"
+        failures: dict[str, int] = {}
+
+        def _open(self, path, mode="rb", **kwargs):
+            name = str(path).rsplit("/", 1)[-1]
+            if "r" in mode and self.failures.get(name, 0) > 0:
+                self.failures[name] -= 1
+                raise TimeoutError(110, "Connection timed out", str(path))
+            return super()._open(path, mode, **kwargs)
+
+    fsspec.register_implementation("hiccups", Hiccups, clobber=True)
+    source = tmp_path / "src"
+    copy_digits(digits_dir, source, labels=("0", "1"), per_label=10)
+    names = sorted(p.name for p in (source / "1").glob("*.png"))
+    Hiccups.failures.update({names[0]: 2, names[1]: 50, names[2]: 50})  # one recovers on its third read, two never do in this run
+    rules = DecodeRules(size=24, mode="letterbox", max_file_bytes=10_000_000, max_pixels=10_000_000, read_attempts=3, read_backoff=0.01)
+    _, resized, written = lake.run(f"hiccups://{source}", rules=rules, in_driver_up_to=1000)
+    assert resized.quarantined == {} and written.quarantined == 0, "a read error is not the file's content: nothing quarantined"
+    assert resized.unread == {"read_error": 2} and resized.read_retries == 2 + 3 + 3 and written.unread == 2
+    assert len(lake.rows()) == 18 and not Table(lake.quarantine).exists()
+
+    Hiccups.failures.clear()  # the store is back: the next run reads the two files, and only them
+    _, resized, written = lake.run(f"hiccups://{source}", rules=rules, in_driver_up_to=1000)
+    assert (resized.decoded, resized.unread, written.rows) == (2, {}, 2)
+    assert sorted(Path(p).name for p in lake.rows()) == sorted(p.name for p in source.rglob("*.png")), "every image once"
+
+    _, resized, written = lake.run(f"hiccups://{source}", rules=rules, in_driver_up_to=1000)
+    assert (resized.decoded, written.rows) == (0, 0), "in step again: nothing read twice"
+
+
+def test_requeue_sends_quarantined_files_back_through(lake: Lake, digits_dir: Path, tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from flows.cli import app
+    from tasks.write import requeue_by_setting
+
+    source = tmp_path / "src"
+    copy_digits(digits_dir, source, labels=("0", "1"), per_label=5)
+    (source / "1" / "large.jpg").write_bytes(jpeg((600, 400)))
+    (source / "1" / "truncated.jpg").write_bytes(jpeg((300, 200))[:700])
+    small, large = Scope((".png", ".jpg"), max_file_bytes=3000), Scope((".png", ".jpg"))
+    lake.run(source, scope=small)
+    assert lake.quarantined() == {"large.jpg": "file_too_large", "truncated.jpg": "truncated"}
+    _, resized, _ = lake.run(source, scope=large)
+    assert resized.decoded == 0, "a quarantined file that did not change is not read again, even under a larger limit"
+
+    cli = ["--set", f"table_root={lake.root}/tables", "--set", "image_size=24", "--set", f"workspace={tmp_path / 'ws'}"]
+    refused = CliRunner().invoke(app, ["requeue", "--reason", "unreadable", *cli])
+    assert refused.exit_code == 2 and "no file in the quarantine table" in refused.output and "file_too_large (1), truncated (1)" in refused.output
+    done = CliRunner().invoke(app, ["requeue", "--reason", "file_too_large", *cli])
+    assert done.exit_code == 0, done.output
+    assert "requeued 1 file(s) (file_too_large: 1)" in done.output
+    assert lake.quarantined() == {"truncated.jpg": "truncated"}
+
+    _, resized, written = lake.run(source, scope=large)
+    assert (resized.decoded, written.rows) == (1, 1) and "large.jpg" in {Path(p).name for p in lake.rows()}
+
+    settings = load_settings(overrides={"table_root": f"{lake.root}/tables", "image_size": 24, "workspace": str(tmp_path / "ws"), "requeue_reasons": ["truncated"]})
+    assert requeue_by_setting.fn(settings) == {"truncated": 1}
+    _, resized, _ = lake.run(source, scope=large)
+    assert resized.quarantined == {"truncated": 1} and lake.quarantined() == {"truncated.jpg": "truncated"}, "still bad: quarantined again"
+    assert len(lake.read(lake.quarantine, ["path"])["path"]) == 2, "in place of its requeued row: the table does not grow each time"
+    assert CliRunner().invoke(app, ["requeue", *cli]).output.startswith("requeued 1 file(s) (truncated: 1)")

@@ -11,14 +11,17 @@ class TooManyBadFiles(ValueError):
     """More of a run's files are bad than max_bad_fraction allows: nothing is written."""
 
 
-def check_bad_fraction(resized: Resized, max_bad_fraction: float) -> None:
-    """Fail before writing anything when too large a share of the run's files is bad."""
-    considered = resized.decoded + resized.known + resized.bad
-    if considered and resized.bad / considered > max_bad_fraction:
-        reasons = ", ".join(f"{reason}: {count}" for reason, count in sorted(resized.quarantined.items()))
+def check_bad_fraction(resized: Resized, max_bad_fraction: float, known_bad: int = 0) -> None:
+    """Fail before writing anything when too large a share of the run's files is bad. KNOWN_BAD of them were quarantined
+    before for the same content and reason (requeued, or touched): no news, not counted."""
+    # A file no read could get counts: many of them is a store in trouble.
+    bad = resized.bad - known_bad + resized.unread_files
+    considered = resized.decoded + resized.known + bad
+    if considered and bad / considered > max_bad_fraction:
+        reasons = ", ".join(f"{reason}: {count}" for reason, count in sorted({**resized.quarantined, **resized.unread}.items()))
         examples = "; ".join(f"{reason} e.g. {path}" for reason, path in sorted(resized.examples.items()))
         raise TooManyBadFiles(
-            f"{resized.bad} of {considered} files are bad ({reasons}), over max_bad_fraction={max_bad_fraction}; "
+            f"{bad} of {considered} files are bad ({reasons}), over max_bad_fraction={max_bad_fraction}; "
             f"nothing was written. Fix or remove them ({examples}) or raise IMAGELAKE_MAX_BAD_FRACTION."
         )
 
