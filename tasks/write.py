@@ -71,17 +71,62 @@ def plan_changes(table: ImageTable, resized: Resized) -> Changes:
         return Changes(version, upserts, [], False, True)
     paths = pa.concat_arrays([upserts["path"].combine_chunks(), deletes.combine_chunks()])
     present = table.rows_matching({"path": paths, "sha256": upserts["sha256"].combine_chunks()}, ["path", "sha256"], version)
-    whole = True
+    whole, moved_from = True, []
     if upserts.num_rows:
-        # Content the table holds (at any path) is never added again; when one run sees the same new content twice, the first path wins.
-        fresh = pc.invert(pc.is_in(upserts["sha256"], present.column("sha256")))
+        # Content the table holds (at any path) is never added again, unless no path that holds it holds it still: then
+        # it moved (a relabel, a renamed folder), and its row moves to the new path. When one run sees the same new
+        # content twice, the first path wins.
+        moved, moved_from = moved_content(present, upserts, deletes)
+        fresh = pc.or_(pc.invert(pc.is_in(upserts["sha256"], present.column("sha256"))), pc.is_in(upserts["sha256"], moved))
         first = upserts.select(["sha256", "path"]).group_by("sha256").aggregate([("path", "min")]).column("path_min")
         keep = pc.and_(fresh, pc.is_in(upserts["path"], first))
         if not pc.all(keep).as_py():
             upserts, whole = upserts.filter(keep), False
     replaces = bool(pc.any(pc.is_in(upserts["path"], present.column("path"))).as_py()) if upserts.num_rows else False
-    deletes = deletes.filter(pc.is_in(deletes, present.column("path"))).to_pylist()
+    deletes = sorted(set(deletes.filter(pc.is_in(deletes, present.column("path"))).to_pylist()) | set(moved_from))
     return Changes(version, upserts, deletes, replaces, whole)
+
+
+def moved_content(present: pa.Table, upserts: pa.Table, deletes: pa.ChunkedArray) -> tuple[pa.Array, list[str]]:
+    """Of the run's new files whose content the table holds at another path: the content that no such path holds any
+    more (each is retired by this run, rewritten by it, or gone from the store), and those paths, whose rows go.
+
+    A file moved to another label folder keeps its bytes; its row follows it, with the new label, in the run's one
+    commit. A copy (the old path still holds the content) is left out, as before."""
+    held = present.filter(pc.is_in(present["sha256"], upserts["sha256"]))
+    if not held.num_rows:
+        return pa.array([], pa.string()), []
+    new_content = dict(zip(upserts["path"].to_pylist(), upserts["sha256"].to_pylist()))
+    retired = set(deletes.to_pylist())
+    holders: dict[str, list[str]] = {}
+    for path, sha in zip(held["path"].to_pylist(), held["sha256"].to_pylist()):
+        holders.setdefault(sha, []).append(path)
+    unsure = [path for paths in holders.values() for path in paths if path not in retired and path not in new_content]
+    still_there = existing(unsure)
+
+    def holds(path: str, sha: str) -> bool:
+        if path in retired:
+            return False
+        if path in new_content:
+            return new_content[path] == sha  # rewritten by this run: it holds what it holds now
+        return path in still_there
+
+    moved = [sha for sha, paths in holders.items() if not any(holds(path, sha) for path in paths)]
+    return pa.array(moved, pa.string()), sorted(path for sha in moved for path in holders[sha] if path not in new_content)
+
+
+def existing(paths: list[str]) -> set[str]:
+    """Which of these file URIs the store has now (listings cached by object stores' file systems are dropped first)."""
+    found: set[str] = set()
+    systems: dict[str, object] = {}
+    for uri in paths:
+        fs, path = fsspec.core.url_to_fs(uri)
+        if type(fs).__name__ not in systems:
+            fs.invalidate_cache()
+            systems[type(fs).__name__] = fs
+        if fs.exists(path):
+            found.add(uri)
+    return found
 
 
 def image_changes(resized: Resized, table_uri: str, changes: Changes) -> pa.Table:

@@ -391,3 +391,33 @@ def test_requeue_sends_quarantined_files_back_through(lake: Lake, digits_dir: Pa
     assert resized.quarantined == {"truncated": 1} and lake.quarantined() == {"truncated.jpg": "truncated"}, "still bad: quarantined again"
     assert len(lake.read(lake.quarantine, ["path"])["path"]) == 2, "in place of its requeued row: the table does not grow each time"
     assert CliRunner().invoke(app, ["requeue", *cli]).output.startswith("requeued 1 file(s) (truncated: 1)")
+
+
+@pytest.mark.parametrize("retire", [False, True])
+def test_a_moved_file_and_a_renamed_label_folder_relabel_their_rows(lake: Lake, digits_dir: Path, tmp_path: Path, retire: bool) -> None:
+    source = tmp_path / "src"
+    copy_digits(digits_dir, source, labels=("cat", "dog"), per_label=0)
+    copy_digits(digits_dir, tmp_path / "digits", labels=("0", "1"), per_label=6)
+    for label, digit in (("cat", "0"), ("dog", "1")):
+        for png in (tmp_path / "digits" / digit).glob("*.png"):
+            shutil.copy(png, source / label / png.name)
+    lake.run(source, retire=retire)
+    labels = lambda: {Path(p).name: Path(p).parent.name for p in lake.rows()}  # noqa: E731
+    before, version = labels(), Table(lake.table).version()
+
+    moved = sorted((source / "cat").glob("*.png"))[0]
+    moved.rename(source / "dog" / moved.name)
+    _, _, written = lake.run(source, retire=retire)
+    assert labels() == {**before, moved.name: "dog"} and written.version == version + 1, "the row follows the file, in one commit"
+    by_path = lake.read(lake.table, ["path", "label"])
+    assert dict(zip(by_path["path"], by_path["label"]))[f"file://{source}/dog/{moved.name}"] == "dog"
+
+    (source / "cat").rename(source / "feline")
+    _, _, written = lake.run(source, retire=retire)
+    assert written.version == version + 2 and (written.rows, written.retired) == (5, 5)
+    assert labels() == {name: ("feline" if label == "cat" else label) for name, label in {**before, moved.name: "dog"}.items()}
+    assert len(lake.rows()) == 12 and len(set(lake.rows().values())) == 12, "every image once"
+
+    shutil.copy(source / "dog" / moved.name, source / "feline" / "copy.png")  # a copy: the old path still holds the content
+    _, _, written = lake.run(source, retire=retire)
+    assert written.rows == 0 and len(lake.rows()) == 12
