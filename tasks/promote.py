@@ -9,6 +9,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 from matplotlib.figure import Figure
+from mlflow import MlflowClient
 from prefect.artifacts import create_markdown_artifact
 from prefect.runtime import flow_run
 
@@ -57,6 +58,12 @@ def confusion_figure(matrix: np.ndarray, names: list[str]) -> Figure:
     return figure
 
 
+def registered_version(client: MlflowClient, name: str, run_id: str) -> str | None:
+    """The version of model NAME registered from run RUN_ID, if there is one (the newest, if several)."""
+    found = [v for v in client.search_model_versions(f"run_id = '{run_id}'") if v.name == name]
+    return str(max(int(v.version) for v in found)) if found else None
+
+
 def promote_model(
     trained: Trained, cached: CachedSplits, settings: Settings, flow_run_id: str | None
 ) -> tuple[Promoted, Decision, str | None, list[dict]]:
@@ -73,9 +80,13 @@ def promote_model(
         mlflow.log_metrics(
             {f"test_{name}_{key}": row[name] for row, key in zip(per_class, metric_keys(cached.labels)) for name in ("precision", "recall", "f1")}
         )
-        # pt2 (torch.export): a format that loads without unpickling.
-        info = mlflow.pytorch.log_model(model, name="model", input_example=images[:2].copy(), serialization_format="pt2")
-    version = str(mlflow.register_model(info.model_uri, settings.model_name).version)
+    # A retried stage registers no second version: the run's own, if an earlier attempt registered it, is the candidate.
+    version = registered_version(client, settings.model_name, trained.mlflow_run_id)
+    if version is None:
+        with mlflow.start_run(run_id=trained.mlflow_run_id):
+            # pt2 (torch.export): a format that loads without unpickling.
+            info = mlflow.pytorch.log_model(model, name="model", input_example=images[:2].copy(), serialization_format="pt2")
+        version = str(mlflow.register_model(info.model_uri, settings.model_name).version)
     params = client.get_run(trained.mlflow_run_id).data.params
     tags = {
         "delta_table": cached.table_uri,

@@ -6,6 +6,7 @@ import getpass
 import json
 import os
 import threading
+import uuid
 from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
@@ -19,8 +20,11 @@ import yaml
 from filelock import FileLock
 from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
+from prefect.concurrency.sync import concurrency
+from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from infra.delta import Table
+from infra.prefect_env import prefect_api_in_use
 from infra.settings import UNSAFE_FROM_RUNS, Settings
 from tasks.rules.schemas import HISTORY_SCHEMA
 from tasks.rules.training import PARAM_SETTINGS
@@ -50,12 +54,13 @@ def model_files(client: MlflowClient, name: str, version: str) -> Path:
 
 
 def load_registered_model(client: MlflowClient, name: str, version: str, allow_pickle: bool = False) -> torch.nn.Module:
-    """Load a registered version without unpickling: only torch.export (pt2) programs load unless `allow_pickle`.
+    """Load a registered version without unpickling: only torch.export (pt2) programs load unless `allow_pickle`."""
+    return load_model_folder(model_files(client, name, version), name, version, allow_pickle)
 
-    The MLmodel file is read as YAML, nothing of the model is imported or unpickled before the
-    format is known to be safe.
-    """
-    folder = model_files(client, name, version)
+
+def load_model_folder(folder: Path, name: str, version: str, allow_pickle: bool = False) -> torch.nn.Module:
+    """A downloaded model folder as a module. The MLmodel file is read as YAML, nothing of the model is imported or
+    unpickled before the format is known to be safe."""
     meta = yaml.safe_load((folder / "MLmodel").read_text())
     flavor = (meta.get("flavors") or {}).get("pytorch")
     data = folder / (flavor or {}).get("model_data", "data")
@@ -68,7 +73,39 @@ def load_registered_model(client: MlflowClient, name: str, version: str, allow_p
             f"{name} v{version} is not a torch.export (pt2) model (flavors: {', '.join(meta.get('flavors') or {}) or 'none'}): "
             "loading it would unpickle code. Re-register it in pt2 format, or set allow_pickle_models=true if you trust its source."
         )
-    return mlflow.pytorch.load_model(f"models:/{name}/{version}") if flavor else mlflow.pyfunc.load_model(f"models:/{name}/{version}")
+    return mlflow.pytorch.load_model(str(folder)) if flavor else mlflow.pyfunc.load_model(str(folder))
+
+
+class ChampionUnreachable(RuntimeError):
+    """The champion could not be read for a reason that may pass (a store timing out, a server busy): nothing is decided
+    and no alias moves; the promote stage retries."""
+
+
+def is_gone(exc: BaseException) -> bool:
+    """Whether an error says a version or its files do not exist (as opposed to a store that did not answer)."""
+    return isinstance(exc, (RegistryError, FileNotFoundError)) or (isinstance(exc, MlflowException) and exc.error_code == "RESOURCE_DOES_NOT_EXIST")
+
+
+def champion_metric(
+    client: MlflowClient, settings: Settings, name: str, version: str, images: np.ndarray, labels: np.ndarray, classes: int
+) -> tuple[float | None, str | None]:
+    """The champion's value of the gate's metric on the candidate's test split, or why the champion is known to be
+    unusable (its version or files are gone, or they are not a model for this data): then it may be replaced. Any
+    other failure to fetch it (a timeout, a refused connection, a server error) raises ChampionUnreachable."""
+    try:
+        folder = model_files(client, name, version)
+    except Exception as exc:
+        if is_gone(exc):
+            return None, f"v{version}: {type(exc).__name__}: {exc}"[:300]
+        raise ChampionUnreachable(
+            f"the champion {name} v{version} could not be fetched ({type(exc).__name__}: {str(exc)[:300]}); nothing was promoted "
+            "and no alias moved. The stage retries; if the model store stays unreachable, run again once it answers."
+        ) from exc
+    try:  # the files are here: a failure now is the files', and happens again every time
+        value = evaluate(load_model_folder(folder, name, version, settings.allow_pickle_models), images, labels, classes)[settings.promotion_metric]
+    except Exception as exc:  # noqa: BLE001 - not a model, or not one for this data: known unusable
+        return None, f"v{version}: {type(exc).__name__}: {exc}"[:300]
+    return value, None
 
 
 def alias_version(client: MlflowClient, name: str, alias: str) -> str | None:
@@ -76,10 +113,14 @@ def alias_version(client: MlflowClient, name: str, alias: str) -> str | None:
     try:
         return str(client.get_model_version_by_alias(name, alias).version)
     except MlflowException as exc:
+        if exc.error_code not in ("INVALID_PARAMETER_VALUE", "RESOURCE_DOES_NOT_EXIST"):
+            raise  # a server that did not answer says nothing about the alias
         try:
             client.get_registered_model(name)
-        except MlflowException:
-            raise RegistryError(f"no registered model named {name!r}") from exc
+        except MlflowException as missing:
+            if missing.error_code == "RESOURCE_DOES_NOT_EXIST":
+                raise RegistryError(f"no registered model named {name!r}") from exc
+            raise
         return None
 
 
@@ -100,21 +141,68 @@ def champion_state_dict(client: MlflowClient, name: str, version: str, allow_pic
     return {key: tensor.detach().clone() for key, tensor in model.state_dict().items()}
 
 
+LOCK_SECONDS = 600  # how long a promotion waits for another to finish before it fails (and its stage retries)
+
+
 @contextmanager
 def registry_lock(settings: Settings, name: str) -> Iterator[None]:
-    """Serialise alias moves of one model: a compare-and-set needs the champion not to move under it."""
+    """Serialise alias moves of one model: a compare-and-set needs the champion not to move under it. A file lock in the
+    workspace serialises this machine's runs; a Prefect global concurrency limit of one slot serialises every run that
+    talks to the same Prefect server, on any host (its lease lapses if a holder dies)."""
     folder = settings.workspace_dir / "locks"
     folder.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(folder / f"registry-{name}.lock"), timeout=600):
-        yield
+    with FileLock(str(folder / f"registry-{name}.lock"), timeout=LOCK_SECONDS):
+        api = prefect_api_in_use(settings)
+        if api is None:  # Prefect's ephemeral server lives in this process's machine: the file lock is the lock
+            yield
+            return
+        with temporary_settings(updates={PREFECT_API_URL: api}):
+            limit = ensure_one_slot(f"imagelake-registry-{name}")
+            with concurrency(limit, occupy=1, timeout_seconds=LOCK_SECONDS, lease_duration=60, strict=True):
+                yield
+
+
+def ensure_one_slot(limit: str) -> str:
+    """A Prefect global concurrency limit of one slot named LIMIT, created if missing (two creators at once: one wins)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
+    from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
+
+    with get_client(sync_client=True) as client:
+        try:
+            found = client.read_global_concurrency_limit_by_name(limit)
+        except ObjectNotFound:
+            try:
+                client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=limit, limit=1))
+            except ObjectAlreadyExists:
+                pass
+            return limit
+        if found.limit != 1 or not found.active:
+            raise RegistryError(f"Prefect's global concurrency limit {limit!r} must be active with 1 slot for promotions to be serialised; it has {found.limit} (active: {found.active})")
+    return limit
 
 
 def record(settings: Settings, rows: list[dict]) -> None:
     """Append alias moves to the history table (a Delta table beside the images table)."""
     if rows:
         now = datetime.now(timezone.utc)
-        full = [{"who": who(), "at": now, "flow_run_id": None, **row} for row in rows]
-        Table(settings.history_uri).append(pa.Table.from_pylist(full, schema=HISTORY_SCHEMA))
+        full = [{"who": who(), "at": now, "flow_run_id": None, "move_id": None, **row} for row in rows]
+        table = Table(settings.history_uri)
+        if table.exists():
+            table.add_columns(HISTORY_SCHEMA)  # a history from before move_id gets it first
+        table.append(pa.Table.from_pylist(full, schema=HISTORY_SCHEMA))
+
+
+def recorded(settings: Settings, move_id: str) -> bool:
+    """Whether the history table holds the rows of the alias move MOVE_ID."""
+    table = Table(settings.history_uri)
+    version = table.version()
+    if version is None or "move_id" not in table.columns():
+        return False
+    rows = table.read_files_arrow(table.files(version), pa.schema([("move_id", pa.string())]))
+    if rows is None:
+        raise RuntimeError(f"the history table {settings.history_uri} v{version} could not be read here; run again")
+    return move_id in set(rows.column("move_id").to_pylist())
 
 
 def who() -> str:
@@ -131,27 +219,65 @@ def history(spark, settings: Settings, name: str) -> list[dict]:
         return []
     from pyspark.sql import functions as Fn
 
-    rows = table.read(HISTORY_SCHEMA.names, Fn.col("model") == name).to_pylist()
+    columns = [column for column in HISTORY_SCHEMA.names if column in table.columns()]
+    rows = table.read(columns, Fn.col("model") == name).to_pylist()
     return sorted(rows, key=lambda row: row["at"])
 
 
-def move_alias(client: MlflowClient, name: str, alias: str, version: str) -> str | None:
-    """Point `alias` at `version`; return the version it pointed at before."""
-    before = alias_version(client, name, alias)
-    client.set_registered_model_alias(name, alias, str(version))
-    return before
+# A registered model's tag that holds an alias move begun and not yet finished: the next move under the lock finishes it.
+PENDING_MOVE = "imagelake.pending_move"
+
+
+def move_aliases(client: MlflowClient, settings: Settings, name: str, targets: dict[str, str], action: str, reasons: dict[str, str],
+                 flow_run_id: str | None = None, drop: str | None = None) -> None:
+    """Point each alias of TARGETS at its version, drop the alias DROP where it points at a version being moved, and
+    record a history row for each alias that moves, all or nothing: the move is written down first (a tag on the
+    registered model), then carried out, then crossed off. A crash in between leaves the tag, and the next move
+    (or `finish_pending_move`) carries it out before it decides anything. Caller holds the registry lock."""
+    move_id = uuid.uuid4().hex
+    rows = []
+    for alias, version in targets.items():
+        before = alias_version(client, name, alias)
+        if before != str(version):
+            rows.append({"model": name, "alias": alias, "from_version": before, "to_version": str(version), "action": action,
+                         "reason": reasons[alias][:1000], "flow_run_id": flow_run_id, "move_id": move_id})
+    move = {"id": move_id, "targets": {alias: str(version) for alias, version in targets.items()}, "drop": drop, "rows": rows}
+    client.set_registered_model_tag(name, PENDING_MOVE, json.dumps(move))
+    carry_out(client, settings, name, move)
+
+
+def carry_out(client: MlflowClient, settings: Settings, name: str, move: dict) -> None:
+    """Carry out a written-down alias move; each step may be done again (the aliases are set, not toggled; the rows are
+    appended only if the history lacks them), so a move cut short is finished by doing it again."""
+    for alias, version in move["targets"].items():
+        client.set_registered_model_alias(name, alias, version)
+    if move.get("drop") and alias_version(client, name, move["drop"]) in set(move["targets"].values()):
+        client.delete_registered_model_alias(name, move["drop"])
+    if move["rows"] and not recorded(settings, move["id"]):
+        record(settings, move["rows"])
+    client.delete_registered_model_tag(name, PENDING_MOVE)
+
+
+def finish_pending_move(client: MlflowClient, settings: Settings, name: str) -> bool:
+    """Carry out an alias move that a crash cut short, if there is one; whether there was. Caller holds the registry lock."""
+    try:
+        pending = client.get_registered_model(name).tags.get(PENDING_MOVE)
+    except MlflowException as exc:
+        if exc.error_code == "RESOURCE_DOES_NOT_EXIST":
+            return False
+        raise
+    if pending:
+        carry_out(client, settings, name, json.loads(pending))
+    return bool(pending)
 
 
 def crown(client: MlflowClient, settings: Settings, name: str, version: str, action: str, reason: str, flow_run_id: str | None = None) -> None:
     """Make `version` the champion; the one it replaces becomes previous-champion. Caller holds the registry lock."""
-    old = move_alias(client, name, CHAMPION, version)
-    rows = [{"model": name, "alias": CHAMPION, "from_version": old, "to_version": str(version), "action": action, "reason": reason, "flow_run_id": flow_run_id}]
+    old = alias_version(client, name, CHAMPION)
+    targets, reasons = {CHAMPION: str(version)}, {CHAMPION: reason}
     if old is not None and old != str(version):
-        before = move_alias(client, name, PREVIOUS, old)
-        rows.append({"model": name, "alias": PREVIOUS, "from_version": before, "to_version": old, "action": action, "reason": f"replaced by v{version}", "flow_run_id": flow_run_id})
-    if alias_version(client, name, CHALLENGER) == str(version):
-        client.delete_registered_model_alias(name, CHALLENGER)
-    record(settings, rows)
+        targets[PREVIOUS], reasons[PREVIOUS] = old, f"replaced by v{version}"
+    move_aliases(client, settings, name, targets, action, reasons, flow_run_id, drop=CHALLENGER)
 
 
 def gate(
@@ -161,19 +287,17 @@ def gate(
 
     The champion is read inside the lock, just before the aliases move (compare-and-set): two
     promotions finishing together are decided one after the other, each against the champion
-    the other left, so the worse model can never end up champion.
+    the other left, so the worse model can never end up champion. Only a champion known to be
+    unusable is replaced without a comparison; one that cannot be fetched now stops the gate.
     """
     candidate = evaluate(load_registered_model(client, name, version, settings.allow_pickle_models), images, labels, classes)
     metric = settings.promotion_metric
     with registry_lock(settings, name):
+        finish_pending_move(client, settings, name)
         champion_version = alias_version(client, name, CHAMPION)
         champion_value, champion_error = None, None
         if champion_version is not None and champion_version != str(version):
-            try:
-                champion_model = load_registered_model(client, name, champion_version, settings.allow_pickle_models)
-                champion_value = evaluate(champion_model, images, labels, classes)[metric]
-            except Exception as exc:  # any failure to load or run the champion is recorded and replaces it
-                champion_error = f"v{champion_version}: {type(exc).__name__}: {exc}"[:300]
+            champion_value, champion_error = champion_metric(client, settings, name, champion_version, images, labels, classes)
         decision = decide_promotion(metric, candidate[metric], champion_value, settings.promotion_margin, champion_error)
         tags = {
             "promotion_decision": "promoted" if decision.promote else "not promoted",
@@ -190,24 +314,20 @@ def gate(
         if decision.promote:
             crown(client, settings, name, version, "gate", decision.reason, flow_run_id)
         else:
-            before = move_alias(client, name, CHALLENGER, version)
-            record(settings, [{"model": name, "alias": CHALLENGER, "from_version": before, "to_version": str(version), "action": "gate", "reason": decision.reason, "flow_run_id": flow_run_id}])
+            move_aliases(client, settings, name, {CHALLENGER: str(version)}, "gate", {CHALLENGER: decision.reason}, flow_run_id)
     return decision, candidate, champion_version
 
 
 def rollback(client: MlflowClient, settings: Settings, name: str, reason: str) -> tuple[str, str]:
     """Move `champion` back to `previous-champion`; return (from, to)."""
     with registry_lock(settings, name):
+        finish_pending_move(client, settings, name)
         current = alias_version(client, name, CHAMPION)
         previous = alias_version(client, name, PREVIOUS)
         if previous is None:
             raise RegistryError(f"model {name!r} has no {PREVIOUS!r} alias: there is nothing to roll back to")
-        client.set_registered_model_alias(name, CHAMPION, previous)
-        rows = [{"model": name, "alias": CHAMPION, "from_version": current, "to_version": previous, "action": "rollback", "reason": reason}]
-        if current is not None:
-            client.set_registered_model_alias(name, PREVIOUS, current)
-            rows.append({"model": name, "alias": PREVIOUS, "from_version": previous, "to_version": current, "action": "rollback", "reason": reason})
-        record(settings, rows)
+        targets = {CHAMPION: previous, **({PREVIOUS: current} if current is not None else {})}
+        move_aliases(client, settings, name, targets, "rollback", {CHAMPION: reason, PREVIOUS: reason})
     return current or "", previous
 
 
@@ -217,6 +337,7 @@ def force_promote(client: MlflowClient, settings: Settings, name: str, version: 
         raise RegistryError("a forced promotion needs a --reason")
     model_files(client, name, version)  # fails clearly for an unknown model or version
     with registry_lock(settings, name):
+        finish_pending_move(client, settings, name)
         crown(client, settings, name, str(version), "manual", reason)
 
 

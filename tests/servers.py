@@ -112,3 +112,31 @@ class PrefectServer:
             stop_group(worker)
         if self.process is not None:
             stop_group(self.process)
+
+
+class MlflowServer:
+    """`mlflow server` on 127.0.0.1: a tracking server on a SQLite file, or (artifacts_only) an artifact store alone,
+    its files in ROOT, so that a stopped server started again on the same port serves what it served before."""
+
+    def __init__(self, root: Path, artifacts_only: bool = False) -> None:
+        self.root, self.artifacts_only = root, artifacts_only
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> "MlflowServer":
+        self.root.mkdir(parents=True, exist_ok=True)
+        store = ["--artifacts-only"] if self.artifacts_only else ["--backend-store-uri", f"sqlite:///{self.root / 'mlflow.db'}"]
+        log = self.root / "mlflow.log"
+        self.process = subprocess.Popen(
+            [str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(self.port), "--workers", "1",
+             "--artifacts-destination", str(self.root / "artifacts"), *store],
+            stdout=log.open("a"), stderr=subprocess.STDOUT, start_new_session=True, env=cli_env(), cwd=self.root,
+        )
+        wait_http(f"{self.url}/health", 120, self.process, log)
+        return self
+
+    def stop(self) -> None:
+        if self.process is not None:
+            stop_group(self.process)
+            self.process = None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pickle
 import threading
+import time
 from pathlib import Path
 
 import mlflow
@@ -191,3 +192,139 @@ def test_a_model_versions_recorded_settings_never_turn_on_what_runs_code_or_load
 
     found = {"delta_version": "3", "training_params": json.dumps({}), "split_settings": json.dumps({"val_fraction": 0.2, "allow_pickle_models": True, "spark_conf": {"a": "b"}})}
     assert retrain_overrides(found) == {"val_fraction": 0.2}
+
+
+def register_in(client, model: torch.nn.Module, images: np.ndarray, experiment: str) -> str:
+    with mlflow.start_run(experiment_id=experiment):
+        info = mlflow.pytorch.log_model(model, name="model", input_example=images[:2], serialization_format="pt2")
+    return str(mlflow.register_model(info.model_uri, NAME).version)
+
+
+@pytest.mark.slow
+def test_a_champion_the_store_cannot_serve_now_is_kept_and_the_gate_retries(spark, registry, tmp_path: Path, monkeypatch) -> None:
+    from tasks.registry import ChampionUnreachable
+    from tests.servers import MlflowServer
+
+    client, settings, models, images, labels = registry
+    store = MlflowServer(tmp_path / "artifact-store", artifacts_only=True).start()
+    try:
+        monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # a refused connection fails at once, not after minutes of retries
+        remote = client.create_experiment("remote", artifact_location=f"{store.url}/api/2.0/mlflow-artifacts/artifacts/remote")
+        champion = register_in(client, models["good"], images, remote)
+        gate(client, settings, NAME, champion, images, labels, 4)
+        candidate = register(client, models["bad"], images)  # stored locally: only the champion's store fails
+
+        store.stop()  # the artifact store stops answering
+        with pytest.raises(ChampionUnreachable, match=rf"champion {NAME} v{champion} could not be fetched .*no alias moved"):
+            gate(client, settings, NAME, candidate, images, labels, 4)
+        assert alias_version(client, NAME, CHAMPION) == champion and alias_version(client, NAME, CHALLENGER) is None
+        assert "promotion_decision" not in client.get_model_version(NAME, candidate).tags
+        assert moves(spark, settings) == [(CHAMPION, None, champion, "gate")]
+
+        store.start()  # back: the retry compares, and the worse model stays challenger
+        decision, _, compared = gate(client, settings, NAME, candidate, images, labels, 4)
+        assert not decision.promote and compared == champion and alias_version(client, NAME, CHAMPION) == champion
+    finally:
+        store.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("damage", ["files gone", "not a model"])
+def test_a_champion_known_to_be_unusable_is_replaced_with_the_reason(spark, registry, damage: str) -> None:
+    import shutil
+
+    client, settings, models, images, labels = registry
+    champion = register(client, models["good"], images)
+    gate(client, settings, NAME, champion, images, labels, 4)
+    folder = Path(client.get_model_version_download_uri(NAME, champion).removeprefix("file://"))
+    if damage == "files gone":
+        shutil.rmtree(folder)
+    else:
+        next(folder.rglob("model.pt2")).write_bytes(b"not a program")
+    candidate = register(client, models["bad"], images)
+    decision, _, _ = gate(client, settings, NAME, candidate, images, labels, 4)
+    assert decision.promote and alias_version(client, NAME, CHAMPION) == candidate
+    assert f"the champion could not be evaluated (v{champion}: " in decision.reason
+
+
+@pytest.mark.slow
+def test_an_alias_move_cut_short_is_finished_before_the_next_decision(spark, registry) -> None:
+    from tasks.registry import PENDING_MOVE
+
+    client, settings, models, images, labels = registry
+    first = register(client, models["bad"], images)
+    gate(client, settings, NAME, first, images, labels, 4)
+    history_folder = Path(settings.history_uri)
+    shutil_move = history_folder.with_name("history-away")
+    history_folder.rename(shutil_move)
+    history_folder.write_text("not a folder: the history cannot be written")  # the run dies between the aliases and the history
+    better = register(client, models["good"], images)
+    with pytest.raises(Exception):
+        gate(client, settings, NAME, better, images, labels, 4)
+    assert PENDING_MOVE in client.get_registered_model(NAME).tags, "the move was written down before it began"
+
+    history_folder.unlink()
+    shutil_move.rename(history_folder)
+    third = register(client, models["bad"], images)
+    decision, _, compared = gate(client, settings, NAME, third, images, labels, 4)
+    assert compared == better and not decision.promote, "the cut-short move was finished first: the next gate compares with its champion"
+    assert PENDING_MOVE not in client.get_registered_model(NAME).tags
+    assert (alias_version(client, NAME, CHAMPION), alias_version(client, NAME, PREVIOUS)) == (better, first)
+    assert moves(spark, settings) == [
+        (CHAMPION, None, first, "gate"), (CHAMPION, first, better, "gate"), (PREVIOUS, None, first, "gate"), (CHALLENGER, None, third, "gate"),
+    ], "every move has its history row, once"
+
+
+@pytest.mark.slow
+def test_two_hosts_promoting_at_once_are_serialised_by_the_prefect_server(prefect_api: str, tmp_path: Path) -> None:
+    """Two processes with their own workspaces (no file lock in common, as on two hosts), one MLflow server and one
+    Prefect server: the second gate compares with the model the first crowned, never with the champion both saw."""
+    import json
+    import subprocess
+    import sys
+
+    from infra.settings import load_settings
+    from tests.conftest import REPO, cli_env
+    from tests.servers import MlflowServer
+
+    server = MlflowServer(tmp_path / "mlflow").start()
+    try:
+        shared = {"IMAGELAKE_MLFLOW_TRACKING_URI": server.url, "IMAGELAKE_TABLE_ROOT": str(tmp_path / "tables"),
+                  "IMAGELAKE_PREFECT_API_URL": prefect_api, "IMAGELAKE_MODEL_NAME": NAME}
+        settings = load_settings(overrides={"workspace": str(tmp_path / "ws-0"), "mlflow_tracking_uri": server.url,
+                                            "table_root": str(tmp_path / "tables"), "prefect_api_url": prefect_api})
+        client = mlflow_client(settings)
+        mlflow.set_tracking_uri(server.url)
+        mlflow.set_experiment(experiment_id=experiment_id(client, settings))
+        torch.manual_seed(0)
+        good, bad = ImageModel(4).eval(), ImageModel(4).eval()
+        images = np.random.default_rng(0).integers(0, 256, (48, 16, 16, 3), dtype=np.uint8)
+        with torch.no_grad():
+            labels = good(torch.from_numpy(images)).argmax(dim=1).numpy()
+        np.savez(tmp_path / "split.npz", images=images, labels=labels)
+        champion = register(client, bad, images)
+        gate(client, settings, NAME, champion, images, labels, 4)
+        candidates = [register(client, good, images) for _ in range(2)]  # both beat the champion; they tie with each other
+
+        go = tmp_path / "go"
+        racers = [
+            subprocess.Popen(
+                [sys.executable, "-m", "tests.gate_racer", NAME, version, str(tmp_path / "split.npz"), str(go), str(tmp_path / f"out-{version}.json")],
+                cwd=REPO, env=cli_env({**shared, "IMAGELAKE_WORKSPACE": str(tmp_path / f"ws-{version}")}),
+            )
+            for version in candidates
+        ]
+        deadline = time.monotonic() + 120
+        while not all((tmp_path / f"out-{version}.json.ready").exists() for version in candidates) and time.monotonic() < deadline:
+            time.sleep(0.1)  # until both have loaded what they need and wait for the signal
+        go.touch()
+        assert [racer.wait(300) for racer in racers] == [0, 0]
+        results = {version: json.loads((tmp_path / f"out-{version}.json").read_text()) for version in candidates}
+        winner = next(version for version, result in results.items() if result["promoted"])
+        loser = next(version for version in candidates if version != winner)
+        assert results[winner]["compared_with"] == champion and not results[loser]["promoted"]
+        assert results[loser]["compared_with"] == winner, "the second gate saw the first's champion: the two were serialised"
+        assert (alias_version(client, NAME, CHAMPION), alias_version(client, NAME, PREVIOUS), alias_version(client, NAME, CHALLENGER)) == (winner, champion, loser)
+    finally:
+        mlflow.set_tracking_uri(None)
+        server.stop()

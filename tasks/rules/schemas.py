@@ -71,5 +71,6 @@ HISTORY_SCHEMA = pa.schema(
         ("who", pa.string()),
         ("at", pa.timestamp("us", tz="UTC")),
         ("flow_run_id", pa.string()),
+        ("move_id", pa.string()),  # one per alias move: its rows (champion and previous-champion) share it
     ]
 )
