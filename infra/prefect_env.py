@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import re
 from typing import Iterator
+
+from filelock import FileLock
 
 from prefect.context import FlowRunContext
 from prefect.filesystems import LocalFileSystem, RemoteFileSystem, WritableFileSystem
@@ -55,3 +59,49 @@ def prefect_api_in_use(settings: Settings) -> str | None:
     if settings.prefect_api_url:
         return settings.prefect_api_url
     return PREFECT_API_URL.value() or None
+
+
+def lock_name(what: str) -> str:
+    """A name for a lock file and a Prefect concurrency limit: WHAT's safe characters and a digest of all of it."""
+    return f"imagelake-{re.sub(r'[^A-Za-z0-9_.-]', '-', what)[:80]}-{hashlib.sha256(what.encode()).hexdigest()[:8]}"
+
+
+@contextlib.contextmanager
+def one_at_a_time(settings: Settings, what: str, timeout: float | None = 600) -> Iterator[None]:
+    """Hold the lock on WHAT: a file lock in the workspace for this machine's runs, and a Prefect global concurrency
+    limit of one slot for every run that talks to the same Prefect server, on any host (its lease lapses if the holder
+    dies). On Prefect's ephemeral server, which lives on this machine, the file lock is the lock. TimeoutError after
+    TIMEOUT seconds of waiting (None: wait as long as it takes)."""
+    name = lock_name(what)
+    folder = settings.workspace_dir / "locks"
+    folder.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(folder / f"{name}.lock"), timeout=-1 if timeout is None else timeout):
+        api = prefect_api_in_use(settings)
+        if api is None:
+            yield
+            return
+        from prefect.concurrency.sync import concurrency
+
+        with temporary_settings(updates={PREFECT_API_URL: api}):
+            ensure_one_slot(name)
+            with concurrency(name, occupy=1, timeout_seconds=timeout, lease_duration=60, strict=True):
+                yield
+
+
+def ensure_one_slot(limit: str) -> None:
+    """A Prefect global concurrency limit of one slot named LIMIT, created if missing (two creators at once: one wins)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
+    from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
+
+    with get_client(sync_client=True) as client:
+        try:
+            found = client.read_global_concurrency_limit_by_name(limit)
+        except ObjectNotFound:
+            try:
+                client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=limit, limit=1))
+            except ObjectAlreadyExists:
+                pass
+            return
+    if found.limit != 1 or not found.active:
+        raise RuntimeError(f"Prefect's global concurrency limit {limit!r} must be active with 1 slot; it has {found.limit} (active: {found.active})")

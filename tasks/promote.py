@@ -19,7 +19,7 @@ from tasks.cards import confusion_matrix, metric_keys, model_card, per_class_met
 from tasks.worker.loader import pixel_rows, split_files
 from tasks.worker.model import ImageClassifier, ImageModel
 from tasks.predict import predict
-from tasks.registry import gate
+from tasks.registry import gate, registry_lock
 from tasks.results import CachedSplits, Promoted, Trained
 from tasks.rules.promotion import CHALLENGER, CHAMPION, Decision, decision_markdown
 from tasks.stage import stage
@@ -80,13 +80,15 @@ def promote_model(
         mlflow.log_metrics(
             {f"test_{name}_{key}": row[name] for row, key in zip(per_class, metric_keys(cached.labels)) for name in ("precision", "recall", "f1")}
         )
-    # A retried stage registers no second version: the run's own, if an earlier attempt registered it, is the candidate.
-    version = registered_version(client, settings.model_name, trained.mlflow_run_id)
-    if version is None:
-        with mlflow.start_run(run_id=trained.mlflow_run_id):
-            # pt2 (torch.export): a format that loads without unpickling.
-            info = mlflow.pytorch.log_model(model, name="model", input_example=images[:2].copy(), serialization_format="pt2")
-        version = str(mlflow.register_model(info.model_uri, settings.model_name).version)
+    # A training run is registered once: a retried stage, or a second flow run that got the same training's result,
+    # finds the version an earlier one registered (under the registry's lock, so two at once cannot both register).
+    with registry_lock(settings, settings.model_name):
+        version = registered_version(client, settings.model_name, trained.mlflow_run_id)
+        if version is None:
+            with mlflow.start_run(run_id=trained.mlflow_run_id):
+                # pt2 (torch.export): a format that loads without unpickling.
+                info = mlflow.pytorch.log_model(model, name="model", input_example=images[:2].copy(), serialization_format="pt2")
+            version = str(mlflow.register_model(info.model_uri, settings.model_name).version)
     params = client.get_run(trained.mlflow_run_id).data.params
     tags = {
         "delta_table": cached.table_uri,

@@ -17,14 +17,11 @@ import numpy as np
 import pyarrow as pa
 import torch
 import yaml
-from filelock import FileLock
 from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
-from prefect.concurrency.sync import concurrency
-from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from infra.delta import Table
-from infra.prefect_env import prefect_api_in_use
+from infra.prefect_env import one_at_a_time
 from infra.settings import UNSAFE_FROM_RUNS, Settings
 from tasks.rules.schemas import HISTORY_SCHEMA
 from tasks.rules.training import PARAM_SETTINGS
@@ -141,45 +138,12 @@ def champion_state_dict(client: MlflowClient, name: str, version: str, allow_pic
     return {key: tensor.detach().clone() for key, tensor in model.state_dict().items()}
 
 
-LOCK_SECONDS = 600  # how long a promotion waits for another to finish before it fails (and its stage retries)
-
-
 @contextmanager
 def registry_lock(settings: Settings, name: str) -> Iterator[None]:
-    """Serialise alias moves of one model: a compare-and-set needs the champion not to move under it. A file lock in the
-    workspace serialises this machine's runs; a Prefect global concurrency limit of one slot serialises every run that
-    talks to the same Prefect server, on any host (its lease lapses if a holder dies)."""
-    folder = settings.workspace_dir / "locks"
-    folder.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(folder / f"registry-{name}.lock"), timeout=LOCK_SECONDS):
-        api = prefect_api_in_use(settings)
-        if api is None:  # Prefect's ephemeral server lives in this process's machine: the file lock is the lock
-            yield
-            return
-        with temporary_settings(updates={PREFECT_API_URL: api}):
-            limit = ensure_one_slot(f"imagelake-registry-{name}")
-            with concurrency(limit, occupy=1, timeout_seconds=LOCK_SECONDS, lease_duration=60, strict=True):
-                yield
-
-
-def ensure_one_slot(limit: str) -> str:
-    """A Prefect global concurrency limit of one slot named LIMIT, created if missing (two creators at once: one wins)."""
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
-    from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
-
-    with get_client(sync_client=True) as client:
-        try:
-            found = client.read_global_concurrency_limit_by_name(limit)
-        except ObjectNotFound:
-            try:
-                client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=limit, limit=1))
-            except ObjectAlreadyExists:
-                pass
-            return limit
-        if found.limit != 1 or not found.active:
-            raise RegistryError(f"Prefect's global concurrency limit {limit!r} must be active with 1 slot for promotions to be serialised; it has {found.limit} (active: {found.active})")
-    return limit
+    """Serialise alias moves of one model, on this machine and across hosts (infra/prefect_env.py: one_at_a_time):
+    a compare-and-set needs the champion not to move under it."""
+    with one_at_a_time(settings, f"registry-{name}"):
+        yield
 
 
 def record(settings: Settings, rows: list[dict]) -> None:
@@ -295,8 +259,11 @@ def gate(
     with registry_lock(settings, name):
         finish_pending_move(client, settings, name)
         champion_version = alias_version(client, name, CHAMPION)
+        if champion_version == str(version):  # a second flow run that got the same training's result: nothing to decide
+            reason = f"v{version} is the champion already (its gate ran in an earlier flow run)"
+            return Decision(True, reason, metric, candidate[metric], candidate[metric], settings.promotion_margin), candidate, champion_version
         champion_value, champion_error = None, None
-        if champion_version is not None and champion_version != str(version):
+        if champion_version is not None:
             champion_value, champion_error = champion_metric(client, settings, name, champion_version, images, labels, classes)
         decision = decide_promotion(metric, candidate[metric], champion_value, settings.promotion_margin, champion_error)
         tags = {

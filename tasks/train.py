@@ -19,10 +19,11 @@ from mlflow.entities import Param
 from prefect.artifacts import create_link_artifact
 from prefect.runtime import flow_run
 from prefect.settings import PREFECT_TASKS_REFRESH_CACHE
-from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+from ray.train import CheckpointConfig, FailureConfig, Result, RunConfig, ScalingConfig
 from ray.train.lightning import RayTrainReportCallback
 from ray.train.torch import TorchTrainer
 
+from infra.prefect_env import one_at_a_time
 from infra.ray_runtime import connect_ray
 from infra.settings import Settings
 from infra.tracking import experiment_id, mlflow_client, run_url
@@ -155,7 +156,11 @@ def fit(cached: CachedSplits, settings: Settings, client: MlflowClient, run_id: 
     # Ray Train resumes a run whose (storage_path, name) already holds checkpoints: a retried task, or a
     # re-run after a crash, continues from the interrupted run's latest checkpoint instead of starting over.
     trainer = TorchTrainer(train_loop_per_worker, train_loop_config=config, scaling_config=scaling, run_config=run_config)
-    result = trainer.fit()
+    return trained_of(trainer.fit(), settings, client, run_id, name, config["learning_rate"], warm)
+
+
+def trained_of(result: Result, settings: Settings, client: MlflowClient, run_id: str, name: str, learning_rate: float, warm: WarmStart) -> Trained:
+    """A Ray Train result as the stage's result: its best checkpoint by validation loss, and what rank 0 logged."""
     checkpoint, metrics = min(result.best_checkpoints, key=lambda pair: pair[1]["val_loss"])
     recorded = client.get_run(run_id).data  # what rank 0 logged: its Ray node ids and its fit time
     return Trained(
@@ -163,7 +168,7 @@ def fit(cached: CachedSplits, settings: Settings, client: MlflowClient, run_id: 
         ray_run_path=storage_uri(result.filesystem, result.path),
         mlflow_run_id=run_id,
         num_workers=settings.num_workers,
-        learning_rate=config["learning_rate"],
+        learning_rate=learning_rate,
         run_name=name,
         epochs_run=int((result.metrics or metrics)["epoch"]) + 1,
         best_val_loss=float(metrics["val_loss"]),
@@ -172,6 +177,26 @@ def fit(cached: CachedSplits, settings: Settings, client: MlflowClient, run_id: 
         fit_seconds=recorded.metrics.get(FIT_SECONDS, 0.0),
         warm_started_from=warm.source,
     )
+
+
+def finished_training(client: MlflowClient, settings: Settings, name: str, warm: WarmStart) -> Trained | None:
+    """The result of Ray run NAME if a run with the same key has finished it (its MLflow run FINISHED, its best checkpoint
+    still there), else None."""
+    found = client.search_runs(
+        [experiment_id(client, settings)], filter_string=f"tags.ray_run = '{name}' and attributes.status = 'FINISHED'",
+        order_by=["attributes.start_time DESC"], max_results=1,
+    )
+    if not found:
+        return None
+    try:
+        trained = trained_of(
+            Result.from_path(f"{settings.ray_storage_path}/{name}"), settings, client, found[0].info.run_id, name,
+            float(found[0].data.params["learning_rate"]), warm,
+        )
+    except (OSError, ValueError, KeyError, RuntimeError):  # its folder or checkpoints are gone: train again
+        return None
+    fs, path = fsspec.core.url_to_fs(trained.checkpoint_path)
+    return trained if fs.exists(path) else None
 
 
 def training_run(client: MlflowClient, settings: Settings, cached: CachedSplits, name: str) -> str:
@@ -247,8 +272,23 @@ def train_model(cached: CachedSplits, settings: Settings, fresh: str | None = No
     client = mlflow_client(settings)
     warm = warm_start_of(client, settings, cached)
     name = run_name(cached, settings, fresh, warm.version)
-    run_id = training_run(client, settings, cached, name)
     logger = stage_logger()
+    # Two runs of one key at once (a nightly run and an ad-hoc one on the same data) would train into one Ray run and
+    # one MLflow run: one trains, and the other waits and takes its result.
+    with one_at_a_time(settings, f"train-{name}", timeout=None):
+        done = finished_training(client, settings, name, warm)
+        if done is not None:
+            logger.info(f"train: Ray run {name} was trained by another run of the same data, settings and code: its result is used")
+            return done
+        return train_in(cached, settings, client, name, warm, on_start)
+
+
+def train_in(
+    cached: CachedSplits, settings: Settings, client: MlflowClient, name: str, warm: WarmStart, on_start: Callable[[str], None] | None
+) -> Trained:
+    """Train as Ray run NAME (resuming it, and its MLflow run, where an earlier attempt left them unfinished)."""
+    logger = stage_logger()
+    run_id = training_run(client, settings, cached, name)
     logger.info(f"train: MLflow run {run_url(client, settings, run_id)} ({settings.num_workers} Ray worker(s), up to {settings.max_epochs} epochs)")
     if settings.warm_start:
         logger.info(f"train: warm start from {settings.model_name} v{warm.version} ({warm.reason})" if warm.version else f"train: warm_start is on, but trains from scratch: {warm.reason}")

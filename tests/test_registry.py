@@ -315,7 +315,7 @@ def test_two_hosts_promoting_at_once_are_serialised_by_the_prefect_server(prefec
             for version in candidates
         ]
         deadline = time.monotonic() + 120
-        while not all((tmp_path / f"out-{version}.json.ready").exists() for version in candidates) and time.monotonic() < deadline:
+        while not all((tmp_path / f"out-{version}.json.ready").exists() for version in candidates) and time.monotonic() < deadline and all(r.poll() is None for r in racers):
             time.sleep(0.1)  # until both have loaded what they need and wait for the signal
         go.touch()
         assert [racer.wait(300) for racer in racers] == [0, 0]

@@ -310,3 +310,40 @@ def test_a_custom_run_from_the_prefect_ui_form(chromium: Path, deployed: Deploye
     if published:
         Path(published).mkdir(parents=True, exist_ok=True)
         shutil.copy(shots / "2-completed-run.png", Path(published) / "prefect-ui-custom-run.png")
+
+
+def test_a_backfill_and_the_nightly_run_at_once_count_every_image_once_and_leave_one_champion(spark, deployed: Deployed, tmp_path: Path) -> None:
+    from infra.delta import Table, read_version
+    from infra.settings import load_settings
+    from infra.tracking import mlflow_client
+    from tasks.registry import PENDING_MOVE, alias_version
+    from tasks.rules.promotion import CHAMPION
+    from tests.lake import copy_digits
+
+    landing = tmp_path / "landing"
+    for day, skip in (("2024-03-01", 0), ("2024-03-02", 5), ("2024-03-03", 10)):
+        copy_digits(deployed.source, landing / f"date={day}", labels=("0", "1", "2", "3"), per_label=5, skip=skip)
+    small = {"image_size": 32, "max_epochs": 1, "batch_size": 16, "num_workers": 1}
+    nightly, backfill = deployed.deployment("imagelake-pipeline", "nightly"), deployed.deployment("imagelake-backfill", "backfill")
+    runs = [
+        deployed.create_run(nightly, custom_run_body(nightly, {"source": str(landing), "overrides": small}, "nightly-beside-a-backfill")),
+        deployed.create_run(backfill, custom_run_body(backfill, {
+            "source": str(landing), "start_date": "2024-03-01", "end_date": "2024-03-03", "max_concurrency": 2, "dry_run": False, "overrides": small,
+        }, "backfill-beside-the-nightly")),
+    ]
+    assert [created.status_code for created in runs] == [201, 201], [created.text for created in runs]
+    for created in runs:
+        deployed.wait_for_run(created.json()["id"], timeout=2 * RUN_TIMEOUT)
+
+    table = str(deployed.workspace / "tables" / "images")
+    paths = [row["path"] for row in read_version(spark, table, Table(table).version(), "delta-rs").select("path").collect()]
+    landed = [path for path in paths if f"{landing}/" in path]
+    assert len(landed) == len(set(landed)) == 60, "every image of the landing folder once"
+    settings = load_settings(overrides={"workspace": str(deployed.workspace)})
+    client = mlflow_client(settings)
+    assert alias_version(client, settings.model_name, CHAMPION) is not None
+    assert PENDING_MOVE not in client.get_registered_model(settings.model_name).tags, "no alias move left half done"
+    crowned = [row for row in Table(settings.history_uri, spark).read(["alias", "from_version", "to_version", "at"]).to_pylist() if row["alias"] == CHAMPION]
+    chain = sorted(crowned, key=lambda row: row["at"])
+    assert all(before["to_version"] == after["from_version"] for before, after in zip(chain, chain[1:])), "each crowning replaced the champion before it"
+    assert chain[-1]["to_version"] == alias_version(client, settings.model_name, CHAMPION)

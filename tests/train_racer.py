@@ -1,0 +1,30 @@
+"""Train and promote one cached split in its own process (settings from IMAGELAKE_* variables), started when a file
+appears: two of these at once are a nightly run and an ad-hoc run of the same data."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+from infra.settings import load_settings
+from tasks.promote import promote_model
+from tasks.results import CachedSplits
+from tasks.train import train_model
+
+
+def main(cached_json: str, go: str, out: str) -> None:
+    settings = load_settings()
+    cached = CachedSplits.model_validate({**json.loads(Path(cached_json).read_text()), "reused": False})
+    Path(f"{out}.ready").touch()
+    while not Path(go).exists():
+        time.sleep(0.01)
+    trained = train_model(cached, settings)
+    promoted, *_ = promote_model(trained, cached, settings, None)
+    Path(out).write_text(json.dumps({"run": trained.mlflow_run_id, "checkpoint": trained.checkpoint_path, "epochs": trained.epochs_run,
+                                     "version": promoted.model_version, "alias": promoted.alias}))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])
