@@ -142,7 +142,9 @@ def commit_files(table_uri: str, schema: pa.Schema, files: list[str]) -> int:
                     table_uri, DeltaSchema.from_arrow(schema), actions, mode="append", commit_properties=properties, storage_options=storage_options(table_uri)
                 )
             else:
-                _rs(table_uri).create_write_transaction(actions, "append", DeltaSchema.from_arrow(schema), commit_properties=properties)
+                # The table's own schema (which holds SCHEMA's columns): columns another writer added stay.
+                table = _rs(table_uri)
+                table.create_write_transaction(actions, "append", table.schema(), commit_properties=properties)
             return _version_of_write(table_uri, write_id)
         except (CommitFailedError, DeltaError) as exc:
             # Two first writes race to create the table: the loser (whatever delta-rs calls its error) appends to the winner's.
@@ -383,6 +385,43 @@ def sql_in(column: str, values: list[str]) -> str:
     if not values:
         return "FALSE"
     return f"{column} IN (" + ", ".join("'" + value.replace("'", "''") + "'" for value in values) + ")"
+
+
+class UnsupportedTable(PermanentError, ValueError):
+    """A Delta table in a form whose data files imagelake cannot read as plain Parquet."""
+
+
+def plain_files_problem(table_uri: str, version: int | None = None) -> str | None:
+    """Why the data files of the table's VERSION (default: current) do not hold its rows as plain Parquet, or None.
+    imagelake's driver and delta-rs paths read data files by column name and in full: column mapping renames the
+    columns in the files, and a deletion vector deletes rows without rewriting its file."""
+    table = _rs(table_uri, version)
+    mode = table.metadata().configuration.get("delta.columnMapping.mode", "none")
+    if mode != "none":
+        return (
+            f"it uses column mapping (mode '{mode}': its data files name columns by id), which imagelake does not read. Copy it into a "
+            f"table without column mapping (in Spark: CREATE TABLE delta.`<new folder>` AS SELECT * FROM delta.`{table_uri}`) and set "
+            "table_root to that table's folder"
+        )
+    if "deletionVectors" in set(table.protocol().reader_features or []):
+        carrying = pa.table(table.deletion_vectors()).num_rows  # the data files that have one
+        if carrying:
+            return (
+                f"{carrying} of its data files carry deletion vectors (rows deleted without rewriting their file), which imagelake "
+                f"does not apply. Rewrite those files (in Spark: REORG TABLE delta.`{table_uri}` APPLY (PURGE)), and to keep it so, "
+                f"ALTER TABLE delta.`{table_uri}` SET TBLPROPERTIES ('delta.enableDeletionVectors' = 'false'); then run again"
+            )
+    return None
+
+
+def check_plain_files(table_uri: str) -> None:
+    """Refuse a table whose data files are not plain Parquet of its rows (see `plain_files_problem`), naming it, its
+    version and what to do."""
+    if not table_exists(table_uri):
+        return
+    problem = plain_files_problem(table_uri)
+    if problem:
+        raise UnsupportedTable(f"Delta table {table_uri} v{table_version(table_uri)}: {problem}")
 
 
 def table_version(table_uri: str) -> int | None:

@@ -16,7 +16,7 @@ from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from infra.compat import collect_arrow
-from infra.delta import Engine, Table
+from infra.delta import Engine, Table, check_plain_files
 from infra.settings import Settings
 from tasks.results import TableVersion
 from tasks.rules.schemas import IMAGE_TABLE_SCHEMA
@@ -45,6 +45,9 @@ class ImageTable:
     images: Table
     quarantine: Table | None
     image_size: int
+
+    def __post_init__(self) -> None:
+        check_plain_files(self.images.uri)  # a table another writer gave deletion vectors or column mapping: refused, saying what to do
 
     @classmethod
     def of(cls, settings: Settings, engine: Engine | None = None) -> ImageTable:

@@ -109,3 +109,53 @@ def test_commit_versions_are_exact_while_another_writer_commits(tmp_path: Path) 
         stop.touch()
         other.wait(timeout=60)
     assert not wrong, f"versions reported for these commits were not theirs: {wrong}"
+
+
+def test_a_column_another_writer_added_stays_and_the_runs_go_on(spark, lake, digits_dir: Path, tmp_path: Path) -> None:
+    import shutil
+
+    from tests.lake import copy_digits
+
+    source = tmp_path / "src"
+    copy_digits(digits_dir, source, labels=("0", "1"), per_label=5)
+    lake.run(source)
+    spark.sql(f"ALTER TABLE delta.`{lake.table}` ADD COLUMNS (reviewer STRING)")  # another team's column
+    spark.sql(f"UPDATE delta.`{lake.table}` SET reviewer = 'ann' WHERE label = '0'")
+    copy_digits(digits_dir, source, labels=("2",), per_label=5)
+    _, _, added = lake.run(source)  # an append of the run's own data files
+    changed = sorted((source / "1").glob("*.png"))[0]
+    shutil.copy(sorted((digits_dir / "3").glob("*.png"))[0], changed)  # a file rewritten in place (new bytes): a merge
+    _, _, merged = lake.run(source)
+    assert (added.rows, merged.rows) == (5, 1)
+    assert "reviewer" in Table(lake.table).columns(), "the other writer's column is still there"
+    table = lake.read(lake.table, ["path", "label", "reviewer"])
+    assert len(table["path"]) == 15 and table["reviewer"].count("ann") == 5 and table["label"].count("2") == 5
+
+
+def test_a_table_another_writer_gave_column_mapping_is_refused_saying_what_to_do(spark, lake, digits_dir: Path, tmp_path: Path) -> None:
+    from infra.delta import UnsupportedTable
+    from tests.lake import copy_digits
+
+    source = tmp_path / "src"
+    copy_digits(digits_dir, source, labels=("0", "1"), per_label=5)
+    lake.run(source)
+    spark.sql(f"ALTER TABLE delta.`{lake.table}` SET TBLPROPERTIES "
+              "('delta.columnMapping.mode' = 'name', 'delta.minReaderVersion' = '2', 'delta.minWriterVersion' = '5')")
+    version = Table(lake.table).version()
+    copy_digits(digits_dir, source, labels=("2",), per_label=2)
+    with pytest.raises(UnsupportedTable, match=rf"Delta table {lake.table} v{version}: it uses column mapping .* CREATE TABLE"):
+        lake.run(source)
+    assert Table(lake.table).version() == version, "nothing was written"
+
+
+def test_deletion_vectors_are_seen_and_named_with_what_to_do(spark, tmp_path: Path) -> None:
+    from infra.delta import plain_files_problem
+
+    table = str(tmp_path / "dv")
+    spark.range(0, 100, 1, 1).selectExpr("id", "cast(id as string) as name").write.format("delta").save(table)
+    spark.sql(f"ALTER TABLE delta.`{table}` SET TBLPROPERTIES ('delta.enableDeletionVectors' = 'true')")
+    assert plain_files_problem(table) is None, "the feature alone deletes nothing"
+    spark.sql(f"DELETE FROM delta.`{table}` WHERE id = 7")  # one row of the one file: a deletion vector
+    assert "1 of its data files carry deletion vectors" in plain_files_problem(table) and "REORG TABLE" in plain_files_problem(table)
+    spark.sql(f"REORG TABLE delta.`{table}` APPLY (PURGE)")  # what the message says to do
+    assert plain_files_problem(table) is None
