@@ -159,3 +159,26 @@ def test_deletion_vectors_are_seen_and_named_with_what_to_do(spark, tmp_path: Pa
     assert "1 of its data files carry deletion vectors" in plain_files_problem(table) and "REORG TABLE" in plain_files_problem(table)
     spark.sql(f"REORG TABLE delta.`{table}` APPLY (PURGE)")  # what the message says to do
     assert plain_files_problem(table) is None
+
+
+def test_a_table_from_before_a_column_was_added_gets_it_and_keeps_its_rows(spark, lake, digits_dir: Path, tmp_path: Path) -> None:
+    import shutil
+
+    from infra.delta import read_version
+    from tests.lake import copy_digits
+
+    source = tmp_path / "src"
+    copy_digits(digits_dir, source, labels=("0", "1"), per_label=5)
+    lake.run(source)
+    # The table as an older imagelake wrote it: no `stamp` column.
+    older = pa.Table.from_pandas(read_version(spark, lake.table, Table(lake.table).version(), lake.engine).drop("stamp").toPandas(), preserve_index=False)
+    write_deltalake(lake.table, older, mode="overwrite", schema_mode="overwrite")
+    assert "stamp" not in Table(lake.table).columns()
+    copy_digits(digits_dir, source, labels=("2",), per_label=3)
+    shutil.copy(sorted((digits_dir / "3").glob("*.png"))[0], sorted((source / "1").glob("*.png"))[0])  # new bytes: a merge too
+    _, resized, written = lake.run(source, retire=True)
+    assert (resized.decoded, written.rows) == (4, 4) and "stamp" in Table(lake.table).columns()
+    stamps = lake.read(lake.table, ["path", "stamp"])
+    assert len(stamps["path"]) == 13 and sum(stamp is not None for stamp in stamps["stamp"]) == 4, "old rows read it as null"
+    _, resized, written = lake.run(source, retire=True)
+    assert (resized.decoded, written.rows, written.retired) == (0, 0, 0), "rows without a stamp are not taken for changed files"

@@ -61,17 +61,22 @@ def test_the_gate_rule_refuses_impossible_inputs(metric: str, candidate: float, 
         decide_promotion(metric, candidate, champion, 0.0)
 
 
-@pytest.fixture
-def registry(settings):
-    """A SQLite MLflow store with a test split whose labels one model ("good") predicts perfectly."""
-    client = mlflow_client(settings)
-    mlflow.set_experiment(experiment_id=experiment_id(client, settings))
+def models_and_split() -> tuple[dict[str, torch.nn.Module], np.ndarray, np.ndarray]:
+    """Two models and a test split whose labels one of them ("good") predicts perfectly."""
     torch.manual_seed(0)
     good, bad = ImageModel(4).eval(), ImageModel(4).eval()
     images = np.random.default_rng(0).integers(0, 256, (48, 16, 16, 3), dtype=np.uint8)
     with torch.no_grad():
         labels = good(torch.from_numpy(images)).argmax(dim=1).numpy()
-    return client, settings, {"good": good, "bad": bad}, images, labels
+    return {"good": good, "bad": bad}, images, labels
+
+
+@pytest.fixture
+def registry(settings):
+    """A SQLite MLflow store, two models and a test split (models_and_split)."""
+    client = mlflow_client(settings)
+    mlflow.set_experiment(experiment_id=experiment_id(client, settings))
+    return client, settings, *models_and_split()
 
 
 def register(client, model: torch.nn.Module, images: np.ndarray) -> str:
@@ -296,15 +301,11 @@ def test_two_hosts_promoting_at_once_are_serialised_by_the_prefect_server(prefec
         client = mlflow_client(settings)
         mlflow.set_tracking_uri(server.url)
         mlflow.set_experiment(experiment_id=experiment_id(client, settings))
-        torch.manual_seed(0)
-        good, bad = ImageModel(4).eval(), ImageModel(4).eval()
-        images = np.random.default_rng(0).integers(0, 256, (48, 16, 16, 3), dtype=np.uint8)
-        with torch.no_grad():
-            labels = good(torch.from_numpy(images)).argmax(dim=1).numpy()
+        models, images, labels = models_and_split()
         np.savez(tmp_path / "split.npz", images=images, labels=labels)
-        champion = register(client, bad, images)
+        champion = register(client, models["bad"], images)
         gate(client, settings, NAME, champion, images, labels, 4)
-        candidates = [register(client, good, images) for _ in range(2)]  # both beat the champion; they tie with each other
+        candidates = [register(client, models["good"], images) for _ in range(2)]  # both beat the champion; they tie with each other
 
         go = tmp_path / "go"
         racers = [

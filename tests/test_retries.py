@@ -68,15 +68,20 @@ def writes_a_file(path: str, settings) -> str:
 
 
 @flow
-def file_flow(path: str, settings) -> dict:
+def one_stage_flow(stage_name: str, path: str, settings) -> dict:
+    """Run one of this file's stages on PATH; how it ended and why it was a hit or a miss."""
     from infra.prefect_env import stage_results
     from prefect.context import FlowRunContext
     from tasks.stage import stage_outcomes
 
     with stage_results(settings):
-        writes_a_file(path, settings)
+        {"writes-a-file": writes_a_file, "reads-what-it-can": reads_what_it_can}[stage_name](path, settings)
     states, reasons = stage_outcomes(str(FlowRunContext.get().flow_run.id))
-    return {"state": states["writes-a-file"], "why": reasons["writes-a-file"]}
+    return {"state": states[stage_name], "why": reasons[stage_name]}
+
+
+def file_flow(path: str, settings) -> dict:
+    return one_stage_flow("writes-a-file", path, settings)
 
 
 def test_a_cached_result_whose_file_is_gone_is_a_miss_that_says_why(prefect_api: str, tmp_path: Path) -> None:
@@ -101,16 +106,8 @@ def reads_what_it_can(path: str, settings) -> int:
     return int(Path(path).read_text())  # files this call could not read
 
 
-@flow
 def reading_flow(path: str, settings) -> dict:
-    from infra.prefect_env import stage_results
-    from prefect.context import FlowRunContext
-    from tasks.stage import stage_outcomes
-
-    with stage_results(settings):
-        reads_what_it_can(path, settings)
-    states, reasons = stage_outcomes(str(FlowRunContext.get().flow_run.id))
-    return {"state": states["reads-what-it-can"], "why": reasons["reads-what-it-can"]}
+    return one_stage_flow("reads-what-it-can", path, settings)
 
 
 def test_a_cached_result_that_left_files_unread_is_a_miss_until_none_are(prefect_api: str, tmp_path: Path) -> None:
