@@ -84,7 +84,9 @@ def one_at_a_time(settings: Settings, what: str, timeout: float | None = 600) ->
 
         with temporary_settings(updates={PREFECT_API_URL: api}):
             ensure_one_slot(name)
-            with concurrency(name, occupy=1, timeout_seconds=timeout, lease_duration=60, strict=True):
+            # strict: a missing limit is an error, never no lock. A lease renewal that fails once (a busy server) must not
+            # end an hours-long training that holds the slot: the lease then lapses and the next holder goes on.
+            with concurrency(name, occupy=1, timeout_seconds=timeout, lease_duration=60, strict=True, raise_on_lease_renewal_failure=False):
                 yield
 
 
