@@ -118,12 +118,12 @@ def moved_content(present: pa.Table, upserts: pa.Table, deletes: pa.ChunkedArray
 def existing(paths: list[str]) -> set[str]:
     """Which of these file URIs the store has now (listings cached by object stores' file systems are dropped first)."""
     found: set[str] = set()
-    systems: dict[str, object] = {}
+    cleared: set[int] = set()
     for uri in paths:
         fs, path = fsspec.core.url_to_fs(uri)
-        if type(fs).__name__ not in systems:
+        if id(fs) not in cleared:
             fs.invalidate_cache()
-            systems[type(fs).__name__] = fs
+            cleared.add(id(fs))
         if fs.exists(path):
             found.add(uri)
     return found
@@ -190,7 +190,7 @@ def land_quarantine(table: ImageTable, quarantine: Quarantine) -> int:
     """Append the run's new quarantine rows (and drop the requeued rows they replace); return the commits made."""
     commits = 0
     if quarantine.requeued:
-        commits += table.quarantine.delete_where(f"requeued_at IS NOT NULL AND {sql_in('path', quarantine.requeued)}") > 0
+        commits += int(table.quarantine.delete_where(f"requeued_at IS NOT NULL AND {sql_in('path', quarantine.requeued)}") > 0)
     if quarantine.rows.num_rows:
         table.quarantine.add_columns(quarantine.rows.schema)  # a quarantine from before requeue_at gets it first
         table.quarantine.append(quarantine.rows)
@@ -256,7 +256,7 @@ def write_images(table: ImageTable, resized: Resized, max_bad_fraction: float, m
     else:
         version = table.images.merge(image_changes(resized, table_uri, changes))
         remove_uncommitted(table_uri, changes.files)
-    mark_if_in_step(table, resized, before, (next_version(changes.read_version, True), expected[1]))
+    mark_if_in_step(table, resized, before, (next_version(changes.read_version, 1), expected[1]))
     return Written(table_uri=table_uri, version=version, engine=engine, rows=added, retired=removed, quarantined=bad.rows.num_rows, unread=resized.unread_files)
 
 
@@ -270,9 +270,9 @@ def check_retired_share(table: ImageTable, changes: Changes, max_retire_fraction
     check_retire_fraction(retired, table.rows_by_date(changes.read_version, list(retired)), max_retire_fraction)
 
 
-def next_version(version: int | None, commits: int | bool) -> int | None:
-    """The version a table has after COMMITS commits of ours (True: one)."""
-    return (version if version is not None else -1) + int(commits) if commits else version
+def next_version(version: int | None, commits: int) -> int | None:
+    """The version a table has after COMMITS commits of ours."""
+    return (-1 if version is None else version) + commits if commits else version
 
 
 def mark_if_in_step(table: ImageTable, resized: Resized, before: tuple[int | None, int | None], expected: tuple[int | None, int | None]) -> None:
