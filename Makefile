@@ -9,8 +9,11 @@ DEMO := $(WORKSPACE)/demo-digits
 PYTEST_ARGS ?=
 
 CLUSTER := $(WORKSPACE)/cluster
+# Where the cluster's and `make ui`'s Prefect and MLflow servers keep their records: postgres or sqlite.
+CLUSTER_DATABASE ?= postgres
+UI_DATABASE ?= sqlite
 
-.PHONY: install run demo-data test test-quick doctor ui worker clean browser cluster-up cluster-down cluster-status cluster-run
+.PHONY: install run demo-data test test-quick doctor ui worker clean browser postgres cluster-up cluster-down cluster-status cluster-run
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -44,7 +47,14 @@ browser:
 	else SUDO=$$([ "$$(id -u)" -eq 0 ] || echo sudo); \
 	$$SUDO apt-get update && $$SUDO apt-get install -y --no-install-recommends chromium chromium-driver; fi
 
-test: install browser
+# Debian's PostgreSQL server programs, for the cluster's servers and `make ui UI_DATABASE=postgres` (run by hand,
+# never as the system's service).
+postgres:
+	@if ls /usr/lib/postgresql/*/bin/postgres >/dev/null 2>&1; then echo "postgresql: $$(ls -d /usr/lib/postgresql/*/bin | tail -1)"; \
+	else SUDO=$$([ "$$(id -u)" -eq 0 ] || echo sudo); \
+	$$SUDO apt-get update && $$SUDO apt-get install -y --no-install-recommends postgresql; fi
+
+test: install browser postgres
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 test-quick: install
@@ -53,13 +63,10 @@ test-quick: install
 doctor: install
 	$(BIN)/imagelake doctor
 
-ui: install
-	@echo "Prefect UI: http://127.0.0.1:4200   MLflow UI: http://127.0.0.1:5000   (Ctrl-C stops both)"
-	@trap 'kill 0' INT TERM; \
-	$(BIN)/prefect server start --host 127.0.0.1 --port 4200 & \
-	$(BIN)/mlflow ui --host 127.0.0.1 --port 5000 --backend-store-uri sqlite:///$(abspath $(WORKSPACE))/mlflow.db \
-	  --default-artifact-root $(abspath $(WORKSPACE))/mlartifacts & \
-	wait
+# UI_DATABASE=postgres keeps both servers' records in a PostgreSQL of their own ($(WORKSPACE)/ui/postgres).
+ui: install $(if $(filter postgres,$(UI_DATABASE)),postgres)
+	@echo "Prefect UI: http://127.0.0.1:4200   MLflow UI: http://127.0.0.1:5000   records: $(UI_DATABASE)   (Ctrl-C stops both)"
+	$(BIN)/python -m infra.ui --workspace $(WORKSPACE) --database $(UI_DATABASE)
 
 # A process worker for the deployments in prefect.yaml (after `make ui`, from another shell).
 worker: install
@@ -68,16 +75,16 @@ worker: install
 	PREFECT_API_URL=$${PREFECT_API_URL:-http://127.0.0.1:4200/api} PREFECT_FLOWS_HEARTBEAT_FREQUENCY=$${PREFECT_FLOWS_HEARTBEAT_FREQUENCY:-30} $(BIN)/python -m infra.lifecycle
 	PREFECT_API_URL=$${PREFECT_API_URL:-http://127.0.0.1:4200/api} IMAGELAKE_HOME=$(CURDIR) $(BIN)/prefect worker start --pool imagelake-process
 
-# A Spark standalone master and 2 workers, 2 Ray nodes, an MLflow server (basic auth) and a Prefect server, on 127.0.0.1.
-cluster-up: install
-	$(BIN)/python -m infra.cluster up --root $(CLUSTER)
+# A Spark standalone master and 2 workers, 2 Ray nodes, PostgreSQL, an MLflow server (basic auth) and a Prefect server, on 127.0.0.1.
+cluster-up: install $(if $(filter postgres,$(CLUSTER_DATABASE)),postgres)
+	$(BIN)/python -m infra.cluster up --root $(CLUSTER) --database $(CLUSTER_DATABASE)
 
 cluster-status: install
 	$(BIN)/python -m infra.cluster status --root $(CLUSTER)
 
 # The pipeline on that cluster: settings from infra/clusters/local.yaml, addresses and credentials from cluster.env.
 cluster-run: install demo-data
-	set -a; . $(CLUSTER)/cluster.env; set +a; $(BIN)/imagelake run --config infra/clusters/local.yaml --source $(DEMO)
+	set -a; . $(CLUSTER)/cluster.env; set +a; unset IMAGELAKE_CLUSTER_POSTGRES_PASSWORD; $(BIN)/imagelake run --config infra/clusters/local.yaml --source $(DEMO)
 
 cluster-down:
 	$(BIN)/python -m infra.cluster down --root $(CLUSTER)

@@ -1,11 +1,15 @@
 """A whole cluster on this machine, 127.0.0.1 only: what `make cluster-up` / `make cluster-down` run.
 
 Spark standalone (a master and two workers, from the pyspark installation's own launch classes), Ray (a head and
-one more node, `ray start`), an MLflow tracking server (SQLite, an artifacts folder, basic authentication) and a
-Prefect server (with an API auth string). Every process it starts carries IMAGELAKE_CLUSTER=<folder> in its
-environment, so `down` finds and stops all of them, the Spark executors and Ray workers they started included.
+one more node, `ray start`), a PostgreSQL server (infra/postgres.py, its data in <folder>/postgres), an MLflow
+tracking server (runs in PostgreSQL, an artifacts folder, basic authentication) and a Prefect server (its database
+in PostgreSQL, with an API auth string). `--database sqlite` keeps both servers on SQLite files in the folder
+instead. Every process it starts is in a session the folder's state.json records, and carries
+IMAGELAKE_CLUSTER=<folder> in its environment, so `down` finds and stops all of them, the Spark executors and Ray
+workers they started included.
 
-The addresses and the generated credentials go to <folder>/cluster.env (mode 0600), for a shell to load:
+The addresses and the generated credentials go to <folder>/cluster.env (mode 0600), for a shell to load (the
+PostgreSQL password is for the servers alone: clients get everything else, `client_env`):
     set -a; . .imagelake/cluster/cluster.env; set +a
     imagelake run --config infra/clusters/local.yaml --source ...
 """
@@ -28,6 +32,7 @@ from base64 import b64encode
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from infra import postgres
 from infra.java import ensure_java
 from infra.lifecycle import processes_with, stop_processes
 
@@ -38,6 +43,8 @@ DEFAULT_ROOT = Path(".imagelake/cluster")
 LOOPBACK_RAY = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 MLFLOW_USER = "imagelake"  # the pipeline's own MLflow user (not the admin)
 PREFECT_USER = "imagelake"
+POSTGRES_PASSWORD = "IMAGELAKE_CLUSTER_POSTGRES_PASSWORD"  # in cluster.env and the servers' environment, nowhere else
+DATABASES = ("postgres", "sqlite")
 
 
 class ClusterError(RuntimeError):
@@ -55,12 +62,14 @@ class Ports:
     mlflow: int = 5050
     prefect: int = 4250
     ray_client: int = 10001
+    postgres: int = 5450
 
     @classmethod
     def free(cls) -> "Ports":
         """Ports nothing listens on now (tests run beside a developer's own cluster)."""
-        spark, spark_ui, worker_1, worker_2, ray, mlflow, prefect, ray_client = free_ports(8)
-        return cls(spark=spark, spark_ui=spark_ui, spark_workers_ui=(worker_1, worker_2), ray=ray, mlflow=mlflow, prefect=prefect, ray_client=ray_client)
+        spark, spark_ui, worker_1, worker_2, ray, mlflow, prefect, ray_client, pg = free_ports(9)
+        return cls(spark=spark, spark_ui=spark_ui, spark_workers_ui=(worker_1, worker_2), ray=ray, mlflow=mlflow, prefect=prefect,
+                   ray_client=ray_client, postgres=pg)
 
 
 @dataclass
@@ -72,6 +81,12 @@ class Cluster:
     ray_temp_dir: str
     started_at: float = 0.0
     sessions: list[int] = field(default_factory=list)
+    database: str = "postgres"
+    compute: bool = True  # False: the servers alone (PostgreSQL, MLflow, Prefect); runs bring their own Spark and Ray
+
+    @property
+    def postgres_data(self) -> Path:
+        return Path(self.root) / "postgres"
 
     @property
     def spark_master(self) -> str:
@@ -104,9 +119,9 @@ class Cluster:
 
     def settings_env(self) -> dict[str, str]:
         """The addresses, as IMAGELAKE_* and PREFECT_* variables (no secrets)."""
+        compute = {"IMAGELAKE_SPARK_MASTER": self.spark_master, "IMAGELAKE_RAY_ADDRESS": self.ray_address} if self.compute else {}
         return {
-            "IMAGELAKE_SPARK_MASTER": self.spark_master,
-            "IMAGELAKE_RAY_ADDRESS": self.ray_address,
+            **compute,
             "IMAGELAKE_MLFLOW_TRACKING_URI": self.mlflow_url,
             "IMAGELAKE_MLFLOW_UI_URL": self.mlflow_url,
             "IMAGELAKE_PREFECT_API_URL": f"{self.prefect_url}/api",
@@ -119,8 +134,15 @@ class Cluster:
         return read_env_file(self.env_file, only=("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "PREFECT_API_AUTH_STRING"))
 
     def client_env(self) -> dict[str, str]:
-        """Everything a client of this cluster needs in its environment."""
-        return read_env_file(self.env_file)
+        """Everything a client of this cluster needs in its environment (the database's password is not for clients)."""
+        return {name: value for name, value in read_env_file(self.env_file).items() if name != POSTGRES_PASSWORD}
+
+    def database_urls(self, password: str) -> dict[str, str]:
+        """The MLflow and Prefect servers' database URLs (they hold the password: servers' environment only)."""
+        if self.database == "sqlite":
+            return {"mlflow": f"sqlite:///{Path(self.root) / 'mlflow.db'}", "prefect": f"sqlite+aiosqlite:///{Path(self.root) / 'prefect.db'}"}
+        return {"mlflow": postgres.url(self.ports.postgres, password, "mlflow"),
+                "prefect": postgres.url(self.ports.postgres, password, "prefect", driver="asyncpg")}
 
 
 def free_ports(count: int) -> list[int]:
@@ -195,11 +217,13 @@ def _base_env(root: Path) -> dict[str, str]:
     return env
 
 
-def _spawn(name: str, args: list[str], root: Path, env: dict[str, str], cluster: Cluster) -> subprocess.Popen:
-    """Start one part in a session of its own (recorded: `down` stops the whole session), output in <root>/logs/<name>.log."""
+def _spawn(name: str, args: list[str], root: Path, env: dict[str, str], cluster: Cluster, user: str | None = None) -> subprocess.Popen:
+    """Start one part in a session of its own (recorded: `down` stops the whole session), output in <root>/logs/<name>.log;
+    as USER when one is given (this process being root)."""
     log = root / "logs" / f"{name}.log"
     with log.open("a") as out:
-        process = subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True, cwd=root)
+        process = subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+                                   cwd=root, user=user)
     cluster.sessions.append(process.pid)
     _save(cluster)
     return process
@@ -265,32 +289,49 @@ def running(root: Path = DEFAULT_ROOT) -> list:
     return list(found.values())
 
 
-def up(root: Path = DEFAULT_ROOT, ports: Ports | None = None, timeout: float = 180) -> Cluster:
-    """Start every part, wait until each answers, write cluster.env; on any failure stop what started."""
+def up(root: Path = DEFAULT_ROOT, ports: Ports | None = None, timeout: float = 180, database: str = "postgres", compute: bool = True) -> Cluster:
+    """Start every part (without Spark and Ray when not COMPUTE), wait until each answers, write cluster.env; on any
+    failure stop what started."""
+    if database not in DATABASES:
+        raise ClusterError(f"database {database!r}: use one of {', '.join(DATABASES)}")
     root = root.resolve()
     if running(root):
         raise ClusterError(f"a cluster is already running from {root}: stop it first (make cluster-down)")
     (root / "logs").mkdir(parents=True, exist_ok=True)
     ports = ports or Ports()
     # Ray's socket paths must stay short (Unix sockets allow ~107 bytes), so its session folder lives in /tmp.
-    cluster = Cluster(root=str(root), ports=ports, ray_temp_dir=tempfile.mkdtemp(prefix="imagelake-ray-"), started_at=time.time())
+    cluster = Cluster(root=str(root), ports=ports, ray_temp_dir=tempfile.mkdtemp(prefix="imagelake-ray-"), started_at=time.time(), database=database,
+                      compute=compute)
+    # A cluster started again in the same folder keeps its runs and models, and so its MLflow user and the passwords.
+    earlier = read_env_file(cluster.env_file) if cluster.env_file.exists() else {}
+    mlflow_password = (root / "mlflow-auth.db").exists() and earlier.get("MLFLOW_TRACKING_PASSWORD") or secrets.token_urlsafe(24)
+    database_password = (cluster.postgres_data / "PG_VERSION").exists() and earlier.get(POSTGRES_PASSWORD)
+    if database == "postgres" and (cluster.postgres_data / "PG_VERSION").exists() and not database_password:
+        raise ClusterError(f"the PostgreSQL data in {cluster.postgres_data} is from an earlier cluster whose password {cluster.env_file} "
+                           f"no longer holds: remove {root} to start afresh")
+    database_password = database_password or secrets.token_urlsafe(24)
+    if database == "postgres":
+        postgres.check_reachable(cluster.postgres_data, postgres.service_user())
     _save(cluster)
-    # A cluster started again in the same folder keeps its runs and models, and so its MLflow user and password.
-    earlier = read_env_file(cluster.env_file) if cluster.env_file.exists() and (root / "mlflow-auth.db").exists() else {}
-    mlflow_password = earlier.get("MLFLOW_TRACKING_PASSWORD") or secrets.token_urlsafe(24)
     prefect_token = secrets.token_urlsafe(24)
     _write_private(
         cluster.env_file,
         "# imagelake local cluster (written by `make cluster-up`; holds credentials, keep it private)\n"
         + "".join(f"{name}={value}\n" for name, value in cluster.settings_env().items())
         + f"MLFLOW_TRACKING_USERNAME={MLFLOW_USER}\nMLFLOW_TRACKING_PASSWORD={mlflow_password}\n"
-        + f"PREFECT_API_AUTH_STRING={PREFECT_USER}:{prefect_token}\n",
+        + f"PREFECT_API_AUTH_STRING={PREFECT_USER}:{prefect_token}\n"
+        + "# The servers' database password (the MLflow and Prefect servers use it; clients need not and do not get it).\n"
+        + f"{POSTGRES_PASSWORD}={database_password}\n",
     )
     try:
-        _start_spark(cluster, timeout)
-        _start_ray(cluster, timeout, {"MLFLOW_TRACKING_USERNAME": MLFLOW_USER, "MLFLOW_TRACKING_PASSWORD": mlflow_password})
-        _start_mlflow(cluster, timeout, mlflow_password)
-        _start_prefect(cluster, timeout, f"{PREFECT_USER}:{prefect_token}")
+        if compute:
+            _start_spark(cluster, timeout)
+            _start_ray(cluster, timeout, {"MLFLOW_TRACKING_USERNAME": MLFLOW_USER, "MLFLOW_TRACKING_PASSWORD": mlflow_password})
+        if database == "postgres":
+            _start_postgres(cluster, timeout, database_password)
+        urls = cluster.database_urls(database_password)
+        _start_mlflow(cluster, timeout, mlflow_password, urls["mlflow"])
+        _start_prefect(cluster, timeout, f"{PREFECT_USER}:{prefect_token}", urls["prefect"])
     except BaseException:
         down(root)
         raise
@@ -369,18 +410,28 @@ def ray_nodes(cluster: Cluster) -> list[str]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def _start_mlflow(cluster: Cluster, timeout: float, password: str) -> None:
+def _start_postgres(cluster: Cluster, timeout: float, password: str) -> None:
+    """PostgreSQL on 127.0.0.1 with the `imagelake` role, and the `mlflow` and `prefect` databases."""
+    root, data, user = Path(cluster.root), cluster.postgres_data, postgres.service_user()
+    postgres.initialise(data, password, user, root / "logs" / "postgres.log")
+    server = _spawn("postgres", postgres.server_command(data, cluster.ports.postgres), root, {**postgres.server_env(data), CLUSTER_VARIABLE: str(root)},
+                    cluster, user=user)
+    _wait("the PostgreSQL server", lambda: postgres.answers(cluster.ports.postgres, password), timeout, root, "postgres", server)
+    postgres.create_databases(cluster.ports.postgres, password, ("mlflow", "prefect"))
+
+
+def _start_mlflow(cluster: Cluster, timeout: float, password: str, database: str) -> None:
     root = Path(cluster.root)
     admin_password = secrets.token_urlsafe(24)
     config = root / "mlflow-auth.ini"
     _write_private(config, "[mlflow]\ndefault_permission = READ\n" f"database_uri = sqlite:///{root / 'mlflow-auth.db'}\n"
                    "admin_username = admin\nauthorization_function = mlflow.server.auth:authenticate_request_basic_auth\n")
     env = _base_env(root)
+    # The database URL (with its password) through the environment, never the command line that `ps` shows.
     env.update(MLFLOW_AUTH_CONFIG_PATH=str(config), MLFLOW_AUTH_ADMIN_PASSWORD=admin_password,
-               MLFLOW_FLASK_SERVER_SECRET_KEY=secrets.token_hex(16))
+               MLFLOW_FLASK_SERVER_SECRET_KEY=secrets.token_hex(16), MLFLOW_BACKEND_STORE_URI=database)
     server = _spawn("mlflow", [str(BIN / "mlflow"), "server", "--app-name", "basic-auth", "--host", "127.0.0.1", "--port", str(cluster.ports.mlflow),
-                               "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}", "--artifacts-destination", str(root / "mlartifacts"),
-                               "--workers", "1"], root, env, cluster)
+                               "--artifacts-destination", str(root / "mlartifacts"), "--workers", "1"], root, env, cluster)
     _wait("the MLflow server", lambda: _answers(f"{cluster.mlflow_url}/health"), timeout, root, "mlflow", server)
     # The pipeline gets a user of its own; the admin's password is used once, here, and written nowhere.
     try:
@@ -403,10 +454,11 @@ def _answers_as(cluster: Cluster, user: str, password: str) -> bool:
     return True
 
 
-def _start_prefect(cluster: Cluster, timeout: float, auth_string: str) -> None:
+def _start_prefect(cluster: Cluster, timeout: float, auth_string: str, database: str) -> None:
     root = Path(cluster.root)
     env = _base_env(root)
-    env.update(PREFECT_HOME=str(root / "prefect"), PREFECT_API_DATABASE_CONNECTION_URL=f"sqlite+aiosqlite:///{root / 'prefect.db'}",
+    # A retryable database error (SQLite busy, a lost connection) reaches clients as a bare 503: the log says which.
+    env.update(PREFECT_HOME=str(root / "prefect"), PREFECT_API_DATABASE_CONNECTION_URL=database, PREFECT_API_LOG_RETRYABLE_ERRORS="true",
                PREFECT_SERVER_API_AUTH_STRING=auth_string, PREFECT_SERVER_ANALYTICS_ENABLED="false",
                PREFECT_UI_API_URL=f"{cluster.prefect_url}/api")
     server = _spawn("prefect", [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(cluster.ports.prefect)], root, env, cluster)
@@ -422,7 +474,13 @@ def down(root: Path = DEFAULT_ROOT, grace: float = 5) -> list[str]:
     root = root.resolve()
     found = running(root)
     names = sorted({_describe(process) for process in found})
-    stop_processes(found, grace)
+    # PostgreSQL last, once its clients are gone, with a fast shutdown (SIGINT) that writes a checkpoint: SIGKILL
+    # would leave it to recover on the next start.
+    data = root / "postgres"
+    database = postgres.postmaster_pid(data)
+    stop_processes([process for process in found if database is None or _session(process) != database], grace)
+    if database is not None and not postgres.stop(data):
+        print(f"PostgreSQL ({data}) did not stop within 30 s of a fast shutdown: killing it", file=sys.stderr)
     stop_processes(running(root), 0)  # anything a dying part started meanwhile
     if _state_file(root).exists():
         state = json.loads(_state_file(root).read_text())
@@ -433,6 +491,13 @@ def down(root: Path = DEFAULT_ROOT, grace: float = 5) -> list[str]:
             # Stopped: forget the sessions, whose ids the system may give to other processes later.
             _state_file(root).write_text(json.dumps({**state, "sessions": []}, indent=2))
     return names
+
+
+def _session(process) -> int | None:
+    try:
+        return os.getsid(process.pid)
+    except OSError:
+        return None
 
 
 def _describe(process) -> str:
@@ -455,6 +520,9 @@ def status(root: Path = DEFAULT_ROOT) -> dict:
         report["ray"] = {"address": cluster.ray_address, "nodes": len(ray_nodes(cluster))}
     except (ValueError, subprocess.TimeoutExpired) as exc:
         report["ray"] = f"not answering: {str(exc)[-300:]}"
+    if cluster.database == "postgres":
+        report["postgres"] = {"address": f"127.0.0.1:{cluster.ports.postgres}", "data": str(cluster.postgres_data),
+                              "running": postgres.postmaster_pid(cluster.postgres_data) is not None}
     report["mlflow"] = {"url": cluster.mlflow_url, "healthy": _answers(f"{cluster.mlflow_url}/health")}
     report["prefect"] = {"url": cluster.prefect_url, "healthy": _answers(f"{cluster.prefect_url}/api/health")}
     report["env_file"] = str(cluster.env_file)
@@ -470,12 +538,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("command", choices=("up", "down", "status"))
     parser.add_argument("--root", type=Path, default=DEFAULT_ROOT, help="the cluster's folder (default .imagelake/cluster)")
     parser.add_argument("--free-ports", action="store_true", help="pick free ports instead of the defaults")
+    parser.add_argument("--database", choices=DATABASES, default="postgres",
+                        help="where the MLflow and Prefect servers keep their data (default postgres; sqlite: files in the folder)")
     args = parser.parse_args(argv)
     try:
         if args.command == "up":
-            cluster = up(args.root, Ports.free() if args.free_ports else None)
+            cluster = up(args.root, Ports.free() if args.free_ports else None, database=args.database)
+            database = f"PostgreSQL 127.0.0.1:{cluster.ports.postgres}" if cluster.database == "postgres" else "SQLite"
             print(f"Spark master {cluster.spark_master} (UI {cluster.spark_ui}), Ray {cluster.ray_address}, "
-                  f"MLflow {cluster.mlflow_url}, Prefect {cluster.prefect_url}")
+                  f"MLflow {cluster.mlflow_url}, Prefect {cluster.prefect_url}, their database {database}")
             print(f"addresses and credentials: {cluster.env_file} (load it with: set -a; . {cluster.env_file}; set +a)")
         elif args.command == "down":
             stopped = down(args.root)
@@ -486,7 +557,7 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
         else:
             print(json.dumps(status(args.root), indent=2))
-    except ClusterError as exc:
+    except (ClusterError, postgres.PostgresError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     return 0

@@ -26,6 +26,7 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from infra.compat import collect_arrow
+from infra.prefect_env import one_at_a_time
 from infra.settings import Settings
 from infra.spark import spark_session
 from tasks.ingest import modified_seconds
@@ -391,7 +392,15 @@ def cached_files(cached: CachedSplits) -> list[str]:
     return uris
 
 
+def cache_one_at_a_time(spark: SparkSession, plan: SplitPlan, settings: Settings) -> CachedSplits:
+    """cache_splits under the lock of its cache line. Two runs caching one line at once (the nightly run and an ad-hoc
+    one) would write the same generation's folder and each list the other's files in its manifest: the second waits,
+    then reuses (or grows from) what the first wrote."""
+    with one_at_a_time(settings, f"cache-{line_key(plan, settings.image_size, settings.seed)}", timeout=None):
+        return cache_splits(spark, plan, settings.image_size, settings.cache_uri, settings.seed)
+
+
 @stage("cache", settings=("image_size", "cache_uri", "seed"), code=("tasks.table",), needs=cached_files)
 def cache(plan: SplitPlan, settings: Settings) -> CachedSplits:
     """Prefect stage: materialise (or reuse, or grow) the Petastorm cache of every split."""
-    return cache_splits(spark_session(settings), plan, settings.image_size, settings.cache_uri, settings.seed)
+    return cache_one_at_a_time(spark_session(settings), plan, settings)

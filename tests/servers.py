@@ -1,4 +1,5 @@
-"""Real servers for tests: a `prefect server start` (SQLite) and process workers, on 127.0.0.1 only, stopped by the tests."""
+"""Real servers for tests: a `prefect server start` (SQLite) and process workers, on 127.0.0.1 only, stopped by the tests;
+the requests the Prefect UI sends (also used by bench/load.py)."""
 
 from __future__ import annotations
 
@@ -140,3 +141,27 @@ class MlflowServer:
         if self.process is not None:
             stop_group(self.process)
             self.process = None
+
+
+def custom_run_body(deployment: dict, parameters: dict, name: str) -> dict:
+    """The body the Prefect UI (v2) POSTs to /deployments/{id}/create_flow_run when its "Custom run" form is submitted."""
+    return {
+        "name": name,
+        "work_queue_name": deployment["work_queue_name"],
+        "empirical_policy": {"resuming": False, "max_retries": 0, "retry_delay_seconds": 0, "retries": 0, "retry_delay": 0},
+        "state": {
+            "type": "SCHEDULED",
+            "state_details": {"pause_reschedule": False, "deferred": False, "untrackable_result": False, "scheduled_time": None},
+            "message": "",
+        },
+        "tags": [],
+        "job_variables": deployment["job_variables"],
+        "enforce_parameter_schema": deployment["enforce_parameter_schema"],
+        "parameters": parameters,
+    }
+
+
+def form_defaults(deployment: dict) -> dict:
+    """The adhoc form's fields with the defaults of the deployment's parameter schema (what the UI shows before any edit)."""
+    fields = deployment["parameter_openapi_schema"]["definitions"]["RunParameters"]["properties"]
+    return {name: field.get("default") for name, field in fields.items()}

@@ -1,15 +1,19 @@
 """The same pipeline on a cluster: Spark standalone, two Ray nodes, an MLflow server with basic auth, a Prefect server.
 
-The module starts the cluster of `make cluster-up` (infra/cluster.py) on free loopback ports, runs `imagelake run`
-against it with infra/clusters/local.yaml and the cluster's environment file, checks where the work ran and that
-no credential leaked, and stops the cluster.
+The module starts the cluster of `make cluster-up` (infra/cluster.py) on free loopback ports, with the MLflow and
+Prefect servers on its PostgreSQL, runs `imagelake run` against it with infra/clusters/local.yaml and the cluster's
+environment file, checks where the work ran, where the servers kept it and that no credential leaked, and stops
+the cluster.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 from dataclasses import dataclass
@@ -50,13 +54,20 @@ class ClusterRun:
         return httpx.Client(base_url=f"{self.cluster.prefect_url}/api", auth=(user, token), timeout=30)
 
     @property
+    def database_password(self) -> str:
+        return local_cluster.read_env_file(self.cluster.env_file)[local_cluster.POSTGRES_PASSWORD]
+
+    @property
     def secrets(self) -> list[str]:
-        return [self.credentials["MLFLOW_TRACKING_PASSWORD"], self.credentials["PREFECT_API_AUTH_STRING"].split(":", 1)[1]]
+        return [self.credentials["MLFLOW_TRACKING_PASSWORD"], self.credentials["PREFECT_API_AUTH_STRING"].split(":", 1)[1], self.database_password]
 
 
 @pytest.fixture(scope="module")
 def cluster_run(tmp_path_factory: pytest.TempPathFactory, digits_dir: Path):
-    root = tmp_path_factory.mktemp("cluster")
+    # PostgreSQL refuses root: run by root, it runs as the `postgres` user, which must be able to enter the folder
+    # (pytest's own temporary folder is closed to other users).
+    root = Path(tempfile.mkdtemp(prefix="imagelake-cluster-"))
+    os.chmod(root, 0o711)
     workspace = tmp_path_factory.mktemp("cluster-ws")
     started = local_cluster.up(root, local_cluster.Ports.free())
     try:
@@ -72,12 +83,13 @@ def cluster_run(tmp_path_factory: pytest.TempPathFactory, digits_dir: Path):
         yield ClusterRun(started, workspace, summary, output, started.credentials())
     finally:
         local_cluster.down(root)
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def test_every_part_of_the_cluster_listens_on_loopback_only(cluster_run: ClusterRun) -> None:
     processes = local_cluster.running(Path(cluster_run.cluster.root))
     names = {process.name() for process in processes}
-    assert {"java", "gcs_server", "raylet"} <= names, names
+    assert {"java", "gcs_server", "raylet", "postgres"} <= names, names
     listening = []
     for process in processes:
         try:
@@ -87,7 +99,7 @@ def test_every_part_of_the_cluster_listens_on_loopback_only(cluster_run: Cluster
         listening += [(process.name(), sock.laddr.ip, sock.laddr.port) for sock in sockets if sock.status == psutil.CONN_LISTEN]
     ports = {port for _, _, port in listening}
     ours = cluster_run.cluster.ports
-    assert {ours.spark, ours.spark_ui, *ours.spark_workers_ui, ours.ray, ours.mlflow, ours.prefect} <= ports, listening
+    assert {ours.spark, ours.spark_ui, *ours.spark_workers_ui, ours.ray, ours.mlflow, ours.prefect, ours.postgres} <= ports, listening
     exposed = [entry for entry in listening if entry[1] not in LOOPBACK]
     assert not exposed, f"listening beyond loopback: {exposed}"
 
@@ -164,6 +176,31 @@ def test_the_flow_run_is_on_the_prefect_server(cluster_run: ClusterRun) -> None:
     assert httpx.get(f"{cluster_run.cluster.prefect_url}/api/flow_runs/{flow_run_id}").status_code == 401
 
 
+def test_the_mlflow_and_prefect_servers_keep_their_records_in_postgresql(cluster_run: ClusterRun) -> None:
+    import psycopg2
+
+    from infra import postgres
+
+    root, port = Path(cluster_run.cluster.root), cluster_run.cluster.ports.postgres
+    with psycopg2.connect(host="127.0.0.1", port=port, user=postgres.ROLE, password=cluster_run.database_password, dbname="mlflow") as db:
+        with db.cursor() as cursor:
+            cursor.execute("SELECT status FROM runs WHERE run_uuid = %s", (cluster_run.summary["mlflow_run_id"],))
+            assert cursor.fetchall() == [("FINISHED",)]
+            cursor.execute("SELECT count(*) FROM model_versions WHERE name = %s", (cluster_run.summary["model_name"],))
+            assert cursor.fetchone()[0] >= 1
+    with psycopg2.connect(host="127.0.0.1", port=port, user=postgres.ROLE, password=cluster_run.database_password, dbname="prefect") as db:
+        with db.cursor() as cursor:
+            cursor.execute("SELECT state_type FROM flow_run WHERE id = %s", (cluster_run.summary["flow_run_id"],))
+            assert cursor.fetchall() == [("COMPLETED",)]
+    # No SQLite file beside them; the data folder is the cluster's; a wrong password is refused.
+    assert sorted(path.name for path in root.glob("*.db")) == ["mlflow-auth.db"], "only the MLflow server's users stay in SQLite"
+    assert (root / "postgres" / "PG_VERSION").exists()
+    with pytest.raises(psycopg2.OperationalError, match="password authentication failed"):
+        psycopg2.connect(host="127.0.0.1", port=port, user=postgres.ROLE, password="not-the-password", dbname="mlflow")
+    # Clients of the cluster never get the database's password.
+    assert local_cluster.POSTGRES_PASSWORD not in cluster_run.cluster.client_env()
+
+
 def all_pages(api: httpx.Client, path: str, page: int = 200) -> list[dict]:
     """Every record of a Prefect /filter endpoint, page by page (each answers at most `page`)."""
     records: list[dict] = []
@@ -206,6 +243,8 @@ def test_no_credential_appears_in_parameters_artifacts_tags_or_logs(cluster_run:
     texts["MLflow runs (params, tags, metrics)"] = json.dumps(found["runs"])
     texts["MLflow model versions"] = json.dumps(cluster_run.mlflow("model-versions/search", max_results=100))
     assert "ray_worker_nodes" in texts["MLflow runs (params, tags, metrics)"]
+    # Every command line of the cluster's processes (what `ps` shows anyone on the machine).
+    texts["command lines"] = "\n".join(" ".join(process.cmdline()) for process in local_cluster.running(root) if _alive(process))
     folders = [root, cluster_run.workspace, Path(cluster_run.cluster.ray_temp_dir)]
     env_file = cluster_run.cluster.env_file
     for secret in cluster_run.secrets:
@@ -217,11 +256,21 @@ def test_no_credential_appears_in_parameters_artifacts_tags_or_logs(cluster_run:
         assert not leaked, f"a credential appears in: {leaked}"
 
 
+def _alive(process: psutil.Process) -> bool:
+    try:
+        process.cmdline()
+    except psutil.Error:
+        return False
+    return True
+
+
 def test_cluster_down_leaves_no_process_behind(cluster_run: ClusterRun) -> None:
     root = Path(cluster_run.cluster.root)
     assert len(local_cluster.running(root)) >= 10
     stopped = local_cluster.down(root)
-    assert {"java", "raylet", "gcs_server"} <= set(stopped), stopped
+    assert {"java", "raylet", "gcs_server", "postgres"} <= set(stopped), stopped
+    # PostgreSQL went last, by a fast shutdown that wrote its checkpoint (no recovery on the next start).
+    assert "database system is shut down" in (root / "logs" / "postgres.log").read_text()
     time.sleep(1)
     assert local_cluster.running(root) == []
     ray_leftovers = [p for p in psutil.process_iter(["cmdline"]) if cluster_run.cluster.ray_temp_dir in " ".join(p.info["cmdline"] or [])]
@@ -233,13 +282,63 @@ def test_cluster_down_leaves_no_process_behind(cluster_run: ClusterRun) -> None:
 def test_a_cluster_started_again_in_its_folder_keeps_its_runs_and_its_mlflow_user(cluster_run: ClusterRun) -> None:
     root = Path(cluster_run.cluster.root)
     assert local_cluster.running(root) == [], "the test before stopped it"
+    database_password = cluster_run.database_password
     again = local_cluster.up(root, local_cluster.Ports.free())
     try:
         credentials = again.credentials()
         assert credentials["MLFLOW_TRACKING_PASSWORD"] == cluster_run.credentials["MLFLOW_TRACKING_PASSWORD"]
+        assert local_cluster.read_env_file(again.env_file)[local_cluster.POSTGRES_PASSWORD] == database_password
         auth = (credentials["MLFLOW_TRACKING_USERNAME"], credentials["MLFLOW_TRACKING_PASSWORD"])
         run = local_cluster.http_json(f"{again.mlflow_url}/api/2.0/mlflow/runs/get?run_id={cluster_run.summary['mlflow_run_id']}", auth=auth)
         assert run["run"]["info"]["status"] == "FINISHED"
+        user, token = credentials["PREFECT_API_AUTH_STRING"].split(":", 1)
+        flow_run = httpx.get(f"{again.prefect_url}/api/flow_runs/{cluster_run.summary['flow_run_id']}", auth=(user, token), timeout=30)
+        assert flow_run.json()["state_type"] == "COMPLETED"
     finally:
         local_cluster.down(root)
     assert local_cluster.running(root) == []
+
+
+def test_the_ui_servers_on_postgresql_keep_their_records_there_and_stop_with_it() -> None:
+    """`make ui UI_DATABASE=postgres`: both servers on a PostgreSQL of their own, stopped after them on SIGTERM."""
+    import signal
+
+    import psycopg2
+
+    from infra import postgres, ui
+
+    workspace = Path(tempfile.mkdtemp(prefix="imagelake-ui-"))
+    os.chmod(workspace, 0o711)
+    prefect_port, mlflow_port, database_port = local_cluster.free_ports(3)
+    args = ["--workspace", str(workspace), "--database", "postgres", "--prefect-port", str(prefect_port), "--mlflow-port", str(mlflow_port),
+            "--postgres-port", str(database_port)]
+    env = {name: value for name, value in cli_env().items() if not name.startswith(("PREFECT_", "MLFLOW_"))}
+    env["PREFECT_HOME"] = str(workspace / "prefect-home")
+    with (workspace / "ui.log").open("w") as log:
+        served = subprocess.Popen([sys.executable, "-m", "infra.ui", *args], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while not all(local_cluster._answers(url) for url in (f"http://127.0.0.1:{prefect_port}/api/health", f"http://127.0.0.1:{mlflow_port}/health")):
+            assert served.poll() is None and time.monotonic() < deadline, (workspace / "ui.log").read_text()[-3000:]
+            time.sleep(1)
+        made = local_cluster.http_json(f"http://127.0.0.1:{mlflow_port}/api/2.0/mlflow/experiments/create", data={"name": "kept-in-postgres"})
+        password = local_cluster.read_env_file(workspace / "ui" / "ui.env")[ui.PASSWORD]
+        assert oct((workspace / "ui" / "ui.env").stat().st_mode & 0o777) == "0o600"
+        with psycopg2.connect(host="127.0.0.1", port=database_port, user=postgres.ROLE, password=password, dbname="mlflow") as db:
+            with db.cursor() as cursor:
+                cursor.execute("SELECT name FROM experiments WHERE experiment_id = %s", (int(made["experiment_id"]),))
+                assert cursor.fetchall() == [("kept-in-postgres",)]
+        with psycopg2.connect(host="127.0.0.1", port=database_port, user=postgres.ROLE, password=password, dbname="prefect") as db:
+            with db.cursor() as cursor:
+                cursor.execute("SELECT count(*) FROM alembic_version")
+                assert cursor.fetchone()[0] == 1, "the Prefect server made its tables in PostgreSQL"
+        assert not (workspace / "mlflow.db").exists()
+        os.kill(served.pid, signal.SIGTERM)
+        assert served.wait(60) == 0
+        assert postgres.postmaster_pid(workspace / "ui" / "postgres") is None
+        assert "database system is shut down" in (workspace / "ui" / "postgres.log").read_text()
+        assert password not in (workspace / "ui.log").read_text()
+    finally:
+        if served.poll() is None:
+            os.killpg(served.pid, signal.SIGKILL)
+        shutil.rmtree(workspace, ignore_errors=True)

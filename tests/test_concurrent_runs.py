@@ -5,14 +5,16 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 from infra.settings import load_settings
 from infra.tracking import mlflow_client
-from tasks.cache import cache_splits
+from tasks.cache import CacheLine, cache_one_at_a_time, cache_splits, line_key
 from tasks.split import plan_splits
 from tests.conftest import REPO, cli_env
 from tests.lake import Lake, copy_digits
@@ -58,3 +60,25 @@ def test_two_runs_of_one_cache_key_at_once_train_once_and_register_one_version(s
         assert sorted(m.step for m in history) == list(range(a["epochs"])), "one training's epochs in the run, not two mixed"
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("engine", ["delta-rs"])
+def test_two_runs_caching_one_table_version_at_once_write_it_once(spark, lake: Lake, digits_dir: Path, tmp_path: Path) -> None:
+    """Without the cache line's lock both wrote generation 0's folder at once: Spark's write of one failed, or a
+    manifest listed the other's files too (a training then refused it: "holds 41 rows where its table version has 27")."""
+    copy_digits(digits_dir, tmp_path / "src", labels=("0", "1", "2"), per_label=12)
+    _, _, written = lake.run(tmp_path / "src")
+    settings = load_settings(overrides={"workspace": str(tmp_path / "ws"), "image_size": 24})
+    plan = plan_splits(spark, written, settings)
+    both = threading.Barrier(2)
+
+    def one_run(_: int):
+        both.wait()
+        return cache_one_at_a_time(spark, plan, settings)
+
+    with ThreadPoolExecutor(2) as pool:
+        first, second = pool.map(one_run, range(2))
+    line = CacheLine(f"{settings.cache_uri.rstrip('/')}/{line_key(plan, settings.image_size, settings.seed)}")
+    assert line.problem(plan.version) is None
+    assert sorted([first.reused, second.reused]) == [False, True], "one wrote the version, the other reused it"
+    assert line.read(plan.version)["test"]["generation"] == 0 and line.versions() == [plan.version]

@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from infra.lifecycle import processes_with
-from tests.servers import PrefectServer
+from tests.servers import PrefectServer, custom_run_body, form_defaults
 
 pytestmark = pytest.mark.slow
 
@@ -91,30 +91,6 @@ class Deployed:
         found = self.api.post("/artifacts/filter", json=body)
         assert found.status_code == 200, found.text
         return found.json()
-
-
-def custom_run_body(deployment: dict, parameters: dict, name: str) -> dict:
-    """The body the Prefect UI (v2) POSTs to /deployments/{id}/create_flow_run when its "Custom run" form is submitted."""
-    return {
-        "name": name,
-        "work_queue_name": deployment["work_queue_name"],
-        "empirical_policy": {"resuming": False, "max_retries": 0, "retry_delay_seconds": 0, "retries": 0, "retry_delay": 0},
-        "state": {
-            "type": "SCHEDULED",
-            "state_details": {"pause_reschedule": False, "deferred": False, "untrackable_result": False, "scheduled_time": None},
-            "message": "",
-        },
-        "tags": [],
-        "job_variables": deployment["job_variables"],
-        "enforce_parameter_schema": deployment["enforce_parameter_schema"],
-        "parameters": parameters,
-    }
-
-
-def form_defaults(deployment: dict) -> dict:
-    """The adhoc form's fields with the defaults of the deployment's parameter schema (what the UI shows before any edit)."""
-    fields = deployment["parameter_openapi_schema"]["definitions"]["RunParameters"]["properties"]
-    return {name: field.get("default") for name, field in fields.items()}
 
 
 def run_params(deployment: dict, source: Path, **changed) -> dict:

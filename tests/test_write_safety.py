@@ -121,7 +121,8 @@ def test_two_writers_at_once_both_land(spark, digits_dir: Path, tmp_path: Path, 
     results = []
     for process in writers:
         out, _ = process.communicate(timeout=300)
-        assert process.returncode == 0, "\n".join(p.read_text()[-3000:] for p in tmp_path.glob("writer-*.log"))
+        logs = "\n".join(p.read_text()[-3000:] for p in tmp_path.glob("writer-*.log"))
+        assert process.returncode == 0, f"a writer exited {process.returncode}; it printed {out[-500:]!r}; the logs:\n{logs}"
         results.append(json.loads(out.strip().splitlines()[-1]))
     assert sorted(r["rows"] for r in results) == [60, 60]
     assert len({r["version"] for r in results}) == 2
