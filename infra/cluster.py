@@ -10,7 +10,7 @@ workers they started included.
 
 The addresses and the generated credentials go to <folder>/cluster.env (mode 0600), for a shell to load (the
 PostgreSQL password is for the servers alone: clients get everything else, `client_env`):
-    set -a; . .imagelake/cluster/cluster.env; set +a
+    set -a; . .imagelake/cluster/cluster.env; set +a; unset IMAGELAKE_CLUSTER_POSTGRES_PASSWORD
     imagelake run --config infra/clusters/local.yaml --source ...
 """
 
@@ -547,7 +547,7 @@ def main(argv: list[str] | None = None) -> int:
             database = f"PostgreSQL 127.0.0.1:{cluster.ports.postgres}" if cluster.database == "postgres" else "SQLite"
             print(f"Spark master {cluster.spark_master} (UI {cluster.spark_ui}), Ray {cluster.ray_address}, "
                   f"MLflow {cluster.mlflow_url}, Prefect {cluster.prefect_url}, their database {database}")
-            print(f"addresses and credentials: {cluster.env_file} (load it with: set -a; . {cluster.env_file}; set +a)")
+            print(f"addresses and credentials: {cluster.env_file} (load it with: set -a; . {cluster.env_file}; set +a; unset {POSTGRES_PASSWORD})")
         elif args.command == "down":
             stopped = down(args.root)
             print(f"stopped {len(stopped)} kinds of process: {', '.join(stopped)}" if stopped else "no cluster process was running")
