@@ -198,7 +198,7 @@ def _save(cluster: Cluster) -> None:
     _state_file(Path(cluster.root)).write_text(json.dumps(asdict(cluster), indent=2))
 
 
-def _write_private(path: Path, text: str) -> None:
+def write_private(path: Path, text: str) -> None:
     """Write a file only its owner can read (it holds credentials)."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as out:
@@ -314,7 +314,7 @@ def up(root: Path = DEFAULT_ROOT, ports: Ports | None = None, timeout: float = 1
         postgres.check_reachable(cluster.postgres_data, postgres.service_user())
     _save(cluster)
     prefect_token = secrets.token_urlsafe(24)
-    _write_private(
+    write_private(
         cluster.env_file,
         "# imagelake local cluster (written by `make cluster-up`; holds credentials, keep it private)\n"
         + "".join(f"{name}={value}\n" for name, value in cluster.settings_env().items())
@@ -412,19 +412,18 @@ def ray_nodes(cluster: Cluster) -> list[str]:
 
 def _start_postgres(cluster: Cluster, timeout: float, password: str) -> None:
     """PostgreSQL on 127.0.0.1 with the `imagelake` role, and the `mlflow` and `prefect` databases."""
-    root, data, user = Path(cluster.root), cluster.postgres_data, postgres.service_user()
-    postgres.initialise(data, password, user, root / "logs" / "postgres.log")
-    server = _spawn("postgres", postgres.server_command(data, cluster.ports.postgres), root, {**postgres.server_env(data), CLUSTER_VARIABLE: str(root)},
-                    cluster, user=user)
-    _wait("the PostgreSQL server", lambda: postgres.answers(cluster.ports.postgres, password), timeout, root, "postgres", server)
-    postgres.create_databases(cluster.ports.postgres, password, ("mlflow", "prefect"))
+    root = Path(cluster.root)
+    server = postgres.start(cluster.postgres_data, cluster.ports.postgres, password, postgres.service_user(), root / "logs" / "postgres.log",
+                            {CLUSTER_VARIABLE: str(root)}, timeout)
+    cluster.sessions.append(server.pid)
+    _save(cluster)
 
 
 def _start_mlflow(cluster: Cluster, timeout: float, password: str, database: str) -> None:
     root = Path(cluster.root)
     admin_password = secrets.token_urlsafe(24)
     config = root / "mlflow-auth.ini"
-    _write_private(config, "[mlflow]\ndefault_permission = READ\n" f"database_uri = sqlite:///{root / 'mlflow-auth.db'}\n"
+    write_private(config, "[mlflow]\ndefault_permission = READ\n" f"database_uri = sqlite:///{root / 'mlflow-auth.db'}\n"
                    "admin_username = admin\nauthorization_function = mlflow.server.auth:authenticate_request_basic_auth\n")
     env = _base_env(root)
     # The database URL (with its password) through the environment, never the command line that `ps` shows.

@@ -12,11 +12,13 @@ from __future__ import annotations
 import os
 import pwd
 import shutil
+import signal
 import subprocess
 import time
 from pathlib import Path
 
 ROLE = "imagelake"
+DATABASES = ("mlflow", "prefect")  # one for each server
 DEBIAN_PROGRAMS = Path("/usr/lib/postgresql")
 SERVICE_USER = "postgres"  # the user Debian's package creates
 
@@ -86,7 +88,7 @@ def initialise(data: Path, password: str, user: str | None, log: Path) -> bool:
             done = subprocess.run(
                 [str(programs() / "initdb"), "--pgdata", str(data), "--username", ROLE, "--pwfile", str(secret),
                  "--auth-host", "scram-sha-256", "--auth-local", "scram-sha-256", "--encoding", "UTF8", "--no-locale"],
-                user=user, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=data, env=_env(data), timeout=300,
+                user=user, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=data, env=server_env(data), timeout=300,
             )
     finally:
         secret.unlink(missing_ok=True)
@@ -95,7 +97,7 @@ def initialise(data: Path, password: str, user: str | None, log: Path) -> bool:
     return True
 
 
-def _env(data: Path) -> dict[str, str]:
+def server_env(data: Path) -> dict[str, str]:
     """A plain environment for PostgreSQL's programs (C locale, home in the data folder's parent)."""
     env = {name: value for name, value in os.environ.items() if not name.startswith(("PG", "LC_", "LANG"))}
     return {**env, "LC_ALL": "C", "HOME": str(data.parent)}
@@ -107,8 +109,26 @@ def server_command(data: Path, port: int) -> list[str]:
             "-c", "unix_socket_directories=", "-c", "logging_collector=off", "-c", "max_connections=200"]
 
 
-def server_env(data: Path) -> dict[str, str]:
-    return _env(data)
+def start(data: Path, port: int, password: str, user: str | None, log: Path, env: dict[str, str] | None = None,
+          timeout: float = 60) -> subprocess.Popen:
+    """Initialise DATA if it is new, start the server in a session of its own (output to LOG, ENV added to its
+    environment), wait until it answers and create DATABASES. On failure the server is killed and the error names LOG."""
+    initialise(data, password, user, log)
+    with log.open("a") as out:
+        server = subprocess.Popen(server_command(data, port), env={**server_env(data), **(env or {})}, stdout=out, stderr=subprocess.STDOUT,
+                                  stdin=subprocess.DEVNULL, start_new_session=True, user=user, cwd=data.parent)
+    deadline = time.monotonic() + timeout
+    while not answers(port, password):
+        if server.poll() is not None or time.monotonic() > deadline:
+            try:
+                os.killpg(server.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            server.wait()
+            raise PostgresError(f"PostgreSQL did not start on 127.0.0.1:{port} within {timeout:.0f} s; its log is {log}")
+        time.sleep(0.3)
+    create_databases(port, password, DATABASES)
+    return server
 
 
 def connect(port: int, password: str, database: str = "postgres", timeout: float = 3):
@@ -160,8 +180,6 @@ def postmaster_pid(data: Path) -> int | None:
 
 def stop(data: Path, timeout: float = 30) -> bool:
     """Fast shutdown (SIGINT: sessions end, a checkpoint is written); say whether the server stopped in time."""
-    import signal
-
     pid = postmaster_pid(data)
     if pid is None:
         return True

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from infra import postgres
-from infra.cluster import BIN, DATABASES, read_env_file
+from infra.cluster import BIN, DATABASES, read_env_file, write_private
 
 PASSWORD = "IMAGELAKE_UI_POSTGRES_PASSWORD"
 
@@ -37,21 +37,8 @@ def database_urls(workspace: Path, database: str, port: int) -> tuple[dict[str, 
         raise postgres.PostgresError(f"the PostgreSQL data in {data} has no password in {env_file}: remove {data} to start afresh")
     if not password:
         password = secrets.token_urlsafe(24)
-        fd = os.open(env_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as out:
-            out.write(f"# The UI servers' database password (written by `make ui`; keep it private)\n{PASSWORD}={password}\n")
-    log = folder / "postgres.log"
-    postgres.initialise(data, password, user, log)
-    with log.open("a") as out:
-        server = subprocess.Popen(postgres.server_command(data, port), env=postgres.server_env(data), stdout=out, stderr=subprocess.STDOUT,
-                                  stdin=subprocess.DEVNULL, user=user, cwd=folder)
-    deadline = time.monotonic() + 60
-    while not postgres.answers(port, password):
-        if server.poll() is not None or time.monotonic() > deadline:
-            server.kill()
-            raise postgres.PostgresError(f"PostgreSQL did not start on 127.0.0.1:{port}; its log is {log}")
-        time.sleep(0.3)
-    postgres.create_databases(port, password, ("mlflow", "prefect"))
+        write_private(env_file, f"# The UI servers' database password (written by `make ui`; keep it private)\n{PASSWORD}={password}\n")
+    server = postgres.start(data, port, password, user, folder / "postgres.log")
     return {"mlflow": postgres.url(port, password, "mlflow"), "prefect": postgres.url(port, password, "prefect", driver="asyncpg")}, server
 
 
