@@ -424,7 +424,11 @@ def _start_mlflow(cluster: Cluster, timeout: float, password: str, database: str
     admin_password = secrets.token_urlsafe(24)
     config = root / "mlflow-auth.ini"
     write_private(config, "[mlflow]\ndefault_permission = READ\n" f"database_uri = sqlite:///{root / 'mlflow-auth.db'}\n"
-                   "admin_username = admin\nauthorization_function = mlflow.server.auth:authenticate_request_basic_auth\n")
+                   "admin_username = admin\nauthorization_function = mlflow.server.auth:authenticate_request_basic_auth\n"
+                   # A checked password is remembered for a minute by the one server process: otherwise each request
+                   # pays a deliberately slow password hash (0.4 s of a core here). A password changed through the
+                   # server's API counts at once (it has one worker process).
+                   "auth_cache_ttl_seconds = 60\n")
     env = _base_env(root)
     # The database URL (with its password) through the environment, never the command line that `ps` shows.
     env.update(MLFLOW_AUTH_CONFIG_PATH=str(config), MLFLOW_AUTH_ADMIN_PASSWORD=admin_password,

@@ -74,21 +74,6 @@ def promote_model(
     predicted = predict(model, images)
     matrix = confusion_matrix(labels, predicted, len(cached.labels))
     per_class = per_class_metrics(matrix, cached.labels)
-    with mlflow.start_run(run_id=trained.mlflow_run_id):
-        mlflow.log_figure(confusion_figure(matrix, cached.labels), "confusion_matrix.png")
-        mlflow.log_dict({"labels": cached.labels, "confusion_matrix": matrix.tolist(), "per_class": per_class}, "test_per_class.json")
-        mlflow.log_metrics(
-            {f"test_{name}_{key}": row[name] for row, key in zip(per_class, metric_keys(cached.labels)) for name in ("precision", "recall", "f1")}
-        )
-    # A training run is registered once: a retried stage, or a second flow run that got the same training's result,
-    # finds the version an earlier one registered (under the registry's lock, so two at once cannot both register).
-    with registry_lock(settings, settings.model_name):
-        version = registered_version(client, settings.model_name, trained.mlflow_run_id)
-        if version is None:
-            with mlflow.start_run(run_id=trained.mlflow_run_id):
-                # pt2 (torch.export): a format that loads without unpickling.
-                info = mlflow.pytorch.log_model(model, name="model", input_example=images[:2].copy(), serialization_format="pt2")
-            version = str(mlflow.register_model(info.model_uri, settings.model_name).version)
     params = client.get_run(trained.mlflow_run_id).data.params
     tags = {
         "delta_table": cached.table_uri,
@@ -106,11 +91,32 @@ def promote_model(
             {"val_fraction": settings.val_fraction, "test_fraction": settings.test_fraction, "partitions_per_worker": settings.partitions_per_worker}
         ),
     }
-    for key, value in tags.items():
-        client.set_model_version_tag(settings.model_name, version, key, value)
+    # A training run is registered once: a retried stage, or a second flow run that got the same training's result,
+    # finds the version an earlier one registered (under the registry's lock, so two at once cannot both register).
+    with registry_lock(settings, settings.model_name):
+        version = registered_version(client, settings.model_name, trained.mlflow_run_id)
+        if version is None:
+            with mlflow.start_run(run_id=trained.mlflow_run_id):
+                # pt2 (torch.export): a format that loads without unpickling. Its requirements are the flavour's defaults
+                # (torch, cloudpickle; MLflow adds itself): inferring them loads the model again in a new interpreter.
+                # Logged before the per-class metrics: MLflow links each of the run's metrics to the model, a request each.
+                info = mlflow.pytorch.log_model(
+                    model, name="model", input_example=images[:2].copy(), serialization_format="pt2",
+                    pip_requirements=mlflow.pytorch.get_default_pip_requirements(),
+                )
+            # The lineage lands with the version, in one request: no version is ever seen without it.
+            version = str(mlflow.register_model(info.model_uri, settings.model_name, tags=tags).version)
+        else:
+            for key, value in tags.items():
+                client.set_model_version_tag(settings.model_name, version, key, value)
     decision, metrics, champion_version = gate(client, settings, settings.model_name, version, images, labels, len(cached.labels), flow_run_id)
     with mlflow.start_run(run_id=trained.mlflow_run_id):
-        mlflow.log_metrics({f"test_{key}": value for key, value in metrics.items()})
+        mlflow.log_figure(confusion_figure(matrix, cached.labels), "confusion_matrix.png")
+        mlflow.log_dict({"labels": cached.labels, "confusion_matrix": matrix.tolist(), "per_class": per_class}, "test_per_class.json")
+        mlflow.log_metrics({
+            **{f"test_{key}": value for key, value in metrics.items()},
+            **{f"test_{name}_{key}": row[name] for row, key in zip(per_class, metric_keys(cached.labels)) for name in ("precision", "recall", "f1")},
+        })
     alias = CHAMPION if decision.promote else CHALLENGER
     data = {"table": cached.table_uri, "version": cached.table_version, "image_size": cached.image_size, "counts": cached.counts, "labels": cached.labels}
     card = model_card(settings.model_name, version, data, params, metrics, per_class, decision.reason, alias)
