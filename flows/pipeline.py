@@ -19,6 +19,7 @@ from tasks.ingest import ingest
 from tasks.promote import promote
 from tasks.split import split
 from tasks.resize import resize
+from tasks.retention import retention
 from tasks.results import Resized, TableVersion
 from tasks.summary import summarize
 from tasks.train import train
@@ -35,7 +36,9 @@ def train_and_promote(table: TableVersion, settings: Settings, resized: Resized 
     cached = cache(plan, settings)
     trained = train(cached, settings)
     promoted = promote(trained, cached, settings)
-    return summarize(resized, table, cached, trained, promoted, settings)
+    summary = summarize(resized, table, cached, trained, promoted, settings)
+    summary["removed_by_retention"] = retention(settings)
+    return summary
 
 
 @imagelake_flow("imagelake-pipeline")

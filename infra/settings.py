@@ -166,6 +166,10 @@ class Settings(BaseSettings):
     # Orchestration.
     prefect_api_url: str | None = None
     results_root: str | None = Field(default=None, description="Folder or URI where stage results are cached (default: workspace/prefect-results)")
+    workspace_retention_hours: float = Field(
+        default=168, ge=0,
+        description="After each run, remove staging files, cached stage results and training checkpoints unchanged for this long (keep it above the longest run)",
+    )
 
     @model_validator(mode="after")
     def _no_credentials_in_addresses(self) -> "Settings":

@@ -1,0 +1,122 @@
+"""Retention: the workspace's files handed between stages, cached stage results and training runs' checkpoints go once
+they are older than `workspace_retention_hours`, so a workspace that runs every night stays the same size.
+
+What is removed is only ever a cache: a later run that wanted it recomputes it (a stage result that names a removed
+file is a cache miss, see `stage(needs=...)`). What a later run reads first is kept whatever its age: the listing the
+tables were last in step with, the newest split-count record of each table, and the cache-key records.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import fsspec
+from prefect.cache_policies import NO_CACHE
+
+from infra.settings import Settings
+from tasks.ingest import modified_seconds
+from tasks.stage import stage
+
+# Staging's files, by the stage that writes them: ingest's listings (and a crashed listing's file set aside), the
+# diff's list of changes and resize's output folders.
+STAGING_FILES = ("listing-", ".listing-", "ingest-")
+STAGING_FOLDERS = ("resize-",)
+
+
+def newest_change(fs: fsspec.AbstractFileSystem, path: str) -> float:
+    """When anything in PATH (a file, or a folder's files) last changed; 0.0 when the store does not say."""
+    if not fs.isdir(path):
+        return modified_seconds(fs.info(path))
+    return max((modified_seconds(info) for info in fs.find(path, detail=True).values()), default=0.0)
+
+
+def is_old(fs: fsspec.AbstractFileSystem, path: str, cutoff: float) -> bool:
+    """Changed before CUTOFF. A path whose age the store does not give (0.0) is never old: it is kept."""
+    changed = newest_change(fs, path)
+    return 0.0 < changed < cutoff
+
+
+def entries(fs: fsspec.AbstractFileSystem, folder: str) -> list[dict[str, Any]]:
+    return fs.ls(folder, detail=True) if fs.exists(folder) else []
+
+
+def name_of(path: str) -> str:
+    return path.rstrip("/").rsplit("/", 1)[-1]
+
+
+def remove(fs: fsspec.AbstractFileSystem, path: str) -> None:
+    fs.rm(path, recursive=fs.isdir(path))
+
+
+def listings_in_use(fs: fsspec.AbstractFileSystem, in_sync: str) -> set[str]:
+    """The listings that `last-*.json` records name: the next run diffs its own listing against them."""
+    used = set()
+    for entry in entries(fs, in_sync):
+        if name_of(entry["name"]).startswith("last-") and entry["name"].endswith(".json"):
+            try:
+                used.add(fsspec.core.url_to_fs(json.loads(fs.cat_file(entry["name"]))["listing"])[1])
+            except (OSError, ValueError, KeyError):  # an unreadable record protects nothing, and is kept itself
+                continue
+    return used
+
+
+def prune_staging(uri: str, cutoff: float) -> list[str]:
+    """Remove staging's old listings, change lists, resize outputs, in-sync markers and split-count records."""
+    fs, root = fsspec.core.url_to_fs(uri)
+    in_sync = f"{root}/in-sync"
+    kept = listings_in_use(fs, in_sync)
+    removed = []
+    for entry in entries(fs, root):
+        path, name = entry["name"], name_of(entry["name"])
+        ours = name.startswith(STAGING_FILES) if entry["type"] == "file" else name.startswith(STAGING_FOLDERS)
+        if ours and path not in kept and is_old(fs, path, cutoff):
+            removed.append(path)
+    for entry in entries(fs, in_sync):
+        if entry["type"] == "file" and not name_of(entry["name"]).startswith("last-") and is_old(fs, entry["name"], cutoff):
+            removed.append(entry["name"])
+    for folder in entries(fs, f"{root}/split-counts"):
+        records = sorted(
+            (e for e in entries(fs, folder["name"]) if e["type"] == "file" and name_of(e["name"])[1:-5].isdigit()),
+            key=lambda e: int(name_of(e["name"])[1:-5]),
+        )
+        removed += [e["name"] for e in records[:-1] if is_old(fs, e["name"], cutoff)]  # the newest carries the counts forward
+    for path in removed:
+        remove(fs, path)
+    return removed
+
+
+def prune_results(uri: str, cutoff: float) -> list[str]:
+    """Remove old cached stage results (each a file named after its stage and key); the cache-key records stay."""
+    fs, root = fsspec.core.url_to_fs(uri)
+    removed = [e["name"] for e in entries(fs, root) if e["type"] == "file" and is_old(fs, e["name"], cutoff)]
+    for path in removed:
+        remove(fs, path)
+    return removed
+
+
+def prune_training_runs(uri: str, cutoff: float) -> list[str]:
+    """Remove Ray Train run folders (their checkpoints) that nothing has written to since CUTOFF. A run still training
+    writes every epoch; one that crashed is resumed by its retry within the retention, or trained again after it."""
+    fs, root = fsspec.core.url_to_fs(uri)
+    removed = [e["name"] for e in entries(fs, root) if e["type"] == "directory" and is_old(fs, e["name"], cutoff)]
+    for path in removed:
+        remove(fs, path)
+    return removed
+
+
+def prune_workspace(settings: Settings, now: float | None = None) -> dict[str, int]:
+    """Remove what retention lets go of; report how many entries went from each place."""
+    cutoff = (time.time() if now is None else now) - settings.workspace_retention_hours * 3600
+    return {
+        "staging": len(prune_staging(settings.staging_uri, cutoff)),
+        "stage_results": len(prune_results(settings.results_uri, cutoff)),
+        "training_runs": len(prune_training_runs(settings.ray_storage_path, cutoff)),
+    }
+
+
+@stage("retention", cache_policy=NO_CACHE, retries=1)
+def retention(settings: Settings) -> dict[str, int]:
+    """Prefect stage (never cached): apply the workspace's retention after a run, or in maintenance."""
+    return prune_workspace(settings)
