@@ -10,7 +10,7 @@ commit no reader sees the files, after it the rows are there and are skipped.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
 import fsspec
@@ -48,6 +48,7 @@ class Changes:
     deletes: list[str]  # paths whose rows go
     replaces: bool  # whether any upsert replaces a row already in the table
     whole_files: bool  # whether every row of the run's data files is written
+    moved: list[str] = field(default_factory=list)  # of DELETES, the paths whose content moved to another path: not lost
 
     @property
     def empty(self) -> bool:
@@ -84,7 +85,7 @@ def plan_changes(table: ImageTable, resized: Resized) -> Changes:
             upserts, whole = upserts.filter(keep), False
     replaces = bool(pc.any(pc.is_in(upserts["path"], present.column("path"))).as_py()) if upserts.num_rows else False
     deletes = sorted(set(deletes.filter(pc.is_in(deletes, present.column("path"))).to_pylist()) | set(moved_from))
-    return Changes(version, upserts, deletes, replaces, whole)
+    return Changes(version, upserts, deletes, replaces, whole, moved_from)
 
 
 def moved_content(present: pa.Table, upserts: pa.Table, deletes: pa.ChunkedArray) -> tuple[pa.Array, list[str]]:
@@ -262,10 +263,12 @@ def write_images(table: ImageTable, resized: Resized, max_bad_fraction: float, m
 
 def check_retired_share(table: ImageTable, changes: Changes, max_retire_fraction: float) -> None:
     """Refuse a write that would retire more than MAX_RETIRE_FRACTION of any date's rows (a folder that could not be
-    seen looks like files deleted); only the dates that lose rows are counted, by Spark."""
-    if not changes.deletes or max_retire_fraction >= 1:
+    seen looks like files deleted); only the dates that lose rows are counted, by Spark. A row that moves with its file
+    (a relabel, a renamed folder) is not lost."""
+    lost = sorted(set(changes.deletes) - set(changes.moved))
+    if not lost or max_retire_fraction >= 1:
         return
-    gone = table.rows_matching({"path": pa.array(changes.deletes, pa.string())}, ["path", "date"], changes.read_version)
+    gone = table.rows_matching({"path": pa.array(lost, pa.string())}, ["path", "date"], changes.read_version)
     retired = Counter(gone.column("date").to_pylist())
     check_retire_fraction(retired, table.rows_by_date(changes.read_version, list(retired)), max_retire_fraction)
 

@@ -421,3 +421,9 @@ def test_a_moved_file_and_a_renamed_label_folder_relabel_their_rows(lake: Lake, 
     shutil.copy(source / "dog" / moved.name, source / "feline" / "copy.png")  # a copy: the old path still holds the content
     _, _, written = lake.run(source, retire=retire)
     assert written.rows == 0 and len(lake.rows()) == 12
+
+    # Renaming the folder of most of the rows moves them: nothing is retired, so the retire limit does not refuse it.
+    (source / "dog").rename(source / "canine")
+    _, _, written = lake.run(source, retire=retire, max_retire=0.5)
+    assert (written.rows, written.retired) == (7, 7) and len(lake.rows()) == 12
+    assert set(labels().values()) == {"feline", "canine"}
