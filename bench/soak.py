@@ -1,11 +1,12 @@
 """A soak: many consecutive small `imagelake run`s on a growing folder, against long-lived servers.
 
-    .venv/bin/python bench/soak.py [--runs 50] [--start 300] [--growth 0.02] [--out bench/results/soak] [--keep DIR]
+    .venv/bin/python bench/soak.py [--runs 50] [--start 300] [--growth 0.02] [--retention-hours 0.05] [--out bench/results/soak] [--keep DIR]
 
 The servers of `make cluster-up` without Spark and Ray (infra/cluster.py, compute=False: PostgreSQL, the MLflow
 server with basic authentication, the Prefect server) stay up throughout. The source starts with --start demo digits
 (PNGs, every label) and gains --growth of its size in new digits before each run after the first. Each run is
-`imagelake run ... --json` in its own process, as a scheduled run is (32 px, 1 epoch, one worker).
+`imagelake run ... --json` in its own process, as a scheduled run is (32 px, 1 epoch, one worker), with
+workspace_retention_hours --retention-hours (3 minutes: the last few runs' staging, stage results and checkpoints).
 
 After each run: its wall seconds; the disk used by the workspace's staging, stage results, cache, tables and
 checkpoints, and by the servers' folder (PostgreSQL's data, MLflow's artifacts); and, summed over the servers'
@@ -103,6 +104,7 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=50)
     parser.add_argument("--start", type=int, default=300)
     parser.add_argument("--growth", type=float, default=0.02)
+    parser.add_argument("--retention-hours", type=float, default=0.05, help="workspace_retention_hours of every run (default 0.05: 3 minutes)")
     parser.add_argument("--database", choices=servers.DATABASES, default="postgres")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "soak")
     parser.add_argument("--keep", type=Path, help="keep the folders here (default: a temporary folder, removed)")
@@ -126,7 +128,8 @@ def main() -> int:
                 used = grow(pool, source, used, min(len(pool), used + math.ceil(used * args.growth)))
             started = time.monotonic()
             done = subprocess.run([IMAGELAKE, "run", "--source", str(source), "--set", f"workspace={workspace}",
-                                   *(part for pair in SMALL for part in ("--set", pair)), "--json"],
+                                   *(part for pair in SMALL for part in ("--set", pair)),
+                                   "--set", f"workspace_retention_hours={args.retention_hours}", "--json"],
                                   cwd=REPO, env=env, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=1800)
             seconds = time.monotonic() - started
             if done.returncode != 0:
@@ -137,7 +140,7 @@ def main() -> int:
                    **{f"{name}_mib": round(folder_bytes(workspace / name) / 2**20, 2) for name in FOLDERS},
                    "servers_mib": round(folder_bytes(Path(cluster.root)) / 2**20, 2), **server_figures(Path(cluster.root))}
             rows.append(row)
-            print(json.dumps(row), flush=True)
+            print(json.dumps({**row, "removed_by_retention": summary.get("removed_by_retention"), "stage_seconds": summary.get("stage_seconds")}), flush=True)
             write_csv(rows, args.out / "soak.csv")  # after every run: a soak stopped early keeps what it measured
     except KeyboardInterrupt:
         print(f"stopped after {len(rows)} runs", file=sys.stderr)
