@@ -17,6 +17,7 @@ from prefect.cache_policies import NO_CACHE
 
 from infra.settings import Settings
 from tasks.ingest import modified_seconds
+from tasks.progress import stage_logger
 from tasks.stage import stage
 
 # Staging's files, by the stage that writes them: ingest's listings (and a crashed listing's file set aside), the
@@ -33,8 +34,12 @@ def newest_change(fs: fsspec.AbstractFileSystem, path: str) -> float:
 
 
 def is_old(fs: fsspec.AbstractFileSystem, path: str, cutoff: float) -> bool:
-    """Changed before CUTOFF. A path whose age the store does not give (0.0) is never old: it is kept."""
-    changed = newest_change(fs, path)
+    """Changed before CUTOFF. A path whose age the store does not give (0.0) is never old: it is kept; one gone
+    meanwhile (another run's retention took it) is not there to remove."""
+    try:
+        changed = newest_change(fs, path)
+    except FileNotFoundError:
+        return False
     return 0.0 < changed < cutoff
 
 
@@ -46,8 +51,17 @@ def name_of(path: str) -> str:
     return path.rstrip("/").rsplit("/", 1)[-1]
 
 
-def remove(fs: fsspec.AbstractFileSystem, path: str) -> None:
-    fs.rm(path, recursive=fs.isdir(path))
+def remove(fs: fsspec.AbstractFileSystem, paths: list[str]) -> list[str]:
+    """Remove PATHS; return those this call removed. Runs that end together may both reach for one old path: whoever
+    comes second finds it gone, which is no error."""
+    removed = []
+    for path in paths:
+        try:
+            fs.rm(path, recursive=fs.isdir(path))
+        except FileNotFoundError:
+            continue
+        removed.append(path)
+    return removed
 
 
 def listings_in_use(fs: fsspec.AbstractFileSystem, in_sync: str) -> set[str]:
@@ -82,28 +96,20 @@ def prune_staging(uri: str, cutoff: float) -> list[str]:
             key=lambda e: int(name_of(e["name"])[1:-5]),
         )
         removed += [e["name"] for e in records[:-1] if is_old(fs, e["name"], cutoff)]  # the newest carries the counts forward
-    for path in removed:
-        remove(fs, path)
-    return removed
+    return remove(fs, removed)
 
 
 def prune_results(uri: str, cutoff: float) -> list[str]:
     """Remove old cached stage results (each a file named after its stage and key); the cache-key records stay."""
     fs, root = fsspec.core.url_to_fs(uri)
-    removed = [e["name"] for e in entries(fs, root) if e["type"] == "file" and is_old(fs, e["name"], cutoff)]
-    for path in removed:
-        remove(fs, path)
-    return removed
+    return remove(fs, [e["name"] for e in entries(fs, root) if e["type"] == "file" and is_old(fs, e["name"], cutoff)])
 
 
 def prune_training_runs(uri: str, cutoff: float) -> list[str]:
     """Remove Ray Train run folders (their checkpoints) that nothing has written to since CUTOFF. A run still training
     writes every epoch; one that crashed is resumed by its retry within the retention, or trained again after it."""
     fs, root = fsspec.core.url_to_fs(uri)
-    removed = [e["name"] for e in entries(fs, root) if e["type"] == "directory" and is_old(fs, e["name"], cutoff)]
-    for path in removed:
-        remove(fs, path)
-    return removed
+    return remove(fs, [e["name"] for e in entries(fs, root) if e["type"] == "directory" and is_old(fs, e["name"], cutoff)])
 
 
 def prune_workspace(settings: Settings, now: float | None = None) -> dict[str, int]:
@@ -117,6 +123,11 @@ def prune_workspace(settings: Settings, now: float | None = None) -> dict[str, i
 
 
 @stage("retention", cache_policy=NO_CACHE, retries=1)
-def retention(settings: Settings) -> dict[str, int]:
-    """Prefect stage (never cached): apply the workspace's retention after a run, or in maintenance."""
-    return prune_workspace(settings)
+def retention(settings: Settings) -> dict[str, Any]:
+    """Prefect stage (never cached): apply the workspace's retention after a run, or in maintenance. Tidying that
+    fails (a folder it may not write to) is a warning: the run's table, model and promotion stand."""
+    try:
+        return prune_workspace(settings)
+    except OSError as exc:
+        stage_logger().warning(f"retention: nothing more was removed: {exc}")
+        return {"failed": str(exc)}

@@ -9,11 +9,12 @@ import shutil
 import time
 from pathlib import Path
 
+import fsspec
 import pytest
 
 from flows.pipeline import pipeline
 from infra.settings import load_settings
-from tasks.retention import prune_workspace
+from tasks.retention import prune_workspace, remove
 from tests.lake import copy_digits
 
 HOUR = 3600.0
@@ -79,6 +80,16 @@ def test_retention_removes_old_stage_files_and_keeps_what_the_next_run_reads(tmp
     assert prune_workspace(load_settings(overrides={"workspace": str(tmp_path / "ws"), "workspace_retention_hours": 100})) == {
         "staging": 0, "stage_results": 0, "training_runs": 0
     }
+
+
+def test_two_runs_ending_together_may_both_reach_for_one_old_path(tmp_path: Path) -> None:
+    fs = fsspec.filesystem("file")
+    paths = [str(put(tmp_path / "staging" / f"ingest-{i}.parquet", 48)) for i in range(3)]
+    (tmp_path / "staging" / "resize-a").mkdir()
+    paths.append(str(tmp_path / "staging" / "resize-a"))
+    Path(paths[1]).unlink()  # the other run's retention came first
+    assert remove(fs, paths) == [paths[0], paths[2], paths[3]]
+    assert remove(fs, paths) == []
 
 
 @pytest.mark.slow
