@@ -289,9 +289,11 @@ def _names_a_secret(key: str) -> bool:
     return bool(_SECRET_KEY.search(key)) and not _SECRET_SOURCE.search(key)
 
 
-# Settings that can run code (Spark's JVM and Python options, jars on its class path) or load pickles: a run started
-# from the UI or a deployment's parameters may not set them, unless the worker lists them in this variable.
-UNSAFE_FROM_RUNS = ("spark_conf", "spark_jars", "allow_pickle_models")
+# Settings that can run code (Spark's JVM and Python options, jars on its class path) or load pickles (stage results are
+# read back by unpickling, a training resumes its checkpoints with torch.load: a run pointed at a folder of someone
+# else's files would load them): a run started from the UI or a deployment's parameters may not set them, unless the
+# worker lists them in this variable.
+UNSAFE_FROM_RUNS = ("spark_conf", "spark_jars", "allow_pickle_models", "workspace", "results_root", "ray_storage_root")
 ALLOW_FROM_RUNS_VARIABLE = "IMAGELAKE_ALLOW_FROM_RUNS"
 
 

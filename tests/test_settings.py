@@ -89,3 +89,9 @@ def test_settings_that_run_code_are_refused_from_runs_unless_the_worker_allows_t
         refuse_unsafe({"spark_jars": ["/tmp/x.jar"], "allow_pickle_models": True, "max_epochs": 2}, "a run")
     monkeypatch.setenv("IMAGELAKE_ALLOW_FROM_RUNS", "spark_jars, allow_pickle_models")
     assert refuse_unsafe({"spark_jars": ["/tmp/x.jar"], "allow_pickle_models": True}, "a run")
+    monkeypatch.delenv("IMAGELAKE_ALLOW_FROM_RUNS")
+    # Where stage results (read back by unpickling) and checkpoints (resumed with torch.load) are found: a run pointed at
+    # a folder of someone else's files would load them.
+    for name in ("workspace", "results_root", "ray_storage_root"):
+        with pytest.raises(SettingsError, match=f"{name} cannot be set from a run"):
+            refuse_unsafe({name: "/tmp/elsewhere"}, "a run")
