@@ -93,7 +93,7 @@ class Report:
 
     @property
     def not_completed(self) -> list[str]:
-        return [f"{run['name']} {run['state']}" for run in self.runs if run["state"] != "COMPLETED"]
+        return [f"{run['name']} {run['state']}: {run.get('why', '')}" for run in self.runs if run["state"] != "COMPLETED"]
 
 
 class Api:
@@ -204,8 +204,10 @@ def run_load(root: Path, database: str, scenario_name: str = "small") -> Report:
         report.flow_runs_completed = sum(run["state_type"] == "COMPLETED" for run in everything)
         report.runs_per_minute = report.flow_runs_completed / report.minutes
         for run in ended:
-            busy = run["state_type"] != "COMPLETED" and any(word in run_logs(api, run["id"]) + ((run.get("state") or {}).get("message") or "") for word in BUSY_WORDS)
-            report.runs.append({"name": run["name"], "state": run["state_type"], "seconds": round(run["total_run_time"]), "busy": busy})
+            said = run_logs(api, run["id"]) + ((run.get("state") or {}).get("message") or "") if run["state_type"] != "COMPLETED" else ""
+            busy = any(word in said for word in BUSY_WORDS)
+            report.runs.append({"name": run["name"], "state": run["state_type"], "seconds": round(run["total_run_time"]), "busy": busy,
+                                **({"why": said[:4000]} if said else {})})  # the newest lines first
         report.api_requests = len(probe.latencies)
         if probe.latencies:
             report.api_p50_ms = round(statistics.median(probe.latencies), 1)
