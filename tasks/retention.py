@@ -26,21 +26,23 @@ STAGING_FILES = ("listing-", ".listing-", "ingest-")
 STAGING_FOLDERS = ("resize-",)
 
 
-def newest_change(fs: fsspec.AbstractFileSystem, path: str) -> float:
-    """When anything in PATH (a file, or a folder's files) last changed; 0.0 when the store does not say."""
-    if not fs.isdir(path):
-        return modified_seconds(fs.info(path))
-    return max((modified_seconds(info) for info in fs.find(path, detail=True).values()), default=0.0)
-
-
-def is_old(fs: fsspec.AbstractFileSystem, path: str, cutoff: float) -> bool:
-    """Changed before CUTOFF. A path whose age the store does not give (0.0) is never old: it is kept; one gone
-    meanwhile (another run's retention took it) is not there to remove."""
+def is_old(fs: fsspec.AbstractFileSystem, path: str, cutoff: float, listed: dict[str, Any] | None = None) -> bool:
+    """Whether PATH (a file, or every file in a folder) last changed before CUTOFF. LISTED is PATH's entry from a
+    listing, which saves asking the store again. A path whose age the store does not give (0.0) is never old: it is
+    kept; one gone meanwhile (another run's retention took it) is not there to remove."""
     try:
-        changed = newest_change(fs, path)
+        info = listed or fs.info(path)
+        if info["type"] == "directory":
+            changed = max((modified_seconds(found) for found in fs.find(path, detail=True).values()), default=0.0)
+        else:
+            changed = modified_seconds(info)
     except FileNotFoundError:
         return False
     return 0.0 < changed < cutoff
+
+
+def old_entries(fs: fsspec.AbstractFileSystem, listed: list[dict[str, Any]], cutoff: float) -> list[str]:
+    return [entry["name"] for entry in listed if is_old(fs, entry["name"], cutoff, entry)]
 
 
 def entries(fs: fsspec.AbstractFileSystem, folder: str) -> list[dict[str, Any]]:
@@ -57,7 +59,7 @@ def remove(fs: fsspec.AbstractFileSystem, paths: list[str]) -> list[str]:
     removed = []
     for path in paths:
         try:
-            fs.rm(path, recursive=fs.isdir(path))
+            fs.rm(path, recursive=True)  # a file or a folder
         except FileNotFoundError:
             continue
         removed.append(path)
@@ -81,35 +83,32 @@ def prune_staging(uri: str, cutoff: float) -> list[str]:
     fs, root = fsspec.core.url_to_fs(uri)
     in_sync = f"{root}/in-sync"
     kept = listings_in_use(fs, in_sync)
-    removed = []
-    for entry in entries(fs, root):
-        path, name = entry["name"], name_of(entry["name"])
-        ours = name.startswith(STAGING_FILES) if entry["type"] == "file" else name.startswith(STAGING_FOLDERS)
-        if ours and path not in kept and is_old(fs, path, cutoff):
-            removed.append(path)
-    for entry in entries(fs, in_sync):
-        if entry["type"] == "file" and not name_of(entry["name"]).startswith("last-") and is_old(fs, entry["name"], cutoff):
-            removed.append(entry["name"])
+    ours = [
+        e for e in entries(fs, root)
+        if e["name"] not in kept and name_of(e["name"]).startswith(STAGING_FILES if e["type"] == "file" else STAGING_FOLDERS)
+    ]
+    markers = [e for e in entries(fs, in_sync) if e["type"] == "file" and not name_of(e["name"]).startswith("last-")]
+    removed = old_entries(fs, ours, cutoff) + old_entries(fs, markers, cutoff)
     for folder in entries(fs, f"{root}/split-counts"):
         records = sorted(
             (e for e in entries(fs, folder["name"]) if e["type"] == "file" and name_of(e["name"])[1:-5].isdigit()),
             key=lambda e: int(name_of(e["name"])[1:-5]),
         )
-        removed += [e["name"] for e in records[:-1] if is_old(fs, e["name"], cutoff)]  # the newest carries the counts forward
+        removed += old_entries(fs, records[:-1], cutoff)  # the newest carries the counts forward
     return remove(fs, removed)
 
 
 def prune_results(uri: str, cutoff: float) -> list[str]:
     """Remove old cached stage results (each a file named after its stage and key); the cache-key records stay."""
     fs, root = fsspec.core.url_to_fs(uri)
-    return remove(fs, [e["name"] for e in entries(fs, root) if e["type"] == "file" and is_old(fs, e["name"], cutoff)])
+    return remove(fs, old_entries(fs, [e for e in entries(fs, root) if e["type"] == "file"], cutoff))
 
 
 def prune_training_runs(uri: str, cutoff: float) -> list[str]:
     """Remove Ray Train run folders (their checkpoints) that nothing has written to since CUTOFF. A run still training
     writes every epoch; one that crashed is resumed by its retry within the retention, or trained again after it."""
     fs, root = fsspec.core.url_to_fs(uri)
-    return remove(fs, [e["name"] for e in entries(fs, root) if e["type"] == "directory" and is_old(fs, e["name"], cutoff)])
+    return remove(fs, old_entries(fs, [e for e in entries(fs, root) if e["type"] == "directory"], cutoff))
 
 
 def prune_workspace(settings: Settings, now: float | None = None) -> dict[str, int]:
