@@ -43,6 +43,9 @@ def diff_basis(listed: Listed, table: ImageTable, scope: Scope, retire_deleted: 
     return hashlib.sha256(f"{listed.listing_fingerprint}|{state_key(table, scope, retire_deleted)}".encode()).hexdigest()
 
 
+IN_SYNC = "in-sync"  # staging's folder of in-sync markers and last-<key>.json records
+
+
 def in_sync_marker(folder: str, basis: str, versions: tuple[int | None, int | None]) -> str:
     """The file that says: the tables at VERSIONS already hold everything the listing of BASIS brings."""
     return f"{folder}/{hashlib.sha256(f'{basis}|{versions[0]}|{versions[1]}'.encode()).hexdigest()[:32]}"
@@ -240,7 +243,7 @@ def diff_against_table(table: ImageTable, listed: Listed, scope: Scope, retire_d
     basis, versions, key = diff_basis(listed, table, scope, retire_deleted), table_versions(table), state_key(table, scope, retire_deleted)
     dated = scope.start is not None or scope.end is not None
     fingerprint = hashlib.sha256(f"{basis}|{versions[0]}|{versions[1]}".encode()).hexdigest()
-    in_sync_folder = f"{staging_dir.rstrip('/')}/in-sync"
+    in_sync_folder = f"{staging_dir.rstrip('/')}/{IN_SYNC}"
     before = last_in_sync(in_sync_folder, key, versions) if versions[0] is not None else None
     if is_in_sync(in_sync_folder, basis, versions):
         todo = CHANGES_SCHEMA.empty_table()

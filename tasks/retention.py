@@ -17,7 +17,9 @@ from prefect.cache_policies import NO_CACHE
 
 from infra.settings import Settings
 from tasks.ingest import modified_seconds
+from tasks.changes import IN_SYNC
 from tasks.progress import stage_logger
+from tasks.split import SPLIT_COUNTS, record_version
 from tasks.stage import stage
 
 # Staging's files, by the stage that writes them: ingest's listings (and a crashed listing's file set aside), the
@@ -81,7 +83,7 @@ def listings_in_use(fs: fsspec.AbstractFileSystem, in_sync: str) -> set[str]:
 def prune_staging(uri: str, cutoff: float) -> list[str]:
     """Remove staging's old listings, change lists, resize outputs, in-sync markers and split-count records."""
     fs, root = fsspec.core.url_to_fs(uri)
-    in_sync = f"{root}/in-sync"
+    in_sync = f"{root}/{IN_SYNC}"
     kept = listings_in_use(fs, in_sync)
     ours = [
         e for e in entries(fs, root)
@@ -89,10 +91,10 @@ def prune_staging(uri: str, cutoff: float) -> list[str]:
     ]
     markers = [e for e in entries(fs, in_sync) if e["type"] == "file" and not name_of(e["name"]).startswith("last-")]
     removed = old_entries(fs, ours, cutoff) + old_entries(fs, markers, cutoff)
-    for folder in entries(fs, f"{root}/split-counts"):
+    for folder in entries(fs, f"{root}/{SPLIT_COUNTS}"):
         records = sorted(
-            (e for e in entries(fs, folder["name"]) if e["type"] == "file" and name_of(e["name"])[1:-5].isdigit()),
-            key=lambda e: int(name_of(e["name"])[1:-5]),
+            (e for e in entries(fs, folder["name"]) if e["type"] == "file" and record_version(name_of(e["name"])) is not None),
+            key=lambda e: record_version(name_of(e["name"])),
         )
         removed += old_entries(fs, records[:-1], cutoff)  # the newest carries the counts forward
     return remove(fs, removed)

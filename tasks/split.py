@@ -47,6 +47,14 @@ def plan_splits(spark: SparkSession, written: TableVersion, settings: Settings) 
     )
 
 
+SPLIT_COUNTS = "split-counts"  # staging's folder of PlanRecords, one folder per key
+
+
+def record_version(name: str) -> int | None:
+    """The table version of a split-count record's file name (vN.json); None for any other name."""
+    return int(name[1:-5]) if name.startswith("v") and name.endswith(".json") and name[1:-5].isdigit() else None
+
+
 class PlanRecords:
     """Each planned version's images per (split, label), for one table, image size and pair of fractions, in staging."""
 
@@ -54,13 +62,13 @@ class PlanRecords:
         self.val_fraction, self.test_fraction = settings.val_fraction, settings.test_fraction
         # Keyed by the table's id too: a table made anew at the same place does not carry on from the old one's counts.
         key = hashlib.sha256(json.dumps([written.table_uri, Table(written.table_uri).table_id(), settings.image_size, self.val_fraction, self.test_fraction]).encode()).hexdigest()[:20]
-        self.fs, self.folder = fsspec.core.url_to_fs(f"{settings.staging_uri.rstrip('/')}/split-counts/{key}")
+        self.fs, self.folder = fsspec.core.url_to_fs(f"{settings.staging_uri.rstrip('/')}/{SPLIT_COUNTS}/{key}")
 
     def versions(self) -> list[int]:
         if not self.fs.exists(self.folder):
             return []
-        names = [path.rsplit("/", 1)[-1] for path in self.fs.ls(self.folder, detail=False)]
-        return sorted(int(name[1:-5]) for name in names if name.startswith("v") and name.endswith(".json") and name[1:-5].isdigit())
+        versions = [record_version(path.rsplit("/", 1)[-1]) for path in self.fs.ls(self.folder, detail=False)]
+        return sorted(v for v in versions if v is not None)
 
     def save(self, version: int, label_counts: dict[str, dict[str, int]]) -> None:
         self.fs.makedirs(self.folder, exist_ok=True)
