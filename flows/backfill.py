@@ -9,10 +9,10 @@ from typing import Any
 
 from prefect.artifacts import create_table_artifact
 
-from flows.flow import imagelake_flow, run_overrides
+from flows.flow import imagelake_flow, run_settings
 from flows.pipeline import train_and_promote
 from infra.prefect_env import stage_results
-from infra.settings import Settings, load_settings
+from infra.settings import Settings
 from tasks.changes import date_counts
 from tasks.ingest import ingest, save_listing, source_uri
 from tasks.resize import resize
@@ -36,7 +36,7 @@ def plan_dates(table: ImageTable, settings: Settings, source: str, start: date, 
 @imagelake_flow("imagelake-ingest-date")
 def ingest_date(source: str, day: str, config_file: str | None = None, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     """Ingest, resize and write one date partition (re-running it replaces exactly that date's rows)."""
-    settings = load_settings(config_file, {**(run_overrides(overrides) or {}), "start_date": day, "end_date": day})
+    settings = run_settings(config_file, overrides, start_date=day, end_date=day)
     with stage_results(settings):
         written = write(resize(ingest(source, settings), settings), settings)
     return {"date": day, "version": written.version, "rows_added": written.rows, "rows_retired": written.retired}
@@ -58,7 +58,7 @@ def backfill(
         raise ValueError(f"start_date {start_date} is after end_date {end_date}: swap them")
     if max_concurrency < 1:
         raise ValueError(f"max_concurrency must be at least 1, got {max_concurrency}")
-    settings = load_settings(config_file, run_overrides(overrides))
+    settings = run_settings(config_file, overrides)
     table = ImageTable.of(settings)
     if settings.requeue_reasons and not dry_run:  # once, before the plan (which then finds their dates stale); never per date
         with stage_results(settings):

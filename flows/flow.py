@@ -8,7 +8,7 @@ from prefect import flow
 from prefect.context import FlowRunContext
 
 from infra.lifecycle import release_compute, watch_worker
-from infra.settings import refuse_unsafe
+from infra.settings import Settings, load_settings, refuse_unsafe, refuse_unsafe_file
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -19,10 +19,24 @@ def imagelake_flow(name: str) -> Callable[[F], F]:
     return flow(name=name, log_prints=True, on_running=[watch_worker], on_cancellation=[release_compute], on_crashed=[release_compute])  # type: ignore[return-value]
 
 
-def run_overrides(overrides: dict[str, Any] | None) -> dict[str, Any] | None:
-    """A flow's `overrides` parameter, checked when the run came from a deployment (the UI, a schedule, the API): settings
-    that can run code or load pickles are refused there (infra/settings.py:refuse_unsafe)."""
+def run_settings(config_file: str | None, overrides: dict[str, Any] | None, **fixed: Any) -> Settings:
+    """A flow's settings from its `config_file` and `overrides` parameters (then FIXED), checked by check_run_parameters."""
+    check_run_parameters(config_file, overrides)
+    return load_settings(config_file, {**(overrides or {}), **fixed})
+
+
+def check_run_parameters(config_file: str | None, overrides: dict[str, Any] | None) -> None:
+    """When the run came from a deployment (the UI, a schedule, the API), neither its `overrides` nor a settings file it
+    names outside the code may set what can run code or load pickles (infra/settings.py:refuse_unsafe)."""
+    where = deployment_run()
+    if where:
+        refuse_unsafe(overrides, where)
+        refuse_unsafe_file(config_file, where)
+
+
+def deployment_run() -> str | None:
+    """'the parameters of a deployment run (NAME)' when the current flow run was started from a deployment, else None."""
     context = FlowRunContext.get()
-    if overrides and context is not None and context.flow_run is not None and context.flow_run.deployment_id is not None:
-        refuse_unsafe(overrides, f"the parameters of a deployment run ({context.flow_run.name})")
-    return overrides
+    if context is not None and context.flow_run is not None and context.flow_run.deployment_id is not None:
+        return f"the parameters of a deployment run ({context.flow_run.name})"
+    return None

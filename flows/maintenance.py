@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from flows.flow import imagelake_flow, run_overrides
-from infra.settings import load_settings
+from flows.flow import imagelake_flow, run_settings
 from tasks.maintain import maintain_cache, maintain_images, maintain_quarantine
 from tasks.retention import retention
 
@@ -14,7 +13,7 @@ from tasks.retention import retention
 def maintenance(config_file: str | None = None, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     """Compact small files and vacuum old ones, keeping the versions registered models were trained on; clean the cache
     likewise; apply the workspace's retention to staging, stage results and checkpoints."""
-    settings = load_settings(config_file, run_overrides(overrides))
+    settings = run_settings(config_file, overrides)
     images = maintain_images(settings)
     quarantine = maintain_quarantine(settings)
     cache = maintain_cache(settings)

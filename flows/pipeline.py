@@ -10,10 +10,10 @@ from typing import Any
 
 from pydantic import BaseModel, Field, create_model
 
-from flows.flow import imagelake_flow, run_overrides
+from flows.flow import check_run_parameters, imagelake_flow, run_settings
 from infra.delta import Table
 from infra.prefect_env import stage_results
-from infra.settings import Settings, load_settings
+from infra.settings import Settings
 from tasks.cache import cache
 from tasks.ingest import ingest
 from tasks.promote import promote
@@ -44,7 +44,7 @@ def train_and_promote(table: TableVersion, settings: Settings, resized: Resized 
 @imagelake_flow("imagelake-pipeline")
 def pipeline(source: str, config_file: str | None = None, overrides: dict[str, Any] | None = None, refresh: bool = False) -> dict[str, Any]:
     """Take a folder of labelled images to a registered, tested and (if better) promoted model; `refresh` recomputes every stage."""
-    settings = load_settings(config_file, run_overrides(overrides))
+    settings = run_settings(config_file, overrides)
     with stage_results(settings, refresh):
         if settings.requeue_reasons:
             requeue_by_setting(settings)
@@ -57,7 +57,7 @@ def pipeline(source: str, config_file: str | None = None, overrides: dict[str, A
 @imagelake_flow("imagelake-retrain")
 def retrain_flow(table_uri: str, table_version: int, config_file: str | None = None, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     """Train and promote again on one pinned Delta table version (what `imagelake retrain` runs)."""
-    settings = load_settings(config_file, run_overrides(overrides))
+    settings = run_settings(config_file, overrides)
     table = TableVersion(table_uri=table_uri, version=table_version, engine=Table.open(table_uri, settings).engine)
     with stage_results(settings):
         return train_and_promote(table, settings)
@@ -89,4 +89,5 @@ RunParameters = form_model()
 def adhoc(params: RunParameters = RunParameters()) -> dict[str, Any]:  # type: ignore[valid-type]
     """An ad-hoc run from the Prefect UI: the pipeline with the form's values."""
     overrides = params.model_dump(exclude={"source", "config_file", "refresh"}, exclude_none=True, mode="json")
+    check_run_parameters(params.config_file, overrides)  # here: the pipeline below is a subflow run, not a deployment run
     return pipeline(source=params.source, config_file=params.config_file, overrides=overrides, refresh=params.refresh)

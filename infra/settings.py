@@ -309,6 +309,21 @@ def refuse_unsafe(overrides: dict[str, Any] | None, where: str) -> dict[str, Any
     return overrides
 
 
+# The folder of the code a run executes: a settings file inside it ships with the code and is reviewed as code.
+CODE_ROOT = Path(__file__).resolve().parents[1]
+
+
+def refuse_unsafe_file(config_file: str | Path | None, where: str) -> None:
+    """Refuse a settings file named by WHERE (a run's parameters) that sets one of UNSAFE_FROM_RUNS, unless it lies in
+    CODE_ROOT (infra/clusters/*.yaml: part of the deployment) or IMAGELAKE_ALLOW_FROM_RUNS allows those settings."""
+    if not config_file:
+        return
+    path = Path(config_file)
+    if (path if path.is_absolute() else Path.cwd() / path).resolve().is_relative_to(CODE_ROOT):
+        return
+    refuse_unsafe(read_config_file(path), f"the settings file {path}, named by {where} and outside the code folder {CODE_ROOT}")
+
+
 def load_settings(config_file: str | Path | None = None, overrides: dict[str, Any] | None = None) -> Settings:
     """Read settings now: overrides, then IMAGELAKE_* variables, then the config file, then defaults."""
     path = Path(config_file) if config_file else None

@@ -68,7 +68,7 @@ def assert_shows_what_it_does(summary: dict, console: str, logs: list[str]) -> N
             assert f"{stage}: started" in text and re.search(rf"{stage}: (done|from the cache) in \d+\.\d s", text), stage
         epochs = re.findall(r"train: epoch (\d+) of 4, train loss \d\.\d+, val loss \d\.\d+, val accuracy \d\.\d+", text)
         assert [int(e) for e in epochs] == list(range(1, summary["epochs_run"] + 1))
-        assert text.index(f"train: MLflow run http://127.0.0.1:5000/#/experiments/") < text.index("train: epoch 1 of 4")
+        assert text.index("train: MLflow run http://127.0.0.1:5000/#/experiments/") < text.index("train: epoch 1 of 4")
         assert re.search(r"resize: 300 of 300 files \(100%\), \d+ files/s", text)
     for noise in ("Recovering rowgroup information", "Failed loading Unischema", "Reporting training result", "Checkpoint successfully created"):
         assert noise not in console, noise

@@ -175,18 +175,36 @@ def test_invalid_custom_run_parameters_are_refused_before_any_run_exists(deploye
     assert deployed.flow_runs(runs_of_adhoc) == before, "a refused run must not exist, not even as a failed one"
 
 
-@pytest.mark.parametrize("unsafe", [{"spark_conf": {"spark.driver.extraJavaOptions": "-javaagent:/tmp/agent.jar"}}, {"allow_pickle_models": True}])
-def test_a_deployment_run_may_not_set_what_runs_code_or_loads_pickles(deployed: Deployed, unsafe: dict) -> None:
-    nightly = deployed.deployment("imagelake-pipeline", "nightly")
-    body = custom_run_body(nightly, {"source": str(deployed.source), "overrides": {"max_epochs": 1, **unsafe}}, f"unsafe-{next(iter(unsafe))}")
-    created = deployed.create_run(nightly, body)
+def refused(deployed: Deployed, deployment: dict, parameters: dict, name: str) -> str:
+    """Start a run of DEPLOYMENT with PARAMETERS; it must fail before any work: its logs."""
+    created = deployed.create_run(deployment, custom_run_body(deployment, parameters, name))
     assert created.status_code == 201, created.text
     started = time.monotonic()
     while (run := deployed.api.get(f"/flow_runs/{created.json()['id']}").json())["state_type"] not in TERMINAL and time.monotonic() - started < 300:
         time.sleep(2)
     logs = deployed.logs(deployed.family(run["id"]))
     assert run["state_type"] == "FAILED", f"{run['state_name']}\n{logs[-3000:]}"
+    return logs
+
+
+@pytest.mark.parametrize("unsafe", [{"spark_conf": {"spark.driver.extraJavaOptions": "-javaagent:/tmp/agent.jar"}}, {"allow_pickle_models": True}])
+def test_a_deployment_run_may_not_set_what_runs_code_or_loads_pickles(deployed: Deployed, unsafe: dict) -> None:
+    nightly = deployed.deployment("imagelake-pipeline", "nightly")
+    logs = refused(deployed, nightly, {"source": str(deployed.source), "overrides": {"max_epochs": 1, **unsafe}}, f"unsafe-{next(iter(unsafe))}")
     assert f"{next(iter(unsafe))} cannot be set from the parameters of a deployment run" in logs and "IMAGELAKE_ALLOW_FROM_RUNS" in logs, logs[-3000:]
+
+
+def test_nor_through_a_settings_file_it_names_outside_the_code(deployed: Deployed, tmp_path: Path) -> None:
+    planted = tmp_path / "planted.yaml"
+    planted.write_text("allow_pickle_models: true\nmax_epochs: 1\nimage_size: 32\n")
+    expected = f"allow_pickle_models cannot be set from the settings file {planted}, named by the parameters of a deployment run"
+    nightly = deployed.deployment("imagelake-pipeline", "nightly")
+    logs = refused(deployed, nightly, {"source": str(deployed.source), "config_file": str(planted)}, "planted-settings-nightly")
+    assert expected in logs, logs[-3000:]
+    # The UI's form has a settings file field too.
+    adhoc = deployed.deployment("imagelake-adhoc", "adhoc")
+    logs = refused(deployed, adhoc, {"params": run_params(adhoc, deployed.source, config_file=str(planted))}, "planted-settings-adhoc")
+    assert expected in logs, logs[-3000:]
 
 
 def test_a_custom_run_through_the_ui_api_call_completes_and_publishes_its_summary(deployed: Deployed) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -95,3 +96,26 @@ def test_settings_that_run_code_are_refused_from_runs_unless_the_worker_allows_t
     for name in ("workspace", "results_root", "ray_storage_root"):
         with pytest.raises(SettingsError, match=f"{name} cannot be set from a run"):
             refuse_unsafe({name: "/tmp/elsewhere"}, "a run")
+
+
+def test_a_settings_file_named_by_a_run_may_not_set_what_runs_code_unless_it_ships_with_the_code(monkeypatch, tmp_path) -> None:
+    from infra.settings import CODE_ROOT, SettingsError, refuse_unsafe_file
+
+    monkeypatch.delenv("IMAGELAKE_ALLOW_FROM_RUNS", raising=False)
+    planted = tmp_path / "mine.yaml"
+    planted.write_text("allow_pickle_models: true\nmax_epochs: 2\n")
+    with pytest.raises(SettingsError, match=rf"allow_pickle_models cannot be set from the settings file {planted}, named by a run and outside the code folder"):
+        refuse_unsafe_file(planted, "a run")
+    # A relative path that climbs out of the code folder is outside it too.
+    monkeypatch.chdir(CODE_ROOT)
+    climbing = Path("infra/clusters") / os.path.relpath(planted, CODE_ROOT / "infra/clusters")
+    with pytest.raises(SettingsError, match="allow_pickle_models cannot be set"):
+        refuse_unsafe_file(climbing, "a run")
+    # The deployments' own settings files set spark_conf and folders: they ship with the code.
+    refuse_unsafe_file("infra/clusters/kubernetes.yaml", "a run")
+    refuse_unsafe_file(CODE_ROOT / "infra/clusters/local.yaml", "a run")
+    # A file that sets nothing unsafe, or what the worker allows, is fine anywhere.
+    (tmp_path / "safe.yaml").write_text("max_epochs: 2\n")
+    refuse_unsafe_file(tmp_path / "safe.yaml", "a run")
+    monkeypatch.setenv("IMAGELAKE_ALLOW_FROM_RUNS", "allow_pickle_models")
+    refuse_unsafe_file(planted, "a run")
