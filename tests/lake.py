@@ -5,6 +5,9 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
 from infra.delta import Table, read_version
 from tasks.changes import ingest_listing
 from tasks.ingest import source_uri
@@ -16,6 +19,23 @@ from tasks.write import write_images
 
 SCOPE = Scope((".png", ".jpg", ".jpeg"))
 RULES = DecodeRules(size=24, mode="letterbox", max_file_bytes=10_000_000, max_pixels=10_000_000)
+
+
+class LostMount(LocalFileSystem):
+    """The local file system as lostmount://, but a folder whose path ends with `lost` cannot be listed (a lost mount,
+    its permissions changed). Registered with fsspec below; set `LostMount.lost` and reset it to None."""
+
+    protocol = ("lostmount",)
+    root_marker = "/"
+    lost: str | None = None
+
+    def ls(self, path, detail=False, **kwargs):
+        if self.lost and str(path).rstrip("/").endswith(self.lost):
+            raise PermissionError(13, "Permission denied", str(path))
+        return super().ls(path, detail=detail, **kwargs)
+
+
+fsspec.register_implementation("lostmount", LostMount, clobber=True)
 
 
 class Lake:

@@ -274,30 +274,33 @@ def test_executors_report_their_progress_while_they_decode(spark, lake: Lake, di
     assert resized.decoded == 20 and files_done(str(tmp_path / "rs")) == 20
 
 
-def test_a_folder_that_cannot_be_listed_stops_the_run_and_retires_nothing(lake: Lake, digits_dir: Path, tmp_path: Path) -> None:
-    import fsspec
-    from fsspec.implementations.local import LocalFileSystem
-
+def test_a_folder_that_cannot_be_listed_stops_the_run_and_retires_nothing(lake: Lake, digits_dir: Path, tmp_path: Path, monkeypatch) -> None:
     from tasks.ingest import ListingIncomplete, list_source
-    from tasks.rules.listing import Scope
+    from tests.lake import LostMount
 
-    class LostMount(LocalFileSystem):
-        """The local file system, but one folder cannot be listed (a lost mount, its permissions changed)."""
-
-        protocol = ("lostmount",)
-        root_marker = "/"
-
-        def ls(self, path, detail=False, **kwargs):
-            if str(path).rstrip("/").endswith("/2"):
-                raise PermissionError(13, "Permission denied", str(path))
-            return super().ls(path, detail=detail, **kwargs)
-
-    fsspec.register_implementation("lostmount", LostMount, clobber=True)
     source = tmp_path / "src"
     copy_digits(digits_dir, source / "date=2024-03-01", labels=("1", "2"), per_label=4)
+    copy_digits(digits_dir, source / "date=2024-03-02", labels=("1", "2"), per_label=4, skip=4)
+    monkeypatch.setattr(LostMount, "lost", "date=2024-03-01/2")
     with pytest.raises(ListingIncomplete, match=r"could not list lostmount://.*date=2024-03-01/2 \(PermissionError.*retires anything"):
         list(list_source(f"lostmount://{source}", Scope((".png",))))
     assert isinstance(ListingIncomplete("x"), OSError), "the stage retries it: a mount may come back"
+
+    # A table that holds both dates; then label 2 of the first date cannot be listed. A dated run that retires what is
+    # not listed, and a run over every date, both stop naming the folder: no version, no row retired.
+    monkeypatch.setattr(LostMount, "lost", None)
+    lake.run(f"lostmount://{source}", retire=True, in_driver_up_to=100)
+    before, rows = Table(lake.table).version(), lake.rows()
+    assert len(rows) == 16
+    monkeypatch.setattr(LostMount, "lost", "date=2024-03-01/2")
+    day = Scope((".png",), start=date(2024, 3, 1), end=date(2024, 3, 1))
+    for scope in (day, Scope((".png",))):
+        with pytest.raises(ListingIncomplete, match=r"date=2024-03-01/2 \(PermissionError"):
+            lake.run(f"lostmount://{source}", scope=scope, retire=True, in_driver_up_to=100)
+        assert Table(lake.table).version() == before and lake.rows() == rows
+    monkeypatch.setattr(LostMount, "lost", None)  # the mount is back: nothing to do
+    _, _, written = lake.run(f"lostmount://{source}", scope=day, retire=True, in_driver_up_to=100)
+    assert (written.rows, written.retired) == (0, 0) and lake.rows() == rows
 
 
 def test_a_run_that_would_retire_most_of_a_dates_rows_is_refused(lake: Lake, digits_dir: Path, tmp_path: Path) -> None:
