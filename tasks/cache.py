@@ -392,6 +392,19 @@ def cached_files(cached: CachedSplits) -> list[str]:
     return uris
 
 
+def damaged_split(cached: CachedSplits) -> str | None:
+    """Why a cache result whose files are all there is no result: a split whose files hold other rows than the plan
+    counted (a part file rewritten or cut short). The stage then writes it again (cache_splits finds the same)."""
+    from tasks.worker.loader import check_split  # it imports Petastorm: only when asked
+
+    try:
+        for split, uri in cached.splits.items():
+            check_split(uri, split, cached.counts[split])
+    except (FileNotFoundError, ValueError) as exc:
+        return str(exc)
+    return None
+
+
 def cache_one_at_a_time(spark: SparkSession, plan: SplitPlan, settings: Settings) -> CachedSplits:
     """cache_splits under the lock of its cache line. Two runs caching one line at once (the nightly run and an ad-hoc
     one) would write the same generation's folder and each list the other's files in its manifest: the second waits,
@@ -400,7 +413,7 @@ def cache_one_at_a_time(spark: SparkSession, plan: SplitPlan, settings: Settings
         return cache_splits(spark, plan, settings.image_size, settings.cache_uri, settings.seed)
 
 
-@stage("cache", settings=("image_size", "cache_uri", "seed"), code=("tasks.table",), needs=cached_files)
+@stage("cache", settings=("image_size", "cache_uri", "seed"), code=("tasks.table",), needs=cached_files, unfinished=damaged_split)
 def cache(plan: SplitPlan, settings: Settings) -> CachedSplits:
     """Prefect stage: materialise (or reuse, or grow) the Petastorm cache of every split."""
     return cache_one_at_a_time(spark_session(settings), plan, settings)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import re
 import shutil
 from pathlib import Path
 
@@ -42,6 +44,34 @@ def test_cache_report_says_hit_or_miss_and_why() -> None:
     assert "left no result" in report[2]["why"]
 
 
+def manifests(summary: dict) -> tuple[Path, dict[str, dict]]:
+    """The folder of the cache line of SUMMARY's run and its manifest of each split for the run's table version."""
+    line = Path(summary["cache_dir"].removeprefix("file://"))
+    return line, {split: json.loads((line / f"{split}-v{summary['delta_version']}.json").read_text()) for split in summary["split_counts"]}
+
+
+def part_files(summary: dict, split: str) -> list[Path]:
+    """The Parquet files SPLIT's manifest names for SUMMARY's run."""
+    line, manifest = manifests(summary)
+    return [line / name for name in manifest[split]["files"]]
+
+
+def cut_short(path: Path) -> None:
+    """Rewrite a Parquet file without its last row."""
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(path)
+    pq.write_table(table.slice(0, table.num_rows - 1), path)
+
+
+def rows_cached(summary: dict) -> dict[str, int]:
+    """Rows in the files each split's manifest names, for the run's table version."""
+    import pyarrow.parquet as pq
+
+    line, manifest = manifests(summary)
+    return {split: sum(pq.ParquetFile(line / name).metadata.num_rows for name in m["files"]) for split, m in manifest.items()}
+
+
 def run(source: Path, overrides: dict, **kwargs) -> tuple[dict, dict[str, str]]:
     summary = pipeline(str(source), overrides=overrides, **kwargs)
     return summary, {row["stage"]: row["why"] for row in summary["cache"] if row["cache"] == "miss"}
@@ -73,6 +103,16 @@ def test_same_data_hits_new_file_reruns_from_ingest_new_size_from_resize(prefect
     third, missed = run(source, {**overrides, "spark_log_level": "WARN"})
     assert third["cache_hits"] == ALL and missed == {}
     assert third["model_version"] == first["model_version"]
+
+    # A part file of the cached train split cut short, then one deleted (a cleaned disk): the cache stage's result is
+    # no result, the report says why, and the split is written again whole; training never sees the partial split.
+    damaged = third
+    for damage, why in ((cut_short, r"the cached train split .* holds \d+ rows where its table version has \d+"), (Path.unlink, r"needs file://.*\.parquet, which is gone")):
+        damage(part_files(damaged, "train")[0])
+        damaged, missed = run(source, overrides)
+        assert re.search(f"cached result changed .* -> {why}", missed["cache"]), damaged["cache"]
+        assert damaged["split_counts"] == third["split_counts"] and damaged["model_version"] == third["model_version"]
+        assert rows_cached(damaged) == damaged["split_counts"], "the cache holds every planned row again"
 
     # One new file: ingest onward re-runs, and only that file is decoded.
     shutil.copy(sorted((digits_dir / "5").glob("*.png"))[0], source / "4" / "new.png")

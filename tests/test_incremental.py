@@ -373,6 +373,9 @@ def test_a_backfill_plan_is_counted_per_date_by_spark_and_sees_stale_dates(lake:
 
 
 def test_a_cached_split_missing_a_file_is_rebuilt_and_never_trained_on(lake: Lake, digits_dir: Path, tmp_path: Path, settings) -> None:
+    import pyarrow.parquet as pq
+
+    from tasks.train import train_model
     from tasks.worker.loader import check_split
 
     source, root = tmp_path / "src", tmp_path / "cache"
@@ -385,8 +388,16 @@ def test_a_cached_split_missing_a_file_is_rebuilt_and_never_trained_on(lake: Lak
     Path(lost.removeprefix("file://")).unlink()
     with pytest.raises(FileNotFoundError, match=r"cached train split .* names .*, which is gone"):
         check_split(first.splits["train"], "train", first.counts["train"])
+    with pytest.raises(FileNotFoundError, match=r"cached train split .* names .*, which is gone"):
+        train_model(first, settings)  # the training stage checks before it starts Ray or an MLflow run
     # The cache stage does not hand out the damaged version: it writes it again, whole.
     again = cache_splits(lake.spark, plan, 24, str(root))
     assert not again.reused and split_keys(again) == {split: sorted(keys) for split, keys in by_split(lake, v0.version).items()}
     for split, uri in again.splits.items():
         check_split(uri, split, again.counts[split])
+    # A part file cut short (every file there, a row missing): refused too, naming the counts.
+    short = Path(split_files(again.splits["train"])[1][0].removeprefix("file://"))
+    pq.write_table(pq.read_table(short).slice(1), short)
+    with pytest.raises(ValueError, match=rf"cached train split .* holds {again.counts['train'] - 1} rows where its table version has {again.counts['train']}"):
+        train_model(again, settings)
+    assert cache_splits(lake.spark, plan, 24, str(root)).reused is False, "the cache stage writes it again"

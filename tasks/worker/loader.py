@@ -112,7 +112,7 @@ def check_split(url: str, split: str, expected_rows: int) -> None:
             raise FileNotFoundError(f"the cached {split} split {url} names {fs.unstrip_protocol(path)}, which is gone: run again (the cache stage rebuilds it)")
     rows = sum(rows for rows, _ in row_groups(url))
     if rows != expected_rows:
-        raise ValueError(f"the cached {split} split {url} holds {rows} rows where its table version has {expected_rows}: run again with refresh")
+        raise ValueError(f"the cached {split} split {url} holds {rows} rows where its table version has {expected_rows}: run again (the cache stage rebuilds it)")
 
 
 def row_group_sizes(url: str) -> tuple[int, ...]:
