@@ -320,7 +320,7 @@ def read_version(spark: SparkSession, table_uri: str, version: int, engine: Engi
     if engine == "spark":
         return spark.read.format("delta").option("versionAsOf", version).load(table_uri)
     # Through the log: a plain Parquet read of the folder would also see files later commits removed.
-    table = _rs(table_uri, version)
+    table = _plain(table_uri, version)
     files = table.file_uris()
     # The version's schema, not one file's: files written before a column was added read it as null.
     # (Delta's schema JSON is Spark's StructType JSON.) A version whose rows were all deleted has no files, and no rows.
@@ -331,14 +331,14 @@ def read_version(spark: SparkSession, table_uri: str, version: int, engine: Engi
 def read_files(spark: SparkSession, table_uri: str, version: int, files: list[str]) -> DataFrame:
     """The rows that some of a version's data files hold (URIs as Spark's `input_file_name` spells them), with the
     version's schema: a plain Parquet read of those files alone. Neither engine here writes deletion vectors, so a
-    data file of a version holds rows of that version only."""
-    table = _rs(table_uri, version)
+    data file of a version holds rows of that version only (a version another writer gave them is refused)."""
+    table = _plain(table_uri, version)
     return spark.read.schema(StructType.fromJson(json.loads(table.schema().to_json()))).parquet(*files)
 
 
 def version_files(table_uri: str, version: int) -> list[str]:
-    """The data files of one version, as URIs (delta-rs' `file_uris`)."""
-    return _rs(table_uri, version).file_uris()
+    """The data files of one version, as URIs (delta-rs' `file_uris`), whose plain read gives the version's rows."""
+    return _plain(table_uri, version).file_uris()
 
 
 def read_files_arrow(table_uri: str, files: list[str], schema: pa.Schema) -> pa.Table | None:
@@ -395,7 +395,10 @@ def plain_files_problem(table_uri: str, version: int | None = None) -> str | Non
     """Why the data files of the table's VERSION (default: current) do not hold its rows as plain Parquet, or None.
     imagelake's driver and delta-rs paths read data files by column name and in full: column mapping renames the
     columns in the files, and a deletion vector deletes rows without rewriting its file."""
-    table = _rs(table_uri, version)
+    return _files_problem(_rs(table_uri, version), table_uri)
+
+
+def _files_problem(table: DeltaTable, table_uri: str) -> str | None:
     mode = table.metadata().configuration.get("delta.columnMapping.mode", "none")
     if mode != "none":
         return (
@@ -414,14 +417,21 @@ def plain_files_problem(table_uri: str, version: int | None = None) -> str | Non
     return None
 
 
-def check_plain_files(table_uri: str) -> None:
-    """Refuse a table whose data files are not plain Parquet of its rows (see `plain_files_problem`), naming it, its
-    version and what to do."""
-    if not table_exists(table_uri):
-        return
-    problem = plain_files_problem(table_uri)
+def _plain(table_uri: str, version: int | None) -> DeltaTable:
+    """The table at VERSION, refused (UnsupportedTable, naming it, the version and what to do) where a plain read of its
+    data files would not give its rows: an older version from before a REORG, the quarantine or history table too."""
+    table = _rs(table_uri, version)
+    problem = _files_problem(table, table_uri)
     if problem:
-        raise UnsupportedTable(f"Delta table {table_uri} v{table_version(table_uri)}: {problem}")
+        raise UnsupportedTable(f"Delta table {table_uri} v{table.version()}: {problem}")
+    return table
+
+
+def check_plain_files(table_uri: str) -> None:
+    """Refuse a table whose current version's data files are not plain Parquet of its rows (see `plain_files_problem`),
+    naming it, its version and what to do."""
+    if table_exists(table_uri):
+        _plain(table_uri, None)
 
 
 def table_version(table_uri: str) -> int | None:

@@ -47,7 +47,10 @@ class ImageTable:
     image_size: int
 
     def __post_init__(self) -> None:
-        check_plain_files(self.images.uri)  # a table another writer gave deletion vectors or column mapping: refused, saying what to do
+        # A table another writer gave deletion vectors or column mapping: refused before anything is read or written, saying what to do.
+        for table in (self.images, self.quarantine):
+            if table is not None:
+                check_plain_files(table.uri)
 
     @classmethod
     def of(cls, settings: Settings, engine: Engine | None = None) -> ImageTable:

@@ -148,8 +148,8 @@ def test_a_table_another_writer_gave_column_mapping_is_refused_saying_what_to_do
     assert Table(lake.table).version() == version, "nothing was written"
 
 
-def test_deletion_vectors_are_seen_and_named_with_what_to_do(spark, tmp_path: Path) -> None:
-    from infra.delta import plain_files_problem
+def test_deletion_vectors_are_seen_and_named_with_what_to_do_and_their_version_is_never_read_through_its_files(spark, tmp_path: Path) -> None:
+    from infra.delta import UnsupportedTable, plain_files_problem, read_version
 
     table = str(tmp_path / "dv")
     spark.range(0, 100, 1, 1).selectExpr("id", "cast(id as string) as name").write.format("delta").save(table)
@@ -157,8 +157,55 @@ def test_deletion_vectors_are_seen_and_named_with_what_to_do(spark, tmp_path: Pa
     assert plain_files_problem(table) is None, "the feature alone deletes nothing"
     spark.sql(f"DELETE FROM delta.`{table}` WHERE id = 7")  # one row of the one file: a deletion vector
     assert "1 of its data files carry deletion vectors" in plain_files_problem(table) and "REORG TABLE" in plain_files_problem(table)
+    marked = DeltaTable(table).version()
+    with pytest.raises(UnsupportedTable, match=rf"Delta table {table} v{marked}: 1 of its data files carry deletion vectors"):
+        read_version(spark, table, marked, "delta-rs")  # a plain read of its files would give the deleted row back
     spark.sql(f"REORG TABLE delta.`{table}` APPLY (PURGE)")  # what the message says to do
     assert plain_files_problem(table) is None
+    assert read_version(spark, table, DeltaTable(table).version(), "delta-rs").count() == 99
+    # The version with the deletion vector is still in the log: a read of it through its files (a retrain pinned to
+    # it) is refused the same way, and Spark's Delta reader, which applies the vector, reads it right.
+    for read in (lambda: read_version(spark, table, marked, "delta-rs"), lambda: Table(table).files(marked)):
+        with pytest.raises(UnsupportedTable, match=rf"Delta table {table} v{marked}: 1 of its data files carry deletion vectors"):
+            read()
+    assert read_version(spark, table, marked, "spark").count() == 99
+
+
+def test_a_history_table_another_writer_gave_deletion_vectors_is_refused_where_it_is_read(spark, tmp_path: Path) -> None:
+    from infra.delta import UnsupportedTable
+    from infra.settings import load_settings
+    from tasks.registry import record, recorded
+
+    settings = load_settings(overrides={"workspace": str(tmp_path / "ws")})
+    record(settings, [{"model": "m", "alias": "champion", "from_version": None, "to_version": "1", "action": "promote", "reason": "first", "move_id": "a"}])
+    record(settings, [  # one move, two rows in one data file
+        {"model": "m", "alias": "champion", "from_version": "1", "to_version": "2", "action": "promote", "reason": "better", "move_id": "b"},
+        {"model": "m", "alias": "previous-champion", "from_version": None, "to_version": "1", "action": "promote", "reason": "better", "move_id": "b"},
+    ])
+    assert recorded(settings, "b")
+    history = settings.history_uri
+    spark.sql(f"ALTER TABLE delta.`{history}` SET TBLPROPERTIES ('delta.enableDeletionVectors' = 'true')")
+    spark.sql(f"DELETE FROM delta.`{history}` WHERE move_id = 'b' AND alias = 'champion'")  # a deletion vector: the file stays
+    with pytest.raises(UnsupportedTable, match=rf"Delta table {history} v\d+: 1 of its data files carry deletion vectors"):
+        recorded(settings, "b")
+
+
+def test_quarantine_with_column_mapping_stops_a_run_naming_it(spark, lake, digits_dir: Path, tmp_path: Path) -> None:
+    from infra.delta import UnsupportedTable
+    from tests.lake import copy_digits
+
+    source = tmp_path / "src"
+    copy_digits(digits_dir, source, labels=("0", "1"), per_label=5)
+    (source / "1" / "junk.png").write_text("not an image")  # a row of the quarantine table
+    lake.run(source)
+    spark.sql(f"ALTER TABLE delta.`{lake.quarantine}` SET TBLPROPERTIES "
+              "('delta.columnMapping.mode' = 'name', 'delta.minReaderVersion' = '2', 'delta.minWriterVersion' = '5')")
+    version, quarantined = Table(lake.table).version(), Table(lake.quarantine).version()
+    copy_digits(digits_dir, source, labels=("2",), per_label=2)
+    (source / "2" / "junk.png").write_text("not an image either")
+    with pytest.raises(UnsupportedTable, match=rf"Delta table {lake.quarantine} v{quarantined}: it uses column mapping .* CREATE TABLE"):
+        lake.run(source)
+    assert (Table(lake.table).version(), Table(lake.quarantine).version()) == (version, quarantined), "nothing was written"
 
 
 def test_a_table_from_before_a_column_was_added_gets_it_and_keeps_its_rows(spark, lake, digits_dir: Path, tmp_path: Path) -> None:

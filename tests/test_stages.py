@@ -274,6 +274,32 @@ def test_executors_report_their_progress_while_they_decode(spark, lake: Lake, di
     assert resized.decoded == 20 and files_done(str(tmp_path / "rs")) == 20
 
 
+def test_one_table_holds_two_image_sizes_each_counted_changed_and_retired_on_its_own(lake: Lake, digits_dir: Path, tmp_path: Path) -> None:
+    small, large = RULES, DecodeRules(size=32, mode="letterbox", max_file_bytes=10_000_000, max_pixels=10_000_000)
+
+    def per_size() -> dict[int, int]:
+        sizes = lake.read(lake.table, ["image_size"])["image_size"]
+        return {size: sizes.count(size) for size in sorted(set(sizes))}
+
+    source = tmp_path / "src"
+    copy_digits(digits_dir, source, labels=("0", "1"), per_label=5)
+    lake.run(source, rules=small)
+    _, resized, written = lake.run(source, rules=large)  # the same files at another size: rows of their own
+    assert (resized.decoded, written.rows, per_size()) == (10, 10, {24: 10, 32: 10})
+    data = lake.read(lake.table, ["image_size", "image"])
+    assert {(size, len(image)) for size, image in zip(data["image_size"], data["image"])} == {(24, 24 * 24 * 3), (32, 32 * 32 * 3)}
+
+    copy_digits(digits_dir, source, labels=("2",), per_label=3)  # new files, run at one size only
+    (sorted((source / "0").glob("*.png"))[0]).unlink()
+    _, _, written = lake.run(source, rules=small, retire=True)
+    assert (written.rows, written.retired, per_size()) == (3, 1, {24: 12, 32: 10}), "the other size's rows are untouched"
+    _, _, written = lake.run(source, rules=large, retire=True)
+    assert (written.rows, written.retired, per_size()) == (3, 1, {24: 12, 32: 12})
+    for size in (24, 32):
+        table = ImageTable.at(lake.spark, lake.table, size, lake.engine, lake.quarantine)
+        assert table.with_split(Table(lake.table).version(), 0.2, 0.2).count() == 12, f"the split stage's rows of size {size}"
+
+
 def test_a_folder_that_cannot_be_listed_stops_the_run_and_retires_nothing(lake: Lake, digits_dir: Path, tmp_path: Path, monkeypatch) -> None:
     from tasks.ingest import ListingIncomplete, list_source
     from tests.lake import LostMount
