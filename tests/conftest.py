@@ -78,6 +78,22 @@ def lake(spark, tmp_path: Path, engine: str):
     return Lake(spark, tmp_path, engine)
 
 
+DIGITS = tuple(str(d) for d in range(10))
+
+
+@pytest.fixture
+def digits_cached(spark, lake, digits_dir: Path, tmp_path: Path, settings):
+    """100 digits at 24x24, split and cached (a CachedSplits, what the train stage takes)."""
+    from tasks.cache import cache_splits
+    from tasks.split import plan_splits
+    from tests.lake import copy_digits
+
+    copy_digits(digits_dir, tmp_path / "src", labels=DIGITS, per_label=10)
+    _, _, written = lake.run(tmp_path / "src")
+    plan = plan_splits(spark, written, settings.model_copy(update={"image_size": 24}))
+    return cache_splits(spark, plan, 24, settings.cache_uri)
+
+
 @pytest.fixture(scope="session")
 def prefect_api():
     """Prefect's test harness: a temporary Prefect server on 127.0.0.1 with its own SQLite database."""

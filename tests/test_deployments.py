@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+from pathlib import Path
+
 import pytest
 import yaml
 from prefect.exceptions import ParameterTypeError
@@ -46,7 +49,26 @@ def test_the_ad_hoc_form_declares_each_setting_as_settings_does() -> None:
     assert list(form)[:2] == ["source", "image_size"] and list(form)[-2:] == ["config_file", "refresh"]
 
 
-DEPLOYMENT_FILES = [REPO / "prefect.yaml", REPO / "infra" / "clusters" / "prefect-kubernetes.yaml"]
+def deployment_files() -> list[Path]:
+    """Every YAML file of the repository that declares Prefect deployments (a top-level `deployments` list)."""
+    tracked = subprocess.run(["git", "ls-files", "*.yaml", "*.yml"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
+    found = [REPO / name for name in tracked if "deployments" in (yaml.safe_load((REPO / name).read_text()) or {})]
+    assert REPO / "prefect.yaml" in found, found
+    return found
+
+
+DEPLOYMENT_FILES = deployment_files()
+
+
+def shared_pools(text: str) -> set[int]:
+    """The node ids of the `work_pool` mappings of TEXT's deployments: one id when they all alias one anchored mapping."""
+    document = yaml.compose(text)
+    top = {key.value: value for key, value in document.value}
+    pools = set()
+    for deployment in top["deployments"].value:
+        fields = {key.value: value for key, value in deployment.value}
+        pools.add(id(fields["work_pool"]))
+    return pools
 
 
 @pytest.mark.parametrize("path", DEPLOYMENT_FILES, ids=lambda p: p.name)
@@ -57,7 +79,7 @@ def test_every_deployment_arms_crash_detection_says_where_it_runs_and_never_over
     text = path.read_text()
     config = yaml.safe_load(text)
     # One environment block, shared by every deployment through a YAML anchor, not repeated by hand.
-    assert text.count("PREFECT_FLOWS_HEARTBEAT_FREQUENCY") == 1 and "*" in text
+    assert text.count("PREFECT_FLOWS_HEARTBEAT_FREQUENCY") == 1 and len(shared_pools(text)) == 1, f"{path.name}: work pools written out per deployment"
     # Where a run's code is: a pull step on the project, never the folder of the machine that deployed it.
     steps = [step for entry in config.get("pull") or [] for name, step in entry.items() if name.endswith("set_working_directory")]
     assert steps and all(step["directory"].startswith(("{{ $", "/opt/")) for step in steps), f"{path.name}: no pull step"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+import re
 import threading
 import time
 from pathlib import Path
@@ -19,6 +20,7 @@ from tasks.registry import (
     RegistryError,
     UnsafeModel,
     alias_version,
+    crown,
     force_promote,
     gate,
     history,
@@ -329,3 +331,118 @@ def test_two_hosts_promoting_at_once_are_serialised_by_the_prefect_server(prefec
     finally:
         mlflow.set_tracking_uri(None)
         server.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ["delta-rs"])  # the Delta engine does not matter here: one is enough
+def test_the_promote_stage_retries_a_champion_the_store_cannot_serve_and_then_compares_with_it(
+    spark, digits_cached, settings, prefect_api: str, tmp_path: Path, monkeypatch
+) -> None:
+    """The promote stage itself, in a flow on a real Prefect server: its first attempt finds the champion's artifact
+    store down and fails with no alias moved; Prefect retries it once the store is back, and the gate compares."""
+    import httpx
+    from prefect import flow
+
+    from infra.prefect_env import stage_results
+    from tasks.promote import promote
+    from tasks.train import train_model
+    from tests.servers import MlflowServer
+
+    settings = settings.model_copy(update={"image_size": 24, "max_epochs": 1, "num_workers": 1, "batch_size": 16, "model_name": NAME})
+    client = mlflow_client(settings)
+    mlflow.set_experiment(experiment_id=experiment_id(client, settings))
+    store = MlflowServer(tmp_path / "artifact-store", artifacts_only=True).start()
+    try:
+        monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+        remote = client.create_experiment("remote", artifact_location=f"{store.url}/api/2.0/mlflow-artifacts/artifacts/remote")
+        torch.manual_seed(0)
+        images = np.random.default_rng(0).integers(0, 256, (4, 24, 24, 3), dtype=np.uint8)
+        champion = register_in(client, ImageModel(len(digits_cached.labels)).eval(), images, remote)  # untrained
+        crown(client, settings, NAME, champion, "gate", "first")
+        trained = train_model(digits_cached, settings)
+        store.stop()
+
+        started = time.time()
+        back = threading.Event()
+
+        def bring_the_store_back() -> None:
+            """Start the store again once Prefect has scheduled the stage's retry (its state is then AwaitingRetry)."""
+            with httpx.Client(base_url=prefect_api, timeout=10) as api:
+                while time.time() - started < 300:
+                    runs = api.post("/task_runs/filter", json={"task_runs": {"state": {"name": {"any_": ["AwaitingRetry"]}}}}).json()
+                    if any(run["name"].startswith("promote") for run in runs):
+                        assert alias_version(client, NAME, CHAMPION) == champion, "the failed attempt moved no alias"
+                        store.start()
+                        back.set()
+                        return
+                    time.sleep(0.5)
+
+        watcher = threading.Thread(target=bring_the_store_back)
+        watcher.start()
+
+        @flow
+        def promote_only():
+            with stage_results(settings):
+                # The stage as the pipeline declares it; only its delay is longer, for the store to start again.
+                return promote.with_options(retry_delay_seconds=20, retry_jitter_factor=0)(trained, digits_cached, settings, return_state=True)
+
+        state = promote_only()
+        watcher.join()
+        promoted = state.result()
+        assert back.is_set(), "the first attempt did not fail"
+        task_run = httpx.get(f"{prefect_api}/task_runs/{state.state_details.task_run_id}").json()
+        assert task_run["run_count"] == 2 and task_run["state_type"] == "COMPLETED", task_run
+        assert "could not be evaluated" not in promoted.decision and re.search(r"champion \d\.\d{4}", promoted.decision), "compared with the champion"
+        assert alias_version(client, NAME, CHAMPION) == (promoted.model_version if promoted.alias == CHAMPION else champion)
+    finally:
+        store.stop()
+
+
+CROWN_AND_DIE = """
+import os, sys
+from mlflow import MlflowClient
+from infra.settings import load_settings
+from infra.tracking import mlflow_client
+from tasks.registry import crown, registry_lock
+
+real = MlflowClient.set_registered_model_alias
+
+def dies_between_the_aliases(self, name, alias, version):
+    if alias == "previous-champion":
+        os._exit(9)  # the process dies here: no exception handler, no finally block runs
+    return real(self, name, alias, version)
+
+MlflowClient.set_registered_model_alias = dies_between_the_aliases
+settings = load_settings(overrides={"workspace": sys.argv[1]})
+with registry_lock(settings, sys.argv[2]):
+    crown(mlflow_client(settings), settings, sys.argv[2], sys.argv[3], "gate", "better")
+"""
+
+
+@pytest.mark.slow
+def test_a_process_killed_between_the_champion_and_previous_champion_moves_leaves_a_move_the_next_gate_finishes(spark, registry) -> None:
+    import subprocess
+    import sys
+
+    from tasks.registry import PENDING_MOVE
+    from tests.conftest import REPO, cli_env
+
+    client, settings, models, images, labels = registry
+    first = register(client, models["bad"], images)
+    gate(client, settings, NAME, first, images, labels, 4)
+    better = register(client, models["good"], images)
+    died = subprocess.run([sys.executable, "-c", CROWN_AND_DIE, str(settings.workspace_dir), NAME, better], cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=300)
+    assert died.returncode == 9, died.stderr[-3000:]
+    # Half a move: the champion moved, previous-champion and the history did not; the move is written down.
+    assert (alias_version(client, NAME, CHAMPION), alias_version(client, NAME, PREVIOUS)) == (better, None)
+    assert PENDING_MOVE in client.get_registered_model(NAME).tags
+    assert moves(spark, settings) == [(CHAMPION, None, first, "gate")]
+
+    third = register(client, models["bad"], images)
+    decision, _, compared = gate(client, settings, NAME, third, images, labels, 4)
+    assert compared == better and not decision.promote
+    assert (alias_version(client, NAME, CHAMPION), alias_version(client, NAME, PREVIOUS)) == (better, first)
+    assert PENDING_MOVE not in client.get_registered_model(NAME).tags
+    assert moves(spark, settings) == [
+        (CHAMPION, None, first, "gate"), (CHAMPION, first, better, "gate"), (PREVIOUS, None, first, "gate"), (CHALLENGER, None, third, "gate"),
+    ], "the cut-short move's rows land once, with the rest of it"

@@ -345,3 +345,42 @@ def test_a_backfill_and_the_nightly_run_at_once_count_every_image_once_and_leave
     chain = sorted(crowned, key=lambda row: row["at"])
     assert all(before["to_version"] == after["from_version"] for before, after in zip(chain, chain[1:])), "each crowning replaced the champion before it"
     assert chain[-1]["to_version"] == alias_version(client, settings.model_name, CHAMPION)
+
+
+def test_a_nightly_and_an_ad_hoc_run_of_the_same_data_at_once_train_once_and_never_mix(spark, deployed: Deployed, tmp_path: Path) -> None:
+    """Two whole flows with the same stage keys (one source, the same settings), each in its own process of the worker."""
+    from infra.delta import Table, read_version
+    from infra.settings import load_settings
+    from infra.tracking import mlflow_client
+    import numpy as np
+    from PIL import Image
+
+    landing, noise = tmp_path / "landing", np.random.default_rng(11)
+    for label in ("0", "1", "2"):  # images of their own, at a size no other test of this server uses: every stage is new
+        (landing / label).mkdir(parents=True)
+        for n in range(12):
+            Image.fromarray(noise.integers(0, 256, (30, 30, 3), dtype=np.uint8)).save(landing / label / f"{n}.png")
+    small = {"image_size": 20, "max_epochs": 2, "batch_size": 16, "num_workers": 1}
+    nightly, adhoc = deployed.deployment("imagelake-pipeline", "nightly"), deployed.deployment("imagelake-adhoc", "adhoc")
+    runs = [
+        deployed.create_run(nightly, custom_run_body(nightly, {"source": str(landing), "overrides": small}, "nightly-beside-an-ad-hoc-run")),
+        deployed.create_run(adhoc, custom_run_body(adhoc, {"params": run_params(adhoc, landing, **small)}, "ad-hoc-beside-the-nightly")),
+    ]
+    assert [created.status_code for created in runs] == [201, 201], [created.text for created in runs]
+    summaries = []
+    for created in runs:
+        deployed.wait_for_run(created.json()["id"], timeout=2 * RUN_TIMEOUT)
+        [artifact] = deployed.summary_artifacts(created.json()["id"])
+        summaries.append(dict(re.findall(r"^\| (\w+) \| (.*) \|$", artifact["data"], re.M)))
+    first, second = summaries
+    assert first["mlflow_run_id"] == second["mlflow_run_id"] and first["model_version"] == second["model_version"], "one trained, the other took its result"
+
+    table = str(deployed.workspace / "tables" / "images")
+    rows = read_version(spark, table, Table(table).version(), "delta-rs").where("image_size = 20").select("path").collect()
+    landed = [row["path"] for row in rows if f"{landing}/" in row["path"]]
+    assert len(landed) == len(set(landed)) == 36, "every image once"
+    client = mlflow_client(load_settings(overrides={"workspace": str(deployed.workspace)}))
+    run_id = first["mlflow_run_id"]
+    assert [str(v.version) for v in client.search_model_versions(f"run_id = '{run_id}'")] == [first["model_version"]], "one model version"
+    steps = sorted(m.step for m in client.get_metric_history(run_id, "val_loss"))
+    assert steps == list(range(int(first["epochs_run"]))), f"one training's epochs in the run, not two mixed: {steps}"

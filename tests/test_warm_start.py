@@ -2,23 +2,18 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
 from infra.tracking import mlflow_client
-from tasks.cache import cache_splits
 from tasks.promote import promote_model
 from tasks.registry import load_registered_model
 from tasks.rules.promotion import CHAMPION
 from tasks.rules.warm_start import Champion, WeightsShape, decide_warm_start, shape_from_tags
-from tasks.split import plan_splits
 from tasks.train import train_model, warm_start_key, warm_start_of
 from tasks.worker.model import ImageModel
-from tests.lake import Lake, copy_digits
+from tests.conftest import DIGITS
 
-DIGITS = tuple(str(d) for d in range(10))
 SHAPE = WeightsShape(labels=DIGITS, image_size=24, model_arch="small_cnn", resize_mode="letterbox")
 
 
@@ -60,38 +55,29 @@ def test_weights_of_another_model_are_refused_with_what_to_do() -> None:
         ImageModel(10).load_weights(other)
 
 
-@pytest.fixture
-def cached(spark, lake: Lake, digits_dir: Path, tmp_path: Path, settings):
-    """100 digits at 24x24, split and cached."""
-    copy_digits(digits_dir, tmp_path / "src", labels=DIGITS, per_label=10)
-    _, _, written = lake.run(tmp_path / "src")
-    plan = plan_splits(spark, written, settings.model_copy(update={"image_size": 24}))
-    return cache_splits(spark, plan, 24, settings.cache_uri)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("engine", ["delta-rs"])  # the Delta engine does not matter here: one is enough
-def test_a_warm_started_run_begins_from_the_champions_weights(cached, settings) -> None:
+def test_a_warm_started_run_begins_from_the_champions_weights(digits_cached, settings) -> None:
     settings = settings.model_copy(update={"image_size": 24, "max_epochs": 1, "num_workers": 1, "batch_size": 16})
     client = mlflow_client(settings)
     warm_settings = settings.model_copy(update={"warm_start": True})
-    nothing_yet = warm_start_of(client, warm_settings, cached)
+    nothing_yet = warm_start_of(client, warm_settings, digits_cached)
     assert nothing_yet.version is None and "no champion" in nothing_yet.reason
 
-    first = train_model(cached, settings)
+    first = train_model(digits_cached, settings)
     assert client.get_run(first.mlflow_run_id).data.params["warm_started_from"] == "none"
-    promoted, *_ = promote_model(first, cached, settings, None)
+    promoted, *_ = promote_model(first, digits_cached, settings, None)
     assert promoted.alias == CHAMPION
     champion = load_registered_model(client, settings.model_name, promoted.model_version).state_dict()
 
     # The champion's version keys the train stage's cache; with warm_start off, nothing about the champion does.
-    assert warm_start_key({"cached": cached, "settings": warm_settings}) == {"warm start from": promoted.model_version}
-    assert warm_start_key({"cached": cached, "settings": settings}) == {}
-    other_labels = warm_start_of(client, warm_settings, cached.model_copy(update={"labels": list(DIGITS[:9])}))
+    assert warm_start_key({"cached": digits_cached, "settings": warm_settings}) == {"warm start from": promoted.model_version}
+    assert warm_start_key({"cached": digits_cached, "settings": settings}) == {}
+    other_labels = warm_start_of(client, warm_settings, digits_cached.model_copy(update={"labels": list(DIGITS[:9])}))
     assert other_labels.version is None and "labels 10 -> 9" in other_labels.reason
 
     # A learning rate too small to move the weights: the trained weights are the ones the run started from.
-    warm = train_model(cached, warm_settings.model_copy(update={"base_lr": 1e-12}))
+    warm = train_model(digits_cached, warm_settings.model_copy(update={"base_lr": 1e-12}))
     run = client.get_run(warm.mlflow_run_id).data
     assert run.params["warm_started_from"] == promoted.model_version == warm.warm_started_from
     assert "same labels" in run.tags["warm_start_reason"]
