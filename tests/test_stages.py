@@ -274,6 +274,20 @@ def test_executors_report_their_progress_while_they_decode(spark, lake: Lake, di
     assert resized.decoded == 20 and files_done(str(tmp_path / "rs")) == 20
 
 
+@pytest.mark.parametrize("in_driver_up_to", [0, 1000], ids=["executors", "driver"])
+def test_the_table_records_each_jpegs_own_size_on_either_decode_path(lake: Lake, tmp_path: Path, in_driver_up_to: int) -> None:
+    source = tmp_path / "src"
+    for label in ("a", "b"):
+        (source / label).mkdir(parents=True)
+    # Pillow's draft() decodes these at an eighth of their size for a 24-pixel square.
+    (source / "a" / "wide.jpg").write_bytes(jpeg((198, 188)))
+    (source / "b" / "tall.jpg").write_bytes(jpeg((188, 198), colour=(10, 200, 10)))
+    _, resized, _ = lake.run(source, in_driver_up_to=in_driver_up_to)
+    assert resized.decoded == 2
+    data = lake.read(lake.table, ["path", "width", "height"])
+    assert {Path(p).name: (w, h) for p, w, h in zip(data["path"], data["width"], data["height"])} == {"wide.jpg": (198, 188), "tall.jpg": (188, 198)}
+
+
 def test_one_table_holds_two_image_sizes_each_counted_changed_and_retired_on_its_own(lake: Lake, digits_dir: Path, tmp_path: Path) -> None:
     small, large = RULES, DecodeRules(size=32, mode="letterbox", max_file_bytes=10_000_000, max_pixels=10_000_000)
 
