@@ -28,15 +28,8 @@ def run_settings(config_file: str | None, overrides: dict[str, Any] | None, **fi
 def check_run_parameters(config_file: str | None, overrides: dict[str, Any] | None) -> None:
     """When the run came from a deployment (the UI, a schedule, the API), neither its `overrides` nor a settings file it
     names outside the code may set what can run code or load pickles (infra/settings.py:refuse_unsafe)."""
-    where = deployment_run()
-    if where:
-        refuse_unsafe(overrides, where)
-        refuse_unsafe_file(config_file, where)
-
-
-def deployment_run() -> str | None:
-    """'the parameters of a deployment run (NAME)' when the current flow run was started from a deployment, else None."""
     context = FlowRunContext.get()
     if context is not None and context.flow_run is not None and context.flow_run.deployment_id is not None:
-        return f"the parameters of a deployment run ({context.flow_run.name})"
-    return None
+        where = f"the parameters of a deployment run ({context.flow_run.name})"
+        refuse_unsafe(overrides, where)
+        refuse_unsafe_file(config_file, where)

@@ -319,7 +319,7 @@ def refuse_unsafe_file(config_file: str | Path | None, where: str) -> None:
     if not config_file:
         return
     path = Path(config_file)
-    if (path if path.is_absolute() else Path.cwd() / path).resolve().is_relative_to(CODE_ROOT):
+    if path.resolve().is_relative_to(CODE_ROOT):  # a relative path against the working folder, `..` and links followed
         return
     refuse_unsafe(read_config_file(path), f"the settings file {path}, named by {where} and outside the code folder {CODE_ROOT}")
 

@@ -393,16 +393,9 @@ def cached_files(cached: CachedSplits) -> list[str]:
 
 
 def damaged_split(cached: CachedSplits) -> str | None:
-    """Why a cache result whose files are all there is no result: a split whose files hold other rows than the plan
-    counted (a part file rewritten or cut short). The stage then writes it again (cache_splits finds the same)."""
-    from tasks.worker.loader import check_split  # it imports Petastorm: only when asked
-
-    try:
-        for split, uri in cached.splits.items():
-            check_split(uri, split, cached.counts[split])
-    except (FileNotFoundError, ValueError) as exc:
-        return str(exc)
-    return None
+    """Why a cache result whose files are all there is no result: what CacheLine.problem finds in its version (a split
+    whose files hold other rows than the plan counted, a part file rewritten or cut short). The stage then writes it again."""
+    return CacheLine(cached.cache_dir).problem(cached.table_version)
 
 
 def cache_one_at_a_time(spark: SparkSession, plan: SplitPlan, settings: Settings) -> CachedSplits:

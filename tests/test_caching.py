@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import re
 import shutil
 from pathlib import Path
@@ -44,16 +43,18 @@ def test_cache_report_says_hit_or_miss_and_why() -> None:
     assert "left no result" in report[2]["why"]
 
 
-def manifests(summary: dict) -> tuple[Path, dict[str, dict]]:
-    """The folder of the cache line of SUMMARY's run and its manifest of each split for the run's table version."""
-    line = Path(summary["cache_dir"].removeprefix("file://"))
-    return line, {split: json.loads((line / f"{split}-v{summary['delta_version']}.json").read_text()) for split in summary["split_counts"]}
+def cache_line(summary: dict):
+    """The cache line of SUMMARY's run and each split's manifest for the run's table version."""
+    from tasks.cache import CacheLine
+
+    line = CacheLine(summary["cache_dir"])
+    return line, line.read(summary["delta_version"])
 
 
 def part_files(summary: dict, split: str) -> list[Path]:
     """The Parquet files SPLIT's manifest names for SUMMARY's run."""
-    line, manifest = manifests(summary)
-    return [line / name for name in manifest[split]["files"]]
+    line, manifest = cache_line(summary)
+    return [Path(line.root) / name for name in manifest[split]["files"]]
 
 
 def cut_short(path: Path) -> None:
@@ -66,10 +67,8 @@ def cut_short(path: Path) -> None:
 
 def rows_cached(summary: dict) -> dict[str, int]:
     """Rows in the files each split's manifest names, for the run's table version."""
-    import pyarrow.parquet as pq
-
-    line, manifest = manifests(summary)
-    return {split: sum(pq.ParquetFile(line / name).metadata.num_rows for name in m["files"]) for split, m in manifest.items()}
+    line, manifest = cache_line(summary)
+    return {split: line.rows_in(m["files"]) for split, m in manifest.items()}
 
 
 def run(source: Path, overrides: dict, **kwargs) -> tuple[dict, dict[str, str]]:
