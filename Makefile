@@ -13,7 +13,7 @@ CLUSTER := $(WORKSPACE)/cluster
 CLUSTER_DATABASE ?= postgres
 UI_DATABASE ?= sqlite
 
-.PHONY: install run demo-data test test-quick doctor ui worker clean browser postgres cluster-up cluster-down cluster-status cluster-run
+.PHONY: install run demo-data test test-quick test-shuffled doctor ui worker clean browser postgres cluster-up cluster-down cluster-status cluster-run
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -54,11 +54,21 @@ postgres:
 	else SUDO=$$([ "$$(id -u)" -eq 0 ] || echo sudo); \
 	$$SUDO apt-get update && $$SUDO apt-get install -y --no-install-recommends postgresql; fi
 
-test: install browser postgres
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+# The suite spread over TEST_PROCESSES pytest processes (docs/testing.md), each with its own Spark, Ray, servers and
+# folders; the tests of one xdist_group (a module's server; `alone`: the cluster, load and cancel tests, one after
+# another) stay in one process.
+TEST_PROCESSES ?= 3
 
+test: install browser postgres
+	$(BIN)/python -m pytest -n $(TEST_PROCESSES) --dist loadgroup $(PYTEST_ARGS)
+
+# Everything that starts no Spark, Ray or server: rules, settings, CLI parsing, schemas, deployment files.
 test-quick: install
-	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -p no:xdist -m "not starts" $(PYTEST_ARGS)
+
+# `make test` in a shuffled order (files, and tests within a file); the seed is printed in the header.
+test-shuffled: install browser postgres
+	$(MAKE) test PYTEST_ARGS="--shuffle $(or $(SEED),random) $(PYTEST_ARGS)"
 
 doctor: install
 	$(BIN)/imagelake doctor

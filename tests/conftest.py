@@ -1,8 +1,11 @@
-"""Shared fixtures: demo images, a workspace per test, one real Spark session, Prefect's test server."""
+"""Shared fixtures: demo images, a workspace per test, one real Spark session, Prefect's test server; the suite's tiers,
+the Delta engines a test runs on, and a shuffled order on request (docs/testing.md)."""
 
 from __future__ import annotations
 
 import os
+import random
+import sys
 from pathlib import Path
 
 import pytest
@@ -64,12 +67,6 @@ def spark(tmp_path_factory: pytest.TempPathFactory, s3):
     session.stop()
 
 
-@pytest.fixture(params=["delta-rs", "spark"])
-def engine(request: pytest.FixtureRequest) -> str:
-    """Each Delta engine in turn: delta-rs, and Spark's Delta (its jars come with `make install`)."""
-    return request.param
-
-
 @pytest.fixture
 def lake(spark, tmp_path: Path, engine: str):
     """Empty images and quarantine tables in a temp folder, with the data stages wired to them, on each Delta engine."""
@@ -109,3 +106,113 @@ def cli_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env = {key: value for key, value in os.environ.items() if not key.startswith("IMAGELAKE_")}
     env.update(extra or {})
     return env
+
+
+# --- The suite's rules (docs/testing.md) ---------------------------------------------------------------------------
+
+ENGINES = ("delta-rs", "spark")
+# A test that uses one of these starts Spark, Ray or a server (directly or through a fixture built on them).
+STARTING_FIXTURES = {"spark", "s3", "lake", "prefect_api", "digits_cached", "cached", "registry", "deployed", "cluster_run", "load_root"}
+# These run flows or training in the test's own process: Spark (with the S3 settings) and Ray start first, the same
+# way whichever test of the session comes first.
+IN_PROCESS_PIPELINE = {"prefect_api", "digits_cached", "cached"}
+RAY_TEST_CPUS = 4  # logical CPUs of the session's Ray: enough for the largest training a test runs (2 workers)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--shuffle", metavar="SEED", default=None,
+                     help="run the test files, and the tests in each, in an order shuffled by SEED (an integer, or 'random')")
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """`engine`: both Delta engines for a test marked both_engines (the engine changes what it checks), else delta-rs."""
+    if "engine" not in metafunc.fixturenames:
+        return
+    if any("engine" in str(marker.args[0]) for marker in metafunc.definition.iter_markers("parametrize")):
+        return
+    metafunc.parametrize("engine", ENGINES if metafunc.definition.get_closest_marker("both_engines") else ENGINES[:1])
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if STARTING_FIXTURES & set(item.fixturenames) or any(item.get_closest_marker(m) for m in ("slow", "cluster", "load", "browser", "alone")):
+            item.add_marker(pytest.mark.starts)
+    seed = config.getoption("--shuffle")
+    if seed is not None:
+        seed = random.randrange(1 << 30) if seed == "random" else int(seed)
+        config.stash[SHUFFLE_SEED] = seed
+        items[:] = shuffled(items, random.Random(seed))
+
+
+SHUFFLE_SEED = pytest.StashKey[int]()
+
+
+def shuffled(items: list[pytest.Item], rng: random.Random) -> list[pytest.Item]:
+    """Files in a random order, and the tests of each file in a random order; a test marked ends_fixture stays after
+    the others of its file (it stops what a module fixture started)."""
+    files: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        files.setdefault(item.nodeid.split("::")[0], []).append(item)
+    order = list(files)
+    rng.shuffle(order)
+    out: list[pytest.Item] = []
+    for name in order:
+        tests = files[name]
+        rng.shuffle(tests)
+        out += [t for t in tests if not t.get_closest_marker("ends_fixture")] + [t for t in tests if t.get_closest_marker("ends_fixture")]
+    return out
+
+
+def pytest_report_header(config: pytest.Config) -> str | None:
+    seed = config.stash.get(SHUFFLE_SEED, None)
+    return None if seed is None else f"shuffled order: --shuffle {seed}"
+
+
+@pytest.fixture(scope="session")
+def ray_local():
+    """This process's Ray, started once with RAY_TEST_CPUS logical CPUs (not sized by whichever test trains first)."""
+    from infra.ray_runtime import connect_ray
+
+    resources = connect_ray(Settings(workspace=Path("."), num_workers=RAY_TEST_CPUS - 1))
+    yield resources
+
+
+def _started_here() -> set[str]:
+    """Spark, Ray and the child processes this process runs now."""
+    import psutil
+
+    found = {f"process {child.pid}" for child in psutil.Process().children() if child.is_running()}
+    spark_context = sys.modules.get("pyspark") and sys.modules["pyspark"].SparkContext._active_spark_context
+    if spark_context is not None:
+        found.add("Spark")
+    if "ray" in sys.modules and sys.modules["ray"].is_initialized():
+        found.add("Ray")
+    return found
+
+
+@pytest.fixture(autouse=True)
+def _tier(request: pytest.FixtureRequest):
+    """A test marked `starts` that runs a pipeline here gets Spark and Ray first; one that runs on an engine alone
+    talks to no Prefect server but its own. A test of the quick tier (not `starts`) fails if it leaves Spark, Ray or
+    a process running that was not there before it."""
+    item = request.node
+    if item.get_closest_marker("starts") is None:
+        before = _started_here()
+        yield
+        left = sorted(_started_here() - before)
+        if left:
+            pytest.fail(f"{item.nodeid} started {', '.join(left)}: mark it `starts` (or use a fixture that does) so that "
+                        "`make test-quick` stays free of Spark, Ray and servers", pytrace=False)
+        return
+    if IN_PROCESS_PIPELINE & set(item.fixturenames):
+        request.getfixturevalue("spark")
+        request.getfixturevalue("ray_local")
+    if "prefect_api" in item.fixturenames:
+        yield
+        return
+    # The training and cache locks go through the Prefect API in use: none but a file lock here, whether or not
+    # another test of this process started Prefect's test server before.
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings(restore_defaults={PREFECT_API_URL}):
+        yield

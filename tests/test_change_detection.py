@@ -17,6 +17,7 @@ import numpy as np
 import pyarrow as pa
 from deltalake import write_deltalake
 from PIL import Image
+import pytest
 
 from infra.delta import Table
 from tasks.ingest import list_source
@@ -95,6 +96,7 @@ def test_a_store_without_stamps_is_diffed_on_content_hashes() -> None:
     assert is_changed(relisted[0], known)
 
 
+@pytest.mark.both_engines
 def test_a_table_from_before_stamps_gains_the_column_without_reading_everything_again(spark, digits_dir: Path, tmp_path: Path, engine: str) -> None:
     source = tmp_path / "src"
     copy_digits(digits_dir, source, labels=("0", "1"), per_label=5)

@@ -27,7 +27,7 @@ import pytest
 from infra import cluster as local_cluster
 from tests.conftest import REPO, cli_env
 
-pytestmark = [pytest.mark.slow, pytest.mark.cluster]
+pytestmark = [pytest.mark.slow, pytest.mark.cluster, pytest.mark.alone, pytest.mark.xdist_group("alone")]
 
 BIN = Path(sys.executable).parent
 LOOPBACK = {"127.0.0.1", "::ffff:127.0.0.1", "::1"}
@@ -264,7 +264,8 @@ def _alive(process: psutil.Process) -> bool:
     return True
 
 
-def test_cluster_down_leaves_no_process_behind(cluster_run: ClusterRun) -> None:
+@pytest.mark.ends_fixture
+def test_cluster_down_leaves_no_process_behind_and_a_start_again_in_its_folder_keeps_its_runs_and_its_mlflow_user(cluster_run: ClusterRun) -> None:
     root = Path(cluster_run.cluster.root)
     assert len(local_cluster.running(root)) >= 10
     stopped = local_cluster.down(root)
@@ -278,10 +279,7 @@ def test_cluster_down_leaves_no_process_behind(cluster_run: ClusterRun) -> None:
     with pytest.raises(OSError):
         local_cluster.http_json(f"{cluster_run.cluster.spark_ui}/json/", timeout=2)
 
-
-def test_a_cluster_started_again_in_its_folder_keeps_its_runs_and_its_mlflow_user(cluster_run: ClusterRun) -> None:
-    root = Path(cluster_run.cluster.root)
-    assert local_cluster.running(root) == [], "the test before stopped it"
+    # Started again in the same folder: the runs, the MLflow user and the database password are still there.
     database_password = cluster_run.database_password
     again = local_cluster.up(root, local_cluster.Ports.free())
     try:

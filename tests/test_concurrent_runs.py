@@ -22,7 +22,6 @@ from tests.servers import MlflowServer
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("engine", ["delta-rs"])  # the Delta engine does not matter here: one is enough
 def test_two_runs_of_one_cache_key_at_once_train_once_and_register_one_version(spark, lake: Lake, digits_dir: Path, tmp_path: Path, prefect_api: str) -> None:
     server = MlflowServer(tmp_path / "mlflow").start()
     try:
@@ -62,7 +61,6 @@ def test_two_runs_of_one_cache_key_at_once_train_once_and_register_one_version(s
         server.stop()
 
 
-@pytest.mark.parametrize("engine", ["delta-rs"])
 def test_two_runs_caching_one_table_version_at_once_write_it_once(spark, lake: Lake, digits_dir: Path, tmp_path: Path) -> None:
     """Without the cache line's lock both wrote generation 0's folder at once: Spark's write of one failed, or a
     manifest listed the other's files too (a training then refused it: "holds 41 rows where its table version has 27")."""

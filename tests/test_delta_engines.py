@@ -111,6 +111,7 @@ def test_commit_versions_are_exact_while_another_writer_commits(tmp_path: Path) 
     assert not wrong, f"versions reported for these commits were not theirs: {wrong}"
 
 
+@pytest.mark.both_engines
 def test_a_column_another_writer_added_stays_and_the_runs_go_on(spark, lake, digits_dir: Path, tmp_path: Path) -> None:
     import shutil
 
@@ -132,6 +133,7 @@ def test_a_column_another_writer_added_stays_and_the_runs_go_on(spark, lake, dig
     assert len(table["path"]) == 15 and table["reviewer"].count("ann") == 5 and table["label"].count("2") == 5
 
 
+@pytest.mark.both_engines
 def test_a_table_another_writer_gave_column_mapping_is_refused_saying_what_to_do(spark, lake, digits_dir: Path, tmp_path: Path) -> None:
     from infra.delta import UnsupportedTable
     from tests.lake import copy_digits
@@ -190,6 +192,7 @@ def test_a_history_table_another_writer_gave_deletion_vectors_is_refused_where_i
         recorded(settings, "b")
 
 
+@pytest.mark.both_engines
 def test_quarantine_with_column_mapping_stops_a_run_naming_it(spark, lake, digits_dir: Path, tmp_path: Path) -> None:
     from infra.delta import UnsupportedTable
     from tests.lake import copy_digits
@@ -208,6 +211,7 @@ def test_quarantine_with_column_mapping_stops_a_run_naming_it(spark, lake, digit
     assert (Table(lake.table).version(), Table(lake.quarantine).version()) == (version, quarantined), "nothing was written"
 
 
+@pytest.mark.both_engines
 def test_a_table_from_before_a_column_was_added_gets_it_and_keeps_its_rows(spark, lake, digits_dir: Path, tmp_path: Path) -> None:
     import shutil
 

@@ -36,6 +36,7 @@ def spark_jobs(spark, run) -> tuple[object, int]:
     return result, len(context.statusTracker().getJobIdsForGroup(group))
 
 
+@pytest.mark.both_engines
 def test_a_rerun_over_a_listing_the_table_holds_starts_no_spark_job(lake: Lake, digits_dir: Path, tmp_path: Path) -> None:
     source = tmp_path / "src"
     copy_digits(digits_dir, source, per_label=6)
@@ -66,6 +67,7 @@ def test_a_rerun_over_a_listing_the_table_holds_starts_no_spark_job(lake: Lake, 
     assert jobs == 0 and again.version == written.version
 
 
+@pytest.mark.both_engines
 def test_after_a_write_the_diff_compares_two_listings_and_finds_what_the_spark_join_finds(lake: Lake, digits_dir: Path, tmp_path: Path) -> None:
     source, staging = tmp_path / "src", f"{lake.root}/staging"
     copy_digits(digits_dir, source, per_label=6)
@@ -101,6 +103,7 @@ def test_after_a_write_the_diff_compares_two_listings_and_finds_what_the_spark_j
     assert by_listings == by_the_join()
 
 
+@pytest.mark.both_engines
 def test_a_version_made_by_another_writer_is_diffed_again(lake: Lake, digits_dir: Path, tmp_path: Path) -> None:
     source = tmp_path / "src"
     copy_digits(digits_dir, source, per_label=6)
@@ -136,6 +139,7 @@ def split_keys(cached) -> dict[str, list[str]]:
     return {split: sorted(pq.read_table(split_files(uri)[1], columns=["sha256"]).column("sha256").to_pylist()) for split, uri in cached.splits.items()}
 
 
+@pytest.mark.both_engines
 def test_the_cache_of_a_new_version_adds_only_its_new_rows_and_drops_retired_ones(lake: Lake, digits_dir: Path, tmp_path: Path, settings) -> None:
     source, root = tmp_path / "src", tmp_path / "cache"
     copy_digits(digits_dir, source, per_label=10)
@@ -191,6 +195,7 @@ def counted(lake: Lake, version: int) -> dict[str, dict[str, int]]:
     return {split: dict(sorted(by_label.items())) for split, by_label in counts.items()}
 
 
+@pytest.mark.both_engines
 def test_split_counts_carried_forward_are_those_counted_over_the_version(lake: Lake, digits_dir: Path, tmp_path: Path, settings) -> None:
     source = tmp_path / "src"
     planning = settings.model_copy(update={"image_size": 24, "val_fraction": 0.2, "test_fraction": 0.2})
@@ -224,6 +229,7 @@ def by_split(lake: Lake, version: int) -> dict[str, list[str]]:
     return out
 
 
+@pytest.mark.both_engines
 def test_a_compaction_keeps_the_cache_and_so_the_model(lake: Lake, digits_dir: Path, tmp_path: Path, settings) -> None:
     source, root = tmp_path / "src", tmp_path / "cache"
     copy_digits(digits_dir, source, per_label=10)
@@ -242,6 +248,7 @@ def test_a_compaction_keeps_the_cache_and_so_the_model(lake: Lake, digits_dir: P
     assert split_keys(after) == {s: sorted(k) for s, k in by_split(lake, after_write.version).items()}
 
 
+@pytest.mark.both_engines
 def test_maintenance_removes_cache_files_no_kept_version_needs(lake: Lake, digits_dir: Path, tmp_path: Path, settings) -> None:
     source, root = tmp_path / "src", tmp_path / "cache"
     copy_digits(digits_dir, source, per_label=10)
@@ -327,6 +334,7 @@ def test_new_rows_cached_by_the_driver_have_the_layout_spark_writes(spark, tmp_p
     assert sum(rows for rows, _ in row_groups(str(tmp_path / "driver"))) == 300
 
 
+@pytest.mark.both_engines
 def test_the_drivers_semi_join_finds_what_sparks_finds(lake: Lake, digits_dir: Path, tmp_path: Path) -> None:
     import pyarrow as pa
 
@@ -347,6 +355,7 @@ def test_the_drivers_semi_join_finds_what_sparks_finds(lake: Lake, digits_dir: P
     assert other_size.rows_matching(keys, ["path"], written.version).num_rows == 0, "rows of another image size are not matched"
 
 
+@pytest.mark.both_engines
 def test_a_backfill_plan_is_counted_per_date_by_spark_and_sees_stale_dates(lake: Lake, digits_dir: Path, tmp_path: Path, settings) -> None:
     from datetime import date
 

@@ -26,6 +26,7 @@ def grow_table(lake: Lake, digits_dir: Path, source: Path) -> None:
         lake.run(source)
 
 
+@pytest.mark.both_engines
 @pytest.mark.parametrize("registered", [True, False])
 def test_vacuum_never_removes_a_registered_models_version(lake: Lake, digits_dir: Path, tmp_path: Path, registered: bool) -> None:
     grow_table(lake, digits_dir, tmp_path / "src")

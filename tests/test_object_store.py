@@ -27,6 +27,7 @@ def upload(s3, folder: Path, uri: str) -> None:
         fs.put_file(str(path), f"{uri.removeprefix('s3://')}/{path.relative_to(folder).as_posix()}")
 
 
+@pytest.mark.both_engines
 def test_a_source_and_tables_on_s3_land_rerun_cached_and_are_maintained(spark, s3, digits_dir: Path, tmp_path: Path, prefix: str, engine: str) -> None:
     copy_digits(digits_dir, tmp_path / "src")
     upload(s3, tmp_path / "src", f"{prefix}/src")

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -22,7 +23,7 @@ from flows.demo_data import write_digits
 from tasks.worker.loader import split_files
 from tests.conftest import cli_env
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("e2e")]  # one process runs the shared first run
 
 IMAGELAKE = str(Path(sys.executable).parent / "imagelake")
 MODEL = "digits-e2e"
@@ -126,12 +127,34 @@ def assert_knows_the_data_and_the_model(summary: dict, client: MlflowClient, des
         assert expected in description, expected
 
 
-def test_pipeline_end_to_end_then_everything_is_cached(digits_dir: Path, tmp_path: Path, prefect_api: str) -> None:
-    workspace = tmp_path / "ws"
+@dataclass
+class FirstRun:
+    """The module's first run: the summary, console output and time of a run on a copy of the digits."""
+
+    source: Path
+    workspace: Path
+    env: dict[str, str]
+    summary: dict
+    console: str
+    seconds: float
+
+
+@pytest.fixture(scope="module")
+def first_run(digits_dir: Path, tmp_path_factory: pytest.TempPathFactory, prefect_api: str) -> FirstRun:
+    """One whole run, shared: the first test checks it and runs it again on the same data; the second (last) adds
+    images to its source and trains a weaker model on top of it."""
+    root = tmp_path_factory.mktemp("e2e")
+    source, workspace = root / "src", root / "ws"
+    shutil.copytree(digits_dir, source)  # the session's digits stay as they are: the tests change these files
     env = cli_env({"PREFECT_API_URL": prefect_api})
     output: list[str] = []
-    first, first_seconds = run_pipeline(digits_dir, workspace, env, output=output)
-    assert_shows_what_it_does(first, output[0], flow_logs(first["flow_run_id"]))
+    summary, seconds = run_pipeline(source, workspace, env, output=output)
+    return FirstRun(source, workspace, env, summary, output[0], seconds)
+
+
+def test_pipeline_end_to_end_then_everything_is_cached(first_run: FirstRun) -> None:
+    source, workspace, env, first, first_seconds = first_run.source, first_run.workspace, first_run.env, first_run.summary, first_run.seconds
+    assert_shows_what_it_does(first, first_run.console, flow_logs(first["flow_run_id"]))
 
     # Delta: one version holding every image.
     table = DeltaTable(first["delta_table"])
@@ -173,7 +196,7 @@ def test_pipeline_end_to_end_then_everything_is_cached(digits_dir: Path, tmp_pat
     assert_knows_the_data_and_the_model(first, client, champion.description)
 
     # Second run on unchanged data: every stage is a cache hit; no new Delta version, no new model version.
-    second, second_seconds = run_pipeline(digits_dir, workspace, env)
+    second, second_seconds = run_pipeline(source, workspace, env)
     print(f"first run {first_seconds:.0f} s, cached run {second_seconds:.0f} s")
     assert DeltaTable(first["delta_table"]).version() == 0
     assert (second["delta_version"], second["model_version"], second["mlflow_run_id"]) == (0, "1", first["mlflow_run_id"])
@@ -187,21 +210,18 @@ def test_pipeline_end_to_end_then_everything_is_cached(digits_dir: Path, tmp_pat
     assert len(list((workspace / "ray_results").iterdir())) == 1, "no second Ray run"
 
     # A file touched but not changed: it is read and hashed again, but not decoded, and nothing downstream runs.
-    touched = sorted((digits_dir / "4").glob("*.png"))[0]
+    touched = sorted((source / "4").glob("*.png"))[0]
     touched.touch()
-    third, _ = run_pipeline(digits_dir, workspace, env)
+    third, _ = run_pipeline(source, workspace, env)
     states = task_states(third["flow_run_id"])
     assert states["ingest"] == "Completed" and third["files_decoded"] == 0 and third["files_known"] == 1
     assert {states[stage] for stage in ("split", "cache", "train", "promote")} == {"Cached"}
     assert (third["delta_version"], third["model_version"]) == (0, "1")
 
 
-def test_a_weaker_model_stays_challenger_and_new_images_make_a_new_version(digits_dir: Path, tmp_path: Path, prefect_api: str) -> None:
-    workspace = tmp_path / "ws"
-    source = tmp_path / "src"
-    shutil.copytree(digits_dir, source)
-    env = cli_env({"PREFECT_API_URL": prefect_api})
-    first, _ = run_pipeline(source, workspace, env)
+@pytest.mark.ends_fixture  # it adds images to the first run's source and versions to its table and model
+def test_a_weaker_model_stays_challenger_and_new_images_make_a_new_version(first_run: FirstRun, digits_dir: Path, tmp_path: Path) -> None:
+    source, workspace, env, first = first_run.source, first_run.workspace, first_run.env, first_run.summary
     assert first["model_alias"] == "champion"
 
     # New files: ingest onward runs again, the table gets a new version, and a one-epoch model must not win.

@@ -334,7 +334,6 @@ def test_two_hosts_promoting_at_once_are_serialised_by_the_prefect_server(prefec
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("engine", ["delta-rs"])  # the Delta engine does not matter here: one is enough
 def test_the_promote_stage_retries_a_champion_the_store_cannot_serve_and_then_compares_with_it(
     spark, digits_cached, settings, prefect_api: str, tmp_path: Path, monkeypatch
 ) -> None:

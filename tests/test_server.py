@@ -17,7 +17,7 @@ import pytest
 from infra.lifecycle import processes_with
 from tests.servers import PrefectServer, custom_run_body, form_defaults
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("prefect-server")]
 
 POOL = "imagelake-process"
 SUMMARY_KEY = "imagelake-run-summary"
@@ -175,14 +175,17 @@ def test_invalid_custom_run_parameters_are_refused_before_any_run_exists(deploye
     assert deployed.flow_runs(runs_of_adhoc) == before, "a refused run must not exist, not even as a failed one"
 
 
-def refused(deployed: Deployed, deployment: dict, parameters: dict, name: str) -> str:
-    """Start a run of DEPLOYMENT with PARAMETERS; it must fail before any work: its logs."""
+def refused(deployed: Deployed, deployment: dict, parameters: dict, name: str, expect: str) -> str:
+    """Start a run of DEPLOYMENT with PARAMETERS; it must fail before any work: its logs, once they hold EXPECT (the
+    flow-run process's last lines can reach the server after its Failed state) or a minute after it failed."""
     created = deployed.create_run(deployment, custom_run_body(deployment, parameters, name))
     assert created.status_code == 201, created.text
     started = time.monotonic()
     while (run := deployed.api.get(f"/flow_runs/{created.json()['id']}").json())["state_type"] not in TERMINAL and time.monotonic() - started < 300:
         time.sleep(2)
-    logs = deployed.logs(deployed.family(run["id"]))
+    failed = time.monotonic()
+    while expect not in (logs := deployed.logs(deployed.family(run["id"]))) and time.monotonic() - failed < 60:
+        time.sleep(1)
     assert run["state_type"] == "FAILED", f"{run['state_name']}\n{logs[-3000:]}"
     return logs
 
@@ -190,8 +193,9 @@ def refused(deployed: Deployed, deployment: dict, parameters: dict, name: str) -
 @pytest.mark.parametrize("unsafe", [{"spark_conf": {"spark.driver.extraJavaOptions": "-javaagent:/tmp/agent.jar"}}, {"allow_pickle_models": True}])
 def test_a_deployment_run_may_not_set_what_runs_code_or_loads_pickles(deployed: Deployed, unsafe: dict) -> None:
     nightly = deployed.deployment("imagelake-pipeline", "nightly")
-    logs = refused(deployed, nightly, {"source": str(deployed.source), "overrides": {"max_epochs": 1, **unsafe}}, f"unsafe-{next(iter(unsafe))}")
-    assert f"{next(iter(unsafe))} cannot be set from the parameters of a deployment run" in logs and "IMAGELAKE_ALLOW_FROM_RUNS" in logs, logs[-3000:]
+    expected = f"{next(iter(unsafe))} cannot be set from the parameters of a deployment run"
+    logs = refused(deployed, nightly, {"source": str(deployed.source), "overrides": {"max_epochs": 1, **unsafe}}, f"unsafe-{next(iter(unsafe))}", expected)
+    assert expected in logs and "IMAGELAKE_ALLOW_FROM_RUNS" in logs, logs[-3000:]
 
 
 def test_nor_through_a_settings_file_it_names_outside_the_code(deployed: Deployed, tmp_path: Path) -> None:
@@ -199,11 +203,11 @@ def test_nor_through_a_settings_file_it_names_outside_the_code(deployed: Deploye
     planted.write_text("allow_pickle_models: true\nmax_epochs: 1\nimage_size: 32\n")
     expected = f"allow_pickle_models cannot be set from the settings file {planted}, named by the parameters of a deployment run"
     nightly = deployed.deployment("imagelake-pipeline", "nightly")
-    logs = refused(deployed, nightly, {"source": str(deployed.source), "config_file": str(planted)}, "planted-settings-nightly")
+    logs = refused(deployed, nightly, {"source": str(deployed.source), "config_file": str(planted)}, "planted-settings-nightly", expected)
     assert expected in logs, logs[-3000:]
     # The UI's form has a settings file field too.
     adhoc = deployed.deployment("imagelake-adhoc", "adhoc")
-    logs = refused(deployed, adhoc, {"params": run_params(adhoc, deployed.source, config_file=str(planted))}, "planted-settings-adhoc")
+    logs = refused(deployed, adhoc, {"params": run_params(adhoc, deployed.source, config_file=str(planted))}, "planted-settings-adhoc", expected)
     assert expected in logs, logs[-3000:]
 
 

@@ -35,6 +35,7 @@ def jpeg(size=(40, 30), colour=(200, 30, 30), mode="RGB", **params) -> bytes:
     return out.getvalue()
 
 
+@pytest.mark.both_engines
 def test_second_run_adds_nothing_and_five_percent_new_files_decode_only_those(lake: Lake, digits_dir: Path, tmp_path: Path) -> None:
     source = tmp_path / "src"
     copy_digits(digits_dir, source)
@@ -53,6 +54,7 @@ def test_second_run_adds_nothing_and_five_percent_new_files_decode_only_those(la
     assert len(lake.rows()) == 42
 
 
+@pytest.mark.both_engines
 def test_a_changed_file_replaces_its_row_and_deleted_files_retire_on_request(lake: Lake, digits_dir: Path, tmp_path: Path) -> None:
     source = tmp_path / "src"
     copy_digits(digits_dir, source)
@@ -74,6 +76,7 @@ def test_a_changed_file_replaces_its_row_and_deleted_files_retire_on_request(lak
     assert "file://" + str(gone) not in lake.rows()
 
 
+@pytest.mark.both_engines
 def test_date_partitions_limit_a_run_and_rerunning_a_date_replaces_exactly_it(lake: Lake, digits_dir: Path, tmp_path: Path) -> None:
     source = tmp_path / "src"
     copy_digits(digits_dir, source / "date=2024-01-01", labels=("0", "1"), per_label=5)
@@ -200,6 +203,7 @@ def test_spark_split_matches_the_pure_rule(spark) -> None:
     assert {row["sha256"]: row["split"] for row in frame.collect()} == {h: split_of(h, 0.1, 0.2) for h in hashes}
 
 
+@pytest.mark.both_engines
 def test_cache_is_keyed_reused_and_readable_by_shard(spark, lake: Lake, digits_dir: Path, tmp_path: Path, settings) -> None:
     source = tmp_path / "src"
     copy_digits(digits_dir, source)
@@ -288,6 +292,7 @@ def test_the_table_records_each_jpegs_own_size_on_either_decode_path(lake: Lake,
     assert {Path(p).name: (w, h) for p, w, h in zip(data["path"], data["width"], data["height"])} == {"wide.jpg": (198, 188), "tall.jpg": (188, 198)}
 
 
+@pytest.mark.both_engines
 def test_one_table_holds_two_image_sizes_each_counted_changed_and_retired_on_its_own(lake: Lake, digits_dir: Path, tmp_path: Path) -> None:
     small, large = RULES, DecodeRules(size=32, mode="letterbox", max_file_bytes=10_000_000, max_pixels=10_000_000)
 
@@ -401,6 +406,7 @@ def test_a_read_that_fails_is_retried_and_never_quarantined(lake: Lake, digits_d
     assert (resized.decoded, written.rows) == (0, 0), "in step again: nothing read twice"
 
 
+@pytest.mark.both_engines
 def test_requeue_sends_quarantined_files_back_through(lake: Lake, digits_dir: Path, tmp_path: Path) -> None:
     from typer.testing import CliRunner
 
@@ -436,6 +442,7 @@ def test_requeue_sends_quarantined_files_back_through(lake: Lake, digits_dir: Pa
     assert CliRunner().invoke(app, ["requeue", *cli]).output.startswith("requeued 1 file(s) (truncated: 1)")
 
 
+@pytest.mark.both_engines
 @pytest.mark.parametrize("retire", [False, True])
 def test_a_moved_file_and_a_renamed_label_folder_relabel_their_rows(lake: Lake, digits_dir: Path, tmp_path: Path, retire: bool) -> None:
     source = tmp_path / "src"

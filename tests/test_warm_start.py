@@ -56,7 +56,6 @@ def test_weights_of_another_model_are_refused_with_what_to_do() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("engine", ["delta-rs"])  # the Delta engine does not matter here: one is enough
 def test_a_warm_started_run_begins_from_the_champions_weights(digits_cached, settings) -> None:
     settings = settings.model_copy(update={"image_size": 24, "max_epochs": 1, "num_workers": 1, "batch_size": 16})
     client = mlflow_client(settings)

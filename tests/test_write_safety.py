@@ -89,6 +89,7 @@ def kill_writers_and_rerun(spark, source: Path, tmp_path: Path, engine: str, del
     return seen
 
 
+@pytest.mark.both_engines
 @pytest.mark.slow
 def test_a_writer_killed_at_any_point_loses_and_duplicates_nothing(spark, digits_dir: Path, tmp_path: Path, engine: str) -> None:
     source = tmp_path / "src"
@@ -97,6 +98,7 @@ def test_a_writer_killed_at_any_point_loses_and_duplicates_nothing(spark, digits
     print(f"rows committed when the writer was killed: {seen}")
 
 
+@pytest.mark.both_engines
 @pytest.mark.slow
 def test_a_writer_killed_on_s3_loses_and_duplicates_nothing(spark, s3, digits_dir: Path, tmp_path: Path, engine: str) -> None:
     source = tmp_path / "src"
@@ -106,6 +108,7 @@ def test_a_writer_killed_on_s3_loses_and_duplicates_nothing(spark, s3, digits_di
     print(f"rows committed when the writer was killed (S3): {seen}")
 
 
+@pytest.mark.both_engines
 @pytest.mark.slow
 def test_two_writers_at_once_both_land(spark, digits_dir: Path, tmp_path: Path, engine: str) -> None:
     source = tmp_path / "src"
@@ -130,6 +133,7 @@ def test_two_writers_at_once_both_land(spark, digits_dir: Path, tmp_path: Path, 
     assert len(paths) == len(set(paths)) == 120
 
 
+@pytest.mark.both_engines
 def test_two_runs_adding_the_same_files_at_once_land_them_once(spark, digits_dir: Path, tmp_path: Path, engine: str) -> None:
     """The race an append cannot see: both runs plan before either commits, then both commit the same paths."""
     source = tmp_path / "src"
