@@ -137,6 +137,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if STARTING_FIXTURES & set(item.fixturenames) or any(item.get_closest_marker(m) for m in ("slow", "cluster", "load", "browser", "alone")):
             item.add_marker(pytest.mark.starts)
+    # Held to the quick tier's promise when it runs on its own: in a session with tests that start things, a server
+    # or Ray can start a process of its own while a quick test runs.
+    config.stash[QUICK_ONLY] = not any(item.get_closest_marker("starts") for item in items)
     seed = config.getoption("--shuffle")
     if seed is not None:
         seed = random.randrange(1 << 30) if seed == "random" else int(seed)
@@ -145,6 +148,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 SHUFFLE_SEED = pytest.StashKey[int]()
+QUICK_ONLY = pytest.StashKey[bool]()
 
 
 def shuffled(items: list[pytest.Item], rng: random.Random) -> list[pytest.Item]:
@@ -193,10 +197,13 @@ def _started_here() -> set[str]:
 @pytest.fixture(autouse=True)
 def _tier(request: pytest.FixtureRequest):
     """A test marked `starts` that runs a pipeline here gets Spark and Ray first; one that runs on an engine alone
-    talks to no Prefect server but its own. A test of the quick tier (not `starts`) fails if it leaves Spark, Ray or
-    a process running that was not there before it."""
+    talks to no Prefect server but its own. In a run of the quick tier alone (`make test-quick`), a test fails if it
+    leaves Spark, Ray or a process running that was not there before it."""
     item = request.node
     if item.get_closest_marker("starts") is None:
+        if not item.config.stash.get(QUICK_ONLY, False):
+            yield
+            return
         before = _started_here()
         yield
         left = sorted(_started_here() - before)
