@@ -126,11 +126,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     """`engine`: both Delta engines for a test marked both_engines (the engine changes what it checks), else delta-rs."""
-    if "engine" not in metafunc.fixturenames:
-        return
-    if any("engine" in str(marker.args[0]) for marker in metafunc.definition.iter_markers("parametrize")):
-        return
-    metafunc.parametrize("engine", ENGINES if metafunc.definition.get_closest_marker("both_engines") else ENGINES[:1])
+    if "engine" in metafunc.fixturenames:
+        metafunc.parametrize("engine", ENGINES if metafunc.definition.get_closest_marker("both_engines") else ENGINES[:1])
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -177,8 +174,7 @@ def ray_local():
     """This process's Ray, started once with RAY_TEST_CPUS logical CPUs (not sized by whichever test trains first)."""
     from infra.ray_runtime import connect_ray
 
-    resources = connect_ray(Settings(workspace=Path("."), num_workers=RAY_TEST_CPUS - 1))
-    yield resources
+    return connect_ray(Settings(workspace=Path("."), num_workers=RAY_TEST_CPUS - 1))
 
 
 def _started_here() -> set[str]:
