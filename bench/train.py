@@ -58,8 +58,9 @@ from ray.train.torch import TorchTrainer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository, for `python3 bench/train.py` without an install
 
+from tasks.worker.loader import ShardBatches  # noqa: E402
 from tasks.worker.model import ImageModel  # noqa: E402
-from tasks.worker.train_loop import DataWait, make_model, make_trainer, shard_loaders  # noqa: E402
+from tasks.worker.train_loop import DataWait, ddp_strategy, make_model, make_trainer, shard_loaders  # noqa: E402
 
 ROW_GROUP_BYTES = 8 * 1024 * 1024  # as the cache stage writes (parquet.block.size)
 
@@ -196,7 +197,7 @@ def run_epochs(config: dict[str, Any], rank: int = 0, world: int = 1, distribute
     if "profile" in config:
         callbacks.append(Profile(Path(config["profile"]) if config["profile"] else None))
     if distributed:
-        extra = {"accelerator": "auto", "devices": "auto", "strategy": RayDDPStrategy(), "plugins": [RayLightningEnvironment()]}
+        extra = {"accelerator": "auto", "devices": "auto", "strategy": ddp_strategy(config), "plugins": [RayLightningEnvironment()]}
         callbacks.append(RayTrainReportCallback())
     # Validation is limited to one batch so that the measurement is about training steps.
     trainer = make_trainer(config, callbacks, len(train_batches), 1, **extra)
@@ -228,51 +229,172 @@ def ray_epochs(config: dict[str, Any], work: Path, cpus: int) -> dict[str, Any]:
     return json.loads(Path(config["result_file"]).read_text())
 
 
-def limit(arch: str, batch: int, size: int, frozen: bool, steps: int, warmup: int, compiled: bool = False) -> dict[str, Any]:
-    """Training steps of the model alone, on random uint8 batches already on the GPU: what the data path aims at."""
+def zoo_model(arch: str) -> torch.nn.Module:
+    """A torchvision classification model by name, fresh weights, 10 classes, behind the same uint8 NHWC input and
+    ImageNet normalisation as ImageModel: what a torchvision backbone costs on this GPU."""
+    import torchvision
+
+    class Zoo(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torchvision.models.get_model(arch, weights=None, num_classes=10)
+            self.register_buffer("mean", torch.tensor((0.485, 0.456, 0.406)).view(1, 3, 1, 1) * 255, persistent=False)
+            self.register_buffer("std", torch.tensor((0.229, 0.224, 0.225)).view(1, 3, 1, 1) * 255, persistent=False)
+
+        def forward(self, images: torch.Tensor) -> torch.Tensor:
+            x = (images.permute(0, 3, 1, 2).float() - self.mean) / self.std
+            return self.net(x.contiguous(memory_format=torch.channels_last))
+
+    return Zoo()
+
+
+def limit(
+    arch: str, batch: int, size: int, frozen: bool, steps: int, warmup: int, compiled: str | None = None, fused: bool = False, zoo: bool = False
+) -> dict[str, Any]:
+    """Training steps of the model alone, on random uint8 batches already on the GPU: what the data path aims at.
+    `compiled`: a torch.compile mode; `fused`: AdamW's fused kernel (else its default, one kernel per op over all
+    tensors); `zoo`: torchvision's model of that name instead of imagelake's."""
     torch.manual_seed(0)
-    net = ImageModel(10, arch, freeze_backbone=frozen).cuda()
-    net.channels_last = True
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if zoo:
+        net = zoo_model(arch).to(device)
+    else:
+        net = ImageModel(10, arch, freeze_backbone=frozen).to(device)
+        net.channels_last = True
     net = net.to(memory_format=torch.channels_last).train()
-    optimizer = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=1e-3)
-    step_net = torch.compile(net) if compiled else net
-    images = torch.randint(0, 256, (batch, size, size, 3), dtype=torch.uint8, device="cuda")
-    labels = torch.randint(0, 10, (batch,), device="cuda")
+    optimizer = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=1e-3, fused=fused or None)
+    step_net = torch.compile(net, mode=compiled, dynamic=False) if compiled else net
+    images = torch.randint(0, 256, (batch, size, size, 3), dtype=torch.uint8, device=device)
+    labels = torch.randint(0, 10, (batch,), device=device)
 
     def step() -> None:
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast(device, dtype=torch.bfloat16):
             loss = F.cross_entropy(step_net(images), labels)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
+    synchronize = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    first = time.perf_counter()
     for _ in range(warmup):
         step()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
+    synchronize()
+    warm = time.perf_counter() - first
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     utilisation: list[float] = []
-    stop = sample_utilisation(utilisation)
+    stop = sample_utilisation(utilisation) if device == "cuda" else threading.Event()
     started, cpu = time.perf_counter(), cpu_seconds()
     for _ in range(steps):
         step()
-    torch.cuda.synchronize()
+    synchronize()
     elapsed, cpu = time.perf_counter() - started, cpu_seconds() - cpu
     stop.set()
     result = {
         "images": steps * batch, "rate": steps * batch / elapsed, "wait": None, "utilisation": float(np.mean(utilisation)) if utilisation else None,
-        "peak_gib": torch.cuda.max_memory_allocated() / 2**30, "cpu_ms_per_image": 1000 * cpu / (steps * batch),
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None, "cpu_ms_per_image": 1000 * cpu / (steps * batch),
+        "warmup_s": warm,
     }
     return result
+
+
+def loader_alone(url: str, size: int, batch: int, workers: int, processes: int, epochs: int = 2) -> dict[str, Any]:
+    """ShardBatches by itself, batches copied to the GPU and dropped: the rate the loader can feed (epochs after the first)."""
+    gpu = torch.cuda.is_available()
+    with ShardBatches(url, shard=0, shard_count=1, batch_size=batch, image_size=size, seed=0, shuffle=True, workers=workers, pin_memory=gpu, processes=processes) as batches:
+        images = 0
+        for epoch in range(epochs):
+            if epoch == 1:
+                started, cpu, images = time.perf_counter(), cpu_seconds(), 0
+            for batch_images, _ in batches:
+                images += len(batch_images)
+            if gpu:
+                torch.cuda.synchronize()
+        elapsed, cpu = time.perf_counter() - started, cpu_seconds() - cpu
+    return {"images": images, "rate": images / elapsed, "wait": None, "utilisation": None, "peak_gib": None, "cpu_ms_per_image": 1000 * cpu / images}
+
+
+def photo_crops(count: int, size: int, seed: int = 0) -> list[Any]:
+    """`count` crops of real photographs at `size` px (random places and scales), from the sample images that
+    scikit-image, scikit-learn and Matplotlib install; PIL images."""
+    import glob
+    import random
+
+    from PIL import Image
+
+    roots = [p for p in sys.path if p.endswith("-packages")]
+    patterns = ["skimage/data/*.png", "skimage/data/*.jpg", "sklearn/datasets/images/*.jpg", "matplotlib/mpl-data/sample_data/*.jpg", "matplotlib/mpl-data/sample_data/*.png"]
+    photos = []
+    for path in sorted({f for root in roots for pattern in patterns for f in glob.glob(f"{root}/{pattern}")}):
+        try:
+            image = Image.open(path).convert("RGB")
+        except Exception:
+            continue
+        if min(image.size) >= 256:
+            photos.append(image)
+    if not photos:
+        raise RuntimeError("no sample photographs found (scikit-image, scikit-learn or Matplotlib's data)")
+    rng = random.Random(seed)
+    crops = []
+    for _ in range(count):
+        photo = photos[rng.randrange(len(photos))]
+        side = int(min(photo.size) * rng.uniform(0.4, 1.0))
+        x, y = rng.randrange(photo.size[0] - side + 1), rng.randrange(photo.size[1] - side + 1)
+        crops.append(photo.crop((x, y, x + side, y + side)).resize((size, size), Image.BICUBIC))
+    return crops, len(photos)
+
+
+def jpeg_section(table: "Table", size: int, batch: int = 256, count: int = 1024) -> None:
+    """Cache bytes per image as raw pixels against JPEG (quality 90 and 95) of real photographs at `size` px, and how
+    fast each comes out as a GPU batch: raw pixels copied from pinned memory, JPEG decoded by nvJPEG
+    (torchvision.io.decode_jpeg on the GPU) or by Pillow on one core."""
+    import io as bytes_io
+
+    from PIL import Image
+    from torchvision.io import decode_jpeg
+
+    crops, photos = photo_crops(count, size)
+    table.say(f"JPEG against raw pixels: {count} crops of {photos} real photographs at {size} px, batches of {batch}")
+    raw = torch.from_numpy(np.stack([np.asarray(c) for c in crops[:batch]])).pin_memory()
+    for quality in (90, 95):
+        encoded = []
+        for crop in crops:
+            out = bytes_io.BytesIO()
+            crop.save(out, "JPEG", quality=quality)
+            encoded.append(out.getvalue())
+        mean_bytes = float(np.mean([len(b) for b in encoded]))
+        datas = [torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in encoded[:batch]]
+        decode_jpeg(datas, device="cuda")  # nvJPEG's start-up
+        torch.cuda.synchronize()
+        rounds = 20
+        started = time.perf_counter()
+        for _ in range(rounds):
+            images = decode_jpeg(datas, device="cuda")
+        torch.cuda.synchronize()
+        gpu_rate = rounds * batch / (time.perf_counter() - started)
+        started = time.perf_counter()
+        for b in encoded[:batch]:
+            np.asarray(Image.open(bytes_io.BytesIO(b)).convert("RGB"))
+        cpu_rate = batch / (time.perf_counter() - started)
+        table.say(
+            f"  JPEG q{quality}: {mean_bytes / 1024:6.1f} KiB an image ({size * size * 3 / mean_bytes:5.1f}x smaller than raw {size * size * 3 / 1024:.0f} KiB); "
+            f"nvJPEG {gpu_rate:8.0f} images/s, Pillow one core {cpu_rate:6.0f} images/s; decoded shape {tuple(images[0].shape)}"
+        )
+    started = time.perf_counter()
+    for _ in range(50):
+        raw.to("cuda", non_blocking=True)
+    torch.cuda.synchronize()
+    table.say(f"  raw pixels: pinned batch to the GPU {50 * batch / (time.perf_counter() - started):8.0f} images/s")
 
 
 class Table:
     """The printed table, also kept as JSON rows (written after every row, so a cut-off run keeps what it measured)."""
 
-    COLUMNS = "model       trains  path                              batch workers  images/s  /limit  data wait  GPU util  peak GiB  CPU ms/img"
+    COLUMNS = "model           trains  path (/limit: of the eager limit, or the compiled one for compiled paths)\n                                                  batch workers  images/s  /limit  data wait  GPU util  peak GiB  CPU ms/img"
 
     def __init__(self, json_path: str | None, title: str) -> None:
         self.rows: list[dict[str, Any]] = []
-        self.limits: dict[tuple[str, bool, int], float] = {}
+        self.limits: dict[tuple[str, bool, int, bool], float] = {}
         self.json_path = json_path
         self.text_path = Path(json_path).with_suffix(".txt") if json_path else None
         self.say(title)
@@ -285,22 +407,24 @@ class Table:
             with self.text_path.open("a") as out:
                 out.write(line + "\n")
 
-    def add(self, arch: str, frozen: bool, path: str, batch: int, workers: int | None, measure: Callable[[], dict[str, Any]]) -> dict[str, Any] | None:
+    def add(self, arch: str, frozen: bool, path: str, batch: int, workers: int | str | None, measure: Callable[[], dict[str, Any]]) -> dict[str, Any] | None:
         started = time.perf_counter()
         try:
             result = measure()
         except Exception as error:  # one failed row must not cost the rest of the table
-            self.say(f"{arch:11} {'head' if frozen else 'all':6}  {path:33} {batch:5} FAILED: {type(error).__name__}: {str(error).strip().splitlines()[-1][:200]}")
+            self.say(f"{arch:15} {'head' if frozen else 'all':6}  {path:40} {batch:5} FAILED: {type(error).__name__}: {str(error).strip().splitlines()[-1][:200]}")
             return None
-        if path.startswith("limit") and "compile" not in path:
-            self.limits.setdefault((arch, frozen, batch), result["rate"])
-        share = result["rate"] / self.limits[(arch, frozen, batch)] if (arch, frozen, batch) in self.limits else None
+        # Rates are shared of the model's first limit row: eager, or compiled for the paths that compile.
+        key = (arch, frozen, batch, "compile" in path)
+        if path.startswith("limit"):
+            self.limits.setdefault(key, result["rate"])
+        share = result["rate"] / self.limits[key] if key in self.limits else None
 
         def fmt(value: Any, pattern: str) -> str:
             return "-" if value is None else pattern.format(value)
 
         self.say(
-            f"{arch:11} {'head' if frozen else 'all':6}  {path:33} {batch:5} {fmt(workers, '{:7d}')}"
+            f"{arch:15} {'head' if frozen else 'all':6}  {path:40} {batch:5} {fmt(workers, '{:7}')}"
             f" {result['rate']:9.0f} {fmt(share, '{:7.2f}')} {fmt(result['wait'], '{:10.1%}')} {fmt(result['utilisation'], '{:8.0f}%')}"
             f" {fmt(result['peak_gib'], '{:9.1f}')} {result['cpu_ms_per_image']:11.2f}   ({time.perf_counter() - started:.0f} s)"
         )
@@ -341,7 +465,7 @@ def gpu_table(args: argparse.Namespace, url: str, work: Path) -> None:
             table.add(arch, frozen, "limit: random batches on the GPU", batch, None, lambda: limit(arch, batch, size, frozen, args.steps, args.warmup))
 
     def loader_paths(arch: str, frozen: bool, batch: int, workers: int, ray_too: bool = True, **more: Any) -> None:
-        epochs = epochs_for(table.limits.get((arch, frozen, batch), 1000.0), args.images, args.seconds)
+        epochs = epochs_for(table.limits.get((arch, frozen, batch, False), 1000.0), args.images, args.seconds)
         table.add(arch, frozen, "Lightning + ShardBatches", batch, workers, lambda: run_epochs(config(arch, batch, frozen, workers, epochs, **more)))
         if ray_too:
             table.add(arch, frozen, "Ray TorchTrainer, 1 GPU worker", batch, workers, lambda: ray_epochs(config(arch, batch, frozen, workers, epochs, **more), work, cores))
@@ -353,7 +477,7 @@ def gpu_table(args: argparse.Namespace, url: str, work: Path) -> None:
     if "resnet50" in sections:  # 1 and 2: the limit, then the project's path at the same batch
         limits("resnet50", False, (128, 256))
         loader_paths("resnet50", False, 256, workers)
-        epochs = epochs_for(table.limits.get(("resnet50", False, 256), 1000.0), args.images, args.seconds)
+        epochs = epochs_for(table.limits.get(("resnet50", False, 256, False), 1000.0), args.images, args.seconds)
         table.add("resnet50", False, "Lightning, metrics checked per step", 256, workers, lambda: run_epochs(config("resnet50", 256, False, workers, epochs, checked_metrics=True)))
     if "frozen" in sections:  # 3: transfer learning needs several times the rate: how many reader threads it takes
         limits("resnet50", True, (256,))
@@ -363,7 +487,7 @@ def gpu_table(args: argparse.Namespace, url: str, work: Path) -> None:
             rates[threads] = table.rows[-1]["rate"] if table.rows and table.rows[-1]["workers"] == threads else 0.0
         if args.ray_everywhere:
             best = max(rates, key=rates.get)
-            epochs = epochs_for(table.limits.get(("resnet50", True, 256), 1000.0), args.images, args.seconds)
+            epochs = epochs_for(table.limits.get(("resnet50", True, 256, False), 1000.0), args.images, args.seconds)
             table.add("resnet50", True, "Ray TorchTrainer, 1 GPU worker", 256, best, lambda: ray_epochs(config("resnet50", 256, True, best, epochs), work, cores))
     if "small" in sections:  # 4: the smaller models, so that users can pick
         limits("resnet18", False, (256,))
@@ -371,11 +495,43 @@ def gpu_table(args: argparse.Namespace, url: str, work: Path) -> None:
         limits("small_cnn", False, (256,))
         loader_paths("small_cnn", False, 256, workers, ray_too=args.ray_everywhere)
     if "profile" in sections:  # where a step of the project's path goes, host and GPU
-        epochs = epochs_for(table.limits.get(("resnet50", False, 256), 1000.0), args.images, args.seconds)
+        epochs = epochs_for(table.limits.get(("resnet50", False, 256, False), 1000.0), args.images, args.seconds)
         profile = str(Path(args.json).with_name("gpu-profile.txt")) if args.json else ""
         table.add("resnet50", False, "Lightning, under torch.profiler", 256, workers, lambda: run_epochs(config("resnet50", 256, False, workers, epochs, profile=profile)))
     if "compile" in sections:  # torch.compile on the limit: does it raise the ceiling?
-        table.add("resnet50", False, "limit, torch.compile", 256, None, lambda: limit("resnet50", 256, size, False, args.steps, args.warmup + 10, compiled=True))
+        table.add("resnet50", False, "limit, torch.compile", 256, None, lambda: limit("resnet50", 256, size, False, args.steps, args.warmup + 10, compiled="default"))
+    if "ladder" in sections:  # ResNet-50's limit one step at a time: the optimizer's kernel, compile, CUDA graphs
+        steps, warm = args.steps, args.warmup
+        table.add("resnet50", False, "limit: AdamW foreach (eager)", 256, None, lambda: limit("resnet50", 256, size, False, steps, warm))
+        table.add("resnet50", False, "limit: AdamW fused (eager)", 256, None, lambda: limit("resnet50", 256, size, False, steps, warm, fused=True))
+        table.add("resnet50", False, "limit: fused, compile", 256, None, lambda: limit("resnet50", 256, size, False, steps, warm + 5, "default", True))
+        table.add("resnet50", False, "limit: fused, compile reduce-overhead", 256, None, lambda: limit("resnet50", 256, size, False, steps, warm + 5, "reduce-overhead", True))
+        table.add("tv_resnet50", False, "limit: fused (eager), torchvision", 256, None, lambda: limit("resnet50", 256, size, False, steps, warm, fused=True, zoo=True))
+    if "paths" in sections:  # the training path with the fused optimizer, then compiled, in Lightning and Ray Train
+        rate = table.limits.get(("resnet50", False, 256, True), table.limits.get(("resnet50", False, 256, False), 1000.0))
+        epochs = epochs_for(rate, args.images, args.seconds)
+        table.add("resnet50", False, "Lightning, fused AdamW", 256, workers, lambda: run_epochs(config("resnet50", 256, False, workers, epochs)))
+        table.add("resnet50", False, "Lightning, compile", 256, workers, lambda: run_epochs(config("resnet50", 256, False, workers, epochs, compile="default")))
+        table.add("resnet50", False, "Ray TorchTrainer, compile", 256, workers, lambda: ray_epochs(config("resnet50", 256, False, workers, epochs, compile="default"), work, cores))
+        table.add("resnet50", False, "Ray TorchTrainer, compile, 1 loader proc", 256, f"{workers}+p", lambda: ray_epochs(config("resnet50", 256, False, workers, epochs, compile="default", loader_processes=1), work, cores))
+    if "loader" in sections:  # reader threads in the training process against a loader process, where the loader limits
+        for threads in (4, 8):
+            table.add("loader", False, "ShardBatches alone, threads", 256, threads, lambda: loader_alone(url, size, 256, threads, 0))
+            table.add("loader", False, "ShardBatches alone, 1 process", 256, f"{threads}+p", lambda: loader_alone(url, size, 256, threads, 1))
+        for arch, frozen in (("resnet50", True), ("small_cnn", False)):
+            limits(arch, frozen, (256,))
+            epochs = epochs_for(table.limits.get((arch, frozen, 256, False), 1000.0), args.images, args.seconds)
+            table.add(arch, frozen, "Lightning, threads", 256, workers, lambda: run_epochs(config(arch, 256, frozen, workers, epochs)))
+            table.add(arch, frozen, "Lightning, 1 loader process", 256, f"{workers}+p", lambda: run_epochs(config(arch, 256, frozen, workers, epochs, loader_processes=1)))
+    if "jpeg" in sections:
+        try:
+            jpeg_section(table, size)
+        except Exception as error:
+            table.say(f"JPEG section FAILED: {type(error).__name__}: {error}")
+    if "zoo" in sections:  # torchvision's models: what compile gives each
+        for arch in ("efficientnet_b0", "vit_b_16"):
+            table.add(arch, False, "limit: fused (eager), torchvision", 256, None, lambda: limit(arch, 256, size, False, args.steps, args.warmup, fused=True, zoo=True))
+            table.add(arch, False, "limit: fused, compile, torchvision", 256, None, lambda: limit(arch, 256, size, False, args.steps, args.warmup + 5, "default", True, zoo=True))
 
 
 def cpu_comparison(args: argparse.Namespace, url: str, work: Path) -> None:
@@ -408,7 +564,7 @@ def main() -> None:
     parser.add_argument("--arch", default="small_cnn", help="CPU only")
     parser.add_argument("--batch", type=int, default=64, help="CPU only")
     parser.add_argument("--epochs", type=int, default=6, help="CPU only")
-    parser.add_argument("--sections", default="resnet50,frozen,small,profile,compile", help="GPU only: which parts of the table")
+    parser.add_argument("--sections", default="ladder,paths,loader,jpeg,zoo", help="GPU only: which parts of the table (also resnet50, frozen, small, profile, compile: the earlier table's)")
     parser.add_argument("--frozen-workers", type=lambda s: [int(x) for x in s.split(",")], default=[2, 4], help="GPU only: reader threads tried for the frozen backbone")
     parser.add_argument("--ray-everywhere", action="store_true", help="GPU only: Ray rows for the frozen backbone and the smaller models too")
     parser.add_argument("--steps", type=int, default=40, help="GPU only: timed steps of each limit")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from petastorm import make_batch_reader
@@ -115,3 +116,37 @@ def test_batches_made_ahead_by_a_thread_are_the_same_and_the_thread_stops_with_t
             got.append(item[0])
             makers.add(item[1])
     assert got == [10, 20] and makers == {"imagelake-batches"}
+
+
+@pytest.mark.slow  # starts a process
+def test_a_loader_process_makes_the_same_batches_and_ends_with_the_loader(spark, tmp_path: Path) -> None:
+    """loader_processes=1: the reader's threads and the batch assembly run in a process of their own, and the batches
+    are the ones the training process would make, epoch after epoch, also after an epoch dropped half way. An error
+    there (a cached file garbled) arrives in the training process with its type, and the process ends with the loader."""
+    import multiprocessing
+
+    url = write_label_runs(spark, tmp_path / "split", rows=200, partitions=4)
+
+    def loader(processes: int) -> ShardBatches:
+        return ShardBatches(url, shard=0, shard_count=1, batch_size=16, image_size=SIZE, seed=3, shuffle=True, workers=2, key_field="sha256", processes=processes)
+
+    def content(batches) -> list[tuple[bytes, list[int], list[str]]]:
+        return [(images.numpy().tobytes(), labels.tolist(), keys) for images, labels, keys in batches]
+
+    with loader(0) as here:
+        expected = [content(here) for _ in range(3)]
+    assert expected[0] != expected[1] != [] and len(expected[0]) == len(here)
+    with loader(1) as there:
+        assert content(there) == expected[0]
+        dropped = iter(there)
+        next(dropped), next(dropped)
+        dropped.close()  # epoch 1 left half way
+        assert content(there) == expected[2]
+        process = there._process.process
+        assert process.is_alive()
+        sorted((tmp_path / "split").glob("*.parquet"))[0].write_bytes(b"not a Parquet file")
+        with pytest.raises(pa.ArrowInvalid, match="magic bytes"):
+            content(there)
+    assert not process.is_alive() and process not in multiprocessing.active_children()
+    with pytest.raises(ValueError, match="loader_processes"):
+        loader(2)

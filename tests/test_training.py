@@ -190,3 +190,33 @@ def test_a_ray_strategy_of_another_lightning_package_is_refused_before_training(
     problem = ray_lightning_problem(FabricDDPStrategy)
     assert problem is not None and "lightning_fabric" in problem and "pip uninstall lightning" in problem
 
+
+
+def test_a_compiled_model_trains_its_own_weights_and_checkpoints_under_the_plain_names(tmp_path: Path) -> None:
+    """torch.compile in the training path (Inductor on the CPU here): steps run through the compiled module, the
+    weights it trains are the model's own, and a checkpoint holds the plain model's names, so it loads into an
+    uncompiled classifier: resume, warm start and the export read the same state dict. A mode that does not exist is
+    refused naming the setting."""
+    config = {**gpu_config(), "use_gpu": False, "image_size": 16, "compile": "default"}
+    torch.manual_seed(0)
+    model = make_model(config)
+    assert type(model._step_model).__name__ == "OptimizedModule" and model._step_model is not model.model
+    before = {name: tensor.clone() for name, tensor in model.model.state_dict().items()}
+    images = torch.randint(0, 256, (8, 16, 16, 3), dtype=torch.uint8)
+    labels = torch.randint(0, 10, (8,))
+    trainer = make_trainer(config, [], 2, 1, accelerator="cpu")
+    batches = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(images, labels), batch_size=4)
+    trainer.fit(model, train_dataloaders=batches, val_dataloaders=batches)
+    trainer.save_checkpoint(tmp_path / "compiled.ckpt")
+    state = torch.load(tmp_path / "compiled.ckpt", map_location="cpu", weights_only=False)["state_dict"]
+    assert not [name for name in state if "_orig_mod" in name or "_step_model" in name]
+    trained = model.model.state_dict()
+    assert any(not torch.equal(before[name], trained[name]) for name in before), "the compiled steps moved the model's weights"
+    plain = make_model({**config, "compile": None})
+    assert type(plain._step_model).__name__ != "OptimizedModule"
+    plain.load_state_dict(state)
+    model.eval(), plain.eval()
+    with torch.no_grad():
+        assert torch.allclose(model._step_model(images), plain.model(images), atol=1e-4)
+    with pytest.raises(ValueError, match="compile mode 'fastest'"):
+        make_model({**config, "compile": "fastest"})

@@ -13,17 +13,18 @@ if [ ! -f "$site/.unpacked" ]; then
   touch "$site/.unpacked"
 fi
 # Some packages of such an image are hidden from Python (a finder that sitecustomize puts first):
-# - scipy, scikit-learn, transformers, torchvision, matplotlib: built for numpy 2, and torchmetrics imports them when
+# - scipy, scikit-learn, transformers, matplotlib: built for numpy 2, and torchmetrics imports them when
 #   they are there, while the bundle brings numpy 1.26 (for pyarrow 14).
 # - lightning: Ray's Lightning integration uses `lightning.pytorch` whenever it is importable, and its RayDDPStrategy
 #   is then no strategy of imagelake's `pytorch_lightning` Trainer (imagelake installs pytorch-lightning alone).
+# torchvision stays visible: the table uses its models and nvJPEG decoder, and it imports numpy 1.26 as it is.
 cat >"$site/sitecustomize.py" <<'PY'
 import importlib.machinery
 import importlib.metadata
 import os
 import sys
 
-HIDDEN = {"scipy", "sklearn", "scikit-learn", "transformers", "torchvision", "matplotlib", "lightning"}
+HIDDEN = {"scipy", "sklearn", "scikit-learn", "transformers", "matplotlib", "lightning"}
 
 
 def hidden(name):
@@ -60,7 +61,7 @@ mkdir -p "$results"
   python3 -c "import numpy, pyarrow, petastorm, ray; print('numpy', numpy.__version__, 'pyarrow', pyarrow.__version__, 'petastorm', petastorm.__version__, 'ray', ray.__version__)"
 } 2>&1 | tee "$results/gpu-machine.txt"
 rm -f "$results/gpu-table.txt"
-python3 bench/train.py --gpu --json "$results/gpu-table.json" "$@" >"$results/gpu-run.log" 2>&1
+timeout "${BENCH_TIMEOUT:-3000}" python3 bench/train.py --gpu --json "$results/gpu-table.json" "$@" >"$results/gpu-run.log" 2>&1
 status=$?
 cat "$results/gpu-table.txt" 2>/dev/null; tail -5 "$results/gpu-run.log"
 exit $status

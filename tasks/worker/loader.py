@@ -171,7 +171,16 @@ class ShardBatches:
         buffer_batches: int = 4,
         key_field: str | None = None,
         pin_memory: bool = False,
+        processes: int = 0,
     ) -> None:
+        if processes not in (0, 1):
+            raise ValueError(f"loader_processes is {processes}: 0 (read in the training process) or 1 (in a process of its own)")
+        self.spec = dict(
+            url=url, shard=shard, shard_count=shard_count, batch_size=batch_size, image_size=image_size, seed=seed, shuffle=shuffle,
+            workers=workers, buffer_batches=buffer_batches, key_field=key_field,
+        )
+        self.processes = processes
+        self._process: BatchProcess | None = None
         self.url, self.shard, self.shard_count = url, shard, shard_count
         self.image_size, self.seed, self.shuffle, self.workers = image_size, seed, shuffle, workers
         self.buffer_rows = max(1, buffer_batches) * batch_size
@@ -190,6 +199,9 @@ class ShardBatches:
     def __exit__(self, *exc: object) -> None:
         self._stop_ahead()
         self._stop()
+        if self._process is not None:
+            self._process.close()
+            self._process = None
 
     def __len__(self) -> int:
         return self.steps
@@ -206,11 +218,37 @@ class ShardBatches:
             self._ahead = None
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, ...]]:
+        source = self._from_process if self.processes else self._batches
         if self.pin_memory and torch.cuda.is_available():
             self._stop_ahead()  # an epoch abandoned half way leaves its thread behind
-            self._ahead = self._on_gpu(self._batches())
+            self._ahead = self._on_gpu(source())
             return self._ahead
-        return self._batches()
+        return source()
+
+    def _from_process(self) -> Iterator[tuple[Any, ...]]:
+        """The epoch's batches, made by the loader process in shared memory and copied out (into pinned memory with
+        `pin_memory`): the same batches as `_batches` makes here."""
+        if self._process is None:
+            self._process = BatchProcess(self.spec, max(self.sizes), self.image_size)
+        epoch, self.epoch = self.epoch, self.epoch + 1
+        process = self._process
+        process.start(epoch)
+        finished = False
+        try:
+            while True:
+                item = process.next()
+                if item is None:
+                    finished = True
+                    return
+                slot, size, labels, keys = item
+                images = torch.empty((size, self.image_size, self.image_size, 3), dtype=torch.uint8, pin_memory=self.pin_memory)
+                images.copy_(process.slots[slot][:size])
+                process.free.put(slot)
+                label_tensor = torch.from_numpy(labels).pin_memory() if self.pin_memory else torch.from_numpy(labels)
+                yield (images, label_tensor, keys) if self.key_field else (images, label_tensor)
+        finally:
+            if not finished:
+                process.abandon()
 
     def _on_gpu(self, batches: Iterator[tuple[Any, ...]]) -> Iterator[tuple[Any, ...]]:
         """`batches`, each copied to the current GPU on a stream of its own by the thread that makes them."""
@@ -235,7 +273,8 @@ class ShardBatches:
 
         return ahead(batches, self.GPU_AHEAD, copy, receive)
 
-    def _batches(self) -> Iterator[tuple[Any, ...]]:
+    def _batches(self, into: Callable[[int], torch.Tensor] | None = None) -> Iterator[tuple[Any, ...]]:
+        """The epoch's batches, made here; `into(size)` gives the tensor each batch's images are written to."""
         self._stop()  # an epoch abandoned half way (an exception, an early stop) leaves its reader behind
         epoch, self.epoch = self.epoch, self.epoch + 1
         fields = ["image", "label"] + ([self.key_field] if self.key_field else [])
@@ -268,7 +307,10 @@ class ShardBatches:
                         pool.add(group)
                 if len(pool) < size:
                     raise RuntimeError(f"shard {self.shard} of {self.url} ended after fewer rows than its {self.rows}")
-                images = torch.empty((size, self.image_size, self.image_size, 3), dtype=torch.uint8, pin_memory=self.pin_memory)
+                if into is not None:
+                    images = into(size)
+                else:
+                    images = torch.empty((size, self.image_size, self.image_size, 3), dtype=torch.uint8, pin_memory=self.pin_memory)
                 labels, keys = pool.take(size, images.numpy().reshape(size, -1))
                 # Pinned too: a copy from pageable memory would make the host wait for the GPU at every step.
                 label_tensor = torch.from_numpy(labels).pin_memory() if self.pin_memory else torch.from_numpy(labels)
@@ -277,6 +319,113 @@ class ShardBatches:
                 raise RuntimeError(f"shard {self.shard} of {self.url} holds more rows than its {self.rows}: the cache changed")
         finally:
             self._stop()
+
+
+class BatchProcess:
+    """A process of its own that makes a ShardBatches' batches in shared memory, one epoch per `start`.
+
+    Its reader threads and the batch assembly hold that process's interpreter lock, not the training process's, whose
+    own thread launches the GPU's work. Batches travel in `SLOTS` shared buffers that go round: the process fills a
+    free one and names it on `ready`; the consumer copies it out and hands it back on `free`.
+    """
+
+    SLOTS = ShardBatches.GPU_AHEAD + 2
+    END = "end"
+
+    def __init__(self, spec: dict[str, Any], max_rows: int, image_size: int) -> None:
+        import torch.multiprocessing as mp
+
+        # spawn, not fork: the training process has threads (Ray's, the reader's), and a fork copies their locks.
+        context = mp.get_context("spawn")
+        self.where = spec["url"]
+        self.slots = [torch.empty((max_rows, image_size, image_size, 3), dtype=torch.uint8).share_memory_() for _ in range(self.SLOTS)]
+        self.commands, self.free, self.ready, self.halt = context.Queue(), context.Queue(), context.Queue(), context.Event()
+        for slot in range(self.SLOTS):
+            self.free.put(slot)
+        self.open = False
+        self.process = context.Process(
+            target=_make_batches, args=(spec, self.slots, self.commands, self.free, self.ready, self.halt), name="imagelake-loader", daemon=True
+        )
+        self.process.start()
+
+    def start(self, epoch: int) -> None:
+        self.halt.clear()
+        self.commands.put(epoch)
+        self.open = True  # until the epoch's END or error arrives
+
+    def next(self) -> tuple[int, int, np.ndarray, list | None] | None:
+        """The next batch's (slot, rows, labels, keys), or None at the epoch's end; an error in the process is raised here."""
+        while True:
+            try:
+                item = self.ready.get(timeout=1.0)
+            except queue.Empty:
+                if not self.process.is_alive():
+                    raise RuntimeError(f"the loader process reading {self.where} ended (exit code {self.process.exitcode}) in the middle of an epoch") from None
+                continue
+            if item == self.END or isinstance(item, BaseException):
+                self.open = False
+            if isinstance(item, BaseException):
+                raise item
+            return None if item == self.END else item
+
+    def abandon(self) -> None:
+        """Stop the epoch in the middle: the process ends it after the batch it is making; its buffers come back."""
+        if not self.open:
+            return
+        self.halt.set()
+        try:
+            while (item := self.next()) is not None:
+                self.free.put(item[0])
+        except Exception:  # the process failed or died while stopping: close() ends it
+            self.close()
+
+    def close(self) -> None:
+        if self.process.is_alive():
+            self.commands.put(None)
+            self.process.join(timeout=10)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+        for channel in (self.commands, self.free, self.ready):
+            channel.close()
+            channel.join_thread()
+
+
+def _make_batches(spec: dict[str, Any], slots: list[torch.Tensor], commands: Any, free: Any, ready: Any, halt: Any) -> None:
+    """The loader process: for each epoch named on `commands` (None ends it), the batches into free slots, then END;
+    an error (the split gone or changed) is sent in place of the rest of the epoch."""
+    import pickle
+
+    batches: ShardBatches | None = None
+    while (epoch := commands.get()) is not None:
+        held: list[int] = []
+
+        def into(size: int) -> torch.Tensor:
+            held.append(free.get())
+            return slots[held[-1]][:size]
+
+        made = None
+        try:
+            batches = batches or ShardBatches(**spec)
+            batches.epoch = epoch
+            made = batches._batches(into)
+            for batch in made:
+                if halt.is_set():
+                    break
+                labels = batch[1].numpy()
+                ready.put((held.pop(), len(labels), labels, batch[2] if len(batch) > 2 else None))
+            ready.put(BatchProcess.END)
+        except Exception as error:
+            try:
+                pickle.dumps(error)
+            except Exception:
+                error = RuntimeError(f"{type(error).__name__}: {error}")
+            ready.put(error)
+        finally:
+            if made is not None:
+                made.close()
+            for slot in held:  # a batch made but not sent
+                free.put(slot)
 
 
 def ahead(

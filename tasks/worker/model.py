@@ -181,6 +181,19 @@ def warmup_cosine(step: int, total_steps: int, warmup_steps: int) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+def compiled(model: nn.Module, mode: str | None) -> nn.Module:
+    """`model` through torch.compile in `mode` (one of COMPILE_MODES), or `model` itself for None or "off"."""
+    if mode in (None, "", "off"):
+        return model
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"unknown compile mode {mode!r}: choose off or one of {', '.join(COMPILE_MODES)}")
+    # Batches of an epoch have at most two sizes: a graph for each, not one with a symbolic batch dimension.
+    return torch.compile(model, mode=mode, dynamic=False)
+
+
 class ImageClassifier(pl.LightningModule):
     """Lightning module around ImageModel: cross-entropy, AdamW with warm-up and cosine decay, per-epoch loss and accuracy."""
 
@@ -193,10 +206,14 @@ class ImageClassifier(pl.LightningModule):
         freeze_backbone: bool = False,
         total_steps: int = 0,
         warmup_steps: int = 0,
+        compile_mode: str | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.model = ImageModel(num_classes, arch, pretrained_weights, freeze_backbone)
+        # Steps run through the compiled module, which shares the model's parameters. It is kept out of the module tree
+        # (object.__setattr__), so that state dicts, checkpoints and the exported model hold the plain model's names.
+        object.__setattr__(self, "_step_model", compiled(self.model, compile_mode))
         # Metric objects sum correct answers and samples across steps and workers: exact epoch figures
         # even when workers' batches differ in size (a mean of per-batch means would not be).
         # Their per-step checks are off: each reads a value back from the GPU and stalls the step (a NaN loss still
@@ -214,7 +231,7 @@ class ImageClassifier(pl.LightningModule):
 
     def _step(self, batch: tuple[torch.Tensor, torch.Tensor], prefix: str) -> torch.Tensor:
         images, labels = batch
-        logits = self.model(images)
+        logits = self._step_model(images)
         loss = F.cross_entropy(logits, labels)
         self.metrics[f"{prefix}_acc"].update(logits.detach(), labels)
         self.metrics[f"{prefix}_loss"].update(loss.detach(), weight=len(labels))
@@ -229,7 +246,10 @@ class ImageClassifier(pl.LightningModule):
         self._step(batch, "val")
 
     def configure_optimizers(self) -> dict:
-        optimizer = torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=self.hparams.learning_rate)
+        parameters = [p for p in self.parameters() if p.requires_grad]
+        # One fused kernel for the whole update on a GPU (the per-tensor loop costs host time at every step).
+        fused = bool(parameters) and all(p.is_cuda for p in parameters)
+        optimizer = torch.optim.AdamW(parameters, lr=self.hparams.learning_rate, fused=fused or None)
         total, warmup = self.hparams.total_steps, self.hparams.warmup_steps
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: warmup_cosine(step, total, warmup))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}

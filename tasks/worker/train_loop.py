@@ -174,7 +174,7 @@ def make_model(config: dict[str, Any], steps_per_epoch: int = 0) -> ImageClassif
     total = steps_per_epoch * config["max_epochs"]
     model = ImageClassifier(
         config["num_classes"], config["learning_rate"], config["arch"], config.get("pretrained_weights"), config.get("freeze_backbone", False),
-        total_steps=total, warmup_steps=min(steps_per_epoch, total // 2),
+        total_steps=total, warmup_steps=min(steps_per_epoch, total // 2), compile_mode=config.get("compile"),
     )
     if config.get("warm_start_weights"):  # the champion's weights, over the fresh (or pretrained) ones
         model.model.load_weights(load_state_dict(config["warm_start_weights"], "warm start weights"))
@@ -184,11 +184,19 @@ def make_model(config: dict[str, Any], steps_per_epoch: int = 0) -> ImageClassif
     return model
 
 
+def ddp_strategy(config: dict[str, Any]) -> RayDDPStrategy:
+    """Ray's DDP strategy; on a GPU, DDP's static graph (the same parameters get gradients at every step) and gradients
+    kept in the all-reduce buckets (no copy between them)."""
+    if config.get("use_gpu") and torch.cuda.is_available() and config.get("ddp_static_graph", True):
+        return RayDDPStrategy(static_graph=True, gradient_as_bucket_view=True)
+    return RayDDPStrategy()
+
+
 def shard_loaders(config: dict[str, Any], rank: int, world: int) -> tuple[ShardBatches, ShardBatches]:
     pin = bool(config.get("use_gpu") and torch.cuda.is_available() and config.get("pin_memory", True))
     shard = dict(
         shard=rank, shard_count=world, batch_size=config["batch_size"], image_size=config["image_size"], seed=config["seed"],
-        workers=config.get("loader_workers", 2), pin_memory=pin,
+        workers=config.get("loader_workers", 2), pin_memory=pin, processes=config.get("loader_processes", 0),
     )
     train = ShardBatches(config["train_uri"], shuffle=True, buffer_batches=config.get("shuffle_buffer_batches", 4), **shard)
     val = ShardBatches(config["val_uri"], shuffle=False, **shard)
@@ -237,7 +245,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     train_batches, val_batches = shard_loaders(config, rank, world)
     trainer = make_trainer(
         config, callbacks, len(train_batches), len(val_batches),
-        accelerator="auto", devices="auto", strategy=RayDDPStrategy(), plugins=[RayLightningEnvironment()],
+        accelerator="auto", devices="auto", strategy=ddp_strategy(config), plugins=[RayLightningEnvironment()],
         # Per-GPU batches are small: batch-norm statistics over all ranks' samples (gloo on CPU has no SyncBatchNorm).
         sync_batchnorm=bool(config.get("use_gpu") and torch.cuda.is_available() and world > 1),
     )
