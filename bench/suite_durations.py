@@ -26,7 +26,8 @@ def read(logs: list[Path]) -> tuple[dict[str, float], list[str]]:
     for log in logs:
         for line in log.read_text(errors="replace").splitlines():
             if match := LINE.match(line):
-                per_test[match.group(3)] += float(match.group(1))
+                # pytest-xdist's loadgroup names a grouped test `id@group`: the id alone is the test's.
+                per_test[re.sub(r"@[\w.-]+$", "", match.group(3))] += float(match.group(1))
             elif match := CLOSING.match(line.strip()):
                 closing.append(f"{match.group(1)} in {float(match.group(2)) / 60:.1f} min")
     return dict(per_test), closing
