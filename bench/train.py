@@ -59,7 +59,7 @@ from ray.train.torch import TorchTrainer
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository, for `python3 bench/train.py` without an install
 
 from tasks.worker.loader import ShardBatches  # noqa: E402
-from tasks.worker.model import ImageModel  # noqa: E402
+from tasks.worker.model import IMAGENET_MEAN, IMAGENET_STD, ImageModel, compiled as compiled_model  # noqa: E402
 from tasks.worker.train_loop import DataWait, ddp_strategy, make_model, make_trainer, shard_loaders  # noqa: E402
 
 ROW_GROUP_BYTES = 8 * 1024 * 1024  # as the cache stage writes (parquet.block.size)
@@ -238,8 +238,8 @@ def zoo_model(arch: str) -> torch.nn.Module:
         def __init__(self) -> None:
             super().__init__()
             self.net = torchvision.models.get_model(arch, weights=None, num_classes=10)
-            self.register_buffer("mean", torch.tensor((0.485, 0.456, 0.406)).view(1, 3, 1, 1) * 255, persistent=False)
-            self.register_buffer("std", torch.tensor((0.229, 0.224, 0.225)).view(1, 3, 1, 1) * 255, persistent=False)
+            self.register_buffer("mean", torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1) * 255, persistent=False)
+            self.register_buffer("std", torch.tensor(IMAGENET_STD).view(1, 3, 1, 1) * 255, persistent=False)
 
         def forward(self, images: torch.Tensor) -> torch.Tensor:
             x = (images.permute(0, 3, 1, 2).float() - self.mean) / self.std
@@ -263,7 +263,7 @@ def limit(
         net.channels_last = True
     net = net.to(memory_format=torch.channels_last).train()
     optimizer = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=1e-3, fused=fused or None)
-    step_net = torch.compile(net, mode=compiled, dynamic=False) if compiled else net
+    step_net = compiled_model(net, compiled)  # as the training path compiles
     images = torch.randint(0, 256, (batch, size, size, 3), dtype=torch.uint8, device=device)
     labels = torch.randint(0, 10, (batch,), device=device)
 
@@ -314,9 +314,9 @@ def loader_alone(url: str, size: int, batch: int, workers: int, processes: int, 
     return {"images": images, "rate": images / elapsed, "wait": None, "utilisation": None, "peak_gib": None, "cpu_ms_per_image": 1000 * cpu / images}
 
 
-def photo_crops(count: int, size: int, seed: int = 0) -> list[Any]:
+def photo_crops(count: int, size: int, seed: int = 0) -> tuple[list[Any], int]:
     """`count` crops of real photographs at `size` px (random places and scales), from the sample images that
-    scikit-image, scikit-learn and Matplotlib install; PIL images."""
+    scikit-image, scikit-learn and Matplotlib install (PIL images), and how many photographs they came from."""
     import glob
     import random
 

@@ -241,14 +241,22 @@ class ShardBatches:
                     finished = True
                     return
                 slot, size, labels, keys = item
-                images = torch.empty((size, self.image_size, self.image_size, 3), dtype=torch.uint8, pin_memory=self.pin_memory)
+                images = self._new_images(size)
                 images.copy_(process.slots[slot][:size])
                 process.free.put(slot)
-                label_tensor = torch.from_numpy(labels).pin_memory() if self.pin_memory else torch.from_numpy(labels)
-                yield (images, label_tensor, keys) if self.key_field else (images, label_tensor)
+                yield self._batch(images, labels, keys)
         finally:
             if not finished:
                 process.abandon()
+
+    def _new_images(self, rows: int) -> torch.Tensor:
+        return torch.empty((rows, self.image_size, self.image_size, 3), dtype=torch.uint8, pin_memory=self.pin_memory)
+
+    def _batch(self, images: torch.Tensor, labels: np.ndarray, keys: list | None) -> tuple[Any, ...]:
+        """What an epoch yields: images, labels (pinned too: a copy from pageable memory would make the host wait for
+        the GPU at every step) and, with a key field, the keys."""
+        label_tensor = torch.from_numpy(labels).pin_memory() if self.pin_memory else torch.from_numpy(labels)
+        return (images, label_tensor, keys) if self.key_field else (images, label_tensor)
 
     def _on_gpu(self, batches: Iterator[tuple[Any, ...]]) -> Iterator[tuple[Any, ...]]:
         """`batches`, each copied to the current GPU on a stream of its own by the thread that makes them."""
@@ -307,14 +315,9 @@ class ShardBatches:
                         pool.add(group)
                 if len(pool) < size:
                     raise RuntimeError(f"shard {self.shard} of {self.url} ended after fewer rows than its {self.rows}")
-                if into is not None:
-                    images = into(size)
-                else:
-                    images = torch.empty((size, self.image_size, self.image_size, 3), dtype=torch.uint8, pin_memory=self.pin_memory)
+                images = into(size) if into is not None else self._new_images(size)
                 labels, keys = pool.take(size, images.numpy().reshape(size, -1))
-                # Pinned too: a copy from pageable memory would make the host wait for the GPU at every step.
-                label_tensor = torch.from_numpy(labels).pin_memory() if self.pin_memory else torch.from_numpy(labels)
-                yield (images, label_tensor, keys) if self.key_field else (images, label_tensor)
+                yield self._batch(images, labels, keys)
             if next(arrivals, None) is not None:
                 raise RuntimeError(f"shard {self.shard} of {self.url} holds more rows than its {self.rows}: the cache changed")
         finally:
@@ -362,11 +365,13 @@ class BatchProcess:
                 if not self.process.is_alive():
                     raise RuntimeError(f"the loader process reading {self.where} ended (exit code {self.process.exitcode}) in the middle of an epoch") from None
                 continue
-            if item == self.END or isinstance(item, BaseException):
-                self.open = False
             if isinstance(item, BaseException):
+                self.open = False
                 raise item
-            return None if item == self.END else item
+            if item == self.END:
+                self.open = False
+                return None
+            return item
 
     def abandon(self) -> None:
         """Stop the epoch in the middle: the process ends it after the batch it is making; its buffers come back."""

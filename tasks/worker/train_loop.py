@@ -187,7 +187,7 @@ def make_model(config: dict[str, Any], steps_per_epoch: int = 0) -> ImageClassif
 def ddp_strategy(config: dict[str, Any]) -> RayDDPStrategy:
     """Ray's DDP strategy; on a GPU, DDP's static graph (the same parameters get gradients at every step) and gradients
     kept in the all-reduce buckets (no copy between them)."""
-    if config.get("use_gpu") and torch.cuda.is_available() and config.get("ddp_static_graph", True):
+    if config.get("use_gpu") and torch.cuda.is_available():
         return RayDDPStrategy(static_graph=True, gradient_as_bucket_view=True)
     return RayDDPStrategy()
 
