@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import time
+import uuid
 from datetime import datetime, timezone
 from typing import Any, Callable, Iterable
 
@@ -149,6 +150,7 @@ def resize(listed: Listed, settings: Settings) -> Resized:
     table = ImageTable.of(settings)
     ingested = diff_against_table(table, listed, scope_of(settings), settings.retire_deleted, settings.staging_uri)
     rules = DecodeRules(settings.image_size, settings.resize_mode, settings.max_file_bytes, settings.max_image_pixels, settings.read_attempts)
-    key = f"{ingested.content_fingerprint[:16]}-{settings.image_size}-{settings.resize_mode}"
+    # A folder of this run's own: an identical run started at the same time must not wipe the rows this one's write reads.
+    folder = f"resize-{ingested.content_fingerprint[:16]}-{settings.image_size}-{settings.resize_mode}-{uuid.uuid4().hex[:12]}"
     # Spark's Python workers take seconds to start; the driver decodes a short list in a fraction of that.
-    return resize_images(table, ingested, rules, f"{settings.staging_uri}/resize-{key}", in_driver_up_to=settings.decode_in_driver_up_to)
+    return resize_images(table, ingested, rules, f"{settings.staging_uri}/{folder}", in_driver_up_to=settings.decode_in_driver_up_to)

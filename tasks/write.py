@@ -22,6 +22,7 @@ import pyarrow.parquet as pq
 from prefect.cache_policies import NO_CACHE
 
 from infra.delta import Table, sql_in
+from infra.errors import PermanentError
 from infra.settings import Settings
 from tasks.rules.schemas import IMAGE_TABLE_SCHEMA, STAGED_ARROW_SCHEMA
 from tasks.results import Resized, Written, left_unread
@@ -29,6 +30,28 @@ from tasks.rules.bad_files import TooManyBadFiles, TooManyRetired, check_bad_fra
 from tasks.stage import stage
 from tasks.changes import mark_in_sync
 from tasks.table import ImageTable, matching
+
+
+class StagingIncomplete(PermanentError):
+    """The resize stage's staged rows are not all there: something removed them between resize and write."""
+
+
+def check_staged(resized: Resized) -> None:
+    """Every file resize accounted for has its staged row; else fail, and remove the partial folder so that the next
+    run's resize is no cache hit and decodes again (a write from a short count would commit too little and then mark
+    the tables in step with the listing, so that no later run would look at the missing files again)."""
+    reported = resized.decoded + resized.known + resized.retired + resized.bad + resized.unread_files
+    staged = staged_rows(resized).count_rows()
+    if staged == reported:
+        return
+    fs, folder = fsspec.core.url_to_fs(resized.staging_uri)
+    if fs.exists(folder):
+        fs.rm(folder, recursive=True)
+    raise StagingIncomplete(
+        f"write: the resize stage's staging folder {resized.staging_uri} holds {staged} row(s) but resize accounted for {reported} file(s); "
+        "something removed part of it (a cleanup of the workspace's staging while the run went on?). Nothing was written; "
+        "run again and resize decodes those files anew."
+    )
 
 
 def staged_rows(resized: Resized) -> ds.Dataset:
@@ -224,6 +247,7 @@ def write_images(table: ImageTable, resized: Resized, max_bad_fraction: float, m
             f"write_images: table {table_uri} is not the table {resized.table_uri} that the resize stage wrote its files into; "
             "run resize with the same table_root and table_name"
         )
+    check_staged(resized)
     bad = quarantine_rows(table, resized)
     try:
         check_bad_fraction(resized, max_bad_fraction, bad.known)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-from PIL import Image
+from PIL import Image, ImageOps
 
 from infra.delta import Table, read_version
 from infra.settings import load_settings
@@ -477,3 +477,35 @@ def test_a_moved_file_and_a_renamed_label_folder_relabel_their_rows(lake: Lake, 
     _, _, written = lake.run(source, retire=retire, max_retire=0.5)
     assert (written.rows, written.retired) == (7, 7) and len(lake.rows()) == 12
     assert set(labels().values()) == {"feline", "canine"}
+
+
+def test_two_identical_runs_at_once_keep_their_own_staging_and_a_short_one_writes_nothing(spark, digits_dir: Path, tmp_path: Path) -> None:
+    from deltalake import DeltaTable
+
+    from tasks.ingest import ingest
+    from tasks.resize import resize
+    from tasks.write import StagingIncomplete, write
+
+    source = tmp_path / "src"
+    copy_digits(digits_dir, source, labels=("0", "1"), per_label=4)
+    settings = load_settings(overrides={"workspace": str(tmp_path / "ws"), "image_size": 16, "decode_in_driver_up_to": 100})
+    listed = ingest.fn(str(source), settings)
+    first = resize.fn(listed, settings)
+    second = resize.fn(listed, settings)  # the same files and settings, started before the first run writes
+    assert first.staging_uri != second.staging_uri and first.decoded == second.decoded == 8
+    assert write.fn(first, settings).rows == 8, "the second run's start left the first run's staged rows alone"
+    assert write.fn(second, settings).rows == 0 and DeltaTable(settings.table_uri).to_pyarrow_dataset().count_rows() == 8
+
+    # Staged rows that went missing (a cleanup while the run went on): the write refuses, commits nothing and does
+    # not mark the tables in step with the listing, so the next run decodes the files again and lands them.
+    (source / "2").mkdir()
+    ImageOps.mirror(Image.open(next((source / "1").glob("*.png")))).save(source / "2" / "mirrored.png")  # new content
+    listed = ingest.fn(str(source), settings)
+    short = resize.fn(listed, settings)
+    shutil.rmtree(short.staging_uri)
+    version = Table(settings.table_uri).version()
+    with pytest.raises(StagingIncomplete, match=r"holds 0 row\(s\) but resize accounted for 1 file"):
+        write.fn(short, settings)
+    assert Table(settings.table_uri).version() == version
+    again = resize.fn(ingest.fn(str(source), settings), settings)
+    assert again.decoded == 1 and write.fn(again, settings).rows == 1
