@@ -37,7 +37,7 @@ from prefect.states import State
 from infra.lifecycle import CRASH_AUTOMATION, HEARTBEAT_SECONDS, MISSED_HEARTBEATS, ensure_crash_detection, processes_with
 from tests.servers import PrefectServer, stop_group
 
-pytestmark = [pytest.mark.slow, pytest.mark.alone, pytest.mark.xdist_group("alone")]
+pytestmark = [pytest.mark.slow, pytest.mark.alone, pytest.mark.xdist_group("alone-cancel")]
 
 POOL = "imagelake-process"
 MARKER = "CANCEL_TEST_MARKER"

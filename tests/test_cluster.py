@@ -27,7 +27,7 @@ import pytest
 from infra import cluster as local_cluster
 from tests.conftest import REPO, cli_env
 
-pytestmark = [pytest.mark.slow, pytest.mark.cluster, pytest.mark.alone, pytest.mark.xdist_group("alone")]
+pytestmark = [pytest.mark.slow, pytest.mark.cluster, pytest.mark.alone, pytest.mark.xdist_group("alone-cluster")]
 
 BIN = Path(sys.executable).parent
 LOOPBACK = {"127.0.0.1", "::ffff:127.0.0.1", "::1"}

@@ -15,7 +15,7 @@ import pytest
 
 from bench.load import Report, run_load
 
-pytestmark = [pytest.mark.slow, pytest.mark.load, pytest.mark.alone, pytest.mark.xdist_group("alone")]
+pytestmark = [pytest.mark.slow, pytest.mark.load, pytest.mark.alone, pytest.mark.xdist_group("alone-cluster")]
 
 
 @pytest.fixture

@@ -73,18 +73,31 @@ def models_and_split() -> tuple[dict[str, torch.nn.Module], np.ndarray, np.ndarr
     return {"good": good, "bad": bad}, images, labels
 
 
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Each model of models_and_split exported once, as log_model exports it (a pt2 program takes seconds to make);
+    the tests register copies."""
+    models, images, _ = models_and_split()
+    root = tmp_path_factory.mktemp("saved-models")
+    for kind, model in models.items():
+        mlflow.pytorch.save_model(model, root / kind, input_example=images[:2], serialization_format="pt2")
+    return {kind: root / kind for kind in models}
+
+
 @pytest.fixture
-def registry(settings):
-    """A SQLite MLflow store, two models and a test split (models_and_split)."""
+def registry(settings, saved: dict[str, Path]):
+    """A SQLite MLflow store, the exported models, and the test split of models_and_split."""
     client = mlflow_client(settings)
     mlflow.set_experiment(experiment_id=experiment_id(client, settings))
-    return client, settings, *models_and_split()
+    _, images, labels = models_and_split()
+    return client, settings, saved, images, labels
 
 
-def register(client, model: torch.nn.Module, images: np.ndarray) -> str:
-    with mlflow.start_run():
-        info = mlflow.pytorch.log_model(model, name="model", input_example=images[:2], serialization_format="pt2")
-    return str(mlflow.register_model(info.model_uri, NAME).version)
+def register(model: Path, experiment: str | None = None) -> str:
+    """A new version of NAME: a copy of an exported model, logged to a run of its own and registered."""
+    with mlflow.start_run(experiment_id=experiment) as run:
+        mlflow.log_artifacts(str(model), "model")
+    return str(mlflow.register_model(f"runs:/{run.info.run_id}/model", NAME).version)
 
 
 def moves(spark, settings) -> list[tuple]:
@@ -94,18 +107,18 @@ def moves(spark, settings) -> list[tuple]:
 @pytest.mark.slow
 def test_gate_moves_aliases_records_the_decision_and_keeps_history(spark, registry) -> None:
     client, settings, models, images, labels = registry
-    bad = register(client, models["bad"], images)
+    bad = register(models["bad"])
     decision, _, _ = gate(client, settings, NAME, bad, images, labels, 4)
     assert decision.promote and alias_version(client, NAME, CHAMPION) == bad
 
-    weaker = register(client, models["bad"], images)  # the same weights: a tie stays challenger
+    weaker = register(models["bad"])  # the same weights: a tie stays challenger
     decision, _, compared = gate(client, settings, NAME, weaker, images, labels, 4)
     tags = client.get_model_version(NAME, weaker).tags
     assert not decision.promote and compared == bad and alias_version(client, NAME, CHALLENGER) == weaker
     assert tags["promotion_decision"] == "not promoted" and "does not beat champion" in tags["promotion_reason"]
     assert tags["compared_with_version"] == bad and tags["candidate_accuracy"] == tags["champion_accuracy"]
 
-    good = register(client, models["good"], images)
+    good = register(models["good"])
     decision, metrics, _ = gate(client, settings, NAME, good, images, labels, 4)
     assert decision.promote and metrics["accuracy"] == 1.0
     assert (alias_version(client, NAME, CHAMPION), alias_version(client, NAME, PREVIOUS)) == (good, bad)
@@ -122,7 +135,7 @@ def test_gate_moves_aliases_records_the_decision_and_keeps_history(spark, regist
 @pytest.mark.parametrize("first", ["good", "bad"])
 def test_two_promotions_at_once_never_leave_the_worse_model_champion(spark, registry, first: str) -> None:
     client, settings, models, images, labels = registry
-    versions = {kind: register(client, models[kind], images) for kind in (first, "bad" if first == "good" else "good")}
+    versions = {kind: register(models[kind]) for kind in (first, "bad" if first == "good" else "good")}
     errors: list[BaseException] = []
 
     def promote(kind: str) -> None:
@@ -145,11 +158,11 @@ def test_two_promotions_at_once_never_leave_the_worse_model_champion(spark, regi
 @pytest.mark.slow
 def test_rollback_and_forced_promotion_are_recorded_and_refuse_the_impossible(spark, registry) -> None:
     client, settings, models, images, labels = registry
-    one = register(client, models["bad"], images)
+    one = register(models["bad"])
     gate(client, settings, NAME, one, images, labels, 4)
     with pytest.raises(RegistryError, match="nothing to roll back to"):
         rollback(client, settings, NAME, "test")
-    two = register(client, models["bad"], images)
+    two = register(models["bad"])
     force_promote(client, settings, NAME, two, "hotfix for a labelling bug")
     assert (alias_version(client, NAME, CHAMPION), alias_version(client, NAME, PREVIOUS)) == (two, one)
     assert rollback(client, settings, NAME, "v2 misbehaves") == (two, one)
@@ -201,12 +214,6 @@ def test_a_model_versions_recorded_settings_never_turn_on_what_runs_code_or_load
     assert retrain_overrides(found) == {"val_fraction": 0.2}
 
 
-def register_in(client, model: torch.nn.Module, images: np.ndarray, experiment: str) -> str:
-    with mlflow.start_run(experiment_id=experiment):
-        info = mlflow.pytorch.log_model(model, name="model", input_example=images[:2], serialization_format="pt2")
-    return str(mlflow.register_model(info.model_uri, NAME).version)
-
-
 @pytest.mark.slow
 def test_a_champion_the_store_cannot_serve_now_is_kept_and_the_gate_retries(spark, registry, tmp_path: Path, monkeypatch) -> None:
     from tasks.registry import ChampionUnreachable
@@ -217,9 +224,9 @@ def test_a_champion_the_store_cannot_serve_now_is_kept_and_the_gate_retries(spar
     try:
         monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # a refused connection fails at once, not after minutes of retries
         remote = client.create_experiment("remote", artifact_location=f"{store.url}/api/2.0/mlflow-artifacts/artifacts/remote")
-        champion = register_in(client, models["good"], images, remote)
+        champion = register(models["good"], remote)
         gate(client, settings, NAME, champion, images, labels, 4)
-        candidate = register(client, models["bad"], images)  # stored locally: only the champion's store fails
+        candidate = register(models["bad"])  # stored locally: only the champion's store fails
 
         store.stop()  # the artifact store stops answering
         with pytest.raises(ChampionUnreachable, match=rf"champion {NAME} v{champion} could not be fetched .*no alias moved"):
@@ -241,14 +248,14 @@ def test_a_champion_known_to_be_unusable_is_replaced_with_the_reason(spark, regi
     import shutil
 
     client, settings, models, images, labels = registry
-    champion = register(client, models["good"], images)
+    champion = register(models["good"])
     gate(client, settings, NAME, champion, images, labels, 4)
     folder = Path(client.get_model_version_download_uri(NAME, champion).removeprefix("file://"))
     if damage == "files gone":
         shutil.rmtree(folder)
     else:
         next(folder.rglob("model.pt2")).write_bytes(b"not a program")
-    candidate = register(client, models["bad"], images)
+    candidate = register(models["bad"])
     decision, _, _ = gate(client, settings, NAME, candidate, images, labels, 4)
     assert decision.promote and alias_version(client, NAME, CHAMPION) == candidate
     assert f"the champion could not be evaluated (v{champion}: " in decision.reason
@@ -259,20 +266,20 @@ def test_an_alias_move_cut_short_is_finished_before_the_next_decision(spark, reg
     from tasks.registry import PENDING_MOVE
 
     client, settings, models, images, labels = registry
-    first = register(client, models["bad"], images)
+    first = register(models["bad"])
     gate(client, settings, NAME, first, images, labels, 4)
     history_folder = Path(settings.history_uri)
     shutil_move = history_folder.with_name("history-away")
     history_folder.rename(shutil_move)
     history_folder.write_text("not a folder: the history cannot be written")  # the run dies between the aliases and the history
-    better = register(client, models["good"], images)
+    better = register(models["good"])
     with pytest.raises(Exception):
         gate(client, settings, NAME, better, images, labels, 4)
     assert PENDING_MOVE in client.get_registered_model(NAME).tags, "the move was written down before it began"
 
     history_folder.unlink()
     shutil_move.rename(history_folder)
-    third = register(client, models["bad"], images)
+    third = register(models["bad"])
     decision, _, compared = gate(client, settings, NAME, third, images, labels, 4)
     assert compared == better and not decision.promote, "the cut-short move was finished first: the next gate compares with its champion"
     assert PENDING_MOVE not in client.get_registered_model(NAME).tags
@@ -283,7 +290,7 @@ def test_an_alias_move_cut_short_is_finished_before_the_next_decision(spark, reg
 
 
 @pytest.mark.slow
-def test_two_hosts_promoting_at_once_are_serialised_by_the_prefect_server(prefect_api: str, tmp_path: Path) -> None:
+def test_two_hosts_promoting_at_once_are_serialised_by_the_prefect_server(prefect_api: str, saved: dict[str, Path], tmp_path: Path) -> None:
     """Two processes with their own workspaces (no file lock in common, as on two hosts), one MLflow server and one
     Prefect server: the second gate compares with the model the first crowned, never with the champion both saw."""
     import json
@@ -303,11 +310,11 @@ def test_two_hosts_promoting_at_once_are_serialised_by_the_prefect_server(prefec
         client = mlflow_client(settings)
         mlflow.set_tracking_uri(server.url)
         mlflow.set_experiment(experiment_id=experiment_id(client, settings))
-        models, images, labels = models_and_split()
+        models, (_, images, labels) = saved, models_and_split()
         np.savez(tmp_path / "split.npz", images=images, labels=labels)
-        champion = register(client, models["bad"], images)
+        champion = register(models["bad"])
         gate(client, settings, NAME, champion, images, labels, 4)
-        candidates = [register(client, models["good"], images) for _ in range(2)]  # both beat the champion; they tie with each other
+        candidates = [register(models["good"]) for _ in range(2)]  # both beat the champion; they tie with each other
 
         go = tmp_path / "go"
         racers = [
@@ -356,7 +363,8 @@ def test_the_promote_stage_retries_a_champion_the_store_cannot_serve_and_then_co
         remote = client.create_experiment("remote", artifact_location=f"{store.url}/api/2.0/mlflow-artifacts/artifacts/remote")
         torch.manual_seed(0)
         images = np.random.default_rng(0).integers(0, 256, (4, 24, 24, 3), dtype=np.uint8)
-        champion = register_in(client, ImageModel(len(digits_cached.labels)).eval(), images, remote)  # untrained
+        mlflow.pytorch.save_model(ImageModel(len(digits_cached.labels)).eval(), tmp_path / "untrained", input_example=images, serialization_format="pt2")
+        champion = register(tmp_path / "untrained", remote)
         crown(client, settings, NAME, champion, "gate", "first")
         trained = train_model(digits_cached, settings)
         store.stop()
@@ -427,9 +435,9 @@ def test_a_process_killed_between_the_champion_and_previous_champion_moves_leave
     from tests.conftest import REPO, cli_env
 
     client, settings, models, images, labels = registry
-    first = register(client, models["bad"], images)
+    first = register(models["bad"])
     gate(client, settings, NAME, first, images, labels, 4)
-    better = register(client, models["good"], images)
+    better = register(models["good"])
     died = subprocess.run([sys.executable, "-c", CROWN_AND_DIE, str(settings.workspace_dir), NAME, better], cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=300)
     assert died.returncode == 9, died.stderr[-3000:]
     # Half a move: the champion moved, previous-champion and the history did not; the move is written down.
@@ -437,7 +445,7 @@ def test_a_process_killed_between_the_champion_and_previous_champion_moves_leave
     assert PENDING_MOVE in client.get_registered_model(NAME).tags
     assert moves(spark, settings) == [(CHAMPION, None, first, "gate")]
 
-    third = register(client, models["bad"], images)
+    third = register(models["bad"])
     decision, _, compared = gate(client, settings, NAME, third, images, labels, 4)
     assert compared == better and not decision.promote
     assert (alias_version(client, NAME, CHAMPION), alias_version(client, NAME, PREVIOUS)) == (better, first)
