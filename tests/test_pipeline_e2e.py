@@ -276,6 +276,7 @@ def test_a_weaker_model_stays_challenger_and_new_images_make_a_new_version(first
     assert unknown.returncode == 2 and "no version '99'" in unknown.stderr
 
 
+@pytest.mark.xdist_group("e2e-refusal")  # needs no first run: free to run in another process
 def test_a_missing_source_fails_with_a_clear_message_and_writes_nothing(tmp_path: Path, prefect_api: str) -> None:
     workspace = tmp_path / "ws"
     done = run_cli(["run", "--source", str(tmp_path / "nowhere"), "--set", f"workspace={workspace}"], cli_env({"PREFECT_API_URL": prefect_api}))
@@ -284,6 +285,7 @@ def test_a_missing_source_fails_with_a_clear_message_and_writes_nothing(tmp_path
     assert not (workspace / "tables").exists()
 
 
+@pytest.mark.xdist_group("e2e-doctor")  # needs no first run: free to run in another process
 def test_doctor_reports_this_machine_and_names_what_is_missing(tmp_path: Path) -> None:
     env = cli_env()
     found = run_cli(["doctor", "--set", f"workspace={tmp_path / 'ws'}"], env, timeout=300)
