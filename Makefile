@@ -57,9 +57,9 @@ postgres:
 
 # The suite in two parts (docs/testing.md): the tests not marked `alone`, spread over TEST_PROCESSES pytest processes
 # (each with its own Spark, Ray, servers and folders; an xdist_group stays in one process), then the `alone` tests
-# (the cluster, the load test, cancels and kills), one at a time with nothing else running: under the load of the
-# other processes their servers did not start in time. PYTEST_ARGS go to both parts; a part that selects no test
-# is not an error.
+# (the cluster, the load test, cancels and kills) with nothing of the first part running: two processes, the cancels
+# in one, the cluster and the load test in the other. Under the load of the first part their servers did not start in
+# time. PYTEST_ARGS go to both parts; a part that selects no test is not an error.
 TEST_PROCESSES ?= 2
 define pytest_allow_empty
 $(BIN)/python -m pytest $(1) || [ $$? -eq 5 ]
@@ -67,7 +67,7 @@ endef
 
 test: install browser postgres
 	$(call pytest_allow_empty,-n $(TEST_PROCESSES) --dist loadgroup -m "not alone" $(PYTEST_ARGS))
-	$(call pytest_allow_empty,-p no:xdist -m alone $(PYTEST_ARGS))
+	$(call pytest_allow_empty,-n 2 --dist loadgroup -m alone $(PYTEST_ARGS))
 
 # Everything that starts no Spark, Ray or server: rules, settings, CLI parsing, schemas, deployment files.
 test-quick: install
