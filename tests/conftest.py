@@ -137,15 +137,29 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     # Held to the quick tier's promise when it runs on its own: in a session with tests that start things, a server
     # or Ray can start a process of its own while a quick test runs.
     config.stash[QUICK_ONLY] = not any(item.get_closest_marker("starts") for item in items)
-    seed = config.getoption("--shuffle")
+    seed = config.stash.get(SHUFFLE_SEED, None)
     if seed is not None:
-        seed = random.randrange(1 << 30) if seed == "random" else int(seed)
-        config.stash[SHUFFLE_SEED] = seed
         items[:] = shuffled(items, random.Random(seed))
 
 
 SHUFFLE_SEED = pytest.StashKey[int]()
 QUICK_ONLY = pytest.StashKey[bool]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """--shuffle's seed, drawn once: pytest-xdist's processes take the controller's (each must collect the same order)."""
+    seed = config.getoption("--shuffle")
+    if seed is not None:
+        given = getattr(config, "workerinput", {}).get("shuffle_seed")
+        config.stash[SHUFFLE_SEED] = int(given) if given is not None else random.randrange(1 << 30) if seed == "random" else int(seed)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node) -> None:
+    """pytest-xdist, in the controller: hand each process the seed drawn above."""
+    seed = node.config.stash.get(SHUFFLE_SEED, None)
+    if seed is not None:
+        node.workerinput["shuffle_seed"] = seed
 
 
 def shuffled(items: list[pytest.Item], rng: random.Random) -> list[pytest.Item]:
