@@ -5,8 +5,10 @@
 
 Every path trains on the same cached split (Parquet in the cache's layout: raw uint8 pixels,
 label, sha256, position; 8 MB row groups), through the training code's own ShardBatches loader,
-make_trainer and make_model; the Ray rows run the same epochs inside Ray Train's TorchTrainer
-(RayDDPStrategy, RayLightningEnvironment, prepare_trainer, the report callback).
+make_trainer and make_model; the Ray rows run the same epochs inside Ray Train's TorchTrainer,
+through the training stage's own ray_trainer (one worker: no DDP) and the report callback.
+The default section, final, runs the training path's GPU defaults (compiled, a loader process,
+the next epoch ahead) for ResNet-50, a frozen ResNet-50 and the small CNN.
 
 With --gpu, side by side in one run (--sections picks parts):
   limit       the model alone on random uint8 batches already on the GPU: the same ImageModel
@@ -48,19 +50,14 @@ import ray.train
 import torch
 import torch.nn.functional as F
 from ray.train import RunConfig, ScalingConfig
-from ray.train.lightning import (
-    RayDDPStrategy,
-    RayLightningEnvironment,
-    RayTrainReportCallback,
-    prepare_trainer,
-)
+from ray.train.lightning import RayTrainReportCallback
 from ray.train.torch import TorchTrainer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository, for `python3 bench/train.py` without an install
 
 from tasks.worker.loader import ShardBatches  # noqa: E402
 from tasks.worker.model import IMAGENET_MEAN, IMAGENET_STD, ImageModel, compiled as compiled_model  # noqa: E402
-from tasks.worker.train_loop import DataWait, ddp_strategy, make_model, make_trainer, shard_loaders  # noqa: E402
+from tasks.worker.train_loop import DataWait, make_model, make_trainer, ray_trainer, shard_loaders  # noqa: E402
 
 ROW_GROUP_BYTES = 8 * 1024 * 1024  # as the cache stage writes (parquet.block.size)
 
@@ -192,17 +189,14 @@ def run_epochs(config: dict[str, Any], rank: int = 0, world: int = 1, distribute
     pl.seed_everything(0, workers=True)
     steady = Steady()
     train_batches, val_batches = shard_loaders(config, rank, world)
-    extra: dict[str, Any] = {"accelerator": "gpu" if config["use_gpu"] else "cpu", "devices": 1}
     callbacks: list[pl.Callback] = [steady]
     if "profile" in config:
         callbacks.append(Profile(Path(config["profile"]) if config["profile"] else None))
-    if distributed:
-        extra = {"accelerator": "auto", "devices": "auto", "strategy": ddp_strategy(config), "plugins": [RayLightningEnvironment()]}
-        callbacks.append(RayTrainReportCallback())
     # Validation is limited to one batch so that the measurement is about training steps.
-    trainer = make_trainer(config, callbacks, len(train_batches), 1, **extra)
-    if distributed:
-        trainer = prepare_trainer(trainer)
+    if distributed:  # as a Ray Train worker of the training stage sets up its trainer
+        trainer = ray_trainer(config, [*callbacks, RayTrainReportCallback()], len(train_batches), 1, world)
+    else:
+        trainer = make_trainer(config, callbacks, len(train_batches), 1, accelerator="gpu" if config["use_gpu"] else "cpu", devices=1)
     model = make_model(config, len(train_batches))
     if config.get("checked_metrics"):
         checked_metrics(model)
@@ -456,8 +450,11 @@ def gpu_table(args: argparse.Namespace, url: str, work: Path) -> None:
         f"{args.images} images {args.size}x{args.size} uint8 in {args.files} Parquet files; epochs after the first are measured",
     )
     size = args.size
+    sections = set(args.sections.split(","))
 
     def config(arch: str, batch: int, frozen: bool, workers: int, epochs: int, **more: Any) -> dict[str, Any]:
+        if not sections & {"final", "ray"}:  # the earlier tables' sections, as their code ran: eager, reader threads, epoch by epoch
+            more = {"compile": False, "loader_processes": 0, "next_epoch_ahead": False, **more}
         return train_config(url, size, arch, batch, epochs, workers, gpu=True, freeze_backbone=frozen, **more)
 
     def limits(arch: str, frozen: bool, batches: tuple[int, ...]) -> None:
@@ -470,7 +467,6 @@ def gpu_table(args: argparse.Namespace, url: str, work: Path) -> None:
         if ray_too:
             table.add(arch, frozen, "Ray TorchTrainer, 1 GPU worker", batch, workers, lambda: ray_epochs(config(arch, batch, frozen, workers, epochs, **more), work, cores))
 
-    sections = set(args.sections.split(","))
     # Ray's object store is unused here (the loader reads Parquet itself): a small one starts fast anywhere.
     ray.init(num_cpus=cores + 1, num_gpus=1, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False, object_store_memory=2 * 2**30)
     workers = args.loader_workers
@@ -523,6 +519,33 @@ def gpu_table(args: argparse.Namespace, url: str, work: Path) -> None:
             epochs = epochs_for(table.limits.get((arch, frozen, 256, False), 1000.0), args.images, args.seconds)
             table.add(arch, frozen, "Lightning, threads", 256, workers, lambda: run_epochs(config(arch, 256, frozen, workers, epochs)))
             table.add(arch, frozen, "Lightning, 1 loader process", 256, f"{workers}+p", lambda: run_epochs(config(arch, 256, frozen, workers, epochs, loader_processes=1)))
+    if "final" in sections:  # the training path's defaults on a GPU, against each model's eager and compiled limits
+        batch = args.gpu_batch
+
+        def defaults(arch: str, frozen: bool, baseline_too: bool) -> None:
+            epochs = epochs_for(table.limits.get((arch, frozen, batch, True), 1000.0), args.images, args.seconds)
+            # The defaults with a GPU: compiled, one loader process, the next epoch begun ahead.
+            table.add(arch, frozen, "Lightning, compile, defaults", batch, f"{workers}+p", lambda: run_epochs(config(arch, batch, frozen, workers, epochs)))
+            if baseline_too:
+                table.add(arch, frozen, "Lightning, compile, no next epoch ahead", batch, f"{workers}+p", lambda: run_epochs(config(arch, batch, frozen, workers, epochs, next_epoch_ahead=False)))
+
+        steps, warm = args.steps, args.warmup
+        table.add("resnet50", False, "limit: fused (eager)", batch, None, lambda: limit("resnet50", batch, size, False, steps, warm, fused=True))
+        table.add("resnet50", False, "limit: fused, compile", batch, None, lambda: limit("resnet50", batch, size, False, steps, warm + 5, "default", True))
+        epochs = epochs_for(table.limits.get(("resnet50", False, batch, True), 1000.0), args.images, args.seconds)
+        table.add("resnet50", False, "Ray TorchTrainer, compile, defaults", batch, f"{workers}+p", lambda: ray_epochs(config("resnet50", batch, False, workers, epochs), work, cores))
+        defaults("resnet50", False, baseline_too=True)
+        for arch, frozen in (("resnet50", True), ("small_cnn", False)):
+            table.add(arch, frozen, "limit: fused (eager)", batch, None, lambda: limit(arch, batch, size, frozen, steps, warm, fused=True))
+            table.add(arch, frozen, "limit: fused, compile", batch, None, lambda: limit(arch, batch, size, frozen, steps, warm + 5, "default", True))
+            defaults(arch, frozen, baseline_too=False)
+        table.add("small_cnn", False, "Lightning, eager, threads", batch, workers, lambda: run_epochs(config("small_cnn", batch, False, workers, epochs_for(table.limits.get(("small_cnn", False, batch, False), 1000.0), args.images, args.seconds), compile=False, loader_processes=0)))
+        table.add("resnet50", False, "Ray TorchTrainer, compile, no next epoch ahead", batch, f"{workers}+p", lambda: ray_epochs(config("resnet50", batch, False, workers, epochs, next_epoch_ahead=False), work, cores))
+    if "ray" in sections:  # the Ray row of "final" alone, against the compiled limit
+        batch = args.gpu_batch
+        table.add("resnet50", False, "limit: fused, compile", batch, None, lambda: limit("resnet50", batch, size, False, args.steps, args.warmup + 5, "default", True))
+        epochs = epochs_for(table.limits.get(("resnet50", False, batch, True), 1000.0), args.images, args.seconds)
+        table.add("resnet50", False, "Ray TorchTrainer, compile, defaults", batch, f"{workers}+p", lambda: ray_epochs(config("resnet50", batch, False, workers, epochs), work, cores))
     if "jpeg" in sections:
         try:
             jpeg_section(table, size)
@@ -564,12 +587,13 @@ def main() -> None:
     parser.add_argument("--arch", default="small_cnn", help="CPU only")
     parser.add_argument("--batch", type=int, default=64, help="CPU only")
     parser.add_argument("--epochs", type=int, default=6, help="CPU only")
-    parser.add_argument("--sections", default="ladder,paths,loader,jpeg,zoo", help="GPU only: which parts of the table (also resnet50, frozen, small, profile, compile: the earlier table's)")
+    parser.add_argument("--sections", default="final", help="GPU only: which parts of the table (also ladder, paths, loader, jpeg, zoo, resnet50, frozen, small, profile, compile: earlier tables')")
     parser.add_argument("--frozen-workers", type=lambda s: [int(x) for x in s.split(",")], default=[2, 4], help="GPU only: reader threads tried for the frozen backbone")
     parser.add_argument("--ray-everywhere", action="store_true", help="GPU only: Ray rows for the frozen backbone and the smaller models too")
     parser.add_argument("--steps", type=int, default=40, help="GPU only: timed steps of each limit")
     parser.add_argument("--warmup", type=int, default=15, help="GPU only: untimed steps before them")
     parser.add_argument("--seconds", type=float, default=8.0, help="GPU only: about how long each loader path trains after its warm-up epoch")
+    parser.add_argument("--gpu-batch", type=int, default=256, help="GPU only: the batch of the final section")
     parser.add_argument("--json", help="GPU only: also write the rows to this file")
     args = parser.parse_args()
     args.images = args.images or (16384 if args.gpu else 2048)

@@ -118,6 +118,38 @@ def test_batches_made_ahead_by_a_thread_are_the_same_and_the_thread_stops_with_t
     assert got == [10, 20] and makers == {"imagelake-batches"}
 
 
+def test_the_next_epoch_made_ahead_is_the_epoch_asked_for_and_stops_with_the_loader(spark, tmp_path: Path) -> None:
+    """next_epoch_ahead (the GPU path's default): once an epoch's last batch is made, its thread begins the next epoch.
+    Taken as Lightning takes them (len(loader) batches, never the end), the batches are those made one epoch at a
+    time; an epoch set by hand (a resume) drops the one made ahead; no thread outlives the loader."""
+    import itertools
+    import threading
+
+    url = write_label_runs(spark, tmp_path / "split", rows=200, partitions=4)
+
+    def loader(next_epoch_ahead: bool) -> ShardBatches:
+        return ShardBatches(
+            url, shard=0, shard_count=1, batch_size=16, image_size=SIZE, seed=3, shuffle=True, workers=2, key_field="sha256", next_epoch_ahead=next_epoch_ahead
+        )
+
+    def epoch(batches: ShardBatches) -> list[tuple[bytes, list[int], list[str]]]:
+        return [(images.numpy().tobytes(), labels.tolist(), keys) for images, labels, keys in itertools.islice(iter(batches), len(batches))]
+
+    with loader(False) as plain:
+        expected = [epoch(plain) for _ in range(5)]
+    assert len({str(batches) for batches in expected}) == 5
+    before = set(threading.enumerate())
+    with loader(True) as chained:
+        assert epoch(chained) == expected[0]
+        chained._current.thread.join()  # the epoch's thread is done: it has begun the next one
+        assert chained._prepared is not None and chained._prepared[0] == 1
+        assert epoch(chained) == expected[1]
+        chained.epoch = 4  # as a resume sets it: epoch 2, made ahead, is dropped
+        assert epoch(chained) == expected[4]
+        assert epoch(chained) == epoch(plain)  # epoch 5, both ways
+    assert [thread.name for thread in set(threading.enumerate()) - before if thread.is_alive()] == []
+
+
 @pytest.mark.slow  # starts a process
 def test_a_loader_process_makes_the_same_batches_and_ends_with_the_loader(spark, tmp_path: Path) -> None:
     """loader_processes=1: the reader's threads and the batch assembly run in a process of their own, and the batches
@@ -128,7 +160,10 @@ def test_a_loader_process_makes_the_same_batches_and_ends_with_the_loader(spark,
     url = write_label_runs(spark, tmp_path / "split", rows=200, partitions=4)
 
     def loader(processes: int) -> ShardBatches:
-        return ShardBatches(url, shard=0, shard_count=1, batch_size=16, image_size=SIZE, seed=3, shuffle=True, workers=2, key_field="sha256", processes=processes)
+        return ShardBatches(
+            url, shard=0, shard_count=1, batch_size=16, image_size=SIZE, seed=3, shuffle=True, workers=2, key_field="sha256", processes=processes,
+            next_epoch_ahead=processes > 0,  # the process begins each epoch as soon as it has made the last one's batches
+        )
 
     def content(batches) -> list[tuple[bytes, list[int], list[str]]]:
         return [(images.numpy().tobytes(), labels.tolist(), keys) for images, labels, keys in batches]

@@ -220,3 +220,9 @@ def test_a_compiled_model_trains_its_own_weights_and_checkpoints_under_the_plain
         assert torch.allclose(model._step_model(images), plain.model(images), atol=1e-4)
     with pytest.raises(ValueError, match="compile mode 'fastest'"):
         make_model({**config, "compile": "fastest"})
+    # The setting: unset, compiled with a GPU only; on or off; or a mode.
+    from tasks.worker.train_loop import compile_mode
+
+    assert compile_mode({"use_gpu": True}) == ("default" if torch.cuda.is_available() else None)
+    assert compile_mode({"use_gpu": False}) is None and compile_mode({"compile": False, "use_gpu": True}) is None
+    assert compile_mode({"compile": True}) == "default" and compile_mode({"compile": "reduce-overhead"}) == "reduce-overhead"

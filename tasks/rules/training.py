@@ -26,7 +26,7 @@ def scaled_learning_rate(base_lr: float, num_workers: int, rule: str = "linear")
 TRAINING_SETTINGS = (
     "model_arch", "pretrained_weights", "freeze_backbone", "warm_start", "max_epochs", "batch_size", "base_lr", "lr_scaling", "num_workers",
     "early_stopping_patience", "early_stopping_min_delta", "early_stopping_threshold", "seed", "use_gpu",
-    "shuffle_buffer_batches", "bf16", "channels_last", "tracking_uri", "mlflow_experiment", "ray_storage_path",
+    "shuffle_buffer_batches", "bf16", "channels_last", "compile", "compile_mode", "tracking_uri", "mlflow_experiment", "ray_storage_path",
 )
 
 

@@ -153,6 +153,11 @@ class ShardBatches:
     With `pin_memory` and a GPU, a thread assembles the batches in pinned memory and copies them to
     the current GPU on a stream of its own, `GPU_AHEAD` batches ahead of training: the batches
     arrive on the GPU, and nothing in a training step waits for the host.
+
+    With `next_epoch_ahead` (the default on that path), once the thread has made an epoch's last batch it opens the
+    next epoch's reader and makes its first batches, while training finishes the epoch and validates: the reader's
+    start and the shuffle buffer's filling no longer stall the first steps of every epoch. Those batches are kept
+    only for the epoch they were made for; an epoch set by hand (a resume) or dropped half way starts afresh.
     """
 
     GPU_AHEAD = 3
@@ -172,6 +177,7 @@ class ShardBatches:
         key_field: str | None = None,
         pin_memory: bool = False,
         processes: int = 0,
+        next_epoch_ahead: bool | None = None,
     ) -> None:
         if processes not in (0, 1):
             raise ValueError(f"loader_processes is {processes}: 0 (read in the training process) or 1 (in a process of its own)")
@@ -191,7 +197,12 @@ class ShardBatches:
         self.sizes = batch_sizes(self.rows, self.steps)
         self.epoch = 0
         self._reader = None
-        self._ahead: Iterator[tuple[Any, ...]] | None = None
+        self.on_gpu = pin_memory and torch.cuda.is_available()
+        self.next_epoch_ahead = self.on_gpu if next_epoch_ahead is None else next_epoch_ahead
+        self._stream: Any = None
+        self._current: Ahead | None = None  # the epoch being handed out, made ahead by a thread
+        self._prepared: tuple[int, Ahead] | None = None  # the next epoch, begun before it was asked for
+        self._prepared_lock = threading.Lock()
 
     def __enter__(self) -> Self:
         return self
@@ -213,24 +224,79 @@ class ShardBatches:
             self._reader = None
 
     def _stop_ahead(self) -> None:
-        if self._ahead is not None:
-            self._ahead.close()  # stops its thread, which stops the epoch's reader
-            self._ahead = None
+        current, self._current = self._current, None
+        if current is not None:
+            current.close()  # stops its thread, which stops the epoch's reader (and, finished, may prepare the next)
+        with self._prepared_lock:
+            prepared, self._prepared = self._prepared, None
+        if prepared is not None:
+            prepared[1].close()
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, ...]]:
-        source = self._from_process if self.processes else self._batches
-        if self.pin_memory and torch.cuda.is_available():
+        if not (self.on_gpu or self.next_epoch_ahead):
+            return self._lazy()
+        previous, self._current = self._current, None
+        if previous is not None and previous.received >= self.steps:
+            previous.finish()  # its thread is past the last batch: the next epoch begins there, if it is to
+        elif previous is not None:
+            self._current = previous
             self._stop_ahead()  # an epoch abandoned half way leaves its thread behind
-            self._ahead = self._on_gpu(source())
-            return self._ahead
-        return source()
+        epoch, self.epoch = self.epoch, self.epoch + 1
+        with self._prepared_lock:
+            prepared, self._prepared = self._prepared, None
+        if prepared is not None and prepared[0] != epoch:
+            prepared[1].close()
+            prepared = None
+        self._current = prepared[1] if prepared is not None else self._ahead(epoch)
+        return self._current
 
-    def _from_process(self) -> Iterator[tuple[Any, ...]]:
-        """The epoch's batches, made by the loader process in shared memory and copied out (into pinned memory with
+    def _lazy(self) -> Iterator[tuple[Any, ...]]:
+        """One epoch made as it is asked for; the epoch is counted at its first batch."""
+        epoch, self.epoch = self.epoch, self.epoch + 1
+        yield from self._source(epoch)
+
+    def _source(self, epoch: int) -> Iterator[tuple[Any, ...]]:
+        return self._from_process(epoch) if self.processes else self._batches(epoch)
+
+    def _ahead(self, epoch: int) -> "Ahead":
+        """Epoch `epoch` made by a thread of its own, which then begins the next epoch if `next_epoch_ahead`."""
+
+        def next_epoch() -> None:
+            following = self._ahead(epoch + 1)
+            with self._prepared_lock:
+                self._prepared = (epoch + 1, following)
+
+        then = next_epoch if self.next_epoch_ahead else None
+        if not self.on_gpu:
+            return Ahead(self._source(epoch), self.GPU_AHEAD, then=then)
+        if self._stream is None:  # first asked for by the training thread: its device, which threads do not inherit
+            self._stream = torch.cuda.Stream(torch.device("cuda", torch.cuda.current_device()))
+        stream = self._stream
+        device = stream.device
+
+        def copy(batch: tuple[Any, ...]) -> tuple[tuple[Any, ...], torch.cuda.Event]:
+            with torch.cuda.stream(stream):
+                moved = tuple(item.to(device, non_blocking=True) if isinstance(item, torch.Tensor) else item for item in batch)
+                copied = torch.cuda.Event()
+                copied.record(stream)
+            return moved, copied
+
+        def receive(item: tuple[tuple[Any, ...], torch.cuda.Event]) -> tuple[Any, ...]:
+            moved, copied = item
+            current = torch.cuda.current_stream(device)
+            current.wait_event(copied)
+            for tensor in moved:
+                if isinstance(tensor, torch.Tensor):
+                    tensor.record_stream(current)  # its memory is not reused before training is done with it
+            return moved
+
+        return Ahead(self._source(epoch), self.GPU_AHEAD, copy, receive, then)
+
+    def _from_process(self, epoch: int) -> Iterator[tuple[Any, ...]]:
+        """Epoch `epoch`'s batches, made by the loader process in shared memory and copied out (into pinned memory with
         `pin_memory`): the same batches as `_batches` makes here."""
         if self._process is None:
             self._process = BatchProcess(self.spec, max(self.sizes), self.image_size)
-        epoch, self.epoch = self.epoch, self.epoch + 1
         process = self._process
         process.start(epoch)
         finished = False
@@ -258,33 +324,9 @@ class ShardBatches:
         label_tensor = torch.from_numpy(labels).pin_memory() if self.pin_memory else torch.from_numpy(labels)
         return (images, label_tensor, keys) if self.key_field else (images, label_tensor)
 
-    def _on_gpu(self, batches: Iterator[tuple[Any, ...]]) -> Iterator[tuple[Any, ...]]:
-        """`batches`, each copied to the current GPU on a stream of its own by the thread that makes them."""
-        device = torch.device("cuda", torch.cuda.current_device())
-        stream = torch.cuda.Stream(device)
-
-        def copy(batch: tuple[Any, ...]) -> tuple[tuple[Any, ...], torch.cuda.Event]:
-            with torch.cuda.stream(stream):
-                moved = tuple(item.to(device, non_blocking=True) if isinstance(item, torch.Tensor) else item for item in batch)
-                copied = torch.cuda.Event()
-                copied.record(stream)
-            return moved, copied
-
-        def receive(item: tuple[tuple[Any, ...], torch.cuda.Event]) -> tuple[Any, ...]:
-            moved, copied = item
-            current = torch.cuda.current_stream(device)
-            current.wait_event(copied)
-            for tensor in moved:
-                if isinstance(tensor, torch.Tensor):
-                    tensor.record_stream(current)  # its memory is not reused before training is done with it
-            return moved
-
-        return ahead(batches, self.GPU_AHEAD, copy, receive)
-
-    def _batches(self, into: Callable[[int], torch.Tensor] | None = None) -> Iterator[tuple[Any, ...]]:
-        """The epoch's batches, made here; `into(size)` gives the tensor each batch's images are written to."""
+    def _batches(self, epoch: int, into: Callable[[int], torch.Tensor] | None = None) -> Iterator[tuple[Any, ...]]:
+        """Epoch `epoch`'s batches, made here; `into(size)` gives the tensor each batch's images are written to."""
         self._stop()  # an epoch abandoned half way (an exception, an early stop) leaves its reader behind
-        epoch, self.epoch = self.epoch, self.epoch + 1
         fields = ["image", "label"] + ([self.key_field] if self.key_field else [])
         groups = row_groups(self.url)
         ordered = None not in (first for _, first in groups)
@@ -412,8 +454,7 @@ def _make_batches(spec: dict[str, Any], slots: list[torch.Tensor], commands: Any
         made = None
         try:
             batches = batches or ShardBatches(**spec)
-            batches.epoch = epoch
-            made = batches._batches(into)
+            made = batches._batches(epoch, into)
             for batch in made:
                 if halt.is_set():
                     break
@@ -433,16 +474,64 @@ def _make_batches(spec: dict[str, Any], slots: list[torch.Tensor], commands: Any
                 free.put(slot)
 
 
-def ahead(
-    items: Iterator[Any], depth: int, prepare: Callable[[Any], Any] = lambda item: item, receive: Callable[[Any], Any] = lambda item: item
-) -> Iterator[Any]:
-    """`items`, made up to `depth` ahead by a thread that also runs `prepare` on each; `receive` runs on each as it is
-    handed over. An error in the thread is raised here, in order; closing this generator (or dropping it half way)
-    stops the thread, which closes `items`."""
-    ready: queue.Queue = queue.Queue(depth)
-    halt = threading.Event()
-    end = object()
+class Ahead:
+    """`items`, made up to `depth` ahead by a thread, started at once, that also runs `prepare` on each; `receive` runs
+    on each as it is handed over. An error in the thread is raised here, in order. `close()` stops the thread, which
+    closes `items`. `then`, if given, runs in the thread once `items` has ended of itself, before its end is handed over.
+    """
 
+    def __init__(
+        self, items: Iterator[Any], depth: int, prepare: Callable[[Any], Any] = lambda item: item,
+        receive: Callable[[Any], Any] = lambda item: item, then: Callable[[], None] | None = None,
+    ) -> None:
+        self.ready: queue.Queue = queue.Queue(depth)
+        self.halt = threading.Event()
+        self.receive = receive
+        self.received = 0  # items handed out
+        self.ended = False
+        # The thread holds the queue and the event, not this object: dropping it unread still stops the thread.
+        self.thread = threading.Thread(target=_produce, args=(items, prepare, then, self.ready, self.halt), name="imagelake-batches", daemon=True)
+        self.thread.start()
+
+    def __iter__(self) -> "Ahead":
+        return self
+
+    def __next__(self) -> Any:
+        if self.ended:
+            raise StopIteration
+        item = self.ready.get()
+        if item is _END:
+            self.ended = True
+            self.thread.join()
+            raise StopIteration
+        if isinstance(item, BaseException):
+            self.close()
+            raise item
+        self.received += 1
+        return self.receive(item)
+
+    def finish(self) -> None:
+        """Wait for the thread, whose items have all been handed out, to end; an error it met after them is raised."""
+        self.thread.join()
+        self.ended = True
+        while not self.ready.empty():
+            item = self.ready.get_nowait()
+            if isinstance(item, BaseException):
+                raise item
+
+    def close(self) -> None:
+        self.halt.set()
+        self.thread.join()
+        self.ended = True
+
+    def __del__(self) -> None:
+        self.halt.set()
+
+
+_END = object()
+
+
+def _produce(items: Iterator[Any], prepare: Callable[[Any], Any], then: Callable[[], None] | None, ready: queue.Queue, halt: threading.Event) -> None:
     def hand_over(item: object) -> bool:
         while not halt.is_set():
             try:
@@ -452,32 +541,26 @@ def ahead(
                 continue
         return False
 
-    def produce() -> None:
-        try:
-            for item in items:
-                if not hand_over(prepare(item)):
-                    return
-            hand_over(end)
-        except BaseException as error:  # raised by the consumer, after the items before it
-            hand_over(error)
-        finally:
-            close = getattr(items, "close", None)
-            if close is not None:
-                close()
-
-    thread = threading.Thread(target=produce, name="imagelake-batches", daemon=True)
-    thread.start()
     try:
-        while True:
-            item = ready.get()
-            if item is end:
+        for item in items:
+            if not hand_over(prepare(item)):
                 return
-            if isinstance(item, BaseException):
-                raise item
-            yield receive(item)
+        if then is not None and not halt.is_set():
+            then()
+        hand_over(_END)
+    except BaseException as error:  # raised by the consumer, after the items before it
+        hand_over(error)
     finally:
-        halt.set()
-        thread.join()
+        close = getattr(items, "close", None)
+        if close is not None:
+            close()
+
+
+def ahead(
+    items: Iterator[Any], depth: int, prepare: Callable[[Any], Any] = lambda item: item, receive: Callable[[Any], Any] = lambda item: item
+) -> Ahead:
+    """`items` made up to `depth` ahead by a thread (see Ahead)."""
+    return Ahead(items, depth, prepare, receive)
 
 
 class InOrder:
