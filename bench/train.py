@@ -470,6 +470,15 @@ def gpu_table(args: argparse.Namespace, url: str, work: Path) -> None:
     # Ray's object store is unused here (the loader reads Parquet itself): a small one starts fast anywhere.
     ray.init(num_cpus=cores + 1, num_gpus=1, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False, object_store_memory=2 * 2**30)
     workers = args.loader_workers
+
+    def compiled_limit_then_ray() -> int:
+        """ResNet-50's compiled limit, then Ray TorchTrainer with the GPU defaults; the epochs it trained."""
+        batch = args.gpu_batch
+        table.add("resnet50", False, "limit: fused, compile", batch, None, lambda: limit("resnet50", batch, size, False, args.steps, args.warmup + 5, "default", True))
+        epochs = epochs_for(table.limits.get(("resnet50", False, batch, True), 1000.0), args.images, args.seconds)
+        table.add("resnet50", False, "Ray TorchTrainer, compile, defaults", batch, f"{workers}+p", lambda: ray_epochs(config("resnet50", batch, False, workers, epochs), work, cores))
+        return epochs
+
     if "resnet50" in sections:  # 1 and 2: the limit, then the project's path at the same batch
         limits("resnet50", False, (128, 256))
         loader_paths("resnet50", False, 256, workers)
@@ -531,9 +540,7 @@ def gpu_table(args: argparse.Namespace, url: str, work: Path) -> None:
 
         steps, warm = args.steps, args.warmup
         table.add("resnet50", False, "limit: fused (eager)", batch, None, lambda: limit("resnet50", batch, size, False, steps, warm, fused=True))
-        table.add("resnet50", False, "limit: fused, compile", batch, None, lambda: limit("resnet50", batch, size, False, steps, warm + 5, "default", True))
-        epochs = epochs_for(table.limits.get(("resnet50", False, batch, True), 1000.0), args.images, args.seconds)
-        table.add("resnet50", False, "Ray TorchTrainer, compile, defaults", batch, f"{workers}+p", lambda: ray_epochs(config("resnet50", batch, False, workers, epochs), work, cores))
+        epochs = compiled_limit_then_ray()
         defaults("resnet50", False, baseline_too=True)
         for arch, frozen in (("resnet50", True), ("small_cnn", False)):
             table.add(arch, frozen, "limit: fused (eager)", batch, None, lambda: limit(arch, batch, size, frozen, steps, warm, fused=True))
@@ -542,10 +549,7 @@ def gpu_table(args: argparse.Namespace, url: str, work: Path) -> None:
         table.add("small_cnn", False, "Lightning, eager, threads", batch, workers, lambda: run_epochs(config("small_cnn", batch, False, workers, epochs_for(table.limits.get(("small_cnn", False, batch, False), 1000.0), args.images, args.seconds), compile=False, loader_processes=0)))
         table.add("resnet50", False, "Ray TorchTrainer, compile, no next epoch ahead", batch, f"{workers}+p", lambda: ray_epochs(config("resnet50", batch, False, workers, epochs, next_epoch_ahead=False), work, cores))
     if "ray" in sections:  # the Ray row of "final" alone, against the compiled limit
-        batch = args.gpu_batch
-        table.add("resnet50", False, "limit: fused, compile", batch, None, lambda: limit("resnet50", batch, size, False, args.steps, args.warmup + 5, "default", True))
-        epochs = epochs_for(table.limits.get(("resnet50", False, batch, True), 1000.0), args.images, args.seconds)
-        table.add("resnet50", False, "Ray TorchTrainer, compile, defaults", batch, f"{workers}+p", lambda: ray_epochs(config("resnet50", batch, False, workers, epochs), work, cores))
+        compiled_limit_then_ray()
     if "jpeg" in sections:
         try:
             jpeg_section(table, size)

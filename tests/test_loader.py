@@ -83,7 +83,7 @@ def test_batches_made_ahead_by_a_thread_are_the_same_and_the_thread_stops_with_t
     made before it."""
     import threading
 
-    from tasks.worker.loader import ahead
+    from tasks.worker.loader import Ahead as ahead
 
     url = write_label_runs(spark, tmp_path / "split", rows=200, partitions=4)
 

@@ -239,8 +239,7 @@ class ShardBatches:
         if previous is not None and previous.received >= self.steps:
             previous.finish()  # its thread is past the last batch: the next epoch begins there, if it is to
         elif previous is not None:
-            self._current = previous
-            self._stop_ahead()  # an epoch abandoned half way leaves its thread behind
+            previous.close()  # an epoch abandoned half way leaves its thread behind
         epoch, self.epoch = self.epoch, self.epoch + 1
         with self._prepared_lock:
             prepared, self._prepared = self._prepared, None
@@ -554,13 +553,6 @@ def _produce(items: Iterator[Any], prepare: Callable[[Any], Any], then: Callable
         close = getattr(items, "close", None)
         if close is not None:
             close()
-
-
-def ahead(
-    items: Iterator[Any], depth: int, prepare: Callable[[Any], Any] = lambda item: item, receive: Callable[[Any], Any] = lambda item: item
-) -> Ahead:
-    """`items` made up to `depth` ahead by a thread (see Ahead)."""
-    return Ahead(items, depth, prepare, receive)
 
 
 class InOrder:
