@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -179,7 +180,9 @@ def test_a_loader_process_makes_the_same_batches_and_ends_with_the_loader(spark,
         assert content(there) == expected[2]
         process = there._process.process
         assert process.is_alive()
-        sorted((tmp_path / "split").glob("*.parquet"))[0].write_bytes(b"not a Parquet file")
+        # Swapped in whole: the process may be reading the file at this moment, and must never see it half written.
+        (tmp_path / "garbled").write_bytes(b"not a Parquet file")
+        os.replace(tmp_path / "garbled", sorted((tmp_path / "split").glob("*.parquet"))[0])
         with pytest.raises(pa.ArrowInvalid, match="magic bytes"):
             content(there)
     assert not process.is_alive() and process not in multiprocessing.active_children()
