@@ -1,14 +1,21 @@
-"""Model quality, run after run: `imagelake run` with the default settings in fresh workspaces, on the demo digits and on real photos.
+"""Model quality on three data sets, each next to two plain baselines on the same split: `imagelake run` with the
+default settings in fresh workspaces.
 
-    .venv/bin/python bench/quality.py [--runs 5] [--photo-runs 1] [--same-seed] [--ref GIT_REF [--ref-runs N]] [--set NAME=VALUE ...]
+    .venv/bin/python bench/quality.py [--sets digits,photos,stamps] [--runs 3] [--same-seed] [--ref GIT_REF] [--set NAME=VALUE ...]
 
-Each run is the CLI a user types, in a new workspace (new table, cache, MLflow store): its test
-accuracy, best val accuracy, epochs and wall time are printed, then the min, median and max.
-Run k uses `seed=k`: the same seed gives the same model (training is deterministic), so only
-other seeds say whether a good model was luck. --same-seed repeats the default seed instead.
-The photo set is random crops of scikit-learn's two sample photos (china, flower) as JPEGs of
-300-1,600 px (`imagelake demo-data --photos`). With --ref, the same runs are then made with the code
-of that git revision (a worktree, the same virtual environment), side by side.
+Data sets:
+- digits: the demo (`make run`'s): scikit-learn's 1,797 handwritten digits as 64 px PNGs, 10 labels;
+- photos: random crops of scikit-learn's two sample photos (china, flower) as JPEGs of 300-1,600 px, 2 labels;
+- stamps: Debian's tuxpaint-stamps-default (`make stamps` installs it), hand-made drawings filed by topic: the PNG
+  and SVG files of every topic with at least 30 PNGs, labelled by topic. SVG files are vector drawings, not images
+  imagelake reads: the run lists them (image_extensions gains .svg for this set) and quarantines them with a reason.
+
+Each run is the CLI a user types, in a new workspace (new table, cache and MLflow store). Printed per run: the test
+accuracy, the run's own baseline (logistic regression on 32 px thumbnails, fitted by the training stage), gradient
+boosting on the same thumbnails of the same cached split (fitted here), the model's margin over the better of the two,
+the epochs, the files quarantined and the wall time; then the median of each per data set. Run k uses seed=k
+(--same-seed: the default seed every time). With --ref, the same runs are made with the code of that git revision (a
+worktree, the same virtual environment) first, as the baseline side by side.
 """
 
 from __future__ import annotations
@@ -25,84 +32,127 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+STAMPS = Path("/usr/share/tuxpaint/stamps")
+MIN_PNGS = 30
+
+
+def write_stamps(out: Path) -> int:
+    """OUT/<topic>/<file>: the PNG and SVG stamps of every topic with at least MIN_PNGS PNGs (names made unique by
+    their subfolders); returns how many files were copied."""
+    copied = 0
+    for topic in sorted(p for p in STAMPS.iterdir() if p.is_dir()):
+        files = sorted(f for f in topic.rglob("*") if f.suffix.lower() in (".png", ".svg"))
+        if sum(f.suffix.lower() == ".png" for f in files) < MIN_PNGS:
+            continue
+        (out / topic.name).mkdir(parents=True, exist_ok=True)
+        for file in files:
+            shutil.copyfile(file, out / topic.name / "-".join(file.relative_to(topic).parts))
+            copied += 1
+    return copied
+
+
+def gradient_boosting(summary: dict) -> float:
+    """Test accuracy of gradient boosting on 32 px thumbnails of the run's own cached train and test splits."""
+    from sklearn.ensemble import HistGradientBoostingClassifier
+
+    from tasks.baseline import thumbnails
+
+    cache = summary["cache_dir"].removeprefix("file://")
+    split = {name: f"{cache}/{name}-v{summary['delta_version']}.json" for name in ("train", "test")}
+    size, counts = summary["dataset_card"]["image_size"], summary["split_counts"]
+    train_x, train_y = thumbnails(split["train"], size, counts["train"], 20_000, 0)
+    test_x, test_y = thumbnails(split["test"], size, counts["test"], 20_000, 1)
+    model = HistGradientBoostingClassifier(max_iter=200, random_state=0).fit(train_x, train_y)
+    return float((model.predict(test_x) == test_y).mean())
 
 
 def one_run(code: Path, source: Path, workspace: Path, extra: list[str]) -> dict:
-    """One `imagelake run` in a fresh workspace; its summary plus the wall time."""
+    """One `imagelake run` in a fresh workspace: its summary's figures, the gradient boosting baseline and the wall time."""
     env = {key: value for key, value in os.environ.items() if not key.startswith("IMAGELAKE_")}
     env["PYTHONPATH"] = str(code)  # the code under test, ahead of the editable install
-    cli = "flows.cli" if (code / "flows" / "cli.py").exists() else "infra.cli"  # infra/cli.py in older checkouts
-    command = [sys.executable, "-m", cli, "run", "--source", str(source), "--set", f"workspace={workspace}", "--json", *extra]
+    command = [sys.executable, "-m", "flows.cli", "run", "--source", str(source), "--set", f"workspace={workspace}", "--json", *extra]
     started = time.perf_counter()
-    done = subprocess.run(command, cwd=code, env=env, capture_output=True, text=True, timeout=1800)
+    done = subprocess.run(command, cwd=code, env=env, capture_output=True, text=True, timeout=3600)
     wall = time.perf_counter() - started
     if done.returncode != 0:
         raise RuntimeError(f"imagelake run failed ({done.returncode}):\n{done.stderr[-3000:]}")
     summary = json.loads(done.stdout.strip().splitlines()[-1])
-    shutil.rmtree(workspace, ignore_errors=True)
-    return {"test": summary["test_accuracy"], "val": summary["val_accuracy"], "epochs": summary["epochs_run"], "wall": wall}
+    try:
+        boosted = gradient_boosting(summary)
+    finally:
+        shutil.rmtree(workspace, ignore_errors=True)
+    return {
+        "test": summary["test_accuracy"], "lr": summary.get("baseline_accuracy"), "gb": boosted, "epochs": summary["epochs_run"], "wall": wall,
+        "quarantined": summary.get("quarantined") or {},
+    }
 
 
-def runs(name: str, code: Path, source: Path, count: int, extra: list[str], scratch: Path, same_seed: bool) -> list[dict]:
-    results = []
-    for index in range(count):
-        seed = [] if same_seed else ["--set", f"seed={index + 1}"]
-        result = one_run(code, source, scratch / f"{name}-{index}", [*seed, *extra])
-        results.append(result)
-        print(
-            f"  {name:6} run {index + 1:2} ({'default seed' if same_seed else f'seed {index + 1}'}): test accuracy {result['test']:.3f}  "
-            f"val {result['val']:.3f}  {result['epochs']} epochs  {result['wall']:.0f} s",
-            flush=True,
-        )
-    return results
+def line(name: str, index: int, seed: str, result: dict) -> str:
+    floors = [value for value in (result["lr"], result["gb"]) if value is not None]
+    lr = "   -  " if result["lr"] is None else f"{result['lr']:.3f}"
+    quarantined = ", ".join(f"{reason} {count}" for reason, count in sorted(result["quarantined"].items())) or "none"
+    return (
+        f"  {name:7} run {index:2} ({seed}): test {result['test']:.3f}  logistic {lr}  boosting {result['gb']:.3f}  "
+        f"margin {result['test'] - max(floors):+.3f}  {result['epochs']:3} epochs  {result['wall']:5.0f} s  quarantined: {quarantined}"
+    )
 
 
-def spread(name: str, results: list[dict], key: str, threshold: float | None = None) -> str:
-    values = [r[key] for r in results]
-    digits = 3 if key == "test" else 0
-    line = f"{name:24} {key:5} min {min(values):.{digits}f}  median {statistics.median(values):.{digits}f}  max {max(values):.{digits}f}"
-    if threshold is not None:
-        line += f"  ({sum(v >= threshold for v in values)}/{len(values)} >= {threshold})"
-    return line
+def median(results: list[dict], key: str) -> float:
+    return statistics.median(r[key] for r in results if r[key] is not None)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", type=int, default=5, help="demo-digit runs per code version")
-    parser.add_argument("--photo-runs", type=int, default=1, help="photo-set runs per code version")
+    parser.add_argument("--sets", default="digits,photos,stamps", help="comma-separated: digits, photos, stamps")
+    parser.add_argument("--runs", type=int, default=3, help="runs per data set and code version")
     parser.add_argument("--ref", help="also run this git revision's code first, as the baseline")
-    parser.add_argument("--ref-runs", type=int, help="demo-digit runs of the baseline (default: --runs)")
     parser.add_argument("--same-seed", action="store_true", help="every run with the default seed (shows determinism), not seeds 1..N")
     parser.add_argument("--set", action="append", default=[], help="a setting for every run, NAME=VALUE (default: none, the defaults)")
     args = parser.parse_args()
-    extra = [item for pair in args.set for item in ("--set", pair)]
+    wanted = [name.strip() for name in args.sets.split(",") if name.strip()]
+    if "stamps" in wanted and not STAMPS.is_dir():
+        sys.exit(f"{STAMPS} is missing: `make stamps` installs Debian's tuxpaint-stamps-default (or leave stamps out of --sets)")
     scratch = Path(tempfile.mkdtemp(prefix="imagelake-quality-"))
     try:
-        digits, photos = scratch / "digits", scratch / "photos"
         from flows.demo_data import write_digits, write_photos
 
-        write_digits(digits)  # what `make run` uses: 1,797 digits, 64 px PNGs
-        write_photos(photos)  # 300 photos of 2 classes
+        sources: dict[str, tuple[Path, list[str]]] = {}
+        for name in wanted:
+            folder = scratch / name
+            count = {"digits": write_digits, "photos": write_photos, "stamps": write_stamps}[name](folder)
+            extra = ["--set", 'image_extensions=[".png",".svg"]'] if name == "stamps" else []
+            sources[name] = (folder, extra)
+            print(f"{name}: {count} files in {folder}", flush=True)
         versions = [("this checkout", REPO)]
         if args.ref:
-            worktree = scratch / "baseline"
+            worktree = scratch / "baseline-code"
             subprocess.run(["git", "worktree", "add", "--detach", str(worktree), args.ref], cwd=REPO, check=True, capture_output=True)
-            versions.append((f"baseline {args.ref}", worktree))
+            versions.insert(0, (f"baseline {args.ref}", worktree))
         table = []
         try:
             for label, code in versions:
                 print(f"{label}:", flush=True)
-                count = args.runs if code == REPO or args.ref_runs is None else args.ref_runs
-                if args.photo_runs:
-                    table.append((f"{label} photos", runs("photos", code, photos, args.photo_runs, extra, scratch, args.same_seed)))
-                table.append((f"{label} digits", runs("digits", code, digits, count, extra, scratch, args.same_seed)))
+                for name, (folder, extra) in sources.items():
+                    results = []
+                    for index in range(1, args.runs + 1):
+                        seed = [] if args.same_seed else ["--set", f"seed={index}"]
+                        settings = [*seed, *extra, *(item for pair in args.set for item in ("--set", pair))]
+                        results.append(one_run(code, folder, scratch / f"{name}-{index}", settings))
+                        print(line(name, index, "default seed" if args.same_seed else f"seed {index}", results[-1]), flush=True)
+                    table.append((label, name, results))
         finally:
             if args.ref:
-                subprocess.run(["git", "worktree", "remove", "--force", str(scratch / "baseline")], cwd=REPO, capture_output=True)
-        print()
-        for name, results in table:
-            print(spread(name, results, "test", 0.97 if "digits" in name else 0.95))
-            print(spread(name, results, "wall"))
+                subprocess.run(["git", "worktree", "remove", "--force", str(scratch / "baseline-code")], cwd=REPO, capture_output=True)
+        print("\n| code | data set | runs | test accuracy (median, min-max) | logistic regression | gradient boosting | margin over the better | wall s |")
+        print("|---|---|---:|---|---:|---:|---:|---:|")
+        for label, name, results in table:
+            tests = [r["test"] for r in results]
+            lr, gb = median(results, "lr") if any(r["lr"] is not None for r in results) else None, median(results, "gb")
+            better = max(value for value in (lr, gb) if value is not None)
+            print(
+                f"| {label} | {name} | {len(results)} | {statistics.median(tests):.3f} ({min(tests):.3f}-{max(tests):.3f}) | "
+                f"{'-' if lr is None else f'{lr:.3f}'} | {gb:.3f} | {statistics.median(tests) - better:+.3f} | {median(results, 'wall'):.0f} |"
+            )
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 

@@ -122,10 +122,16 @@ def format_summary(summary: dict[str, Any]) -> str:
             f"  training      {summary['epochs_run']} epochs, val accuracy {summary['val_accuracy']:.3f}, MLflow run {summary['mlflow_run_id']}"
             + (f", warm start from v{summary['warm_started_from']}" if summary.get("warm_started_from", "none") != "none" else ""),
             f"  model         {summary['model_name']} v{summary['model_version']} -> {summary['model_alias']} "
-            f"(test accuracy {summary['test_accuracy']:.3f}; champion is v{summary['champion_version']})",
+            f"(test accuracy {summary['test_accuracy']:.3f}{margin(summary)}; champion is v{summary['champion_version']})",
             f"  ran on        {engines(summary)}",
         ]
     )
+
+
+def margin(summary: dict[str, Any]) -> str:
+    """The model's margin over its run's plain baseline, where the run fitted one."""
+    baseline = summary.get("baseline_accuracy")
+    return "" if baseline is None else f", {summary['test_accuracy'] - baseline:+.3f} over its baseline's {baseline:.3f}"
 
 
 def unread_line(summary: dict[str, Any]) -> str:

@@ -129,14 +129,31 @@ class Settings(BaseSettings):
     ray_log_to_driver: bool = Field(
         default=False, description="Show Ray workers' own output on the console too (it is always in Ray's session logs); progress lines come from the driver"
     )
-    model_arch: Literal["small_cnn", "resnet18", "resnet50"] = "small_cnn"
-    pretrained_weights: str | None = Field(default=None, description="Path or URI of a state dict for the model (never a hub download)")
-    freeze_backbone: bool = Field(default=False, description="Train only the classification head (transfer learning)")
+    model_arch: str = Field(
+        default="small_cnn",
+        description="small_cnn (a small CNN for tiny demos) or any torchvision classification model by name: resnet50, mobilenet_v3_large, efficientnet_b0, convnext_tiny, vit_b_16, ...",
+    )
+    pretrained: str | None = Field(
+        default=None,
+        description="Weights to start from: imagenet (the architecture's best torchvision weights, from torchvision's cache in TORCH_HOME or downloaded into it), a torchvision weights name (IMAGENET1K_V1, ResNet50_Weights.IMAGENET1K_V2), or the path or URI of a state dict",
+    )
+    freeze_backbone: bool = Field(default=False, description="Train only the classification head (a linear probe of the pretrained features)")
+    backbone_lr_factor: float = Field(default=0.1, gt=0, le=1, description="With pretrained weights, the backbone's learning rate as a fraction of the new head's")
+    augment: Literal["none", "light", "standard"] = Field(
+        default="light",
+        description="Training images, drawn per image and epoch: light is a random crop of 60-100% of the area; standard a crop of 25-100% and colour jitter",
+    )
+    augment_flip: bool = Field(default=False, description="Also mirror half the training images (for photos; a mirrored digit, letter or sign is another glyph)")
+    label_smoothing: float = Field(default=0.1, ge=0, lt=1, description="Label smoothing of the training loss")
+    class_weights: Literal["none", "balanced"] = Field(
+        default="none", description="balanced weighs each label's training loss by the inverse of its share of the train split (for imbalanced tables)"
+    )
     warm_start: bool = Field(
         default=False,
         description="Start from the champion's weights when it was trained for the same labels (same order), image size, resize mode and model_arch; else from scratch",
     )
-    max_epochs: int = Field(default=8, ge=1, description="Most epochs of one training run (early stopping may end it sooner)")
+    max_epochs: int = Field(default=30, ge=1, description="Most epochs of one training run (early stopping on val_loss usually ends it sooner)")
+    max_train_minutes: float | None = Field(default=None, gt=0, description="Training stops after this long, at the end of an epoch, and keeps its best checkpoint")
     batch_size: int = Field(default=32, ge=1, description="Per worker")
     base_lr: float = Field(default=1e-3, gt=0, description="Learning rate of one worker; scaled with num_workers")
     lr_scaling: Literal["linear", "sqrt", "none"] = Field(default="linear", description="How the learning rate grows with the workers")
@@ -170,6 +187,10 @@ class Settings(BaseSettings):
     model_name: str = "imagelake-classifier"
     promotion_metric: Literal["accuracy", "macro_f1", "loss"] = Field(default="accuracy", description="What the promotion gate compares")
     promotion_margin: float = Field(default=0.0, ge=0, description="How much a candidate must beat the champion by on promotion_metric")
+    min_margin_over_baseline: float | None = Field(
+        default=None, ge=-1, le=1,
+        description="A candidate whose test accuracy is not this much above its run's plain baseline (logistic regression on 32 px thumbnails) stays challenger; unset: the margin is shown, not enforced",
+    )
     allow_pickle_models: bool = Field(default=False, description="Load registered models stored by pickling (unsafe for untrusted sources)")
     history_table_name: str = Field(default="registry_history", description="Delta table of every alias move")
 
@@ -180,6 +201,30 @@ class Settings(BaseSettings):
         default=168, ge=0,
         description="After each run, remove staging files, cached stage results and training checkpoints unchanged for this long (keep it above the longest run)",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data: Any) -> Any:
+        # pretrained_weights (a state dict's path) became pretrained, which also names torchvision's weights.
+        if isinstance(data, dict) and "pretrained_weights" in data:
+            if data.get("pretrained") is not None:
+                raise ValueError("pretrained_weights is the old name of pretrained: set only pretrained")
+            data = {**data, "pretrained": data["pretrained_weights"]}
+            del data["pretrained_weights"]
+        return data
+
+    @model_validator(mode="after")
+    def _known_model_arch(self) -> "Settings":
+        if self.model_arch != "small_cnn":
+            import torchvision  # here: only a run that names another model pays for the import
+
+            known = torchvision.models.list_models(module=torchvision.models)
+            if self.model_arch not in known:
+                family = [name for name in known if name.split("_")[0] == self.model_arch.split("_")[0]] or ["resnet50", "efficientnet_b0", "convnext_tiny", "vit_b_16"]
+                raise ValueError(
+                    f"model_arch {self.model_arch!r} is not a model: choose small_cnn or a torchvision classification model, e.g. {', '.join(family[:8])}"
+                )
+        return self
 
     @model_validator(mode="after")
     def _no_credentials_in_addresses(self) -> "Settings":

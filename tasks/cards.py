@@ -12,6 +12,8 @@ from typing import Any
 import numpy as np
 from matplotlib.figure import Figure
 
+from tasks.rules.promotion import BASELINE
+
 
 def confusion_matrix(labels: np.ndarray, predicted: np.ndarray, classes: int) -> np.ndarray:
     """Counts of (true class, predicted class)."""
@@ -117,11 +119,14 @@ def sample_grid(samples: dict[str, np.ndarray]) -> Figure:
 
 def model_card(
     model_name: str, version: str, data: dict[str, Any], params: dict[str, str], metrics: dict[str, float], per_class: list[dict[str, Any]],
-    decision: str, alias: str,
+    decision: str, alias: str, baseline: float | None = None,
 ) -> str:
-    """The registered version's description: its data, how it was trained, how it scored, and the promotion decision."""
+    """The registered version's description: its data, how it was trained, how it scored (and by how much it beats its
+    run's plain baseline), and the promotion decision."""
     settings = "\n".join(f"| {key} | {value} |" for key, value in sorted(params.items()))
     scores = "\n".join(f"| {key} | {value:.4f} |" for key, value in metrics.items())
+    if baseline is not None:
+        scores += f"\n| baseline accuracy ({BASELINE}) | {baseline:.4f} |\n| margin over the baseline | {metrics['accuracy'] - baseline:+.4f} |"
     return (
         f"# {model_name} v{version}\n\n## Data\n\nDelta table `{data['table']}` version {data['version']}, {data['image_size']} px, "
         f"rows per split {json.dumps(data['counts'], sort_keys=True)}, labels {', '.join(data['labels'])}.\n\n"

@@ -28,7 +28,7 @@ from tasks.stage import stage
 def load_trained_model(checkpoint_path: str) -> ImageModel:
     """The plain torch model from a Lightning checkpoint, in eval mode on the CPU."""
     # The trained weights are all in the checkpoint: never fetch the pretrained ones again.
-    module = ImageClassifier.load_from_checkpoint(checkpoint_path, map_location="cpu", pretrained_weights=None)
+    module = ImageClassifier.load_from_checkpoint(checkpoint_path, map_location="cpu", pretrained=None)
     return module.model.eval()
 
 
@@ -109,7 +109,9 @@ def promote_model(
         else:
             for key, value in tags.items():
                 client.set_model_version_tag(settings.model_name, version, key, value)
-    decision, metrics, champion_version = gate(client, settings, settings.model_name, version, images, labels, len(cached.labels), flow_run_id)
+    decision, metrics, champion_version = gate(
+        client, settings, settings.model_name, version, images, labels, len(cached.labels), flow_run_id, baseline=trained.baseline_accuracy
+    )
     with mlflow.start_run(run_id=trained.mlflow_run_id):
         mlflow.log_figure(confusion_figure(matrix, cached.labels), "confusion_matrix.png")
         mlflow.log_dict({"labels": cached.labels, "confusion_matrix": matrix.tolist(), "per_class": per_class}, "test_per_class.json")
@@ -119,7 +121,7 @@ def promote_model(
         })
     alias = CHAMPION if decision.promote else CHALLENGER
     data = {"table": cached.table_uri, "version": cached.table_version, "image_size": cached.image_size, "counts": cached.counts, "labels": cached.labels}
-    card = model_card(settings.model_name, version, data, params, metrics, per_class, decision.reason, alias)
+    card = model_card(settings.model_name, version, data, params, metrics, per_class, decision.reason, alias, trained.baseline_accuracy)
     # MLflow's SQL stores keep 5,000 characters of a description: a card of many classes is cut there.
     client.update_model_version(settings.model_name, version, description=card if len(card) <= 5000 else card[:4980] + "\n\n(cut)")
     promoted = Promoted(
@@ -128,6 +130,7 @@ def promote_model(
         alias=alias,
         champion_version=version if decision.promote else str(champion_version),
         test_accuracy=metrics["accuracy"],
+        baseline_accuracy=trained.baseline_accuracy,
         previous_champion_accuracy=None,
         decision=decision.reason,
     )
@@ -137,7 +140,7 @@ def promote_model(
 @stage(
     "promote",
     settings=(
-        "model_name", "promotion_metric", "promotion_margin", "allow_pickle_models", "tracking_uri", "mlflow_registry_uri", "history_uri",
+        "model_name", "promotion_metric", "promotion_margin", "min_margin_over_baseline", "allow_pickle_models", "tracking_uri", "mlflow_registry_uri", "history_uri",
         "resize_mode", "val_fraction", "test_fraction", "partitions_per_worker",
     ),
     code=("tasks.predict", "tasks.registry", "tasks.rules.promotion", "tasks.cards"),

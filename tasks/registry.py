@@ -26,7 +26,7 @@ from infra.settings import UNSAFE_FROM_RUNS, Settings
 from tasks.rules.schemas import HISTORY_SCHEMA
 from tasks.rules.training import PARAM_SETTINGS
 from tasks.predict import evaluate
-from tasks.rules.promotion import CHALLENGER, CHAMPION, PREVIOUS, Decision, decide_promotion
+from tasks.rules.promotion import CHALLENGER, CHAMPION, PREVIOUS, Decision, decide_promotion, held_by_baseline
 from tasks.rules.warm_start import Champion, shape_from_tags
 
 
@@ -245,7 +245,8 @@ def crown(client: MlflowClient, settings: Settings, name: str, version: str, act
 
 
 def gate(
-    client: MlflowClient, settings: Settings, name: str, version: str, images: np.ndarray, labels: np.ndarray, classes: int, flow_run_id: str | None = None
+    client: MlflowClient, settings: Settings, name: str, version: str, images: np.ndarray, labels: np.ndarray, classes: int, flow_run_id: str | None = None,
+    baseline: float | None = None,
 ) -> tuple[Decision, dict[str, float], str | None]:
     """Evaluate candidate and champion on the same split, decide, tag the candidate and move aliases, all under the lock.
 
@@ -265,7 +266,8 @@ def gate(
         champion_value, champion_error = None, None
         if champion_version is not None:
             champion_value, champion_error = champion_metric(client, settings, name, champion_version, images, labels, classes)
-        decision = decide_promotion(metric, candidate[metric], champion_value, settings.promotion_margin, champion_error)
+        held = held_by_baseline(metric, candidate, baseline, settings.min_margin_over_baseline)
+        decision = held or decide_promotion(metric, candidate[metric], champion_value, settings.promotion_margin, champion_error)
         tags = {
             "promotion_decision": "promoted" if decision.promote else "not promoted",
             "promotion_reason": decision.reason,
@@ -274,6 +276,7 @@ def gate(
             f"candidate_{metric}": f"{decision.candidate:.6f}",
             f"champion_{metric}": "" if champion_value is None else f"{champion_value:.6f}",
             "compared_with_version": champion_version or "",
+            "baseline_accuracy": "" if baseline is None else f"{baseline:.6f}",
             **{f"test_{key}": f"{value:.6f}" for key, value in candidate.items()},
         }
         for key, value in tags.items():

@@ -122,6 +122,7 @@ class Trained(BaseModel):
     val_accuracy: float
     worker_nodes: list[str] = []  # the Ray node of each rank
     warm_started_from: str = "none"  # the champion version training started from, or "none" (from scratch)
+    baseline_accuracy: float | None = None  # test accuracy of the plain baseline on the same split (tasks/baseline.py)
     fit_seconds: float = Field(default=0.0, exclude=True)  # Lightning's fit on rank 0, Ray's start-up apart
 
 
@@ -131,5 +132,6 @@ class Promoted(BaseModel):
     alias: str
     champion_version: str
     test_accuracy: float
+    baseline_accuracy: float | None = None  # the run's plain baseline on the same test split
     previous_champion_accuracy: float | None
     decision: str = ""

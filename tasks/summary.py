@@ -52,6 +52,7 @@ def run_summary(resized: Resized | None, table: TableVersion, cached: CachedSpli
         "model_alias": promoted.alias,
         "champion_version": champion_version,
         "test_accuracy": promoted.test_accuracy,
+        "baseline_accuracy": getattr(promoted, "baseline_accuracy", None),  # a result cached before this field has none
         "promotion_decision": promoted.decision,
     }
 

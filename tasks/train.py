@@ -7,6 +7,7 @@ import io
 import json
 import os
 import re
+import time
 import uuid
 from typing import Any, Callable
 
@@ -15,7 +16,7 @@ import torch
 
 from matplotlib.figure import Figure
 from mlflow import MlflowClient
-from mlflow.entities import Param
+from mlflow.entities import Metric, Param
 from prefect.artifacts import create_link_artifact
 from prefect.runtime import flow_run
 from prefect.settings import PREFECT_TASKS_REFRESH_CACHE
@@ -27,6 +28,7 @@ from infra.prefect_env import one_at_a_time
 from infra.ray_runtime import connect_ray
 from infra.settings import Settings
 from infra.tracking import experiment_id, mlflow_client, run_url
+from tasks.baseline import NAME as BASELINE, fit_baseline
 from tasks.cards import dataset_card_markdown, dataset_card_of, sample_grid
 from tasks.worker.loader import check_split, label_samples
 from tasks.progress import Every, stage_logger
@@ -44,7 +46,7 @@ def run_name(cached: CachedSplits, settings: Settings, fresh: str | None = None,
     `fresh` (a refreshed flow run's id) makes a new run: a refresh trains from scratch, its retries resume it.
     `warm_from` (the champion version a warm start begins from) makes a new run when the champion changes.
     """
-    code = code_digest(__name__, "tasks.worker.train_loop", "tasks.worker.model", "tasks.worker.loader", "infra.compat")
+    code = code_digest(__name__, "tasks.worker.train_loop", "tasks.worker.model", "tasks.worker.augment", "tasks.worker.loader", "infra.compat")
     parts = [cached.key, *(getattr(settings, f) for f in TRAINING_SETTINGS), code, fresh, *([warm_from] if warm_from else [])]
     digest = hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:12]
     return f"train-{cached.key}-{digest}"
@@ -92,8 +94,15 @@ def training_config(cached: CachedSplits, settings: Settings, tracking_uri: str,
         "num_classes": len(cached.labels),
         "image_size": cached.image_size,
         "arch": settings.model_arch,
-        "pretrained_weights": settings.pretrained_weights,
+        "pretrained": settings.pretrained,
         "freeze_backbone": settings.freeze_backbone,
+        "backbone_lr_factor": settings.backbone_lr_factor,
+        "augment": settings.augment,
+        "augment_flip": settings.augment_flip,
+        "label_smoothing": settings.label_smoothing,
+        "class_weights": settings.class_weights,
+        "loss_weights": balanced_weights(cached) if settings.class_weights == "balanced" else None,
+        "max_train_minutes": settings.max_train_minutes,
         "warm_start_weights": warm_start_weights,
         "batch_size": settings.batch_size,
         "learning_rate": scaled_learning_rate(settings.base_lr, settings.num_workers, settings.lr_scaling),
@@ -117,6 +126,14 @@ def training_config(cached: CachedSplits, settings: Settings, tracking_uri: str,
         "run_path": f"{settings.ray_storage_path.rstrip('/')}/{name}",
         "kill_worker": kill_worker_from_env(),
     }
+
+
+def balanced_weights(cached: CachedSplits) -> list[float]:
+    """Each label's weight in the training loss: the inverse of its share of the train split (1 for every label of a
+    balanced one). A label with no training image gets 0: it never appears in the loss."""
+    counts = [cached.label_counts.get("train", {}).get(label, 0) for label in cached.labels]
+    total, present = sum(counts), sum(1 for count in counts if count)
+    return [total / (present * count) if count else 0.0 for count in counts]
 
 
 def kill_worker_from_env() -> dict | None:
@@ -177,6 +194,7 @@ def trained_of(result: Result, settings: Settings, client: MlflowClient, run_id:
         best_val_loss=float(metrics["val_loss"]),
         val_accuracy=float(metrics["val_acc"]),
         worker_nodes=json.loads(recorded.tags.get(WORKER_NODES_TAG, "[]")),
+        baseline_accuracy=recorded.metrics.get(BASELINE_METRIC),
         fit_seconds=recorded.metrics.get(FIT_SECONDS, 0.0),
         warm_started_from=warm.source,
     )
@@ -264,6 +282,23 @@ def log_dataset_card(client: MlflowClient, run_id: str, cached: CachedSplits) ->
     return card
 
 
+BASELINE_METRIC = "baseline_test_accuracy"
+
+
+def log_baseline(client: MlflowClient, run_id: str, cached: CachedSplits, settings: Settings) -> None:
+    """Fit the run's plain baseline on the same split and log its test accuracy (once: a resumed run has it)."""
+    if BASELINE_METRIC in client.get_run(run_id).data.metrics:
+        return
+    found = fit_baseline(cached.splits["train"], cached.splits["test"], cached.image_size, cached.counts, settings.seed)
+    if found is None:
+        stage_logger().info("train: no baseline: the train split holds fewer than two labels, or the test split is empty")
+        return
+    client.log_batch(run_id, metrics=[Metric(BASELINE_METRIC, found.accuracy, int(time.time() * 1000), 0)], params=[
+        Param("baseline", BASELINE), Param("baseline_rows", f"{found.train_rows} train, {found.test_rows} test"),
+    ])
+    stage_logger().info(f"train: baseline ({BASELINE}, {found.train_rows} training rows): test accuracy {found.accuracy:.3f} in {found.seconds:.1f} s")
+
+
 def train_model(cached: CachedSplits, settings: Settings, fresh: str | None = None, on_start: Callable[[str], None] | None = None) -> Trained:
     """One MLflow run per training: created here (or resumed), filled by rank 0, closed with the outcome.
 
@@ -300,6 +335,7 @@ def train_in(
         if on_start is not None:
             on_start(run_id)
         log_dataset_card(client, run_id, cached)
+        log_baseline(client, run_id, cached, settings)
         with Every(lambda: report.show(logger), logger):
             trained = fit(cached, settings, client, run_id, name, warm)
         report.show(logger)
@@ -312,7 +348,7 @@ def train_in(
 
 
 @stage(
-    "train", settings=TRAINING_SETTINGS, facts=warm_start_key, code=("tasks.rules.training", "tasks.rules.warm_start"), retries=1,
+    "train", settings=TRAINING_SETTINGS, facts=warm_start_key, code=("tasks.rules.training", "tasks.rules.warm_start", "tasks.baseline"), retries=1,
     needs=lambda trained: [trained.checkpoint_path],
 )
 def train(cached: CachedSplits, settings: Settings) -> Trained:

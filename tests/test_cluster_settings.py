@@ -65,7 +65,7 @@ def test_the_real_cluster_files_train_on_gpus_packed_with_transfer_learning(name
     settings = load(CLUSTERS / f"{name}.yaml")
     assert settings.use_gpu and settings.gpus_per_worker >= 1 and settings.num_workers >= 2
     assert settings.ray_placement_strategy == "PACK"  # GPUs of one machine before more machines
-    assert settings.pretrained_weights and settings.freeze_backbone and settings.batch_size >= 64
+    assert settings.pretrained and settings.freeze_backbone and settings.batch_size >= 64
     assert settings.lr_scaling in ("linear", "sqrt")
     for location in (settings.cache_uri, settings.staging_uri, settings.ray_storage_path, settings.results_uri):
         assert not location.startswith(str(REPO)), f"{name}: {location} is not shared storage"

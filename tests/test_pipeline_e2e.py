@@ -125,6 +125,10 @@ def assert_knows_the_data_and_the_model(summary: dict, client: MlflowClient, des
     assert "Per class on the test split" in flow_artifact(summary["flow_run_id"], "imagelake-promotion").data
     for expected in (f"# {MODEL} v{summary['model_version']}", f"version {summary['delta_version']}", "## Training settings", "| max_epochs | 4 |", "**champion**"):
         assert expected in description, expected
+    # The run's floor: the plain baseline on the same split, logged, and the model's margin over it in the card.
+    baseline = summary["baseline_accuracy"]
+    assert 0.3 < baseline <= 1 and metrics["baseline_test_accuracy"] == pytest.approx(baseline), "chance is 0.1"
+    assert f"| margin over the baseline | {summary['test_accuracy'] - baseline:+.4f} |" in description
 
 
 @dataclass
@@ -155,6 +159,7 @@ def first_run(digits_dir: Path, tmp_path_factory: pytest.TempPathFactory, prefec
 def test_pipeline_end_to_end_then_everything_is_cached(first_run: FirstRun) -> None:
     source, workspace, env, first, first_seconds = first_run.source, first_run.workspace, first_run.env, first_run.summary, first_run.seconds
     assert_shows_what_it_does(first, first_run.console, flow_logs(first["flow_run_id"]))
+    assert f"{first['test_accuracy'] - first['baseline_accuracy']:+.3f} over its baseline's {first['baseline_accuracy']:.3f}" in first_run.console
 
     # Delta: one version holding every image.
     table = DeltaTable(first["delta_table"])

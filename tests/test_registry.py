@@ -27,7 +27,7 @@ from tasks.registry import (
     load_registered_model,
     rollback,
 )
-from tasks.rules.promotion import CHALLENGER, CHAMPION, PREVIOUS, decide_promotion
+from tasks.rules.promotion import CHALLENGER, CHAMPION, PREVIOUS, decide_promotion, held_by_baseline
 
 NAME = "digits"
 
@@ -50,6 +50,15 @@ def test_the_gate_rule(metric: str, candidate: float, champion: float | None, ma
     decision = decide_promotion(metric, candidate, champion, margin)
     assert decision.promote is promote
     assert f"{candidate:.4f}" in decision.reason and decision.metric == metric
+
+
+def test_a_candidate_not_enough_above_its_baseline_is_held_whatever_the_champion() -> None:
+    candidate = {"accuracy": 0.70, "loss": 0.9}
+    held = held_by_baseline("loss", candidate, 0.68, 0.05)
+    assert held is not None and not held.promote and held.candidate == 0.9 and "+0.0200 over its baseline's 0.6800" in held.reason
+    assert held_by_baseline("accuracy", candidate, 0.60, 0.05) is None, "0.10 above: the champion comparison decides"
+    assert held_by_baseline("accuracy", candidate, 0.68, None) is None, "no margin set: shown, not enforced"
+    assert held_by_baseline("accuracy", candidate, None, 0.05) is None, "no baseline (a single label): nothing to hold it to"
 
 
 def test_a_champion_that_cannot_be_loaded_is_replaced_with_the_reason() -> None:
@@ -118,13 +127,24 @@ def test_gate_moves_aliases_records_the_decision_and_keeps_history(spark, regist
     assert tags["promotion_decision"] == "not promoted" and "does not beat champion" in tags["promotion_reason"]
     assert tags["compared_with_version"] == bad and tags["candidate_accuracy"] == tags["champion_accuracy"]
 
+    # Better than the champion, but not by min_margin_over_baseline over its own run's baseline: it stays challenger.
+    strict = settings.model_copy(update={"min_margin_over_baseline": 0.05})
+    held = register(models["good"])
+    decision, metrics, _ = gate(client, strict, NAME, held, images, labels, 4, baseline=0.98)
+    tags = client.get_model_version(NAME, held).tags
+    assert metrics["accuracy"] == 1.0 and not decision.promote
+    assert (alias_version(client, NAME, CHAMPION), alias_version(client, NAME, CHALLENGER)) == (bad, held)
+    assert "+0.0200 over its baseline's 0.9800" in tags["promotion_reason"] and "min_margin_over_baseline 0.0500" in tags["promotion_reason"]
+    assert tags["baseline_accuracy"] == "0.980000"
+
     good = register(models["good"])
-    decision, metrics, _ = gate(client, settings, NAME, good, images, labels, 4)
+    decision, metrics, _ = gate(client, strict, NAME, good, images, labels, 4, baseline=0.5)
     assert decision.promote and metrics["accuracy"] == 1.0
     assert (alias_version(client, NAME, CHAMPION), alias_version(client, NAME, PREVIOUS)) == (good, bad)
     assert moves(spark, settings) == [
         (CHAMPION, None, bad, "gate"),
         (CHALLENGER, None, weaker, "gate"),
+        (CHALLENGER, weaker, held, "gate"),
         (CHAMPION, bad, good, "gate"),
         (PREVIOUS, None, bad, "gate"),
     ]

@@ -11,7 +11,6 @@ import torch
 
 from infra.tracking import mlflow_client
 from tasks.cache import cache_splits
-from tasks.worker.model import ImageModel, ResNet
 from tasks.split import plan_splits
 from tasks.rules.training import scaled_learning_rate
 from tasks.train import run_name, train_model
@@ -127,30 +126,23 @@ def test_learning_rate_scales_with_the_workers(rule: str, expected: float) -> No
     assert scaled_learning_rate(1e-3, 4, rule) == pytest.approx(expected)
 
 
-@pytest.mark.parametrize("arch,params", [("resnet18", 11_181_642), ("resnet50", 23_528_522)])
-def test_resnets_take_uint8_images_and_have_the_standard_size(arch: str, params: int) -> None:
-    model = ImageModel(10, arch).eval()
-    assert sum(p.numel() for p in model.parameters()) == params
-    with torch.no_grad():
-        assert model(torch.zeros((2, 64, 64, 3), dtype=torch.uint8)).shape == (2, 10)
+def test_the_baseline_fits_a_random_sample_of_the_same_split_and_beats_chance(cached) -> None:
+    """The run's floor reads the cached splits as training does: thumbnails of the chosen rows, at most `limit` of them."""
+    import numpy as np
+    import torch.nn.functional as F
 
+    from tasks.baseline import fit_baseline, thumbnails
+    from tasks.promote import read_split
 
-def test_pretrained_weights_load_from_a_path_and_a_frozen_backbone_trains_only_the_head(tmp_path: Path) -> None:
-    source = ResNet("resnet18", 1000)
-    weights = tmp_path / "resnet18-imagenet.pt"
-    torch.save(source.state_dict(), weights)
-    model = ImageModel(10, "resnet18", pretrained_weights=str(weights), freeze_backbone=True)
-    assert torch.equal(model.net.conv1.weight, source.conv1.weight) and model.net.fc.out_features == 10
-    trainable = {name for name, p in model.net.named_parameters() if p.requires_grad}
-    assert trainable == {"fc.weight", "fc.bias"}
-    model.train()
-    assert not model.net.bn1.training and model.net.fc.training, "frozen batch norms keep their statistics"
-    with pytest.raises(FileNotFoundError, match="pretrained_weights"):
-        ImageModel(10, "resnet18", pretrained_weights=str(tmp_path / "missing.pt"))
-    torch.save({"something": torch.zeros(3)}, tmp_path / "other.pt")
-    with pytest.raises(ValueError, match="matches none of the model's layers"):
-        ImageModel(10, "resnet18", pretrained_weights=str(tmp_path / "other.pt"))
-    assert os.path.exists(weights)
+    whole = fit_baseline(cached.splits["train"], cached.splits["test"], 24, cached.counts, seed=0)
+    assert (whole.train_rows, whole.test_rows) == (cached.counts["train"], cached.counts["test"])
+    assert whole.accuracy > 0.3, f"chance is 0.1; got {whole.accuracy}"
+    assert fit_baseline(cached.splits["train"], cached.splits["test"], 24, cached.counts, seed=0, limit=20).train_rows == 20
+    images, labels = read_split(cached.splits["train"], 24)
+    some, their_labels = thumbnails(cached.splits["train"], 24, cached.counts["train"], limit=5, seed=3)
+    chosen = np.sort(np.random.default_rng(3).choice(len(labels), size=5, replace=False))
+    expected = F.adaptive_avg_pool2d(torch.from_numpy(images[chosen]).permute(0, 3, 1, 2).float(), 32).flatten(1).numpy() / 255
+    assert np.allclose(some, expected, atol=1e-6) and (their_labels == labels[chosen]).all()
 
 
 def gpu_config() -> dict:
@@ -192,11 +184,11 @@ def test_a_ray_strategy_of_another_lightning_package_is_refused_before_training(
 
 
 
-def test_a_compiled_model_trains_its_own_weights_and_checkpoints_under_the_plain_names(tmp_path: Path) -> None:
+def test_a_compiled_model_trains_its_own_weights_checkpoints_under_the_plain_names_resumes_and_registers(tmp_path: Path) -> None:
     """torch.compile in the training path (Inductor on the CPU here): steps run through the compiled module, the
     weights it trains are the model's own, and a checkpoint holds the plain model's names, so it loads into an
-    uncompiled classifier: resume, warm start and the export read the same state dict. A mode that does not exist is
-    refused naming the setting."""
+    uncompiled classifier (warm start reads the same state dict), a compiled run resumes from it, and the promote
+    stage's export of it serves the same answers. A mode that does not exist is refused naming the setting."""
     config = {**gpu_config(), "use_gpu": False, "image_size": 16, "compile": "default"}
     torch.manual_seed(0)
     model = make_model(config)
@@ -218,6 +210,21 @@ def test_a_compiled_model_trains_its_own_weights_and_checkpoints_under_the_plain
     model.eval(), plain.eval()
     with torch.no_grad():
         assert torch.allclose(model._step_model(images), plain.model(images), atol=1e-4)
+    # Resumed from that checkpoint, compiled again: training goes on at the next epoch with the saved weights.
+    resumed = make_model(config)
+    again = make_trainer({**config, "max_epochs": 2}, [], 2, 1, accelerator="cpu")
+    again.fit(resumed, train_dataloaders=batches, val_dataloaders=batches, ckpt_path=tmp_path / "compiled.ckpt")
+    assert again.current_epoch == 2 and type(resumed._step_model).__name__ == "OptimizedModule"
+    # Registered as the promote stage registers: the plain model of the checkpoint, exported as a pt2 program.
+    import mlflow
+
+    from tasks.promote import load_trained_model
+
+    exported = load_trained_model(str(tmp_path / "compiled.ckpt"))
+    mlflow.pytorch.save_model(exported, tmp_path / "registered", input_example=images[:2].numpy(), serialization_format="pt2")
+    served = mlflow.pytorch.load_model(str(tmp_path / "registered"))
+    with torch.no_grad():
+        assert torch.allclose(served(images), plain.model(images), atol=1e-4)
     with pytest.raises(ValueError, match="compile mode 'fastest'"):
         make_model({**config, "compile": "fastest"})
     # The setting: unset, compiled with a GPU only; on or off; or a mode.

@@ -7,6 +7,9 @@ from dataclasses import dataclass
 
 CHAMPION, CHALLENGER, PREVIOUS = "champion", "challenger", "previous-champion"
 
+# What every run fits beside its model, on the same split (tasks/baseline.py): the floor its margin is measured from.
+BASELINE = "logistic regression on 32 px thumbnails"
+
 # Each gate metric, and whether a higher value is better.
 METRICS: dict[str, bool] = {"accuracy": True, "macro_f1": True, "loss": False}
 
@@ -42,6 +45,22 @@ def decide_promotion(metric: str, candidate: float, champion: float | None, marg
     direction = "higher" if higher else "lower"
     return Decision(
         better, f"candidate {metric} {candidate:.4f} {verb} champion {champion:.4f} by more than {margin:.4f} ({direction} is better)", metric, candidate, champion, margin
+    )
+
+
+def held_by_baseline(metric: str, candidate: dict[str, float], baseline: float | None, min_margin: float | None) -> Decision | None:
+    """The gate's decision for a candidate whose test accuracy is not `min_margin` above its run's plain baseline
+    (it stays challenger, whatever the champion), or None when it is, or when no baseline or margin is set."""
+    if baseline is None or min_margin is None:
+        return None
+    accuracy = candidate["accuracy"]
+    if accuracy - baseline >= min_margin:
+        return None
+    return Decision(
+        False,
+        f"candidate accuracy {accuracy:.4f} is {accuracy - baseline:+.4f} over its baseline's {baseline:.4f} ({BASELINE}, "
+        f"same split), less than min_margin_over_baseline {min_margin:.4f}: kept as challenger",
+        metric, candidate[metric], None, min_margin,
     )
 
 

@@ -24,7 +24,8 @@ def scaled_learning_rate(base_lr: float, num_workers: int, rule: str = "linear")
 # The settings that change what training produces: they name the Ray run and key the train stage's cache.
 # With warm_start on, the champion's version it starts from does too (tasks/train.py:warm_start_key).
 TRAINING_SETTINGS = (
-    "model_arch", "pretrained_weights", "freeze_backbone", "warm_start", "max_epochs", "batch_size", "base_lr", "lr_scaling", "num_workers",
+    "model_arch", "pretrained", "freeze_backbone", "backbone_lr_factor", "augment", "augment_flip", "label_smoothing", "class_weights", "warm_start",
+    "max_epochs", "max_train_minutes", "batch_size", "base_lr", "lr_scaling", "num_workers",
     "early_stopping_patience", "early_stopping_min_delta", "early_stopping_threshold", "seed", "use_gpu",
     "shuffle_buffer_batches", "bf16", "channels_last", "compile", "compile_mode", "tracking_uri", "mlflow_experiment", "ray_storage_path",
 )
@@ -32,7 +33,9 @@ TRAINING_SETTINGS = (
 
 # MLflow training params -> the settings that reproduce them.
 PARAM_SETTINGS = {
-    "image_size": "image_size", "arch": "model_arch", "pretrained_weights": "pretrained_weights", "freeze_backbone": "freeze_backbone",
+    "image_size": "image_size", "arch": "model_arch", "pretrained": "pretrained", "freeze_backbone": "freeze_backbone",
+    "backbone_lr_factor": "backbone_lr_factor", "augment": "augment", "augment_flip": "augment_flip", "label_smoothing": "label_smoothing", "class_weights": "class_weights",
+    "max_train_minutes": "max_train_minutes",
     "batch_size": "batch_size", "lr_scaling": "lr_scaling", "max_epochs": "max_epochs", "patience": "early_stopping_patience",
     "min_delta": "early_stopping_min_delta", "stopping_threshold": "early_stopping_threshold", "seed": "seed",
     "num_workers": "num_workers", "base_lr": "base_lr",

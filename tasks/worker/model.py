@@ -4,14 +4,22 @@ from __future__ import annotations
 
 import io
 import math
+import os
+import pickle
+import re
+from functools import lru_cache
+from urllib.error import URLError
 
 import fsspec
 import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
+import torchvision
 from torch import nn
 from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
+
+from tasks.worker.augment import augment, epoch_generator
 
 
 def _conv(in_channels: int, out_channels: int, kernel: int, stride: int) -> nn.Sequential:
@@ -34,72 +42,119 @@ class SmallCNN(nn.Module):
         return self.head(torch.flatten(F.adaptive_avg_pool2d(self.features(x), 1), 1))
 
 
-class Block(nn.Module):
-    """A ResNet basic block (two 3x3 convolutions) or bottleneck (1x1, 3x3, 1x1) with its shortcut."""
-
-    def __init__(self, in_channels: int, width: int, stride: int, bottleneck: bool) -> None:
-        super().__init__()
-        out_channels = width * (4 if bottleneck else 1)
-        self.bottleneck = bottleneck
-        if bottleneck:
-            self.conv1, self.bn1 = nn.Conv2d(in_channels, width, 1, bias=False), nn.BatchNorm2d(width)
-            self.conv2, self.bn2 = nn.Conv2d(width, width, 3, stride, 1, bias=False), nn.BatchNorm2d(width)
-            self.conv3, self.bn3 = nn.Conv2d(width, out_channels, 1, bias=False), nn.BatchNorm2d(out_channels)
-        else:
-            self.conv1, self.bn1 = nn.Conv2d(in_channels, width, 3, stride, 1, bias=False), nn.BatchNorm2d(width)
-            self.conv2, self.bn2 = nn.Conv2d(width, width, 3, 1, 1, bias=False), nn.BatchNorm2d(width)
-        self.relu = nn.ReLU(inplace=True)
-        self.downsample = None
-        if stride != 1 or in_channels != out_channels:
-            self.downsample = nn.Sequential(nn.Conv2d(in_channels, out_channels, 1, stride, bias=False), nn.BatchNorm2d(out_channels))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shortcut = x if self.downsample is None else self.downsample(x)
-        out = self.relu(self.bn1(self.conv1(x)))
-        out = self.bn2(self.conv2(out))
-        if self.bottleneck:
-            out = self.bn3(self.conv3(self.relu(out)))
-        return self.relu(out + shortcut)
-
-
-class ResNet(nn.Module):
-    """ResNet-18 or ResNet-50. Parameter names follow the common layout (conv1, layer1..4, fc), so
-    ImageNet state dicts saved from other implementations load into it."""
-
-    LAYOUTS = {"resnet18": ((2, 2, 2, 2), False), "resnet50": ((3, 4, 6, 3), True)}
-
-    def __init__(self, arch: str, num_classes: int) -> None:
-        super().__init__()
-        depths, bottleneck = self.LAYOUTS[arch]
-        self.conv1, self.bn1 = nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64)
-        self.relu, self.maxpool = nn.ReLU(inplace=True), nn.MaxPool2d(3, 2, 1)
-        channels, layers = 64, []
-        for index, (depth, width) in enumerate(zip(depths, (64, 128, 256, 512))):
-            blocks = []
-            for position in range(depth):
-                blocks.append(Block(channels, width, 2 if position == 0 and index > 0 else 1, bottleneck))
-                channels = width * (4 if bottleneck else 1)
-            layers.append(nn.Sequential(*blocks))
-        self.layer1, self.layer2, self.layer3, self.layer4 = layers
-        self.fc = nn.Linear(channels, num_classes)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
-        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
-        return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
-
-
-ARCHS = ("small_cnn", "resnet18", "resnet50")
+SMALL_CNN = "small_cnn"
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+# Builders that take the input size: a vision transformer's position embeddings are made for it.
+_SIZED = {"vit_": "image_size"}
+# Builders whose auxiliary classifiers would change what a training step returns: built without them.
+_NO_AUX = ("googlenet", "inception_v3")
 
 
-def load_state_dict(uri: str, what: str = "pretrained_weights") -> dict[str, torch.Tensor]:
+@lru_cache(maxsize=1)
+def zoo() -> tuple[str, ...]:
+    """Every model_arch: small_cnn and torchvision's classification models."""
+    return (SMALL_CNN, *torchvision.models.list_models(module=torchvision.models))
+
+
+def check_arch(arch: str) -> str:
+    if arch not in zoo():
+        raise ValueError(f"unknown model_arch {arch!r}: choose small_cnn or one of torchvision.models.list_models() (resnet50, efficientnet_b0, ...)")
+    return arch
+
+
+class WeightsUnavailable(RuntimeError):
+    """Pretrained weights named by torchvision's API are neither in its cache nor downloadable."""
+
+
+_WEIGHTS_NAME = re.compile(r"^(?:[A-Za-z0-9_]+_Weights\.)?[A-Z][A-Z0-9_]*$")
+
+
+def is_weights_name(pretrained: str | None) -> bool:
+    """Whether `pretrained` names torchvision weights (imagenet, DEFAULT, IMAGENET1K_V2, ResNet50_Weights.IMAGENET1K_V2) rather than a file."""
+    return bool(pretrained) and (pretrained == "imagenet" or bool(_WEIGHTS_NAME.match(pretrained)))
+
+
+def weights_of(arch: str, pretrained: str) -> torchvision.models.WeightsEnum:
+    """The torchvision weights `pretrained` names for `arch`: imagenet is the architecture's default (best) weights."""
+    if arch == SMALL_CNN:
+        raise ValueError(f"pretrained={pretrained}: small_cnn has no torchvision weights; choose a torchvision model_arch (e.g. resnet50) or give a state dict's path")
+    family = torchvision.models.get_model_weights(arch)
+    name = "DEFAULT" if pretrained == "imagenet" else pretrained
+    if "." in name:
+        enum, _, name = name.partition(".")
+        if enum != family.__name__:
+            raise ValueError(f"pretrained={pretrained} are weights of another model: {arch}'s are {family.__name__} ({', '.join(family.__members__)})")
+    if name not in family.__members__:
+        raise ValueError(f"pretrained={pretrained}: {arch} has no such weights; choose imagenet or one of {', '.join(family.__members__)}")
+    return family[name]
+
+
+def weights_file(weights: torchvision.models.WeightsEnum) -> str:
+    """Where torchvision's cache keeps (or would keep) these weights: $TORCH_HOME/hub/checkpoints/<the URL's file name>."""
+    return os.path.join(torch.hub.get_dir(), "checkpoints", os.path.basename(weights.url))
+
+
+def build_net(arch: str, num_classes: int, pretrained: str | None = None, image_size: int | None = None) -> tuple[nn.Module, str]:
+    """The network and the name of its classification head (a fresh layer for `num_classes`).
+
+    Torchvision's models are built by its own builder, with its weights when `pretrained` names them (loaded from
+    its cache, downloaded into it when missing), then given a new head.
+    """
+    check_arch(arch)
+    if arch == SMALL_CNN:
+        if is_weights_name(pretrained):
+            weights_of(arch, pretrained)  # raises: small_cnn has none
+        return SmallCNN(num_classes), "head"
+    weights = weights_of(arch, pretrained) if is_weights_name(pretrained) else None
+    options: dict = {"aux_logits": False, "init_weights": False} if arch in _NO_AUX else {}
+    options.update({key: image_size for prefix, key in _SIZED.items() if arch.startswith(prefix) and image_size})
+    try:
+        net = torchvision.models.get_model(arch, weights=weights, **options)
+    except URLError as error:
+        raise WeightsUnavailable(
+            f"pretrained={pretrained}: {weights} for {arch} are not in torchvision's cache ({weights_file(weights)}) and could not be "
+            f"downloaded from {weights.url} ({error.reason}). Download that file where the internet is reachable and put it at "
+            f"{weights_file(weights)} (set TORCH_HOME for another cache folder), or set pretrained to the path or URI of a state dict"
+        ) from None
+    except ValueError as error:
+        if weights is None:
+            raise
+        raise ValueError(f"pretrained={pretrained}: {weights} cannot build {arch} here ({error}); set image_size to the size they were trained at") from None
+    except (RuntimeError, pickle.UnpicklingError, EOFError) as error:  # a garbled file in the cache
+        if weights is None:
+            raise
+        raise WeightsUnavailable(
+            f"pretrained={pretrained}: the cached file {weights_file(weights)} does not load ({error}); delete it, then run again to download it afresh"
+        ) from None
+    return net, replace_head(net, num_classes)
+
+
+def replace_head(net: nn.Module, num_classes: int) -> str:
+    """Swap the network's last classification layer (a Linear, or squeezenet's 1x1 Conv2d, with 1000 outputs) for a new
+    one with `num_classes`; returns its name."""
+    found = [
+        (name, module) for name, module in net.named_modules()
+        if (isinstance(module, nn.Linear) and module.out_features == 1000) or (isinstance(module, nn.Conv2d) and module.out_channels == 1000)
+    ]
+    if not found:
+        raise ValueError(f"{type(net).__name__} has no 1000-class layer to replace: not a classification model")
+    name, old = found[-1]
+    if isinstance(old, nn.Linear):
+        new: nn.Module = nn.Linear(old.in_features, num_classes, bias=old.bias is not None)
+    else:
+        new = nn.Conv2d(old.in_channels, num_classes, old.kernel_size, old.stride, old.padding, bias=old.bias is not None)
+    parent_name, _, leaf = name.rpartition(".")
+    setattr(net.get_submodule(parent_name) if parent_name else net, leaf, new)
+    return name
+
+
+def load_state_dict(uri: str, what: str = "pretrained") -> dict[str, torch.Tensor]:
     """A state dict from a local path or any fsspec URI, loaded without unpickling arbitrary objects; `what` names it in errors."""
     try:
         with fsspec.open(uri, "rb") as handle:
             state = torch.load(io.BytesIO(handle.read()), map_location="cpu", weights_only=True)
     except FileNotFoundError:
-        raise FileNotFoundError(f"{what} {uri} does not exist: give a local path or URI of a saved state dict") from None
+        raise FileNotFoundError(f"{what} {uri} does not exist: give a local path or URI of a saved state dict, or imagenet for torchvision's weights") from None
     state = state.get("state_dict", state) if isinstance(state, dict) else state
     if not isinstance(state, dict):
         raise ValueError(f"{what} {uri} is not a state dict (a mapping of parameter names to tensors)")
@@ -110,35 +165,50 @@ class ImageModel(nn.Module):
     """Takes images exactly as the table stores them (N, H, W, 3 uint8) and returns class logits.
 
     Normalising here, on the model's device, keeps the data path in uint8 and the served model self-contained.
+    `pretrained` names torchvision weights (imagenet, IMAGENET1K_V2, ...) or is the path or URI of a state dict.
     """
 
-    def __init__(self, num_classes: int, arch: str = "small_cnn", pretrained_weights: str | None = None, freeze_backbone: bool = False) -> None:
+    def __init__(
+        self, num_classes: int, arch: str = SMALL_CNN, pretrained: str | None = None, freeze_backbone: bool = False, image_size: int | None = None
+    ) -> None:
         super().__init__()
-        if arch not in ARCHS:
-            raise ValueError(f"unknown model_arch {arch!r}: choose one of {', '.join(ARCHS)}")
-        self.net = SmallCNN(num_classes) if arch == "small_cnn" else ResNet(arch, num_classes)
-        imagenet = arch != "small_cnn"
+        self.net, self.head_name = build_net(arch, num_classes, pretrained, image_size)
+        imagenet = arch != SMALL_CNN
         self.register_buffer("mean", torch.tensor(IMAGENET_MEAN if imagenet else (0.5,) * 3).view(1, 3, 1, 1) * 255, persistent=False)
         self.register_buffer("std", torch.tensor(IMAGENET_STD if imagenet else (0.5,) * 3).view(1, 3, 1, 1) * 255, persistent=False)
         self.channels_last = False
-        if pretrained_weights:
-            self.load_backbone(load_state_dict(pretrained_weights))
+        if pretrained and not is_weights_name(pretrained):
+            self.load_backbone(load_state_dict(pretrained))
         self.frozen = freeze_backbone
         if freeze_backbone:
             for name, parameter in self.net.named_parameters():
                 parameter.requires_grad = name.startswith(self.head_prefix)
+            # Lightning restores each module's mode around validation and never calls train() before the first epoch:
+            # the backbone is put in eval mode here, once.
+            self.train()
 
     @property
     def head_prefix(self) -> str:
-        return "head." if isinstance(self.net, SmallCNN) else "fc."
+        return f"{self.head_name}."
 
     def load_backbone(self, state: dict[str, torch.Tensor]) -> None:
-        """Load every weight whose name and shape match; the classification head stays fresh when the classes differ."""
+        """Load every weight whose name and shape match; the classification head stays fresh when the classes differ.
+
+        A state dict of a whole imagelake model (names under `net.`) is taken as its network's.
+        """
+        if state and all(name.startswith("net.") for name in state):
+            state = {name[4:]: tensor for name, tensor in state.items()}
         own = self.net.state_dict()
-        usable = {name: tensor for name, tensor in state.items() if name in own and own[name].shape == tensor.shape}
         backbone = [name for name in own if not name.startswith(self.head_prefix)]
+        misfits = [name for name in backbone if name in state and state[name].shape != own[name].shape]
+        if misfits:
+            raise ValueError(
+                f"pretrained weights do not fit this model: {len(misfits)} layers have other shapes (e.g. {', '.join(misfits[:3])}); "
+                "they are for another model_arch or image_size"
+            )
+        usable = {name: tensor for name, tensor in state.items() if name in own and own[name].shape == tensor.shape}
         if not any(name in usable for name in backbone):
-            raise ValueError("pretrained_weights matches none of the model's layers: is it a state dict for this model_arch?")
+            raise ValueError("pretrained weights match none of the model's layers: is it a state dict for this model_arch?")
         self.net.load_state_dict(usable, strict=False)
 
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:
@@ -155,10 +225,9 @@ class ImageModel(nn.Module):
     def train(self, mode: bool = True) -> "ImageModel":
         super().train(mode)
         if self.frozen:
-            # A frozen backbone keeps its batch-norm statistics too.
-            for name, module in self.net.named_children():
-                if not f"{name}.".startswith(self.head_prefix):
-                    module.eval()
+            # A frozen backbone keeps its batch-norm statistics (and its dropout is off): only the head trains.
+            self.net.eval()
+            self.net.get_submodule(self.head_name).train(mode)
         return self
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
@@ -195,25 +264,36 @@ def compiled(model: nn.Module, mode: str | None) -> nn.Module:
 
 
 class ImageClassifier(pl.LightningModule):
-    """Lightning module around ImageModel: cross-entropy, AdamW with warm-up and cosine decay, per-epoch loss and accuracy."""
+    """Lightning module around ImageModel: cross-entropy (label smoothing and class weights in training), AdamW with
+    warm-up and cosine decay (a lower rate for a pretrained backbone than for its new head), augmentation of training
+    batches, per-epoch loss and accuracy."""
 
     def __init__(
         self,
         num_classes: int,
         learning_rate: float,
-        arch: str = "small_cnn",
-        pretrained_weights: str | None = None,
+        arch: str = SMALL_CNN,
+        pretrained: str | None = None,
         freeze_backbone: bool = False,
         total_steps: int = 0,
         warmup_steps: int = 0,
         compile_mode: str | None = None,
+        image_size: int | None = None,
+        augment: str = "none",
+        augment_flip: bool = False,
+        seed: int = 0,
+        label_smoothing: float = 0.0,
+        class_weights: list[float] | None = None,
+        backbone_lr_factor: float = 1.0,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        self.model = ImageModel(num_classes, arch, pretrained_weights, freeze_backbone)
+        self.model = ImageModel(num_classes, arch, pretrained, freeze_backbone, image_size)
         # Steps run through the compiled module, which shares the model's parameters. It is kept out of the module tree
         # (object.__setattr__), so that state dicts, checkpoints and the exported model hold the plain model's names.
         object.__setattr__(self, "_step_model", compiled(self.model, compile_mode))
+        self.register_buffer("class_weights", torch.tensor(class_weights, dtype=torch.float32) if class_weights else None, persistent=False)
+        self._augment_draws: torch.Generator | None = None
         # Metric objects sum correct answers and samples across steps and workers: exact epoch figures
         # even when workers' batches differ in size (a mean of per-batch means would not be).
         # Their per-step checks are off: each reads a value back from the GPU and stalls the step (a NaN loss still
@@ -229,10 +309,21 @@ class ImageClassifier(pl.LightningModule):
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         return self.model(images)
 
+    def on_train_epoch_start(self) -> None:
+        # Each epoch's augmentation is drawn from (seed, epoch, rank): a rerun, or a run resumed at this epoch, sees the same images.
+        self._augment_draws = epoch_generator(self.hparams.seed, self.current_epoch, self.global_rank)
+
     def _step(self, batch: tuple[torch.Tensor, torch.Tensor], prefix: str) -> torch.Tensor:
         images, labels = batch
+        training = prefix == "train"
+        if training and self.hparams.augment != "none":
+            draws = self._augment_draws or epoch_generator(self.hparams.seed, 0, 0)
+            images = augment(images, self.hparams.augment, draws, flip=self.hparams.augment_flip)
         logits = self._step_model(images)
-        loss = F.cross_entropy(logits, labels)
+        # What training minimises may be smoothed and weighted; val_loss, which early stopping and checkpoints follow, is plain.
+        loss = F.cross_entropy(
+            logits, labels, weight=self.class_weights if training else None, label_smoothing=self.hparams.label_smoothing if training else 0.0
+        )
         self.metrics[f"{prefix}_acc"].update(logits.detach(), labels)
         self.metrics[f"{prefix}_loss"].update(loss.detach(), weight=len(labels))
         self.log(f"{prefix}_loss", self.metrics[f"{prefix}_loss"], on_step=False, on_epoch=True)
@@ -246,10 +337,15 @@ class ImageClassifier(pl.LightningModule):
         self._step(batch, "val")
 
     def configure_optimizers(self) -> dict:
-        parameters = [p for p in self.parameters() if p.requires_grad]
+        head_prefix = f"model.net.{self.model.head_prefix}"
+        trainable = [(name, p) for name, p in self.named_parameters() if p.requires_grad]
+        head = [p for name, p in trainable if name.startswith(head_prefix)]
+        backbone = [p for name, p in trainable if not name.startswith(head_prefix)]
+        rate = self.hparams.learning_rate
+        groups = [group for group in ({"params": head, "lr": rate}, {"params": backbone, "lr": rate * self.hparams.backbone_lr_factor}) if group["params"]]
         # One fused kernel for the whole update on a GPU (the per-tensor loop costs host time at every step).
-        fused = bool(parameters) and all(p.is_cuda for p in parameters)
-        optimizer = torch.optim.AdamW(parameters, lr=self.hparams.learning_rate, fused=fused or None)
+        fused = bool(trainable) and all(p.is_cuda for _, p in trainable)
+        optimizer = torch.optim.AdamW(groups, lr=rate, fused=fused or None)
         total, warmup = self.hparams.total_steps, self.hparams.warmup_steps
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: warmup_cosine(step, total, warmup))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}

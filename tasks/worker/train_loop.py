@@ -6,12 +6,13 @@ import glob
 import json
 import os
 import time
+from datetime import timedelta
 from typing import Any
 
 import pytorch_lightning as pl
 import ray.train
 import torch
-from pytorch_lightning.callbacks import Callback, EarlyStopping
+from pytorch_lightning.callbacks import Callback, EarlyStopping, Timer
 from ray.train.lightning import (
     RayDDPStrategy,
     RayLightningEnvironment,
@@ -151,6 +152,9 @@ def make_trainer(config: dict[str, Any], callbacks: list[Callback], train_steps:
     stopping = EarlyStopping(
         monitor="val_loss", mode="min", patience=config["patience"], min_delta=config["min_delta"], stopping_threshold=config.get("stopping_threshold")
     )
+    if config.get("max_train_minutes"):
+        # Checked at the end of each epoch (Lightning's max_time stops mid-epoch, before the epoch's checkpoint).
+        callbacks = [Timer(timedelta(minutes=config["max_train_minutes"]), interval="epoch"), *callbacks]
     return pl.Trainer(
         max_epochs=config["max_epochs"],
         precision="bf16-mixed" if gpu and config.get("bf16", True) else "32-true",
@@ -189,8 +193,12 @@ def make_model(config: dict[str, Any], steps_per_epoch: int = 0) -> ImageClassif
     """The classifier; with `steps_per_epoch`, its learning rate warms up over the first epoch and decays to 0 by the last."""
     total = steps_per_epoch * config["max_epochs"]
     model = ImageClassifier(
-        config["num_classes"], config["learning_rate"], config["arch"], config.get("pretrained_weights"), config.get("freeze_backbone", False),
-        total_steps=total, warmup_steps=min(steps_per_epoch, total // 2), compile_mode=compile_mode(config),
+        config["num_classes"], config["learning_rate"], config["arch"], config.get("pretrained"), config.get("freeze_backbone", False),
+        total_steps=total, warmup_steps=min(steps_per_epoch, total // 2), compile_mode=compile_mode(config), image_size=config["image_size"],
+        augment=config.get("augment", "none"), augment_flip=config.get("augment_flip", False), seed=config["seed"], label_smoothing=config.get("label_smoothing", 0.0),
+        class_weights=config.get("loss_weights"),
+        # A lower rate for the backbone only when it starts from pretrained weights: from scratch, all layers learn alike.
+        backbone_lr_factor=config.get("backbone_lr_factor", 1.0) if config.get("pretrained") else 1.0,
     )
     if config.get("warm_start_weights"):  # the champion's weights, over the fresh (or pretrained) ones
         model.model.load_weights(load_state_dict(config["warm_start_weights"], "warm start weights"))

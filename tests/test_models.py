@@ -1,0 +1,200 @@
+"""The models: torchvision's architectures by name over uint8 NHWC images, pretrained weights from torchvision's cache
+or a path, a frozen backbone, augmentation of training batches and the training loss's options."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torchvision
+
+from infra.settings import Settings
+from tasks.results import CachedSplits
+from tasks.train import balanced_weights
+from tasks.worker.augment import augment, epoch_generator
+from tasks.worker.model import ImageClassifier, ImageModel, WeightsUnavailable, weights_file
+from tasks.worker.train_loop import make_model, make_trainer
+
+IMAGES = torch.randint(0, 256, (4, 32, 32, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize(
+    "arch,head,params",
+    [
+        ("small_cnn", "head", None),
+        ("resnet18", "fc", 11_181_642),
+        ("resnet50", "fc", 23_528_522),
+        ("mobilenet_v3_small", "classifier.3", None),
+        ("efficientnet_b0", "classifier.1", None),
+        ("squeezenet1_1", "classifier.1", None),
+        ("vit_b_16", "heads.head", None),
+    ],
+)
+def test_an_architecture_chosen_by_name_takes_uint8_images_and_answers_for_the_tables_labels(arch: str, head: str, params: int | None) -> None:
+    model = ImageModel(10, arch, image_size=32).eval()
+    assert model.head_name == head
+    if params:
+        assert sum(p.numel() for p in model.parameters()) == params, "torchvision's standard network with a 10-label head"
+    with torch.no_grad():
+        assert model(IMAGES).shape == (4, 10)
+
+
+def test_an_unknown_architecture_is_refused_naming_the_setting_and_some_that_exist() -> None:
+    with pytest.raises(ValueError, match="model_arch 'resnet51' is not a model.*resnet50"):
+        Settings(model_arch="resnet51")
+    assert Settings(model_arch="convnext_tiny").model_arch == "convnext_tiny"
+    with pytest.raises(ValueError, match="unknown model_arch 'alexnot'"):
+        ImageModel(3, "alexnot")
+
+
+def test_pretrained_weights_of_the_old_name_still_load_and_both_names_at_once_are_refused() -> None:
+    assert Settings(pretrained_weights="/weights/r50.pt").pretrained == "/weights/r50.pt"
+    with pytest.raises(ValueError, match="set only pretrained"):
+        Settings(pretrained_weights="/a.pt", pretrained="imagenet")
+
+
+@pytest.fixture
+def torch_home(tmp_path: Path, monkeypatch) -> Path:
+    """An empty torchvision cache, with downloads refused at once: the proxy is a closed port on loopback."""
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
+    for name in ("https_proxy", "HTTPS_PROXY", "http_proxy", "HTTP_PROXY"):
+        monkeypatch.setenv(name, "http://127.0.0.1:9")
+    monkeypatch.delenv("no_proxy", raising=False)
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    return tmp_path / "torch"
+
+
+def test_imagenet_weights_load_from_torchvisions_cache_with_no_network(torch_home: Path) -> None:
+    """A file already in $TORCH_HOME/hub/checkpoints under the weights' file name is what torchvision loads; the
+    tables' head replaces ImageNet's 1000-class one."""
+    weights = torchvision.models.MobileNet_V3_Small_Weights.IMAGENET1K_V1
+    source = torchvision.models.mobilenet_v3_small()
+    Path(weights_file(weights)).parent.mkdir(parents=True)
+    torch.save(source.state_dict(), weights_file(weights))
+    assert weights_file(weights).startswith(str(torch_home))
+    for name in ("imagenet", "IMAGENET1K_V1", "MobileNet_V3_Small_Weights.IMAGENET1K_V1"):
+        model = ImageModel(4, "mobilenet_v3_small", pretrained=name)
+        assert torch.equal(model.net.features[0][0].weight, source.features[0][0].weight), name
+        assert model.net.classifier[3].out_features == 4
+    with pytest.raises(ValueError, match="ResNet50_Weights.*MobileNet_V3_Small_Weights"):
+        ImageModel(4, "mobilenet_v3_small", pretrained="ResNet50_Weights.IMAGENET1K_V2")
+    with pytest.raises(ValueError, match="has no such weights.*IMAGENET1K_V1"):
+        ImageModel(4, "mobilenet_v3_small", pretrained="IMAGENET1K_V9")
+    with pytest.raises(ValueError, match="small_cnn has no torchvision weights"):
+        ImageModel(4, "small_cnn", pretrained="imagenet")
+
+
+def test_weights_neither_cached_nor_downloadable_fail_naming_the_url_the_cache_file_and_what_to_do(torch_home: Path) -> None:
+    weights = torchvision.models.SqueezeNet1_1_Weights.IMAGENET1K_V1
+    with pytest.raises(WeightsUnavailable) as refused:
+        ImageModel(4, "squeezenet1_1", pretrained="imagenet")
+    message = str(refused.value)
+    assert weights.url in message and weights_file(weights) in message and "TORCH_HOME" in message and "path or URI of a state dict" in message
+    Path(weights_file(weights)).write_bytes(b"half a download")
+    with pytest.raises(WeightsUnavailable, match="does not load.*delete it"):
+        ImageModel(4, "squeezenet1_1", pretrained="imagenet")
+
+
+def test_pretrained_weights_load_from_a_path_and_a_frozen_backbone_trains_only_the_head(tmp_path: Path) -> None:
+    source = torchvision.models.resnet18()
+    weights = tmp_path / "resnet18-imagenet.pt"
+    torch.save(source.state_dict(), weights)
+    model = ImageModel(10, "resnet18", pretrained=str(weights), freeze_backbone=True)
+    assert torch.equal(model.net.conv1.weight, source.conv1.weight) and model.net.fc.out_features == 10
+    trainable = {name for name, p in model.net.named_parameters() if p.requires_grad}
+    assert trainable == {"fc.weight", "fc.bias"}
+    model.train()
+    assert not model.net.bn1.training and model.net.fc.training, "frozen batch norms keep their statistics"
+    # A state dict of a whole imagelake model (a registered version's) loads too.
+    torch.save(ImageModel(3, "resnet18").state_dict(), tmp_path / "imagelake.pt")
+    assert ImageModel(10, "resnet18", pretrained=str(tmp_path / "imagelake.pt")).net.fc.out_features == 10
+    with pytest.raises(FileNotFoundError, match="pretrained .*missing.pt does not exist"):
+        ImageModel(10, "resnet18", pretrained=str(tmp_path / "missing.pt"))
+    torch.save({"something": torch.zeros(3)}, tmp_path / "other.pt")
+    with pytest.raises(ValueError, match="match none of the model's layers"):
+        ImageModel(10, "resnet18", pretrained=str(tmp_path / "other.pt"))
+    torch.save(torchvision.models.resnet34().state_dict(), tmp_path / "resnet34.pt")
+    with pytest.raises(ValueError, match="layers have other shapes"):
+        ImageModel(10, "resnet50", pretrained=str(tmp_path / "resnet34.pt"))
+
+
+def config(**changes) -> dict:
+    return {
+        "train_uri": "", "val_uri": "", "num_classes": 3, "image_size": 16, "arch": "small_cnn", "learning_rate": 1e-2, "batch_size": 4,
+        "max_epochs": 1, "patience": 5, "min_delta": 0.0, "seed": 0, "use_gpu": False, **changes,
+    }
+
+
+def fit(module: ImageClassifier, settings: dict, epochs: int = 1) -> object:
+    images = torch.randint(0, 256, (8, 16, 16, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    batches = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(images, torch.arange(8) % 3), batch_size=4)
+    trainer = make_trainer({**settings, "max_epochs": epochs}, [], 2, 1, accelerator="cpu")
+    trainer.fit(module, train_dataloaders=batches, val_dataloaders=batches)
+    return trainer
+
+
+def test_a_frozen_backbone_moves_only_the_head_and_a_pretrained_one_learns_slower_than_its_head(tmp_path: Path) -> None:
+    torch.save(torchvision.models.resnet18().state_dict(), tmp_path / "r18.pt")
+    frozen = make_model(config(arch="resnet18", pretrained=str(tmp_path / "r18.pt"), freeze_backbone=True))
+    before = {name: tensor.clone() for name, tensor in frozen.model.state_dict().items()}
+    fit(frozen, config())
+    after = frozen.model.state_dict()
+    moved = {name for name in before if not torch.equal(before[name], after[name])}
+    assert moved == {"net.fc.weight", "net.fc.bias"}, "weights and batch-norm statistics of the backbone stay as loaded"
+    tuned = make_model(config(arch="resnet18", pretrained=str(tmp_path / "r18.pt"), backbone_lr_factor=0.1))
+    rates = [group["lr"] for group in tuned.configure_optimizers()["optimizer"].param_groups]
+    assert rates == [pytest.approx(1e-2), pytest.approx(1e-3)], "the new head, then the backbone at a tenth"
+    scratch = make_model(config(arch="resnet18", backbone_lr_factor=0.1))
+    assert [group["lr"] for group in scratch.configure_optimizers()["optimizer"].param_groups] == [pytest.approx(1e-2)] * 2
+
+
+def test_augmentation_is_the_same_for_a_seed_and_epoch_differs_across_epochs_and_ranks_and_keeps_the_batch_as_it_was() -> None:
+    images = torch.arange(32 * 32 * 3, dtype=torch.int64).remainder(251).to(torch.uint8).view(1, 32, 32, 3).repeat(6, 1, 1, 1)
+    for level in ("light", "standard"):
+        first = augment(images, level, epoch_generator(7, 3, 0))
+        assert first.dtype == torch.uint8 and first.shape == images.shape
+        assert torch.equal(first, augment(images, level, epoch_generator(7, 3, 0))), "same seed, epoch and rank: the same images"
+        mirrored = augment(images, level, epoch_generator(7, 3, 0), flip=True)
+        # The same draws with flips: each image is its unflipped crop, or that crop mirrored (some of each).
+        kinds = [0 if torch.equal(m, f) else 1 if torch.equal(m, f.flip(1)) else None for m, f in zip(mirrored, first)]
+        assert None not in kinds and 0 < sum(kinds) < len(kinds), kinds
+        assert not torch.equal(first, augment(images, level, epoch_generator(7, 4, 0))), "another epoch: other crops"
+        assert not torch.equal(first, augment(images, level, epoch_generator(7, 3, 1))), "another rank: other crops"
+        assert len({bytes(image.numpy()) for image in first}) == 6, "each image of a batch is cropped its own way"
+    assert augment(images, "none", epoch_generator(7, 3, 0)) is images
+    with pytest.raises(ValueError, match="unknown augment 'heavy'"):
+        augment(images, "heavy", epoch_generator(0, 0, 0))
+
+
+def test_training_batches_are_augmented_per_epoch_and_validation_batches_never(monkeypatch) -> None:
+    module = make_model(config(augment="standard", image_size=32))
+    seen: list[tuple[str, torch.Tensor]] = []
+    forward = module._step_model.forward
+    monkeypatch.setattr(module._step_model, "forward", lambda images: seen.append(images.clone()) or forward(images))
+    labels = torch.zeros(4, dtype=torch.long)
+    module.on_train_epoch_start()  # epoch 0, rank 0
+    module._step((IMAGES, labels), "train")
+    module._step((IMAGES, labels), "val")
+    assert not torch.equal(seen[0], IMAGES) and torch.equal(seen[1], IMAGES)
+    assert torch.equal(seen[0], augment(IMAGES, "standard", epoch_generator(0, 0, 0))), "drawn from (seed, epoch, rank)"
+
+
+def test_label_smoothing_and_class_weights_shape_the_training_loss_and_val_loss_stays_plain() -> None:
+    module = make_model(config(label_smoothing=0.2, loss_weights=[1.0, 2.0, 0.5]))
+    labels = torch.tensor([0, 1, 2, 1])
+    logits = module.model(IMAGES[:, :16, :16])
+    smoothed = torch.nn.functional.cross_entropy(logits, labels, weight=torch.tensor([1.0, 2.0, 0.5]), label_smoothing=0.2)
+    assert module._step((IMAGES[:, :16, :16], labels), "train").item() == pytest.approx(smoothed.item(), rel=1e-5)
+    assert module._step((IMAGES[:, :16, :16], labels), "val").item() == pytest.approx(torch.nn.functional.cross_entropy(logits, labels).item(), rel=1e-5)
+    cached = CachedSplits(
+        table_uri="t", table_version=0, cache_dir="c", key="k", splits={}, counts={}, labels=["a", "b", "c"], image_size=16, num_partitions=1,
+        reused=False, label_counts={"train": {"a": 60, "b": 30, "c": 0}},
+    )
+    assert balanced_weights(cached) == pytest.approx([0.75, 1.5, 0.0]), "inverse shares; a label with no training image weighs nothing"
+
+
+def test_a_time_budget_ends_training_at_the_end_of_an_epoch() -> None:
+    settings = config(max_train_minutes=1e-6)
+    trainer = fit(make_model(settings), settings, epochs=5)
+    assert trainer.current_epoch == 1, "the budget was spent during epoch 0, which ran to its end"
