@@ -21,7 +21,6 @@ from tasks.worker.loader import pixel_rows, split_files
 
 THUMBNAIL = 32
 MAX_ROWS = 20_000
-NAME = BASELINE
 
 
 @dataclass(frozen=True)

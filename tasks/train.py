@@ -28,11 +28,12 @@ from infra.prefect_env import one_at_a_time
 from infra.ray_runtime import connect_ray
 from infra.settings import Settings
 from infra.tracking import experiment_id, mlflow_client, run_url
-from tasks.baseline import NAME as BASELINE, fit_baseline
+from tasks.baseline import fit_baseline
 from tasks.cards import dataset_card_markdown, dataset_card_of, sample_grid
 from tasks.worker.loader import check_split, label_samples
 from tasks.progress import Every, stage_logger
 from tasks.registry import champion_of, champion_state_dict
+from tasks.rules.promotion import BASELINE
 from tasks.rules.training import TRAINING_SETTINGS, logged_params, scaled_learning_rate
 from tasks.rules.warm_start import WarmStart, WeightsShape, decide_warm_start
 from tasks.results import CachedSplits, Trained

@@ -7,7 +7,6 @@ import math
 import os
 import pickle
 import re
-from functools import lru_cache
 from urllib.error import URLError
 
 import fsspec
@@ -19,6 +18,7 @@ from torch import nn
 from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
+from infra.settings import MODEL_ARCHS
 from tasks.worker.augment import augment, epoch_generator
 
 
@@ -50,14 +50,8 @@ _SIZED = {"vit_": "image_size"}
 _NO_AUX = ("googlenet", "inception_v3")
 
 
-@lru_cache(maxsize=1)
-def zoo() -> tuple[str, ...]:
-    """Every model_arch: small_cnn and torchvision's classification models."""
-    return (SMALL_CNN, *torchvision.models.list_models(module=torchvision.models))
-
-
 def check_arch(arch: str) -> str:
-    if arch not in zoo():
+    if arch not in MODEL_ARCHS:
         raise ValueError(f"unknown model_arch {arch!r}: choose small_cnn or one of torchvision.models.list_models() (resnet50, efficientnet_b0, ...)")
     return arch
 
