@@ -1,7 +1,7 @@
 """Model quality on three data sets, each next to two plain baselines on the same split: `imagelake run` with the
 default settings in fresh workspaces.
 
-    .venv/bin/python bench/quality.py [--sets digits,photos,stamps] [--runs 3] [--same-seed] [--ref GIT_REF] [--set NAME=VALUE ...]
+    .venv/bin/python bench/quality.py [--sets digits,photos,stamps] [--runs 3] [--first-seed 1] [--same-seed] [--ref GIT_REF] [--set NAME=VALUE ...]
 
 Data sets:
 - digits: the demo (`make run`'s): scikit-learn's 1,797 handwritten digits as 64 px PNGs, 10 labels;
@@ -107,6 +107,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3, help="runs per data set and code version")
     parser.add_argument("--ref", help="also run this git revision's code first, as the baseline")
     parser.add_argument("--same-seed", action="store_true", help="every run with the default seed (shows determinism), not seeds 1..N")
+    parser.add_argument("--first-seed", type=int, default=1, help="the first run's seed (runs use FIRST..FIRST+N-1), to extend an earlier series")
     parser.add_argument("--set", action="append", default=[], help="a setting for every run, NAME=VALUE (default: none, the defaults)")
     args = parser.parse_args()
     wanted = [name.strip() for name in args.sets.split(",") if name.strip()]
@@ -134,7 +135,7 @@ def main() -> None:
                 print(f"{label}:", flush=True)
                 for name, (folder, extra) in sources.items():
                     results = []
-                    for index in range(1, args.runs + 1):
+                    for index in range(args.first_seed, args.first_seed + args.runs):
                         seed = [] if args.same_seed else ["--set", f"seed={index}"]
                         settings = [*seed, *extra, *(item for pair in args.set for item in ("--set", pair))]
                         results.append(one_run(code, folder, scratch / f"{name}-{index}", settings))

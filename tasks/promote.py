@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import tempfile
+from pathlib import Path
 
 import mlflow
 import numpy as np
@@ -19,9 +21,10 @@ from tasks.cards import confusion_matrix, metric_keys, model_card, per_class_met
 from tasks.worker.loader import pixel_rows, split_files
 from tasks.worker.model import ImageClassifier, ImageModel
 from tasks.predict import predict
-from tasks.registry import gate, registry_lock
+from tasks.registry import gate, registry_lock, served_model
 from tasks.results import CachedSplits, Promoted, Trained
 from tasks.rules.promotion import CHALLENGER, CHAMPION, Decision, decision_markdown
+from tasks.rules.warm_start import labels_tag
 from tasks.stage import stage
 
 
@@ -84,7 +87,7 @@ def promote_model(
         "git_commit": git_commit(),
         "prefect_flow_run_id": flow_run_id or "",
         "mlflow_run_id": trained.mlflow_run_id,
-        "labels": ",".join(cached.labels),
+        "labels": labels_tag(cached.labels),
         "image_size": str(cached.image_size),
         "resize_mode": settings.resize_mode,
         "split_settings": json.dumps(
@@ -97,13 +100,13 @@ def promote_model(
         version = registered_version(client, settings.model_name, trained.mlflow_run_id)
         if version is None:
             with mlflow.start_run(run_id=trained.mlflow_run_id):
-                # pt2 (torch.export): a format that loads without unpickling. Its requirements are the flavour's defaults
-                # (torch, cloudpickle; MLflow adds itself): inferring them loads the model again in a new interpreter.
-                # Logged before the per-class metrics: MLflow links each of the run's metrics to the model, a request each.
-                info = mlflow.pytorch.log_model(
-                    model, name="model", input_example=images[:2].copy(), serialization_format="pt2",
-                    pip_requirements=mlflow.pytorch.get_default_pip_requirements(),
-                )
+                # A pyfunc any MLflow client can call with image files (tasks/served_model.py), around a torch.export
+                # program that loads without unpickling. Its requirements are given: inferring them loads the model
+                # again in a new interpreter. Logged before the per-class metrics: MLflow links each of the run's
+                # metrics to the model, a request each.
+                with tempfile.TemporaryDirectory(prefix="imagelake-model-") as folder:
+                    served = served_model(Path(folder), model, cached.labels, cached.image_size, settings.resize_mode, settings.max_image_pixels, images[:2])
+                    info = mlflow.pyfunc.log_model(name="model", **served)
             # The lineage lands with the version, in one request: no version is ever seen without it.
             version = str(mlflow.register_model(info.model_uri, settings.model_name, tags=tags).version)
         else:
@@ -143,7 +146,7 @@ def promote_model(
         "model_name", "promotion_metric", "promotion_margin", "min_margin_over_baseline", "allow_pickle_models", "tracking_uri", "mlflow_registry_uri", "history_uri",
         "resize_mode", "val_fraction", "test_fraction", "partitions_per_worker",
     ),
-    code=("tasks.predict", "tasks.registry", "tasks.rules.promotion", "tasks.cards"),
+    code=("tasks.predict", "tasks.registry", "tasks.served_model", "tasks.rules.promotion", "tasks.rules.images", "tasks.cards"),
     retries=1,
 )
 def promote(trained: Trained, cached: CachedSplits, settings: Settings) -> Promoted:

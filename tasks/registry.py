@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import getpass
+import io
 import json
 import os
+import shutil
 import threading
 import uuid
 from contextlib import contextmanager
@@ -27,7 +29,11 @@ from tasks.rules.schemas import HISTORY_SCHEMA
 from tasks.rules.training import PARAM_SETTINGS
 from tasks.predict import evaluate
 from tasks.rules.promotion import CHALLENGER, CHAMPION, PREVIOUS, Decision, decide_promotion, held_by_baseline
-from tasks.rules.warm_start import Champion, shape_from_tags
+from tasks.rules.warm_start import Champion, labels_of_tag, shape_from_tags
+import tasks.rules.images as image_rules
+
+SERVED_MODEL = Path(__file__).with_name("served_model.py")  # the pyfunc MLflow runs (a model "from code")
+PROGRAM_FILE, META_FILE = "model.pt2", "meta.json"
 
 
 _EXPORT_LOAD = threading.Lock()
@@ -55,13 +61,65 @@ def load_registered_model(client: MlflowClient, name: str, version: str, allow_p
     return load_model_folder(model_files(client, name, version), name, version, allow_pickle)
 
 
+def served_model(folder: Path, model: torch.nn.Module, labels: list[str], image_size: int, resize_mode: str, max_pixels: int | None,
+                 examples: np.ndarray) -> dict:
+    """The arguments of `mlflow.pyfunc.log_model` (or `save_model`) for `model` as a self-contained pyfunc: the
+    torch.export program and a JSON file of its labels and sizes (written under `folder`), tasks/served_model.py as
+    the code MLflow runs, and the decoding rules it imports. `examples`: two or more (N, size, size, 3) uint8 images,
+    to trace the program with a batch dimension of any size and to make the logged input example."""
+    from mlflow.models import ModelSignature
+    from mlflow.types.schema import Array, ColSpec, Object, ParamSchema, ParamSpec, Property, Schema
+    from PIL import Image
+
+    folder.mkdir(parents=True, exist_ok=True)
+    batch = torch.export.Dim.AUTO
+    exported = torch.export.export(model.eval(), (torch.from_numpy(np.ascontiguousarray(examples)),), dynamic_shapes=({0: batch},))
+    torch.export.save(exported, str(folder / PROGRAM_FILE))
+    meta = {"labels": list(labels), "image_size": image_size, "resize_mode": resize_mode, "max_image_pixels": max_pixels}
+    (folder / META_FILE).write_text(json.dumps(meta, ensure_ascii=False, indent=1), encoding="utf-8")
+    # The rules travel as the package path the served code imports (tasks.rules.images), with nothing else of tasks.
+    code = folder / "code" / "tasks"
+    (code / "rules").mkdir(parents=True, exist_ok=True)
+    (code / "__init__.py").write_text("")
+    (code / "rules" / "__init__.py").write_text("")
+    shutil.copyfile(image_rules.__file__, code / "rules" / "images.py")
+    png = io.BytesIO()
+    Image.fromarray(examples[0]).save(png, format="PNG")
+    import pandas as pd
+
+    top = Array(Object([Property("label", "string"), Property("probability", "double")]))
+    signature = ModelSignature(
+        inputs=Schema([ColSpec("binary", "image")]),
+        outputs=Schema([ColSpec("string", "label", required=False), ColSpec("double", "probability", required=False), ColSpec(top, "top_k"),
+                        ColSpec("string", "error", required=False)]),
+        params=ParamSchema([ParamSpec("top_k", "long", 3)]),
+    )
+    import PIL
+    import pandas
+
+    requirements = [f"mlflow=={mlflow.__version__}", f"torch=={torch.__version__.split('+')[0]}", f"numpy=={np.__version__}",
+                    f"pandas=={pandas.__version__}", f"pillow=={PIL.__version__}"]
+    return {
+        "python_model": str(SERVED_MODEL),
+        "artifacts": {"program": str(folder / PROGRAM_FILE), "meta": str(folder / META_FILE)},
+        "code_paths": [str(code)],
+        "signature": signature,
+        "input_example": pd.DataFrame({"image": [png.getvalue()]}),
+        "pip_requirements": requirements,
+    }
+
+
 def load_model_folder(folder: Path, name: str, version: str, allow_pickle: bool = False) -> torch.nn.Module:
     """A downloaded model folder as a module. The MLmodel file is read as YAML, nothing of the model is imported or
-    unpickled before the format is known to be safe."""
+    unpickled before the format is known to be safe: the served pyfunc's program and an older pytorch-flavour pt2 load
+    as torch.export programs, without running the model's code."""
     meta = yaml.safe_load((folder / "MLmodel").read_text())
     flavor = (meta.get("flavors") or {}).get("pytorch")
     data = folder / (flavor or {}).get("model_data", "data")
     exported = data / "model.pt2"
+    served = served_files(folder, meta)
+    if served:
+        exported, flavor = served[0], True
     if flavor and exported.is_file():
         with _EXPORT_LOAD:  # torch.export.load keeps global state while it reads: one at a time per process
             return torch.export.load(str(exported)).module()
@@ -71,6 +129,24 @@ def load_model_folder(folder: Path, name: str, version: str, allow_pickle: bool 
             "loading it would unpickle code. Re-register it in pt2 format, or set allow_pickle_models=true if you trust its source."
         )
     return mlflow.pytorch.load_model(str(folder)) if flavor else mlflow.pyfunc.load_model(str(folder))
+
+
+def served_files(folder: Path, meta: dict | None = None) -> tuple[Path, Path] | None:
+    """The program and the JSON of labels and sizes of a model saved by `served_model`, or None for another format."""
+    meta = meta or yaml.safe_load((folder / "MLmodel").read_text())
+    artifacts = ((meta.get("flavors") or {}).get("python_function") or {}).get("artifacts") or {}
+    if "program" not in artifacts or "meta" not in artifacts:
+        return None
+    return folder / artifacts["program"]["path"], folder / artifacts["meta"]["path"]
+
+
+def model_labels(folder: Path, tags: dict[str, str]) -> list[str]:
+    """A registered version's label names: from the model's own JSON, or (a version registered before the model
+    carried them) from its labels tag."""
+    served = served_files(folder)
+    if served and served[1].is_file():
+        return json.loads(served[1].read_text(encoding="utf-8"))["labels"]
+    return labels_of_tag(tags.get("labels", ""))
 
 
 class ChampionUnreachable(RuntimeError):

@@ -8,14 +8,15 @@ from mlflow import MlflowClient
 
 from infra.settings import Settings
 from tasks.predict import label_files
-from tasks.registry import load_registered_model, resolve
+from tasks.registry import load_model_folder, model_files, model_labels, resolve
 
 
 def predict_files(client: MlflowClient, settings: Settings, reference: str, source: Path) -> list[dict]:
     """Label and probability for every image under `source`, decoded and resized as the model's training data was."""
     name, version = resolve(client, reference)
-    model = load_registered_model(client, name, version, settings.allow_pickle_models)
+    folder = model_files(client, name, version)
+    model = load_model_folder(folder, name, version, settings.allow_pickle_models)
     tags = client.get_model_version(name, version).tags
-    labels = tags.get("labels", "").split(",")
+    labels = model_labels(folder, tags)
     size, mode = int(tags.get("image_size") or settings.image_size), tags.get("resize_mode") or settings.resize_mode
     return label_files(model, labels, source, size, mode, settings.image_extensions, settings.max_image_pixels)

@@ -10,6 +10,7 @@ say why a stage was a cache miss.
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import json
 import sys
@@ -17,6 +18,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, TypeVar
 
 import fsspec
@@ -38,9 +40,19 @@ _seconds: dict[str, dict[str, float]] = {}
 _lock = threading.Lock()
 
 
+def module_source(name: str) -> str:
+    """A module's source, read from its file: imported or not (tasks/served_model.py is run by MLflow, never imported)."""
+    if name in sys.modules:
+        return inspect.getsource(sys.modules[name])
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.origin:
+        raise ModuleNotFoundError(f"no module {name!r} to key a stage's cache on")
+    return Path(spec.origin).read_text(encoding="utf-8")
+
+
 def code_digest(*modules: str) -> str:
-    """A digest of these (imported) modules' source: it changes when any of their code does."""
-    return hash_objects([inspect.getsource(sys.modules[name]) for name in modules], raise_on_failure=True)
+    """A digest of these modules' source: it changes when any of their code does."""
+    return hash_objects([module_source(name) for name in modules], raise_on_failure=True)
 
 
 def key_parts(fn: Callable[..., Any], inputs: dict[str, Any], settings_fields: tuple[str, ...], code: tuple[str, ...] = ()) -> dict[str, str]:

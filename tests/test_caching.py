@@ -10,7 +10,7 @@ import pytest
 
 from flows.pipeline import pipeline
 from infra.settings import load_settings
-from tasks.stage import explain, key_parts
+from tasks.stage import StageKey, code_digest, explain, key_parts
 from tasks.summary import cache_report
 from tests.lake import copy_digits
 
@@ -32,6 +32,28 @@ def test_store_uris_enter_the_key_as_digests_only() -> None:
     assert "ml-pipeline" not in str(parts) and "db.internal" not in str(parts) and parts["setting tracking_uri"].startswith("digest ")
     other = key_parts(pipeline.fn, {"settings": load_settings(overrides={"mlflow_tracking_uri": "postgresql://ml-pipeline@db2.internal/mlflow"})}, ("tracking_uri",))
     assert other["setting tracking_uri"] != parts["setting tracking_uri"], "a new store is still a miss"
+
+
+def test_every_stage_s_code_key_reads_its_modules_imported_or_not(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A module a stage names but the driver never imports (the served model, which MLflow runs) still keys the cache:
+    a key that cannot be computed turns the stage's cache off without a word."""
+    import importlib
+    import sys
+
+    from prefect import Task
+
+    stages = [
+        value
+        for name in ("ingest", "resize", "write", "split", "cache", "train", "promote")
+        for value in vars(importlib.import_module(f"tasks.{name}")).values()
+        if isinstance(value, Task) and isinstance(value.cache_policy, StageKey)
+    ]
+    assert {task.name for task in stages} >= {"ingest", "resize", "write", "split", "cache", "train", "promote"}
+    monkeypatch.delitem(sys.modules, "tasks.served_model", raising=False)
+    for task in stages:
+        assert code_digest(*task.cache_policy.code), task.name
+    assert "tasks.served_model" in next(task for task in stages if task.name == "promote").cache_policy.code
+    assert "tasks.served_model" not in sys.modules, "read, not imported"
 
 
 def test_cache_report_says_hit_or_miss_and_why() -> None:

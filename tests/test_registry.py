@@ -26,6 +26,7 @@ from tasks.registry import (
     history,
     load_registered_model,
     rollback,
+    served_model,
 )
 from tasks.rules.promotion import CHALLENGER, CHAMPION, PREVIOUS, decide_promotion, held_by_baseline
 
@@ -61,6 +62,15 @@ def test_a_candidate_not_enough_above_its_baseline_is_held_whatever_the_champion
     assert held_by_baseline("accuracy", candidate, None, 0.05) is None, "no baseline (a single label): nothing to hold it to"
 
 
+def test_label_names_survive_the_tag_and_older_comma_joined_tags_still_read() -> None:
+    from tasks.rules.warm_start import labels_of_tag, labels_tag
+
+    names = ["apples, red", 'say "hi"', "[bracketed]", "Überraschung \U0001f34e", ""]
+    assert labels_of_tag(labels_tag(names)) == names
+    assert labels_of_tag("cat,dog") == ["cat", "dog"] and labels_of_tag("") == []
+    assert labels_of_tag("[not json,other") == ["[not json", "other"], "an old tag whose first name starts with a bracket"
+
+
 def test_a_champion_that_cannot_be_loaded_is_replaced_with_the_reason() -> None:
     decision = decide_promotion("accuracy", 0.2, None, 0.1, champion_error="v3: OSError: model.pt2 is missing")
     assert decision.promote and "could not be evaluated" in decision.reason and "v3" in decision.reason
@@ -84,12 +94,12 @@ def models_and_split() -> tuple[dict[str, torch.nn.Module], np.ndarray, np.ndarr
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Each model of models_and_split exported once, as log_model exports it (a pt2 program takes seconds to make);
+    """Each model of models_and_split saved once, as the promote stage logs it (a pt2 program takes seconds to make);
     the tests register copies."""
     models, images, _ = models_and_split()
     root = tmp_path_factory.mktemp("saved-models")
     for kind, model in models.items():
-        mlflow.pytorch.save_model(model, root / kind, input_example=images[:2], serialization_format="pt2")
+        mlflow.pyfunc.save_model(root / kind, **served_model(root / f"{kind}-parts", model, list("abcd"), 16, "letterbox", None, images[:2]))
     return {kind: root / kind for kind in models}
 
 

@@ -215,16 +215,23 @@ def test_a_compiled_model_trains_its_own_weights_checkpoints_under_the_plain_nam
     again = make_trainer({**config, "max_epochs": 2}, [], 2, 1, accelerator="cpu")
     again.fit(resumed, train_dataloaders=batches, val_dataloaders=batches, ckpt_path=tmp_path / "compiled.ckpt")
     assert again.current_epoch == 2 and type(resumed._step_model).__name__ == "OptimizedModule"
-    # Registered as the promote stage registers: the plain model of the checkpoint, exported as a pt2 program.
+    # Registered as the promote stage registers: the plain model of the checkpoint, a pt2 program in the served pyfunc.
     import mlflow
 
     from tasks.promote import load_trained_model
 
+    from tasks.registry import served_model
+
     exported = load_trained_model(str(tmp_path / "compiled.ckpt"))
-    mlflow.pytorch.save_model(exported, tmp_path / "registered", input_example=images[:2].numpy(), serialization_format="pt2")
-    served = mlflow.pytorch.load_model(str(tmp_path / "registered"))
+    labels = [str(n) for n in range(10)]
+    mlflow.pyfunc.save_model(tmp_path / "registered", **served_model(tmp_path / "parts", exported, labels, 16, "letterbox", None, images[:2].numpy()))
+    served = mlflow.pyfunc.load_model(str(tmp_path / "registered"))
     with torch.no_grad():
-        assert torch.allclose(served(images), plain.model(images), atol=1e-4)
+        probabilities = torch.softmax(plain.model(images), dim=1)
+    answered = served.unwrap_python_model().predict(None, images.numpy(), params={"top_k": 10})
+    assert list(answered["label"]) == [labels[i] for i in probabilities.argmax(dim=1)]
+    got = torch.tensor([[entry["probability"] for entry in sorted(top, key=lambda e: int(e["label"]))] for top in answered["top_k"]])
+    assert torch.allclose(got, probabilities, atol=1e-4)
     with pytest.raises(ValueError, match="compile mode 'fastest'"):
         make_model({**config, "compile": "fastest"})
     # The setting: unset, compiled with a GPU only; on or off; or a mode.

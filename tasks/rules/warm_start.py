@@ -38,11 +38,28 @@ class WarmStart:
         return self.version or "none"
 
 
+def labels_tag(labels: list[str]) -> str:
+    """The labels tag of a registered version: a JSON list, so that names with commas, quotes or any Unicode survive."""
+    return json.dumps(list(labels), ensure_ascii=False)
+
+
+def labels_of_tag(text: str) -> list[str]:
+    """The label names of a labels tag: a JSON list, or the comma-joined names of a version registered before it was one."""
+    if text.startswith("["):
+        try:
+            found = json.loads(text)
+        except ValueError:
+            found = None
+        if isinstance(found, list) and all(isinstance(name, str) for name in found):
+            return found
+    return text.split(",") if text else []
+
+
 def shape_from_tags(tags: Mapping[str, str]) -> WeightsShape | None:
     """A registered version's shape from the tags the promote stage sets, or None if they are missing or malformed."""
     try:
         arch = json.loads(tags["training_params"])["arch"]
-        return WeightsShape(tuple(tags["labels"].split(",")), int(tags["image_size"]), str(arch), tags["resize_mode"])
+        return WeightsShape(tuple(labels_of_tag(tags["labels"])), int(tags["image_size"]), str(arch), tags["resize_mode"])
     except (KeyError, ValueError, TypeError):
         return None
 

@@ -1,0 +1,213 @@
+"""The registered model as any MLflow client calls it: image files in, label names and probabilities out, through
+MLflow's own loader and through `mlflow models serve`; and imagelake's own reading of it and of older versions."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import mlflow
+import numpy as np
+import pytest
+import torch
+from mlflow import MlflowClient
+from mlflow.exceptions import MlflowException
+from PIL import Image
+
+from infra.cluster import free_port
+from infra.settings import load_settings
+from tasks.registry import load_registered_model, served_model
+from tasks.rules.images import resize_image
+from tasks.rules.warm_start import labels_tag
+from tasks.serving import predict_files
+from tasks.worker.model import ImageModel
+
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("serving")]  # one process: the module's store, model and server
+
+NAME = "colours"
+SIZE = 16
+# Names a comma-joined tag would have broken: a comma, quotes, and characters outside ASCII.
+LABELS = ["apples, red", 'leaves "green"', "myrtilles bleues \U0001fad0"]
+COLOURS = [(220, 40, 30), (40, 190, 50), (30, 50, 220)]
+
+
+def drawing(label: int, seed: int) -> np.ndarray:
+    """A noisy picture of one colour, of a size and shape other than the model's (so decoding letterboxes it)."""
+    rng = np.random.default_rng(seed)
+    height, width = int(rng.integers(20, 48)), int(rng.integers(20, 48))
+    noise = rng.integers(-30, 30, (height, width, 3))
+    return np.clip(np.array(COLOURS[label]) + noise, 0, 255).astype(np.uint8)
+
+
+def encoded(pixels: np.ndarray, kind: str) -> bytes:
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format=kind, **({"quality": 90} if kind == "JPEG" else {}))
+    return out.getvalue()
+
+
+def files() -> list[tuple[str, bytes, str]]:
+    """(name, bytes, the right label) for a PNG and a JPEG of each colour."""
+    return [(f"{label}-{kind.lower()}", encoded(drawing(label, 100 + label), kind), LABELS[label]) for label in range(3) for kind in ("PNG", "JPEG")]
+
+
+def colour_model() -> torch.nn.Module:
+    """A small CNN taught the three colours on their decoded pictures, in a second."""
+    torch.manual_seed(0)
+    images = np.stack([resize_image(encoded(drawing(i % 3, i), "PNG"), SIZE)[0] for i in range(60)])
+    labels = torch.tensor([i % 3 for i in range(60)])
+    model = ImageModel(3)
+    optimiser = torch.optim.Adam(model.parameters(), lr=0.01)
+    for _ in range(40):
+        optimiser.zero_grad()
+        torch.nn.functional.cross_entropy(model(torch.from_numpy(images)), labels).backward()
+        optimiser.step()
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def champion(tmp_path_factory: pytest.TempPathFactory):
+    """A SQLite MLflow store holding the colour model registered as imagelake registers a model, with the champion
+    alias, and a version 2 saved in the format of earlier releases (pytorch flavour, pt2, labels comma-joined)."""
+    root = tmp_path_factory.mktemp("serving")
+    store = f"sqlite:///{root / 'mlflow.db'}"
+    before = mlflow.get_tracking_uri(), mlflow.get_registry_uri()
+    mlflow.set_tracking_uri(store)
+    mlflow.set_registry_uri(store)
+    client = MlflowClient(store, store)
+    experiment = client.create_experiment("serving", artifact_location=str(root / "artifacts"))
+    model = colour_model()
+    examples = np.stack([resize_image(encoded(drawing(i, i), "PNG"), SIZE)[0] for i in range(2)])
+    with tempfile.TemporaryDirectory() as folder, mlflow.start_run(experiment_id=experiment):
+        info = mlflow.pyfunc.log_model(name="model", **served_model(Path(folder), model, LABELS, SIZE, "letterbox", 10_000_000, examples))
+    tags = {"labels": labels_tag(LABELS), "image_size": str(SIZE), "resize_mode": "letterbox"}
+    version = mlflow.register_model(info.model_uri, NAME, tags=tags).version
+    client.set_registered_model_alias(NAME, "champion", version)
+    with mlflow.start_run(experiment_id=experiment):
+        old = mlflow.pytorch.log_model(model, name="model", input_example=examples, serialization_format="pt2")
+    mlflow.register_model(old.model_uri, NAME, tags={**tags, "labels": "apples,leaves,blueberries"})
+    yield store, root
+    mlflow.set_tracking_uri(before[0])
+    mlflow.set_registry_uri(before[1])
+
+
+def test_mlflow_s_own_loader_takes_image_files_and_answers_label_names(champion) -> None:
+    store, root = champion
+    loaded = mlflow.pyfunc.load_model(f"models:/{NAME}@champion")
+    import pandas as pd
+
+    given = files()
+    as_bytes = loaded.predict(pd.DataFrame({"image": [data for _, data, _ in given]}))
+    assert list(as_bytes["label"]) == [label for _, _, label in given], "PNG and JPEG of each colour: its name, commas, quotes and all"
+    for top, probability in zip(as_bytes["top_k"], as_bytes["probability"]):
+        assert [entry["probability"] for entry in top] == sorted((entry["probability"] for entry in top), reverse=True)
+        assert len(top) == 3 and top[0]["probability"] == probability and 1 / 3 < probability <= 1
+        assert sorted(entry["label"] for entry in top) == sorted(LABELS)
+    as_text = loaded.predict(pd.DataFrame({"image": [base64.b64encode(data).decode() for _, data, _ in given]}), params={"top_k": 1})
+    assert list(as_text["label"]) == list(as_bytes["label"]) and all(len(top) == 1 for top in as_text["top_k"])
+
+    # A bad row is answered with its reason; the rows around it still get their labels.
+    png = given[0][1]
+    mixed = loaded.predict(pd.DataFrame({"image": [png, b"not an image", png[: len(png) // 2], given[5][1]]}))
+    assert list(mixed["label"]) == [LABELS[0], None, None, LABELS[2]]
+    assert mixed["error"][1].startswith("not_an_image") and mixed["error"][2].startswith(("truncated", "undecodable"))
+    assert mixed["error"][0] is None and mixed["probability"][1] is None
+    with pytest.raises(MlflowException, match="the request has no images"):
+        loaded.predict(pd.DataFrame({"image": pd.Series([], dtype=object)}))
+
+    # Images already decoded (uint8, as the table stores them) through the model's Python object.
+    decoded = np.stack([resize_image(data, SIZE)[0] for _, data, _ in given])
+    assert list(loaded.unwrap_python_model().predict(None, decoded)["label"]) == list(as_bytes["label"])
+
+    # What the model says about itself: the signature, an input example, the labels as data.
+    folder = Path(mlflow.artifacts.download_artifacts(f"models:/{NAME}@champion"))
+    inputs = loaded.metadata.get_input_schema().to_dict()
+    assert inputs == [{"type": "binary", "name": "image", "required": True}]
+    assert {c["name"] for c in loaded.metadata.get_output_schema().to_dict()} == {"label", "probability", "top_k", "error"}
+    assert loaded.metadata.get_params_schema().to_dict() == [{"name": "top_k", "default": 3, "shape": None, "type": "long"}]
+    assert (folder / "serving_input_example.json").is_file()
+    assert json.loads((folder / "artifacts" / "meta.json").read_text(encoding="utf-8"))["labels"] == LABELS
+
+
+def test_imagelake_reads_the_served_model_and_an_older_one_without_running_their_code(champion, tmp_path: Path) -> None:
+    store, _ = champion
+    source = tmp_path / "images"
+    source.mkdir()
+    for name, data, _ in files():
+        (source / f"{name}.{'png' if name.endswith('png') else 'jpg'}").write_bytes(data)
+    settings = load_settings(overrides={"workspace": str(tmp_path / "ws"), "mlflow_tracking_uri": store})
+    client = MlflowClient(store, store)
+    # `imagelake predict`: the same decoding rules and labels as the pyfunc (one path), from the program alone.
+    found = {Path(row["path"]).stem: row["label"] for row in predict_files(client, settings, f"{NAME}@champion", source)}
+    assert found == {name: label for name, _, label in files()}
+    assert type(load_registered_model(client, NAME, "1")).__name__ != "ImageClassifierModel"
+    # A version registered by earlier releases (pytorch flavour, labels comma-joined) still predicts.
+    older = {Path(row["path"]).stem: row["label"] for row in predict_files(client, settings, f"{NAME}/2", source)}
+    plain = ["apples", "leaves", "blueberries"]
+    assert older == {name: plain[LABELS.index(label)] for name, _, label in files()}
+
+
+@pytest.fixture(scope="module")
+def served(champion):
+    """`mlflow models serve` of the champion on a loopback port, as a consumer would start it."""
+    store, root = champion
+    port = free_port()
+    env = {**os.environ, "MLFLOW_TRACKING_URI": store, "MLFLOW_REGISTRY_URI": store, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    mlflow_cli = str(Path(sys.executable).parent / "mlflow")
+    log = (root / "serve.log").open("w")
+    server = subprocess.Popen(
+        [mlflow_cli, "models", "serve", "-m", f"models:/{NAME}@champion", "--env-manager", "local", "-h", "127.0.0.1", "-p", str(port)],
+        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            with urllib.request.urlopen(f"{url}/ping", timeout=5):
+                break
+        except OSError:
+            assert server.poll() is None and time.monotonic() < deadline, (root / "serve.log").read_text()[-3000:]
+            time.sleep(0.5)
+    yield url
+    os.killpg(server.pid, 15)
+    server.wait(30)
+    log.close()
+
+
+def invoke(url: str, body: dict) -> tuple[int, dict]:
+    request = urllib.request.Request(f"{url}/invocations", json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as answer:
+            return answer.status, json.loads(answer.read())
+    except urllib.error.HTTPError as refused:
+        return refused.code, json.loads(refused.read())
+
+
+def test_mlflow_models_serve_answers_png_and_jpeg_files_with_their_label_names(served: str) -> None:
+    given = files()
+    status, answer = invoke(served, {"dataframe_split": {"columns": ["image"], "data": [[base64.b64encode(data).decode()] for _, data, _ in given]}})
+    assert status == 200, answer
+    assert [row["label"] for row in answer["predictions"]] == [label for _, _, label in given]
+    assert all(len(row["top_k"]) == 3 and row["error"] is None for row in answer["predictions"])
+    status, answer = invoke(served, {"dataframe_split": {"columns": ["image"], "data": [[base64.b64encode(given[0][1]).decode()]]}, "params": {"top_k": 2}})
+    assert status == 200 and len(answer["predictions"][0]["top_k"]) == 2, answer
+
+
+def test_mlflow_models_serve_answers_a_bad_row_with_its_reason_and_refuses_an_empty_request(served: str) -> None:
+    given = files()
+    rows = [given[1][1], b"GIF89a but nothing after", given[4][1]]
+    status, answer = invoke(served, {"dataframe_split": {"columns": ["image"], "data": [[base64.b64encode(data).decode()] for data in rows]}})
+    assert status == 200, answer
+    good, bad, other = answer["predictions"]
+    assert (good["label"], other["label"]) == (given[1][2], given[4][2])
+    assert bad["label"] is None and bad["probability"] is None and bad["error"], bad
+    status, answer = invoke(served, {"dataframe_split": {"columns": ["image"], "data": []}})
+    assert status == 400 and "the request has no images" in answer["message"], answer
