@@ -12,6 +12,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from tasks.rules.answers import answers
 from tasks.rules.images import ImageDecodeError, resize_image
 
 
@@ -60,10 +61,9 @@ def label_files(
 
     def flush() -> None:
         if batch:
-            probabilities = torch.softmax(logits_of(model, np.stack([pixels for _, pixels in batch]), batch_size), dim=1)
-            for (path, _), row in zip(batch, probabilities):
-                best = int(row.argmax())
-                results.append({"path": str(path), "label": labels[best] if best < len(labels) else str(best), "probability": float(row[best])})
+            probabilities = torch.softmax(logits_of(model, np.stack([pixels for _, pixels in batch]), batch_size), dim=1).numpy()
+            for (path, _), answer in zip(batch, answers(probabilities, labels, 1)):
+                results.append({"path": str(path), "label": answer["label"], "probability": answer["probability"]})
             batch.clear()
 
     for path in files:

@@ -146,7 +146,7 @@ def promote_model(
         "model_name", "promotion_metric", "promotion_margin", "min_margin_over_baseline", "allow_pickle_models", "tracking_uri", "mlflow_registry_uri", "history_uri",
         "resize_mode", "val_fraction", "test_fraction", "partitions_per_worker",
     ),
-    code=("tasks.predict", "tasks.registry", "tasks.served_model", "tasks.rules.promotion", "tasks.rules.images", "tasks.cards"),
+    code=("tasks.predict", "tasks.registry", "tasks.served_model", "tasks.rules.promotion", "tasks.rules.images", "tasks.rules.answers", "tasks.cards"),
     retries=1,
 )
 def promote(trained: Trained, cached: CachedSplits, settings: Settings) -> Promoted:

@@ -30,6 +30,7 @@ from tasks.rules.training import PARAM_SETTINGS
 from tasks.predict import evaluate
 from tasks.rules.promotion import CHALLENGER, CHAMPION, PREVIOUS, Decision, decide_promotion, held_by_baseline
 from tasks.rules.warm_start import Champion, labels_of_tag, shape_from_tags
+import tasks.rules.answers as answer_rules
 import tasks.rules.images as image_rules
 
 SERVED_MODEL = Path(__file__).with_name("served_model.py")  # the pyfunc MLflow runs (a model "from code")
@@ -77,12 +78,13 @@ def served_model(folder: Path, model: torch.nn.Module, labels: list[str], image_
     torch.export.save(exported, str(folder / PROGRAM_FILE))
     meta = {"labels": list(labels), "image_size": image_size, "resize_mode": resize_mode, "max_image_pixels": max_pixels}
     (folder / META_FILE).write_text(json.dumps(meta, ensure_ascii=False, indent=1), encoding="utf-8")
-    # The rules travel as the package path the served code imports (tasks.rules.images), with nothing else of tasks.
+    # The rules travel as the package path the served code imports (tasks.rules.*), with nothing else of tasks.
     code = folder / "code" / "tasks"
     (code / "rules").mkdir(parents=True, exist_ok=True)
     (code / "__init__.py").write_text("")
     (code / "rules" / "__init__.py").write_text("")
-    shutil.copyfile(image_rules.__file__, code / "rules" / "images.py")
+    for rules in (image_rules, answer_rules):
+        shutil.copyfile(rules.__file__, code / "rules" / Path(rules.__file__).name)
     png = io.BytesIO()
     Image.fromarray(examples[0]).save(png, format="PNG")
     import pandas as pd

@@ -1,16 +1,14 @@
 """The registered model as MLflow serves it: encoded image bytes in, label names and probabilities out.
 
 MLflow saves this file with each registered version (a model "from code") and runs it wherever the model is loaded
-with `mlflow.pyfunc.load_model` or served with `mlflow models serve`: it imports torch, numpy, pandas, Pillow, MLflow
-and the decoding rules (`tasks/rules/images.py`, saved with the model), nothing else of imagelake. The network is the
-torch.export program beside it (`model.pt2`), which loads without unpickling; the labels, image size and resize mode
-are a JSON file beside it.
+with `mlflow.pyfunc.load_model` or served with `mlflow models serve`. It imports torch, numpy, pandas, Pillow, MLflow
+and the rules it shares with `imagelake predict` (`tasks/rules/images.py` and `answers.py`, saved with the model),
+nothing else of imagelake. The network is the torch.export program beside it (`model.pt2`), which loads without
+unpickling; the labels, image size and resize mode are a JSON file beside it.
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
 import json
 from pathlib import Path
 
@@ -21,33 +19,12 @@ import torch
 from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import BAD_REQUEST
 
+from tasks.rules.answers import answers, image_bytes
 from tasks.rules.images import resize_image
 
 PROGRAM, META = "program", "meta"  # the model's artifacts: the torch.export program and its labels and sizes
 IMAGE = "image"  # the input column
 TOP_K = 3  # the default of the top_k parameter
-
-
-def image_bytes(value: object) -> bytes:
-    """One cell of the image column as the file's bytes: bytes as they are, a str as base64 (JSON requests)."""
-    if isinstance(value, (bytes, bytearray, memoryview)):
-        return bytes(value)
-    if isinstance(value, str):
-        try:
-            return base64.b64decode(value, validate=True)
-        except (binascii.Error, ValueError):
-            raise ValueError("not_base64: a string in the image column must be the image file's bytes in base64") from None
-    raise ValueError(f"not_bytes: the image column holds {type(value).__name__}; send the image file's bytes (base64 in JSON)")
-
-
-def answers(probabilities: np.ndarray, labels: list[str], top_k: int) -> list[dict]:
-    """Rows of label, probability and the top k labels with theirs, for (N, classes) probabilities."""
-    rows = []
-    for row in probabilities:
-        order = np.argsort(-row, kind="stable")[:top_k]
-        top = [{"label": labels[i], "probability": float(row[i])} for i in order]
-        rows.append({"label": top[0]["label"], "probability": top[0]["probability"], "top_k": top, "error": None})
-    return rows
 
 
 def table(rows: list[dict]) -> pd.DataFrame:
