@@ -16,11 +16,16 @@ from typing import Iterator
 
 import mlflow
 import numpy as np
+import pandas as pd
+import PIL
 import pyarrow as pa
 import torch
 import yaml
 from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
+from mlflow.models import ModelSignature
+from mlflow.types.schema import Array, ColSpec, Object, ParamSchema, ParamSpec, Property, Schema
+from PIL import Image
 
 from infra.delta import Table
 from infra.prefect_env import one_at_a_time
@@ -35,6 +40,7 @@ import tasks.rules.images as image_rules
 
 SERVED_MODEL = Path(__file__).with_name("served_model.py")  # the pyfunc MLflow runs (a model "from code")
 PROGRAM_FILE, META_FILE = "model.pt2", "meta.json"
+PROGRAM, META = "program", "meta"  # the served model's artifact keys (tasks/served_model.py reads the same)
 
 
 _EXPORT_LOAD = threading.Lock()
@@ -68,10 +74,6 @@ def served_model(folder: Path, model: torch.nn.Module, labels: list[str], image_
     torch.export program and a JSON file of its labels and sizes (written under `folder`), tasks/served_model.py as
     the code MLflow runs, and the decoding rules it imports. `examples`: two or more (N, size, size, 3) uint8 images,
     to trace the program with a batch dimension of any size and to make the logged input example."""
-    from mlflow.models import ModelSignature
-    from mlflow.types.schema import Array, ColSpec, Object, ParamSchema, ParamSpec, Property, Schema
-    from PIL import Image
-
     folder.mkdir(parents=True, exist_ok=True)
     batch = torch.export.Dim.AUTO
     exported = torch.export.export(model.eval(), (torch.from_numpy(np.ascontiguousarray(examples)),), dynamic_shapes=({0: batch},))
@@ -87,8 +89,6 @@ def served_model(folder: Path, model: torch.nn.Module, labels: list[str], image_
         shutil.copyfile(rules.__file__, code / "rules" / Path(rules.__file__).name)
     png = io.BytesIO()
     Image.fromarray(examples[0]).save(png, format="PNG")
-    import pandas as pd
-
     top = Array(Object([Property("label", "string"), Property("probability", "double")]))
     signature = ModelSignature(
         inputs=Schema([ColSpec("binary", "image")]),
@@ -96,14 +96,11 @@ def served_model(folder: Path, model: torch.nn.Module, labels: list[str], image_
                         ColSpec("string", "error", required=False)]),
         params=ParamSchema([ParamSpec("top_k", "long", 3)]),
     )
-    import PIL
-    import pandas
-
     requirements = [f"mlflow=={mlflow.__version__}", f"torch=={torch.__version__.split('+')[0]}", f"numpy=={np.__version__}",
-                    f"pandas=={pandas.__version__}", f"pillow=={PIL.__version__}"]
+                    f"pandas=={pd.__version__}", f"pillow=={PIL.__version__}"]
     return {
         "python_model": str(SERVED_MODEL),
-        "artifacts": {"program": str(folder / PROGRAM_FILE), "meta": str(folder / META_FILE)},
+        "artifacts": {PROGRAM: str(folder / PROGRAM_FILE), META: str(folder / META_FILE)},
         "code_paths": [str(code)],
         "signature": signature,
         "input_example": pd.DataFrame({"image": [png.getvalue()]}),
@@ -117,12 +114,9 @@ def load_model_folder(folder: Path, name: str, version: str, allow_pickle: bool 
     as torch.export programs, without running the model's code."""
     meta = yaml.safe_load((folder / "MLmodel").read_text())
     flavor = (meta.get("flavors") or {}).get("pytorch")
-    data = folder / (flavor or {}).get("model_data", "data")
-    exported = data / "model.pt2"
     served = served_files(folder, meta)
-    if served:
-        exported, flavor = served[0], True
-    if flavor and exported.is_file():
+    exported = served[0] if served else folder / (flavor or {}).get("model_data", "data") / PROGRAM_FILE
+    if (served or flavor) and exported.is_file():
         with _EXPORT_LOAD:  # torch.export.load keeps global state while it reads: one at a time per process
             return torch.export.load(str(exported)).module()
     if not allow_pickle:
@@ -137,9 +131,9 @@ def served_files(folder: Path, meta: dict | None = None) -> tuple[Path, Path] | 
     """The program and the JSON of labels and sizes of a model saved by `served_model`, or None for another format."""
     meta = meta or yaml.safe_load((folder / "MLmodel").read_text())
     artifacts = ((meta.get("flavors") or {}).get("python_function") or {}).get("artifacts") or {}
-    if "program" not in artifacts or "meta" not in artifacts:
+    if PROGRAM not in artifacts or META not in artifacts:
         return None
-    return folder / artifacts["program"]["path"], folder / artifacts["meta"]["path"]
+    return folder / artifacts[PROGRAM]["path"], folder / artifacts[META]["path"]
 
 
 def model_labels(folder: Path, tags: dict[str, str]) -> list[str]:

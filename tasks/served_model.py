@@ -22,7 +22,7 @@ from mlflow.protos.databricks_pb2 import BAD_REQUEST
 from tasks.rules.answers import answers, image_bytes
 from tasks.rules.images import resize_image
 
-PROGRAM, META = "program", "meta"  # the model's artifacts: the torch.export program and its labels and sizes
+PROGRAM, META = "program", "meta"  # the model's artifacts (tasks/registry.py names them): the program, its labels and sizes
 IMAGE = "image"  # the input column
 TOP_K = 3  # the default of the top_k parameter
 
@@ -47,8 +47,9 @@ class ImageClassifierModel(mlflow.pyfunc.PythonModel):
         top_k = int((params or {}).get("top_k", TOP_K))
         if top_k < 1:
             raise MlflowException(f"top_k must be at least 1, got {top_k}", error_code=BAD_REQUEST)
+        top_k = min(top_k, len(self.labels))
         if isinstance(model_input, np.ndarray):  # images already decoded: (N, size, size, 3) uint8, as the table stores them
-            return table(self._answer(model_input, min(top_k, len(self.labels))))
+            return table(self._answer(model_input, top_k))
         frame = model_input if isinstance(model_input, pd.DataFrame) else pd.DataFrame(model_input)
         if IMAGE not in frame.columns or frame.empty:
             raise MlflowException(
@@ -67,7 +68,7 @@ class ImageClassifierModel(mlflow.pyfunc.PythonModel):
             decoded.append(pixels)
             places.append(place)
         if decoded:
-            for place, answer in zip(places, self._answer(np.stack(decoded), min(top_k, len(self.labels)))):
+            for place, answer in zip(places, self._answer(np.stack(decoded), top_k)):
                 rows[place] = answer
         return table(rows)
 
