@@ -190,8 +190,8 @@ class Settings(BaseSettings):
     )
     loader_workers: int = Field(default=2, ge=1, description="Petastorm reader threads per training worker")
     loader_processes: int | None = Field(
-        default=None, ge=0, le=1,
-        description="1: each training worker's batches are made in a process of its own (frees the worker's interpreter for the GPU); 0: in its threads; default: 1 with a GPU, 0 on CPU",
+        default=None, ge=0, le=16,
+        description="Processes that make each training worker's batches (frees the worker's interpreter for the GPU; more feed faster models); 0: in its threads; default: 1 with a GPU, 0 on CPU",
     )
     shuffle_buffer_batches: int = Field(default=4, ge=1, description="Rows shuffled across row groups, in batches")
     bf16: bool = Field(default=True, description="bf16 autocast on GPU (ignored on CPU)")

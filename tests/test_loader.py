@@ -13,7 +13,7 @@ from petastorm import make_batch_reader
 
 from tasks.cache import write_split
 from infra.compat import petastorm_ventilation_order as ventilation_order
-from tasks.worker.loader import POSITION, ShardBatches, row_groups, shard_rows
+from tasks.worker.loader import POSITION, ShardBatches, piece_sizes, row_groups, shard_rows
 
 SIZE = 4  # 4x4 RGB: 48 bytes an image
 
@@ -187,4 +187,56 @@ def test_a_loader_process_makes_the_same_batches_and_ends_with_the_loader(spark,
             content(there)
     assert not process.is_alive() and process not in multiprocessing.active_children()
     with pytest.raises(ValueError, match="loader_processes"):
-        loader(2)
+        loader(-1)
+
+
+@pytest.mark.slow  # starts processes
+def test_several_loader_processes_share_each_batch_every_row_once_the_same_for_the_same_seed(spark, tmp_path: Path) -> None:
+    """loader_processes=2: each process reads half the shard's row groups and makes its share of every batch; the
+    batches keep the sizes one process gives, every row comes once an epoch, epochs differ, a run with the same seed
+    gets the same batches (also after an epoch dropped half way), and the processes end with the loader."""
+    import multiprocessing
+
+    url = write_label_runs(spark, tmp_path / "split", rows=200, partitions=4)
+
+    def loader(processes: int) -> ShardBatches:
+        return ShardBatches(url, shard=0, shard_count=1, batch_size=16, image_size=SIZE, seed=3, shuffle=True, workers=2, key_field="sha256", processes=processes)
+
+    def content(batches) -> list[tuple[bytes, list[int], list[str]]]:
+        return [(images.numpy().tobytes(), labels.tolist(), keys) for images, labels, keys in batches]
+
+    with loader(0) as here:
+        one = content(here)
+    with loader(2) as two:
+        expected = [content(two) for _ in range(3)]
+        assert len(two._process.processes) == 2
+    for epoch in expected:
+        assert [len(labels) for _, labels, _ in epoch] == [len(labels) for _, labels, _ in one]
+        assert sorted(key for _, _, keys in epoch for key in keys) == sorted(key for _, _, keys in one for key in keys)
+        # Each row's pixels and label still belong to its key (rows are made from the key's index).
+        for images, labels, keys in epoch:
+            pixels = np.frombuffer(images, dtype=np.uint8).reshape(len(keys), -1)
+            assert [(int(row[0]), label) for row, label in zip(pixels, labels)] == [(int(key, 16) % 251, int(key, 16) * 10 // 200) for key in keys]
+    assert expected[0] != expected[1] != expected[2]
+    with loader(2) as again:
+        assert content(again) == expected[0]
+        dropped = iter(again)
+        next(dropped), next(dropped)
+        dropped.close()  # epoch 1 left half way
+        assert content(again) == expected[2]
+        processes = again._process.processes
+        assert all(process.is_alive() for process in processes)
+    assert not any(process.is_alive() or process in multiprocessing.active_children() for process in processes)
+
+
+@pytest.mark.parametrize("sizes, rows", [([16] * 12 + [8], [104, 96]), ([5] * 7 + [4], [13, 1, 25]), ([3, 3, 2], [0, 8]), ([256] * 4, [1000, 24])])
+def test_each_loader_process_makes_its_share_of_every_batch_and_all_its_rows(sizes: list[int], rows: list[int]) -> None:
+    pieces = piece_sizes(sizes, rows)
+    assert [sum(column) for column in zip(*pieces)] == sizes
+    assert [sum(piece) for piece in pieces] == rows
+    assert all(piece >= 0 for process in pieces for piece in process)
+    # Shares follow the rows: no process is more than a batch's share ahead or behind its rows' pace.
+    for j, process in enumerate(pieces):
+        made = np.cumsum(process)
+        due = np.cumsum(sizes) * rows[j] / sum(rows)
+        assert np.all(np.abs(made - due) <= len(rows))

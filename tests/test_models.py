@@ -206,3 +206,27 @@ def test_a_time_budget_ends_training_at_the_end_of_an_epoch() -> None:
     settings = config(max_train_minutes=1e-6)
     trainer = fit(make_model(settings), settings, epochs=5)
     assert trainer.current_epoch == 1, "the budget was spent during epoch 0, which ran to its end"
+
+
+def test_a_training_step_hands_its_metrics_tensors_only_and_the_epoch_loss_is_a_mean_over_images(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every number a step gives the epoch's metrics is a tensor on the batch's device. A Python number would be
+    copied to the GPU, and that copy waits for the GPU to finish the step: the host could no longer run ahead (on an
+    H100, one such wait at every step held a frozen ResNet-50 at 0.69 of its limit with batches already on the GPU).
+    The epoch's loss weighs each batch by its images."""
+    from torchmetrics import MeanMetric
+
+    given: list[tuple[object, object]] = []
+    update = MeanMetric.update
+
+    def spy(self, value, weight=None) -> None:  # type: ignore[no-untyped-def]
+        given.append((value, weight))
+        update(self, value, weight)
+
+    monkeypatch.setattr(MeanMetric, "update", spy)  # before the metrics are made: they wrap their update then
+    model = ImageClassifier(3, 1e-3)
+    torch.manual_seed(0)
+    losses = [
+        float(model.training_step((torch.randint(0, 256, (size, 16, 16, 3), dtype=torch.uint8), torch.arange(size) % 3), 0)) for size in (4, 2)
+    ]
+    assert given and all(isinstance(value, torch.Tensor) and not isinstance(weight, (int, float)) for value, weight in given)
+    assert float(model.metrics["train_loss"].compute()) == pytest.approx((4 * losses[0] + 2 * losses[1]) / 6)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Bundle what a bare GPU machine (Python 3.12 with torch, Lightning and numpy 2, no network) lacks to run
 # bench/train.py --gpu: Ray, Petastorm with the pyarrow 14 / numpy 1.26 it needs, pandas and a few pure-Python
-# packages, at the versions of constraints.txt, as cp312 manylinux wheels unpacked, trimmed and xz-compressed.
+# packages (pydantic-settings for the settings the model reads its architectures from), at the versions of constraints.txt, as cp312 manylinux wheels unpacked, trimmed and xz-compressed.
 #
 #   bench/gpu/pack.sh [OUT]        # default bench/out/gpu: part1 (Ray) and part2 (the rest), about 52 MB together
 #
@@ -20,6 +20,7 @@ wheels=(
   "$(pin ray)" "$(pin pyarrow)" "$(pin numpy)" "$(pin pandas)" "$(pin petastorm)" "$(pin pyzmq)"
   "$(pin dill)" "$(pin diskcache)" "$(pin future)" "$(pin pydantic)" "$(pin "pydantic[-_]core")"
   "$(pin jsonschema)" "$(pin referencing)" jsonschema-specifications annotated-types typing-inspection rpds-py pytz tzdata
+  "$(pin pydantic-settings)" "$(pin python-dotenv)"
 )
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp "${platforms[@]}" -d "$work/whl" "${wheels[@]}"
 python3 -m pip install -q --no-deps --no-compile --target "$work/site" --python-version 3.12 --implementation cp --only-binary=:all: "${platforms[@]}" "$work"/whl/*.whl

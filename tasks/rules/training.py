@@ -21,13 +21,14 @@ def scaled_learning_rate(base_lr: float, num_workers: int, rule: str = "linear")
     raise ValueError(f"unknown lr_scaling {rule!r}: choose linear, sqrt or none")
 
 
-# The settings that change what training produces: they name the Ray run and key the train stage's cache.
+# The settings that change what training produces: they name the Ray run and key the train stage's cache
+# (loader_processes too: two or more processes make other batches than one, though the same for the same seed).
 # With warm_start on, the champion's version it starts from does too (tasks/train.py:warm_start_key).
 TRAINING_SETTINGS = (
     "model_arch", "pretrained", "freeze_backbone", "backbone_lr_factor", "augment", "augment_flip", "label_smoothing", "class_weights", "warm_start",
     "max_epochs", "max_train_minutes", "batch_size", "base_lr", "lr_scaling", "num_workers",
     "early_stopping_patience", "early_stopping_min_delta", "early_stopping_threshold", "seed", "use_gpu",
-    "shuffle_buffer_batches", "bf16", "channels_last", "compile", "compile_mode", "tracking_uri", "mlflow_experiment", "ray_storage_path",
+    "shuffle_buffer_batches", "loader_processes", "bf16", "channels_last", "compile", "compile_mode", "tracking_uri", "mlflow_experiment", "ray_storage_path",
 )
 
 

@@ -178,23 +178,27 @@ class ShardBatches:
         pin_memory: bool = False,
         processes: int = 0,
         next_epoch_ahead: bool | None = None,
+        sizes: list[int] | None = None,
     ) -> None:
-        if processes not in (0, 1):
-            raise ValueError(f"loader_processes is {processes}: 0 (read in the training process) or 1 (in a process of its own)")
+        if not isinstance(processes, int) or processes < 0:
+            raise ValueError(f"loader_processes is {processes!r}: 0 (read in the training process) or the number of loader processes (1 or more)")
         self.spec = dict(
             url=url, shard=shard, shard_count=shard_count, batch_size=batch_size, image_size=image_size, seed=seed, shuffle=shuffle,
             workers=workers, buffer_batches=buffer_batches, key_field=key_field,
         )
         self.processes = processes
-        self._process: BatchProcess | None = None
+        self._process: BatchProcesses | None = None
         self.url, self.shard, self.shard_count = url, shard, shard_count
         self.image_size, self.seed, self.shuffle, self.workers = image_size, seed, shuffle, workers
         self.buffer_rows = max(1, buffer_batches) * batch_size
         self.key_field, self.pin_memory = key_field, pin_memory
-        rows = shard_rows(url, shard_count)
-        self.rows = rows[shard]
-        self.steps = steps_per_epoch(rows, batch_size)
-        self.sizes = batch_sizes(self.rows, self.steps)
+        if sizes is None:
+            rows = shard_rows(url, shard_count)
+            self.rows = rows[shard]
+            self.steps = steps_per_epoch(rows, batch_size)
+            self.sizes = batch_sizes(self.rows, self.steps)
+        else:  # a loader process's share of each batch of its shard (see BatchProcesses)
+            self.rows, self.steps, self.sizes = sum(sizes), len(sizes), list(sizes)
         self.epoch = 0
         self._reader = None
         self.on_gpu = pin_memory and torch.cuda.is_available()
@@ -292,10 +296,10 @@ class ShardBatches:
         return Ahead(self._source(epoch), self.GPU_AHEAD, copy, receive, then)
 
     def _from_process(self, epoch: int) -> Iterator[tuple[Any, ...]]:
-        """Epoch `epoch`'s batches, made by the loader process in shared memory and copied out (into pinned memory with
-        `pin_memory`): the same batches as `_batches` makes here."""
+        """Epoch `epoch`'s batches, made by the loader processes in shared memory and copied out (into pinned memory
+        with `pin_memory`). With one process, the same batches as `_batches` makes here."""
         if self._process is None:
-            self._process = BatchProcess(self.spec, max(self.sizes), self.image_size)
+            self._process = BatchProcesses(self.spec, self.processes, self.sizes, self.image_size)
         process = self._process
         process.start(epoch)
         finished = False
@@ -308,7 +312,7 @@ class ShardBatches:
                 slot, size, labels, keys = item
                 images = self._new_images(size)
                 images.copy_(process.slots[slot][:size])
-                process.free.put(slot)
+                process.release(slot)
                 yield self._batch(images, labels, keys)
         finally:
             if not finished:
@@ -365,101 +369,200 @@ class ShardBatches:
             self._stop()
 
 
-class BatchProcess:
-    """A process of its own that makes a ShardBatches' batches in shared memory, one epoch per `start`.
+def piece_sizes(sizes: list[int], rows: list[int]) -> list[list[int]]:
+    """How many rows of each batch each of several loader processes makes: `sizes` are the batches' sizes, `rows` each
+    process's rows (they add up to the same). Each process's share of every batch follows its share of the rows
+    made so far, so that each ends its rows with the last batch."""
+    total = sum(rows)
+    if total != sum(sizes):
+        raise ValueError(f"the loader processes hold {total} rows, the batches {sum(sizes)}")
+    taken = [0] * len(rows)
+    pieces: list[list[int]] = [[] for _ in rows]
+    made = 0
+    for size in sizes:
+        made += size
+        due = [row * made / total - had for row, had in zip(rows, taken)]  # what each is owed by the end of this batch
+        share = [max(0, min(int(owed), row - had)) for owed, row, had in zip(due, rows, taken)]
+        while sum(share) < size:  # the most owed that has rows left
+            j = max((j for j in range(len(rows)) if share[j] < rows[j] - taken[j]), key=lambda j: (due[j] - share[j], -j))
+            share[j] += 1
+        while sum(share) > size:  # the least owed that has a row in this batch
+            j = min((j for j in range(len(rows)) if share[j] > 0), key=lambda j: (due[j] - share[j], j))
+            share[j] -= 1
+        for j, piece in enumerate(share):
+            pieces[j].append(piece)
+            taken[j] += piece
+    return pieces
 
-    Its reader threads and the batch assembly hold that process's interpreter lock, not the training process's, whose
-    own thread launches the GPU's work. Batches travel in `SLOTS` shared buffers that go round: the process fills a
-    free one and names it on `ready`; the consumer copies it out and hands it back on `free`.
+
+class BatchProcesses:
+    """Processes of their own that make a ShardBatches' batches in shared memory, one epoch per `start`.
+
+    Their reader threads and the batch assembly hold those processes' interpreter locks, not the training process's,
+    whose own thread launches the GPU's work. Batches travel in `SLOTS` shared buffers that go round, batch k of an
+    epoch in slot k % SLOTS: each process fills its piece of it once the slot is free and names it on its `ready`
+    queue; the consumer copies the batch out and hands the slot back to every process (`release`).
+
+    With several processes, process j reads Petastorm shard `shard + shard_count * j` of `shard_count * processes`
+    (together exactly the shard's row groups), shuffles its own rows, and makes its share of every batch (piece_sizes):
+    the batches keep their sizes and every row comes once an epoch. They are not the batches one process would make,
+    but the same for the same seed, epoch and number of processes.
     """
 
     SLOTS = ShardBatches.GPU_AHEAD + 2
     END = "end"
 
-    def __init__(self, spec: dict[str, Any], max_rows: int, image_size: int) -> None:
+    def __init__(self, spec: dict[str, Any], processes: int, sizes: list[int], image_size: int) -> None:
         import torch.multiprocessing as mp
 
         # spawn, not fork: the training process has threads (Ray's, the reader's), and a fork copies their locks.
         context = mp.get_context("spawn")
         self.where = spec["url"]
-        self.slots = [torch.empty((max_rows, image_size, image_size, 3), dtype=torch.uint8).share_memory_() for _ in range(self.SLOTS)]
-        self.commands, self.free, self.ready, self.halt = context.Queue(), context.Queue(), context.Queue(), context.Event()
-        for slot in range(self.SLOTS):
-            self.free.put(slot)
+        group_rows = row_group_sizes(spec["url"])
+        count = max(1, min(processes, len(range(spec["shard"], len(group_rows), spec["shard_count"]))))  # a row group each at least
+        if count == 1:
+            specs = [spec]
+        else:
+            shards = [spec["shard"] + spec["shard_count"] * j for j in range(count)]
+            pieces = piece_sizes(sizes, [sum(group_rows[shard :: spec["shard_count"] * count]) for shard in shards])
+            specs = [{**spec, "shard": shard, "shard_count": spec["shard_count"] * count, "sizes": piece} for shard, piece in zip(shards, pieces)]
+        self.slots = [torch.empty((max(sizes), image_size, image_size, 3), dtype=torch.uint8).share_memory_() for _ in range(self.SLOTS)]
+        self.halt = context.Event()
+        self.commands, self.free, self.ready = ([context.Queue() for _ in specs] for _ in range(3))
+        for free in self.free:
+            for slot in range(self.SLOTS):
+                free.put(slot)
         self.open = False
-        self.process = context.Process(
-            target=_make_batches, args=(spec, self.slots, self.commands, self.free, self.ready, self.halt), name="imagelake-loader", daemon=True
-        )
-        self.process.start()
+        self.processes = []
+        offsets = [0] * len(sizes)
+        for j, piece_spec in enumerate(specs):
+            self.processes.append(context.Process(
+                target=_make_batches, args=(piece_spec, list(offsets), self.slots, self.commands[j], self.free[j], self.ready[j], self.halt),
+                name=f"imagelake-loader-{j}", daemon=True,
+            ))
+            offsets = [offset + piece for offset, piece in zip(offsets, piece_spec.get("sizes", sizes))]
+        for process in self.processes:
+            process.start()
+
+    @property
+    def process(self) -> Any:
+        """The first loader process."""
+        return self.processes[0]
 
     def start(self, epoch: int) -> None:
         self.halt.clear()
-        self.commands.put(epoch)
+        for commands in self.commands:
+            commands.put(epoch)
         self.open = True  # until the epoch's END or error arrives
+        self.batch = 0
 
-    def next(self) -> tuple[int, int, np.ndarray, list | None] | None:
-        """The next batch's (slot, rows, labels, keys), or None at the epoch's end; an error in the process is raised here."""
+    def _next(self, j: int) -> tuple[int, int, np.ndarray, list | None] | str | BaseException:
         while True:
             try:
-                item = self.ready.get(timeout=1.0)
+                return self.ready[j].get(timeout=1.0)
             except queue.Empty:
-                if not self.process.is_alive():
-                    raise RuntimeError(f"the loader process reading {self.where} ended (exit code {self.process.exitcode}) in the middle of an epoch") from None
-                continue
-            if isinstance(item, BaseException):
-                self.open = False
-                raise item
-            if item == self.END:
-                self.open = False
-                return None
-            return item
+                if not self.processes[j].is_alive():
+                    raise RuntimeError(
+                        f"the loader process reading {self.where} ended (exit code {self.processes[j].exitcode}) in the middle of an epoch"
+                    ) from None
+
+    def next(self) -> tuple[int, int, np.ndarray, list | None] | None:
+        """The next batch's (slot, rows, labels, keys), or None at the epoch's end; an error in a process is raised here
+        (after the other processes' pieces of that batch have come, so that their slots go round in step)."""
+        items = [self._next(j) for j in range(len(self.processes))]
+        error = next((item for item in items if isinstance(item, BaseException)), None)
+        if error is not None or any(isinstance(item, str) for item in items):
+            self.open = False
+            self.halt.set()
+            for j, item in enumerate(items):  # the others end their epoch too, their slots handed back
+                if isinstance(item, tuple):
+                    self.free[j].put(item[0])
+                    self._drain(j)
+            if error is not None:
+                raise error
+            return None
+        slot = self.batch % self.SLOTS
+        if any(item[0] != slot for item in items):
+            raise RuntimeError(f"the loader processes reading {self.where} filled slots {[item[0] for item in items]} for batch {self.batch}: they are out of step")
+        self.batch += 1
+        labels = np.concatenate([item[2] for item in items])
+        keys = None if items[0][3] is None else [key for item in items for key in item[3]]
+        return slot, len(labels), labels, keys
+
+    def _drain(self, j: int) -> None:
+        """Process j's items until its epoch's end (or error), its slots handed back to it."""
+        while True:
+            item = self._next(j)
+            if isinstance(item, BaseException) or item == self.END:
+                return
+            self.free[j].put(item[0])
+
+    def release(self, slot: int) -> None:
+        for free in self.free:
+            free.put(slot)
 
     def abandon(self) -> None:
-        """Stop the epoch in the middle: the process ends it after the batch it is making; its buffers come back."""
+        """Stop the epoch in the middle: the processes end it after the piece they are making; the slots come back."""
         if not self.open:
             return
         self.halt.set()
+        self.open = False
         try:
-            while (item := self.next()) is not None:
-                self.free.put(item[0])
-        except Exception:  # the process failed or died while stopping: close() ends it
+            for j in range(len(self.processes)):
+                self._drain(j)
+        except Exception:  # a process failed or died while stopping: close() ends them
             self.close()
 
     def close(self) -> None:
-        if self.process.is_alive():
-            self.commands.put(None)
-            self.process.join(timeout=10)
-        if self.process.is_alive():
-            self.process.kill()
-            self.process.join()
-        for channel in (self.commands, self.free, self.ready):
+        for process, commands in zip(self.processes, self.commands):
+            if process.is_alive():
+                commands.put(None)
+        for process in self.processes:
+            process.join(timeout=10)
+            if process.is_alive():
+                process.kill()
+                process.join()
+        for channel in (*self.commands, *self.free, *self.ready):
             channel.close()
             channel.join_thread()
 
 
-def _make_batches(spec: dict[str, Any], slots: list[torch.Tensor], commands: Any, free: Any, ready: Any, halt: Any) -> None:
-    """The loader process: for each epoch named on `commands` (None ends it), the batches into free slots, then END;
-    an error (the split gone or changed) is sent in place of the rest of the epoch."""
+def _make_batches(spec: dict[str, Any], offsets: list[int], slots: list[torch.Tensor], commands: Any, free: Any, ready: Any, halt: Any) -> None:
+    """A loader process: for each epoch named on `commands` (None ends it), its piece of each batch into a free slot
+    (at the batch's offset `offsets[k]`), then END; an error (the split gone or changed) is sent in place of the rest of
+    the epoch."""
     import pickle
 
     batches: ShardBatches | None = None
+    available: set[int] = set()  # slots the consumer has handed back, not yet filled
+
+    def take(slot: int) -> None:
+        while slot not in available:
+            available.add(free.get())
+        available.remove(slot)
+
     while (epoch := commands.get()) is not None:
         held: list[int] = []
+        made_pieces = 0
 
         def into(size: int) -> torch.Tensor:
-            held.append(free.get())
-            return slots[held[-1]][:size]
+            slot = made_pieces % len(slots)  # batch k goes in slot k % SLOTS, in every process
+            take(slot)
+            held.append(slot)
+            offset = offsets[made_pieces]
+            return slots[slot][offset : offset + size]
 
         made = None
         try:
             batches = batches or ShardBatches(**spec)
             made = batches._batches(epoch, into)
             for batch in made:
+                made_pieces += 1
                 if halt.is_set():
                     break
                 labels = batch[1].numpy()
                 ready.put((held.pop(), len(labels), labels, batch[2] if len(batch) > 2 else None))
-            ready.put(BatchProcess.END)
+            ready.put(BatchProcesses.END)
         except Exception as error:
             try:
                 pickle.dumps(error)
@@ -469,8 +572,7 @@ def _make_batches(spec: dict[str, Any], slots: list[torch.Tensor], commands: Any
         finally:
             if made is not None:
                 made.close()
-            for slot in held:  # a batch made but not sent
-                free.put(slot)
+            available.update(held)  # a piece made but not sent
 
 
 class Ahead:

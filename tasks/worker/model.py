@@ -319,7 +319,10 @@ class ImageClassifier(pl.LightningModule):
             logits, labels, weight=self.class_weights if training else None, label_smoothing=self.hparams.label_smoothing if training else 0.0
         )
         self.metrics[f"{prefix}_acc"].update(logits.detach(), labels)
-        self.metrics[f"{prefix}_loss"].update(loss.detach(), weight=len(labels))
+        # The batch's loss once per image, a view: the epoch's loss is the mean over images whatever the batch sizes.
+        # (A weight would do it, but MeanMetric drops weights when its NaN checks are off, and a Python number as weight
+        # is copied to the GPU by a copy that waits for the step to finish: the host could no longer run ahead.)
+        self.metrics[f"{prefix}_loss"].update(loss.detach().expand(len(labels)))
         self.log(f"{prefix}_loss", self.metrics[f"{prefix}_loss"], on_step=False, on_epoch=True)
         self.log(f"{prefix}_acc", self.metrics[f"{prefix}_acc"], on_step=False, on_epoch=True)
         return loss
