@@ -374,6 +374,29 @@ def predict(
         typer.echo(json.dumps(result) if as_json else f"{result['path']}\t{result['label']}\t{result['probability']:.3f}" + (f"\t{result['error']}" if result.get("error") else ""))
 
 
+@app.command()
+def score(
+    model: str = typer.Option(..., "--model", help="NAME@ALIAS or NAME/VERSION, e.g. imagelake-classifier@champion."),
+    source: str = typer.Option(..., "--source", help="A folder or object-store prefix of images (any layout), or a Delta table of images: its URI, with @VERSION for an older version."),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+    config: Optional[Path] = ConfigOption,
+    set_: Optional[list[str]] = SetOption,
+) -> None:
+    """Label a folder, prefix or table version on Spark with a registered model, into the Delta table `predictions`."""
+    settings, overrides = _settings_or_exit(config, set_)
+    from flows.score import score_flow
+    from tasks.registry import RegistryError
+
+    result = _start(settings, score_flow, (RegistryError,), model=model, source=source, config_file=_file(config), overrides=overrides)
+    if as_json:
+        typer.echo(json.dumps(result))
+        return
+    where = f"{result['predictions_uri']} version {result['predictions_version']}" if result["predictions_version"] is not None else "nothing new to write"
+    if result["cached"]:
+        where += " (the source has not changed since the last run with this version)"
+    typer.echo(f"{result['model']}: {result['answered']} of {result['images']} images answered ({result['errors']} not images) -> {where}")
+
+
 @app.command("demo-data")
 def demo_data(
     out: Path = typer.Argument(..., help="Folder to write OUT/<label>/<id>.png into."),

@@ -213,6 +213,8 @@ class Settings(BaseSettings):
     )
     allow_pickle_models: bool = Field(default=False, description="Load registered models stored by pickling (unsafe for untrusted sources)")
     history_table_name: str = Field(default="registry_history", description="Delta table of every alias move")
+    predictions_table_name: str = Field(default="predictions", description="Delta table of what `imagelake score` answered, one row per image content and model version")
+    score_top_k: int = Field(default=3, ge=1, description="Labels with their probabilities that `imagelake score` keeps per image")
 
     # Orchestration.
     prefect_api_url: str | None = None
@@ -292,6 +294,11 @@ class Settings(BaseSettings):
     def quarantine_uri(self) -> str:
         root = self.table_root or str(self.workspace_dir / "tables")
         return f"{root.rstrip('/')}/{self.quarantine_table_name}"
+
+    @property
+    def predictions_uri(self) -> str:
+        root = self.table_root or str(self.workspace_dir / "tables")
+        return f"{root.rstrip('/')}/{self.predictions_table_name}"
 
     @property
     def history_uri(self) -> str:

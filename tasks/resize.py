@@ -18,19 +18,13 @@ from infra.delta import Table
 from infra.settings import Settings
 from tasks.changes import diff_against_table
 from tasks.progress import Every, rate_line, stage_logger
-from tasks.resize_executor import PROGRESS_FOLDER, PROGRESS_SECONDS, READ_RETRIES, SUMMARY_SCHEMA, DecodeRules, process_partition
+from tasks.resize_executor import PROGRESS_FOLDER, PROGRESS_SECONDS, READ_RETRIES, SUMMARY_SCHEMA, DecodeRules, files_done, process_partition
 from tasks.results import ListingDiff, Listed, Resized, left_unread
 from tasks.rules.listing import scope_of
 from tasks.rules.partitions import ROWS_PER_DECODE_TASK, balanced_partitions
 from tasks.rules.schemas import CHANGES_SCHEMA
 from tasks.stage import stage
 from tasks.table import ImageTable
-
-
-def files_done(staging_uri: str) -> int:
-    """Files the executors have finished so far, from the progress files they write every few seconds."""
-    fs, folder = fsspec.core.url_to_fs(f"{staging_uri}/{PROGRESS_FOLDER}")
-    return sum(int(fs.cat_file(path) or 0) for path in fs.find(folder)) if fs.exists(folder) else 0
 
 
 def resize_images(

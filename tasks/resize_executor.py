@@ -178,6 +178,12 @@ def report_progress(fs, path: str, files: int) -> None:
         pass
 
 
+def files_done(folder_uri: str) -> int:
+    """Files (or images) the executors have finished so far, from the progress files they write every few seconds."""
+    fs, folder = fsspec.core.url_to_fs(f"{folder_uri}/{PROGRESS_FOLDER}")
+    return sum(int(fs.cat_file(path) or 0) for path in fs.find(folder)) if fs.exists(folder) else 0
+
+
 def process_partition(
     batches: Iterator[pa.RecordBatch], rules: DecodeRules, staging_uri: str, table_uri: str, ingested_at: datetime,
     progress_seconds: float = PROGRESS_SECONDS, partition: int | None = None,

@@ -17,7 +17,7 @@ from tasks.worker.loader import label_samples, split_files
 from tasks.worker.model import warmup_cosine
 from tasks.progress import Every, rate_line
 from tasks.split import plan_splits
-from tasks.resize import files_done
+from tasks.resize_executor import files_done
 from tasks.resize_executor import PROGRESS_FOLDER
 from tests.lake import Lake, copy_digits
 

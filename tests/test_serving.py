@@ -211,3 +211,98 @@ def test_mlflow_models_serve_answers_a_bad_row_with_its_reason_and_refuses_an_em
     assert bad["label"] is None and bad["probability"] is None and bad["error"], bad
     status, answer = invoke(served, {"dataframe_split": {"columns": ["image"], "data": []}})
     assert status == 400 and "the request has no images" in answer["message"], answer
+
+
+def test_score_answers_a_folder_a_prefix_and_a_table_version_on_spark_once_per_content_and_model_version(champion, spark, s3, tmp_path: Path) -> None:
+    """`imagelake score`'s stage: every image of a folder answered on the executors into the predictions table (a bad
+    file with its reason, one row for content found at two paths); a second run answers only what is new to that
+    model version; an object-store prefix and a Delta table version's pixels are answered too, content already
+    answered skipped."""
+    import pyarrow as pa
+    from deltalake import DeltaTable
+
+    from tasks.rules.schemas import IMAGE_TABLE_SCHEMA
+    from tasks.score import ScoreSourceError, score_images
+
+    store, _ = champion
+    settings = load_settings(overrides={"workspace": str(tmp_path / "ws"), "mlflow_tracking_uri": store})
+    folder = tmp_path / "incoming"
+    (folder / "nested").mkdir(parents=True)
+    given = files()
+    for name, data, _ in given:
+        (folder / "nested" / f"{name}.{'png' if name.endswith('png') else 'jpg'}").write_bytes(data)
+    (folder / "again.png").write_bytes(given[0][1])  # the same content at a second path
+    (folder / "broken.png").write_bytes(b"not an image")
+    first = score_images(str(folder), f"{NAME}@champion", settings)
+    assert (first["images"], first["answered"], first["errors"]) == (8, 7, 1)
+    table = DeltaTable(settings.predictions_uri).to_pyarrow_table()
+    by_path = {row["path"].rsplit("/", 1)[-1]: row for row in table.to_pylist()}
+    assert {name: by_path[name]["label"] for name in by_path if name != "broken.png"} == {
+        **{f"{name}.{'png' if name.endswith('png') else 'jpg'}": label for name, _, label in given if name != given[0][0]}, "again.png": LABELS[0],
+    }, "the first path in path order keeps a content found twice"
+    assert by_path["broken.png"]["label"] is None and by_path["broken.png"]["error"]
+    assert {row["model_version"] for row in table.to_pylist()} == {1} and len(table.column("top_k")[0].as_py()) == 3
+    assert len(set(table.column("sha256").to_pylist())) == table.num_rows
+
+    (folder / "later.png").write_bytes(encoded(drawing(2, 999), "PNG"))
+    second = score_images(str(folder), f"{NAME}/1", settings)
+    assert (second["answered"], DeltaTable(settings.predictions_uri).version()) == (1, first["predictions_version"] + 1)
+    assert score_images(str(folder), f"{NAME}@champion", settings)["predictions_version"] is None, "nothing new: no commit"
+
+    # A prefix in a bucket (the session's S3-compatible server).
+    bucket = s3.filesystem()
+    for name, data, _ in given[2:4]:
+        bucket.pipe(f"lake/score-{tmp_path.name}/{name}.img", data)
+    bucket.pipe(f"lake/score-{tmp_path.name}/{given[2][0]}.png", encoded(drawing(0, 4242), "PNG"))
+    remote = score_images(f"s3://lake/score-{tmp_path.name}/", f"{NAME}@champion", settings)
+    assert (remote["images"], remote["answered"]) == (1, 1), "only .png (the image_extensions) is listed; its content is new"
+    from_bucket = [row for row in DeltaTable(settings.predictions_uri).to_pyarrow_table().to_pylist() if row["source"].startswith("s3://")]
+    assert [(row["path"], row["label"]) for row in from_bucket] == [(f"s3://lake/score-{tmp_path.name}/{given[2][0]}.png", LABELS[0])]
+
+    # A table version of decoded pixels at the model's size: content answered from the folder is skipped.
+    images = tmp_path / "images"
+    known = table.column("sha256")[0].as_py()
+    pixels = [resize_image(encoded(drawing(1, 7), "PNG"), SIZE)[0].tobytes(), b"\0" * (SIZE * SIZE * 3)]
+    rows = {name: [None, None] for name in IMAGE_TABLE_SCHEMA.names}
+    rows.update({"path": ["file:///a/green.png", "file:///a/known.png"], "sha256": ["f" * 64, known], "image_size": [SIZE, SIZE], "image": pixels})
+    from deltalake import write_deltalake
+
+    write_deltalake(str(images), pa.table(rows, schema=IMAGE_TABLE_SCHEMA))
+    from_table = score_images(f"{images}@0", f"{NAME}@champion", settings)
+    assert (from_table["images"], from_table["answered"], from_table["source"]) == (2, 1, f"file://{images}@0")
+    newest = [row for row in DeltaTable(settings.predictions_uri).to_pyarrow_table().to_pylist() if row["source_version"] == 0]
+    assert [(row["path"], row["label"]) for row in newest] == [("file:///a/green.png", LABELS[1])]
+    with pytest.raises(ScoreSourceError, match="not a Delta table"):
+        score_images(f"{folder}@3", f"{NAME}@champion", settings)
+
+
+def test_the_score_flow_resolves_the_alias_caches_an_unchanged_source_and_answers_a_new_file(champion, prefect_api: str, tmp_path: Path) -> None:
+    """`imagelake score`'s flow: the alias resolved at each run, the score stage a cache hit while neither the source
+    changed, and a miss that answers only the new file once one is added; a hit whose predictions table is gone is a miss."""
+    from flows.score import score_flow
+    from tasks.stage import stage_outcomes
+
+    store, _ = champion
+    overrides = {"workspace": str(tmp_path / "ws"), "mlflow_tracking_uri": store}
+    folder = tmp_path / "landing"
+    folder.mkdir()
+    for name, data, _ in files()[:2]:
+        (folder / f"{name}.img.png").write_bytes(data)
+
+    def run() -> tuple[dict, str]:
+        state = score_flow(f"{NAME}@champion", str(folder), overrides=overrides, return_state=True)
+        outcomes, _ = stage_outcomes(str(state.state_details.flow_run_id))
+        return state.result(), outcomes["score"]
+
+    first, outcome = run()
+    assert (first["model"], first["answered"], first["cached"], outcome) == (f"{NAME}/1", 2, False, "Completed")
+    again, outcome = run()
+    assert (again["answered"], again["predictions_version"], again["cached"], outcome) == (0, None, True, "Cached")
+    (folder / "new.png").write_bytes(encoded(drawing(1, 5), "PNG"))
+    third, outcome = run()
+    assert (third["answered"], third["predictions_version"], outcome) == (1, first["predictions_version"] + 1, "Completed")
+    import shutil
+
+    shutil.rmtree(third["predictions_uri"])
+    fourth, outcome = run()
+    assert (fourth["answered"], outcome) == (3, "Completed")

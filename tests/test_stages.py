@@ -21,7 +21,8 @@ from tasks.rules.listing import Scope, SourceError
 from tasks.worker.loader import ShardBatches, shard_rows, split_files
 from tasks.split import plan_splits
 from tasks.rules.splits import split_of
-from tasks.resize import files_done, resize_images
+from tasks.resize import resize_images
+from tasks.resize_executor import files_done
 from tasks.resize_executor import DecodeRules
 from tasks.table import ImageTable, split_column
 from tasks.rules.bad_files import TooManyBadFiles

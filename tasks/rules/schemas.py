@@ -74,3 +74,24 @@ HISTORY_SCHEMA = pa.schema(
         ("move_id", pa.string()),  # one per alias move: its rows (champion and previous-champion) share it
     ]
 )
+
+
+# The Delta table of a registered model's answers, one row per (sha256, model name, model version).
+ANSWER_SCHEMA = pa.struct([("label", pa.string()), ("probability", pa.float64())])
+PREDICTIONS_SCHEMA = pa.schema(
+    [
+        ("path", pa.string()),
+        ("sha256", pa.string()),
+        ("label", pa.string()),
+        ("probability", pa.float64()),
+        ("top_k", pa.list_(ANSWER_SCHEMA)),
+        ("error", pa.string()),
+        ("model_name", pa.string()),
+        ("model_version", pa.int64()),
+        ("source", pa.string()),
+        ("source_version", pa.int64()),  # the Delta table version scored; null for a folder or object-store prefix
+        ("scored_at", pa.timestamp("us", tz="UTC")),
+    ]
+)
+# What the executors give back for each image; the driver adds the run's model, source and time.
+ANSWERED_SCHEMA = pa.schema(list(PREDICTIONS_SCHEMA)[:6])

@@ -1,0 +1,181 @@
+"""Score: a registered model's answers for a folder, an object-store prefix or a Delta table version, made on Spark's
+executors (tasks/score_executor.py) with the model loaded once per worker process, and kept in the Delta table
+`predictions`: one row per image content and model version, so a run answers only what is new to that version."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import time
+import uuid
+from datetime import datetime, timezone
+from typing import Any
+
+import fsspec
+import pyarrow as pa
+import pyarrow.compute as pc
+from pyspark.sql import SparkSession
+from pyspark.sql import functions as F
+from prefect.cache_policies import NO_CACHE
+from pyspark.sql.pandas.types import from_arrow_schema
+from prefect.utilities.hashing import hash_objects
+
+from infra.delta import Table, table_exists
+from infra.settings import Settings
+from infra.spark import spark_session
+from infra.tracking import mlflow_client
+from tasks.ingest import source_uri, walk_files
+from tasks.progress import Every, rate_line, stage_logger
+from tasks.registry import model_files, resolve, served_files
+from tasks.resize_executor import PROGRESS_FOLDER, files_done
+from tasks.rules.schemas import ANSWERED_SCHEMA, PREDICTIONS_SCHEMA
+from tasks.score_executor import ScoreJob, score_partition
+from tasks.stage import stage
+
+ROWS_PER_SCORE_TASK = 2_000  # images per Spark task, beyond one task per core
+_TABLE_VERSION = re.compile(r"^(?P<uri>.+)@(?P<version>\d+)$")
+
+
+class ScoreSourceError(ValueError):
+    """The source to score is neither a folder of images nor a Delta table of them."""
+
+
+def table_source(source: str) -> tuple[str, int | None] | None:
+    """(table URI, version or None for the current one) when SOURCE names a Delta table (`URI[@VERSION]`), else None."""
+    match = _TABLE_VERSION.match(source)
+    uri, version = (match["uri"], int(match["version"])) if match else (source, None)
+    uri = source_uri(uri) if "://" not in uri and fsspec.core.url_to_fs(uri)[0].exists(uri) else uri
+    if table_exists(uri):
+        return uri, version
+    if match:
+        raise ScoreSourceError(f"--source {source}: {uri} is not a Delta table, so it has no version {version}; give a table's folder@VERSION, or a folder of images")
+    return None
+
+
+def image_files(uri: str, extensions: list[str]) -> list[str]:
+    """Every image file under a folder or object-store prefix (any layout; labels are not needed to score)."""
+    fs, root = fsspec.core.url_to_fs(uri)
+    suffixes = tuple(e.lower() for e in extensions)
+    return [fs.unstrip_protocol(path) for path, _ in walk_files(fs, root) if path.lower().endswith(suffixes) and "/_" not in path[len(root) :]]
+
+
+def answered_before(settings: Settings, spark: SparkSession, name: str, version: int) -> frozenset[str]:
+    """The content this model version has answered already (the predictions table's sha256 for it)."""
+    predictions = Table(settings.predictions_uri, spark)
+    if not predictions.exists():
+        return frozenset()
+    rows = predictions.read(["sha256"], (F.col("model_name") == name) & (F.col("model_version") == version))
+    return frozenset(rows.column("sha256").to_pylist())
+
+
+def score_images(source: str, model: str, settings: Settings) -> dict[str, Any]:
+    """Answer every image of SOURCE that MODEL (NAME@ALIAS or NAME/VERSION) has not answered before, and append the
+    answers to the predictions table in one commit. Returns what it did."""
+    client = mlflow_client(settings)
+    name, version = resolve(client, model)
+    meta = served_meta(client, name, version)
+    spark = spark_session(settings)
+    known = answered_before(settings, spark, name, int(version))
+    table = table_source(source)
+    if table is not None:
+        uri, table_version = table
+        images = Table(uri, spark)
+        table_version = images.version() if table_version is None else table_version
+        frame = images.frame(table_version).where(F.col("image_size") == meta["image_size"]).select("path", "sha256", "image")
+        size, where = meta["image_size"], f"{uri}@{table_version}"
+        total = frame.count()
+        if not total:
+            raise ScoreSourceError(f"--source {source}: version {table_version} holds no images at the model's size {size}; score the source folder instead")
+    else:
+        uri, table_version, size = source_uri(source), None, None
+        files = image_files(uri, settings.image_extensions)
+        if not files:
+            raise ScoreSourceError(f"--source {source} holds no image files ({', '.join(settings.image_extensions)}): give a folder or prefix of images, or a Delta table")
+        frame = spark.createDataFrame([(path, None, None) for path in files], "path string, sha256 string, image binary")
+        where, total = uri, len(files)
+    job = ScoreJob(
+        f"models:/{name}/{version}", settings.tracking_uri, settings.mlflow_registry_uri, size, known, settings.score_top_k,
+        read_attempts=settings.read_attempts, progress=f"{settings.staging_uri}/score-{uuid.uuid4().hex[:12]}",
+    )
+    answered = answer_on_executors(spark, frame, total, job)
+    rows = unique_content(answered)
+    scored_at = datetime.now(timezone.utc)
+    constants = {"model_name": name, "model_version": int(version), "source": where, "source_version": table_version, "scored_at": scored_at}
+    for column, value in constants.items():
+        rows = rows.append_column(PREDICTIONS_SCHEMA.field(column), pa.array([value] * rows.num_rows, PREDICTIONS_SCHEMA.field(column).type))
+    committed = Table(settings.predictions_uri).append(rows) if rows.num_rows else None
+    return {
+        "model": f"{name}/{version}", "source": where, "images": total, "answered": rows.num_rows, "errors": rows.num_rows - pc.count(rows.column("label")).as_py(),
+        "predictions_uri": settings.predictions_uri, "predictions_version": committed,
+    }
+
+
+def served_meta(client: Any, name: str, version: str) -> dict[str, Any]:
+    """The served model's meta (labels, image size, resize mode) from its files; a version older than the served pyfunc is refused."""
+    folder = model_files(client, name, version)
+    found = served_files(folder)
+    if found is None:
+        raise ScoreSourceError(f"{name} version {version} was registered before models answered image bytes: register it again (imagelake retrain) to score with it")
+    return json.loads(found[1].read_text())
+
+
+def answer_on_executors(spark: SparkSession, frame: Any, total: int, job: ScoreJob) -> pa.Table:
+    """score_partition over FRAME in tasks of at most ROWS_PER_SCORE_TASK images (one per core at least), with the
+    driver's progress line from the tasks' progress files."""
+    fs, folder = fsspec.core.url_to_fs(job.progress)
+    fs.makedirs(f"{folder}/{PROGRESS_FOLDER}", exist_ok=True)
+    cores = spark.sparkContext.defaultParallelism
+    tasks = max(1, min(total, cores * max(1, math.ceil(total / (cores * ROWS_PER_SCORE_TASK)))))
+    answered = frame.repartition(tasks).mapInArrow(lambda batches: score_partition(batches, job), from_arrow_schema(ANSWERED_SCHEMA))
+    logger, started = stage_logger(), time.monotonic()
+    try:
+        with Every(lambda: logger.info(rate_line("score", files_done(job.progress), total, time.monotonic() - started, "images")), logger):
+            rows = [row.asDict(recursive=True) for row in answered.collect()]
+    finally:
+        fs.rm(folder, recursive=True)
+    logger.info(rate_line("score", total, total, time.monotonic() - started, "images"))
+    return pa.Table.from_pylist(rows, schema=ANSWERED_SCHEMA)
+
+
+def unique_content(rows: pa.Table) -> pa.Table:
+    """One row per content: the same image at two paths is answered once (the first path in path order)."""
+    if not rows.num_rows:
+        return rows
+    rows = rows.sort_by([("sha256", "ascending"), ("path", "ascending")])
+    sha = rows.column("sha256").to_pylist()
+    keep = [i for i in range(len(sha)) if i == 0 or sha[i] != sha[i - 1]]
+    return rows.take(pa.array(keep)).sort_by("path")
+
+
+def source_state(inputs: dict[str, Any]) -> dict[str, str]:
+    """Cache key part for score: the source as it is now (a table's version, or every image file's path, size and
+    modification time). A run answers all of its source that is new to the model version, so the same source and
+    version again (a hit) has nothing new to answer, as long as the predictions table is still there (`needs`)."""
+    settings: Settings = inputs["settings"]
+    try:
+        table = table_source(inputs["source"])
+        if table is not None:
+            state = f"table {table[0]}@{table[1] if table[1] is not None else Table(table[0]).version()}"
+        else:
+            fs, root = fsspec.core.url_to_fs(source_uri(inputs["source"]))
+            suffixes = tuple(e.lower() for e in settings.image_extensions)
+            state = hash_objects([(path, info.get("size"), info.get("mtime") or info.get("LastModified")) for path, info in walk_files(fs, root) if path.lower().endswith(suffixes)])
+    except (ScoreSourceError, OSError, ValueError):  # the stage itself raises it, where the run reports a stage's failure
+        state = "unreadable"
+    return {"source": str(state)}
+
+
+@stage("score-model", cache_policy=NO_CACHE)
+def score_model(model: str, settings: Settings) -> str:
+    """Prefect stage: the registered version MODEL names now (NAME@ALIAS moves), as NAME/VERSION."""
+    name, version = resolve(mlflow_client(settings), model)
+    return f"{name}/{version}"
+
+
+@stage("score", settings=("image_extensions", "score_top_k", "read_attempts", "predictions_uri", "tracking_uri"), facts=source_state,
+       needs=lambda scored: [f"{scored['predictions_uri']}/_delta_log"] if scored["predictions_version"] is not None else [],
+       code=("tasks.score_executor", "tasks.resize_executor", "tasks.served_model", "tasks.rules.images", "tasks.rules.answers", "tasks.rules.schemas"))
+def score(source: str, model: str, settings: Settings) -> dict[str, Any]:
+    """Prefect stage: answer what is new in SOURCE to the model version MODEL (NAME/VERSION) into the predictions table."""
+    return score_images(source, model, settings)

@@ -1,0 +1,106 @@
+"""The score stage's executor side: answer one partition's images with a registered model, loaded once per Python
+worker process. This code runs inside Spark's Python workers."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+from pyspark import TaskContext
+
+from tasks.resize_executor import PROGRESS_FOLDER, PROGRESS_SECONDS, ReadFailed, read_with_retries, report_progress
+from tasks.rules.schemas import ANSWERED_SCHEMA
+
+_models: dict[str, Any] = {}  # model URI -> the loaded pyfunc, for the life of the worker process
+
+
+@dataclass(frozen=True)
+class ScoreJob:
+    """What every executor needs to answer one run's images the same way."""
+
+    model_uri: str  # models:/NAME/VERSION
+    tracking_uri: str
+    registry_uri: str | None
+    image_size: int | None  # a table source's: its rows hold pixels at this size; None for image files
+    known: frozenset[str]  # content already answered by this model version
+    top_k: int = 3
+    batch_size: int = 64
+    read_attempts: int = 3
+    read_backoff: float = 0.5
+    progress: str | None = None  # folder where each partition reports how many images it has done
+
+
+def loaded_model(job: ScoreJob) -> Any:
+    """The job's model, loaded the first time this process asks (every later partition reuses it)."""
+    if job.model_uri not in _models:
+        import mlflow
+        import torch
+
+        # One Spark task per core it was given: torch's threads would otherwise contend with the other tasks' for the cores.
+        context = TaskContext.get()
+        torch.set_num_threads(max(1, context.cpus() if context is not None else 1))
+
+        mlflow.set_tracking_uri(job.tracking_uri)
+        if job.registry_uri:
+            mlflow.set_registry_uri(job.registry_uri)
+        _models[job.model_uri] = mlflow.pyfunc.load_model(job.model_uri)
+    return _models[job.model_uri]
+
+
+def answer_rows(job: ScoreJob, items: list[tuple[str, str, Any]]) -> list[dict]:
+    """(path, sha256, image) -> a predictions row each; images are file bytes, or pixels for a table source."""
+    if not items:
+        return []
+    model = loaded_model(job)
+    params = {"top_k": job.top_k}
+    if job.image_size is None:
+        answers = model.predict(pd.DataFrame({"image": [image for _, _, image in items]}), params=params)
+    else:  # decoded already, as the table stores them: (N, size, size, 3) uint8
+        pixels = np.stack([np.frombuffer(image, dtype=np.uint8).reshape(job.image_size, job.image_size, 3) for _, _, image in items])
+        answers = model.unwrap_python_model().predict(None, pixels, params=params)
+    return [
+        {"path": path, "sha256": sha, "label": answer["label"], "probability": answer["probability"], "top_k": answer["top_k"] or [], "error": answer["error"]}
+        for (path, sha, _), answer in zip(items, answers.to_dict("records"))
+    ]
+
+
+def score_partition(batches: Iterator[pa.RecordBatch], job: ScoreJob, partition: int | None = None) -> Iterator[pa.RecordBatch]:
+    """mapInArrow's function: rows of (path, sha256, image) in, predictions rows out. A folder's rows come with neither
+    image nor sha256: the file is read here. Content this model version answered before is skipped; a file that
+    cannot be read in all its attempts is left out (no row), so a later run tries it again."""
+    import time
+
+    import fsspec
+
+    partition = TaskContext.get().partitionId() if partition is None else partition
+    fs = fsspec.core.url_to_fs(job.progress)[0] if job.progress else None
+    done, reported = 0, time.monotonic()
+    pending: list[tuple[str, str, Any]] = []
+    for batch in batches:
+        for row in batch.to_pylist():
+            image, sha = row["image"], row["sha256"]
+            if image is None:
+                try:
+                    image, _ = read_with_retries(row["path"], job.read_attempts, job.read_backoff)
+                except (ReadFailed, FileNotFoundError):
+                    continue
+                sha = hashlib.sha256(image).hexdigest()
+            if sha in job.known:
+                continue
+            pending.append((row["path"], sha, image))
+            if len(pending) == job.batch_size:
+                yield pa.RecordBatch.from_pylist(answer_rows(job, pending), schema=ANSWERED_SCHEMA)
+                done += len(pending)
+                pending.clear()
+            if fs is not None and time.monotonic() - reported >= PROGRESS_SECONDS:
+                report_progress(fs, f"{job.progress}/{PROGRESS_FOLDER}/{partition:05d}", done)
+                reported = time.monotonic()
+    if pending:
+        yield pa.RecordBatch.from_pylist(answer_rows(job, pending), schema=ANSWERED_SCHEMA)
+        done += len(pending)
+    if fs is not None:
+        report_progress(fs, f"{job.progress}/{PROGRESS_FOLDER}/{partition:05d}", done)
