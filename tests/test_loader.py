@@ -35,6 +35,20 @@ def label_changes(path: Path) -> list[float]:
     return shares
 
 
+def content(batches) -> list[tuple[bytes, list[int], list[str]]]:
+    """An epoch's batches as plain values: pixels, labels, keys."""
+    return [(images.numpy().tobytes(), labels.tolist(), keys) for images, labels, keys in batches]
+
+
+def epochs_around_a_dropped_one(loader: ShardBatches) -> tuple[list, list]:
+    """Epoch 0 whole, epoch 1 left after two batches, epoch 2 whole: the first and the last."""
+    first = content(loader)
+    dropped = iter(loader)
+    next(dropped), next(dropped)
+    dropped.close()
+    return first, content(loader)
+
+
 def test_cached_rows_are_shuffled_not_in_runs_of_one_label(spark, tmp_path: Path) -> None:
     write_label_runs(spark, tmp_path / "split", rows=400, partitions=2)
     # In runs of 40 a file would change label about 1 time in 40; shuffled, about 9 times in 10.
@@ -90,9 +104,6 @@ def test_batches_made_ahead_by_a_thread_are_the_same_and_the_thread_stops_with_t
 
     def loader() -> ShardBatches:
         return ShardBatches(url, shard=0, shard_count=1, batch_size=16, image_size=SIZE, seed=3, shuffle=True, workers=2, key_field="sha256")
-
-    def content(batches) -> list[tuple[bytes, list[int], list[str]]]:
-        return [(images.numpy().tobytes(), labels.tolist(), keys) for images, labels, keys in batches]
 
     with loader() as plain, loader() as threaded:
         assert content(ahead(iter(threaded), 2)) == content(plain) != []
@@ -166,18 +177,11 @@ def test_a_loader_process_makes_the_same_batches_and_ends_with_the_loader(spark,
             next_epoch_ahead=processes > 0,  # the process begins each epoch as soon as it has made the last one's batches
         )
 
-    def content(batches) -> list[tuple[bytes, list[int], list[str]]]:
-        return [(images.numpy().tobytes(), labels.tolist(), keys) for images, labels, keys in batches]
-
     with loader(0) as here:
         expected = [content(here) for _ in range(3)]
     assert expected[0] != expected[1] != [] and len(expected[0]) == len(here)
     with loader(1) as there:
-        assert content(there) == expected[0]
-        dropped = iter(there)
-        next(dropped), next(dropped)
-        dropped.close()  # epoch 1 left half way
-        assert content(there) == expected[2]
+        assert epochs_around_a_dropped_one(there) == (expected[0], expected[2])
         process = there._process.process
         assert process.is_alive()
         # Swapped in whole: the process may be reading the file at this moment, and must never see it half written.
@@ -202,9 +206,6 @@ def test_several_loader_processes_share_each_batch_every_row_once_the_same_for_t
     def loader(processes: int) -> ShardBatches:
         return ShardBatches(url, shard=0, shard_count=1, batch_size=16, image_size=SIZE, seed=3, shuffle=True, workers=2, key_field="sha256", processes=processes)
 
-    def content(batches) -> list[tuple[bytes, list[int], list[str]]]:
-        return [(images.numpy().tobytes(), labels.tolist(), keys) for images, labels, keys in batches]
-
     with loader(0) as here:
         one = content(here)
     with loader(2) as two:
@@ -219,11 +220,7 @@ def test_several_loader_processes_share_each_batch_every_row_once_the_same_for_t
             assert [(int(row[0]), label) for row, label in zip(pixels, labels)] == [(int(key, 16) % 251, int(key, 16) * 10 // 200) for key in keys]
     assert expected[0] != expected[1] != expected[2]
     with loader(2) as again:
-        assert content(again) == expected[0]
-        dropped = iter(again)
-        next(dropped), next(dropped)
-        dropped.close()  # epoch 1 left half way
-        assert content(again) == expected[2]
+        assert epochs_around_a_dropped_one(again) == (expected[0], expected[2])
         processes = again._process.processes
         assert all(process.is_alive() for process in processes)
     assert not any(process.is_alive() or process in multiprocessing.active_children() for process in processes)
