@@ -76,7 +76,10 @@ def decode_square(data: bytes, size: int, mode: ResizeMode = "letterbox", max_pi
         raise ImageDecodeError("not_an_image", "no image format recognises these bytes") from None
     except SyntaxError as exc:
         raise ImageDecodeError("not_an_image", str(exc)) from None
-    except (OSError, ValueError) as exc:
+    except Exception as exc:  # noqa: BLE001 - any decoder error is this file's, never the run's
+        # Beyond OSError and ValueError, Pillow's decoders raise NotImplementedError (a DDS pixel format it lacks),
+        # TypeError (a mistyped TIFF tag), struct.error, IndexError, ZeroDivisionError...: each quarantines the file,
+        # its type named, where it used to fail the stage (TypeError counts as a permanent error there).
         reason = "truncated" if "truncated" in str(exc) or "broken data stream" in str(exc) else "undecodable"
         raise ImageDecodeError(reason, f"{type(exc).__name__}: {exc}") from None
     return square, width, height
