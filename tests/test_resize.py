@@ -82,6 +82,27 @@ def test_colour_modes_convert_to_the_right_rgb(image: Image.Image, fmt: str, che
     assert check(pixels), pixels[0, 0]
 
 
+def test_a_large_16_bit_image_is_narrowed_in_strips_with_its_values_and_a_byte_a_pixel() -> None:
+    """A 16-bit image (a gradient over every value, 1000 wide and 3000 tall, cut in uneven strips) narrows to its top 8 bits with
+    under two bytes a pixel of memory beside Pillow's own image (numpy's and Python's, traced): it once took 24
+    (int64, copied twice)."""
+    import tracemalloc
+
+    from tasks.rules.images import to_rgb
+
+    values = (np.arange(3000 * 1000, dtype=np.uint32) * 65536 // (3000 * 1000)).astype(np.uint16).reshape(3000, 1000)
+    image = Image.fromarray(values)
+    assert image.mode == "I;16"
+    tracemalloc.start()
+    narrowed = to_rgb(image)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 2 * values.size, f"{peak / values.size:.1f} bytes a pixel"
+    assert narrowed.mode == "RGB" and np.array_equal(np.asarray(narrowed)[..., 1], (values >> 8).astype(np.uint8))
+    wide = Image.fromarray(np.array([[-5, 70000, 256, 65535]], dtype=np.int32))  # "I", 32-bit: clipped to 16 bits first
+    assert np.asarray(to_rgb(wide))[..., 0].tolist() == [[0, 255, 1, 255]]
+
+
 @pytest.mark.parametrize(
     "data,reason",
     [

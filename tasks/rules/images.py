@@ -24,11 +24,27 @@ class ImageDecodeError(ValueError):
         self.reason = reason
 
 
+STRIP_ROWS = 256  # rows of a 16- or 32-bit image narrowed at a time
+
+
+def to_8bit(image: Image.Image) -> Image.Image:
+    """An "I;16*" or "I" image as "L", each value's top 8 of 16 bits. Narrowed a strip of rows at a time into the one
+    8-bit array: beside Pillow's own image, the peak is 1 byte a pixel and a strip (an 8000 x 8000 16-bit PNG once
+    took about 20 bytes a pixel here, widened to int64 and copied twice)."""
+    width, height = image.size
+    narrow = np.empty((height, width), dtype=np.uint8)
+    for top in range(0, height, STRIP_ROWS):
+        strip = np.asarray(image.crop((0, top, width, min(height, top + STRIP_ROWS))))
+        if strip.dtype.kind == "i":  # "I" is signed 32-bit: out of 0..65535 is clipped, as 16 bits hold
+            strip = strip.clip(0, 65535)
+        narrow[top : top + len(strip)] = strip >> 8
+    return Image.frombuffer("L", (width, height), narrow, "raw", "L", 0, 1)  # the array's memory, not a copy of it
+
+
 def to_rgb(image: Image.Image) -> Image.Image:
     """RGB of any Pillow mode: 16-bit scaled down, transparency composited on white."""
     if image.mode in ("I;16", "I;16B", "I;16L", "I"):
-        wide = np.asarray(image, dtype=np.int64).clip(0, 65535)
-        image = Image.fromarray((wide >> 8).astype(np.uint8), "L")
+        image = to_8bit(image)
     if image.mode in ("RGBA", "LA", "PA") or (image.mode == "P" and "transparency" in image.info):
         rgba = image.convert("RGBA")
         background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
