@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 from matplotlib.figure import Figure
 
+from tasks.rules.markdown import markdown_text
 from tasks.rules.promotion import BASELINE
 
 
@@ -52,7 +53,7 @@ def metric_keys(names: list[str], limit: int = 200) -> list[str]:
 def per_class_table(rows: list[dict[str, Any]]) -> str:
     """The per-class metrics as a markdown table."""
     lines = ["| label | precision | recall | F1 | support |", "|---|---|---|---|---|"]
-    lines += [f"| {r['label']} | {r['precision']:.3f} | {r['recall']:.3f} | {r['f1']:.3f} | {r['support']} |" for r in rows]
+    lines += [f"| {markdown_text(r['label'])} | {r['precision']:.3f} | {r['recall']:.3f} | {r['f1']:.3f} | {r['support']} |" for r in rows]
     return "\n".join(lines)
 
 
@@ -79,7 +80,7 @@ def dataset_card_markdown(card: dict[str, Any], samples_link: str | None = None)
     splits = list(card["images_per_label"])
     head = "| label | " + " | ".join(splits) + " | all |\n|---|" + "---|" * (len(splits) + 1)
     rows = [
-        f"| {label} | " + " | ".join(str(card["images_per_label"][s][label]) for s in splits) + f" | {sum(card['images_per_label'][s][label] for s in splits)} |"
+        f"| {markdown_text(label)} | " + " | ".join(str(card["images_per_label"][s][label]) for s in splits) + f" | {sum(card['images_per_label'][s][label] for s in splits)} |"
         for label in card["labels"]
     ]
     rows.append("| **all** | " + " | ".join(str(card["images_per_split"][s]) for s in splits) + f" | {sum(card['images_per_split'].values())} |")
@@ -129,7 +130,7 @@ def model_card(
         scores += f"\n| baseline accuracy ({BASELINE}) | {baseline:.4f} |\n| margin over the baseline | {metrics['accuracy'] - baseline:+.4f} |"
     return (
         f"# {model_name} v{version}\n\n## Data\n\nDelta table `{data['table']}` version {data['version']}, {data['image_size']} px, "
-        f"rows per split {json.dumps(data['counts'], sort_keys=True)}, labels {', '.join(data['labels'])}.\n\n"
+        f"rows per split {json.dumps(data['counts'], sort_keys=True)}, labels {', '.join(markdown_text(label) for label in data['labels'])}.\n\n"
         f"## Training settings\n\n| setting | value |\n|---|---|\n{settings}\n\n"
         f"## Test metrics\n\n| metric | value |\n|---|---|\n{scores}\n\n{per_class_table(per_class)}\n\n"
         f"## Promotion\n\n**{alias}**: {decision}\n"

@@ -14,6 +14,7 @@ from infra.settings import Settings
 from infra.spark import spark_application, spark_startup_seconds
 from infra.tracking import mlflow_client, run_url
 from tasks.cards import dataset_card_markdown, dataset_card_of
+from tasks.rules.markdown import markdown_text
 from tasks.registry import alias_version
 from tasks.results import CachedSplits, Promoted, Resized, TableVersion, Trained, Written
 from tasks.rules.promotion import CHAMPION
@@ -78,7 +79,7 @@ def cache_report(states: dict[str, str], reasons: dict[str, str]) -> list[dict[s
 
 def summary_markdown(summary: dict[str, Any], mlflow_link: str) -> str:
     """A short markdown table of the summary for the Prefect UI."""
-    rows = "\n".join(f"| {key} | {value} |" for key, value in summary.items() if key != "cache")
+    rows = "\n".join(f"| {key} | {markdown_text(value)} |" for key, value in summary.items() if key != "cache")  # values hold labels and paths
     stages = "\n".join(f"| {row['stage']} | {row['cache']} | {row['why']} |" for row in summary.get("cache", []))
     return (
         f"## imagelake run\n\nMLflow run: [{summary['mlflow_run_id']}]({mlflow_link})\n\n| item | value |\n|---|---|\n{rows}\n\n"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 import threading
 import time
 from pathlib import Path
@@ -12,13 +13,12 @@ import pyarrow.parquet as pq
 import pytest
 
 from tasks.cache import cache_splits
-from tasks.cards import confusion_matrix, dataset_card, dataset_card_markdown, metric_keys, model_card, per_class_metrics, sample_grid
+from tasks.cards import confusion_matrix, dataset_card, dataset_card_markdown, metric_keys, model_card, per_class_metrics, per_class_table, sample_grid
 from tasks.worker.loader import label_samples, split_files
 from tasks.worker.model import warmup_cosine
 from tasks.progress import Every, rate_line
 from tasks.split import plan_splits
-from tasks.resize_executor import files_done
-from tasks.resize_executor import PROGRESS_FOLDER
+from tasks.resize_executor import PROGRESS_FOLDER, files_done
 from tests.lake import Lake, copy_digits
 
 
@@ -47,6 +47,21 @@ def test_per_class_metrics_of_a_class_never_seen_or_predicted_are_zero_not_error
     keys = metric_keys(["cat/dog:1 (b)", "chat noir", "chat:noir", "chat?noir", "x" * 300, "Straße"])
     assert keys[:4] == ["cat/dog_1 _b_", "chat noir", "chat_noir", "chat_noir_3"], "clashing names stay apart"
     assert len(keys[4]) == 200 and keys[5] == "Straße" and len(set(keys)) == 6
+
+
+def test_label_text_reaches_the_cards_markdown_escaped() -> None:
+    """A label is any folder name: in a card's tables it stays one cell, and it opens no HTML, link or emphasis."""
+    from tasks.summary import summary_markdown
+
+    label = 'a|b <img src=x onerror=alert(1)> *x* [y](z)\nnext'
+    per_class = per_class_table([{"label": label, "precision": 1.0, "recall": 1.0, "f1": 1.0, "support": 3}])
+    card = dataset_card_markdown(dataset_card("t", 0, 8, {"train": {label: 2}, "val": {label: 1}}, {}))
+    summary = summary_markdown({"mlflow_run_id": "r", "labels": [label]}, "link")
+    for markdown in (per_class, card, summary):
+        rows = [line for line in markdown.splitlines() if "img" in line]
+        assert rows and all("<" not in row and "\\|" in row for row in rows), rows
+    cells = [cell for cell in re.split(r"(?<!\\)\|", per_class.splitlines()[2])[1:-1]]
+    assert len(cells) == 5 and cells[0].strip().startswith("a\\|b &lt;img")
 
 
 def test_dataset_card_counts_and_markdown() -> None:
