@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import fsspec
+from fsspec.implementations.local import LocalFileSystem
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -147,6 +148,9 @@ def manifest_entries(uri: str, base: str, fs: Any, rows: csv.DictReader, scope: 
                 f"manifest {uri} line {number}: {row['path']!r} is outside the manifest's folder {fs.unstrip_protocol(base)}; "
                 "name files under it, or add their folder to the setting manifest_roots"
             )
+        if escapes_by_link(file_fs, file_path, roots):  # the rule of folder sources: quarantined, never read
+            yield file_entry(file_fs.unstrip_protocol(file_path), row["label"], day, 0, 0.0, "symlink_outside_source")
+            continue
         try:
             info = file_fs.info(file_path)
         except (FileNotFoundError, OSError):
@@ -155,6 +159,16 @@ def manifest_entries(uri: str, base: str, fs: Any, rows: csv.DictReader, scope: 
         size, mtime = int(info.get("size") or 0), modified_seconds(info)
         stamp = stamp_of(file_fs, file_path, info)
         yield file_entry(file_fs.unstrip_protocol(file_path), row["label"], day, size, mtime, None, scope.max_file_bytes, stamp)
+
+
+def escapes_by_link(fs: Any, path: str, roots: list[str]) -> bool:
+    """Whether a local PATH, inside ROOTS as written, lies outside all of them once its symbolic links (of the file or
+    of any folder on its way) are followed. Object stores have no links."""
+    if not isinstance(fs, LocalFileSystem):
+        return False
+    real = "file://" + os.path.realpath(path)
+    local_roots = ["file://" + os.path.realpath(fsspec.core.url_to_fs(root)[1]) for root in roots if root.startswith("file://")]
+    return not any(is_within(real, root) for root in local_roots)
 
 
 def canonical_uri(location: str) -> str:

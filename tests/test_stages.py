@@ -112,6 +112,27 @@ def test_a_manifest_csv_lists_files_labels_and_dates(lake: Lake, digits_dir: Pat
     assert set(data["date"]) == {date(2024, 2, 1), date(2024, 2, 2)}
 
 
+def test_a_manifest_row_that_leaves_its_folder_by_a_link_is_quarantined_as_a_folder_source_s_would_be(tmp_path: Path) -> None:
+    """A manifest's rows are checked on their real paths too: a file, or a folder on the way, that links outside the
+    manifest's folder and manifest_roots is quarantined (symlink_outside_source), never read; a link into a root is fine."""
+    from tasks.ingest import list_manifest
+    from tasks.rules.listing import Scope
+
+    base, outside, extra = tmp_path / "base", tmp_path / "outside", tmp_path / "extra"
+    for folder in (base, outside / "more", extra):
+        folder.mkdir(parents=True)
+    for target in (base / "inside.png", outside / "secret.png", outside / "more" / "x.png", extra / "ok.png"):
+        target.write_bytes(b"png")
+    (base / "link.png").symlink_to(outside / "secret.png")
+    (base / "linked").symlink_to(outside / "more")
+    (base / "allowed.png").symlink_to(extra / "ok.png")
+    (base / "m.csv").write_text("path,label\ninside.png,a\nlink.png,a\nlinked/x.png,b\nallowed.png,b\n")
+    entries = list_manifest(f"file://{base / 'm.csv'}", Scope(extensions=(".png",), manifest_roots=(str(extra),)))
+    assert {entry["path"].rsplit("/", 1)[-1]: entry["issue"] for entry in entries} == {
+        "inside.png": None, "link.png": "symlink_outside_source", "x.png": "symlink_outside_source", "allowed.png": None,
+    }
+
+
 @pytest.mark.parametrize("spelling", ["absolute", "dotdot", "url"])
 def test_a_manifest_row_outside_its_folder_is_refused_naming_the_line(lake: Lake, digits_dir: Path, tmp_path: Path, spelling: str) -> None:
     from tasks.ingest import list_source
