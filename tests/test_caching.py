@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 from flows.pipeline import pipeline
+from flows.score import score_flow
 from infra.settings import load_settings
-from tasks.stage import StageKey, code_digest, explain, key_parts
+from tasks.stage import StageKey, code_digest, explain, key_parts, stage_outcomes
 from tasks.summary import cache_report
 from tests.lake import copy_digits
 
@@ -155,3 +156,27 @@ def test_same_data_hits_new_file_reruns_from_ingest_new_size_from_resize(prefect
     assert sixth["cache_hits"] == [] and set(missed.values()) == {"refresh requested: recomputed whatever the cache holds"}
     # Training really ran again, from scratch: a new Ray run and MLflow run, not a resume of the cached one.
     assert sixth["mlflow_run_id"] != fifth["mlflow_run_id"] and Path(sixth["checkpoint"]).parent.parent != Path(fifth["checkpoint"]).parent.parent
+
+    # Batch scoring with the champion these runs registered (`imagelake score`'s flow): the alias resolved at each run,
+    # the score stage a hit while the source has not changed, a miss that answers only a new file, and a miss again
+    # (everything answered anew) once the predictions table is gone.
+    landing = tmp_path / "landing"
+    landing.mkdir()
+    for path in sorted(source.rglob("*.png"))[:6]:
+        shutil.copy(path, landing / f"{path.parent.name}-{path.name}")
+
+    def score(folder: Path) -> tuple[dict, str]:
+        state = score_flow("digits-cache@champion", str(folder), overrides=overrides, return_state=True)
+        outcomes, _ = stage_outcomes(str(state.state_details.flow_run_id))
+        return state.result(), outcomes["score"]
+
+    scored, outcome = score(landing)
+    assert scored["model"].startswith("digits-cache/") and (scored["answered"], scored["cached"], outcome) == (6, False, "Completed")
+    again, outcome = score(landing)
+    assert (again["answered"], again["predictions_version"], again["cached"], outcome) == (0, None, True, "Cached")
+    shutil.copy(sorted((digits_dir / "9").glob("*.png"))[0], landing / "new.png")
+    grown, outcome = score(landing)
+    assert (grown["answered"], grown["predictions_version"], outcome) == (1, scored["predictions_version"] + 1, "Completed")
+    shutil.rmtree(grown["predictions_uri"])
+    anew, outcome = score(landing)
+    assert (anew["answered"], outcome) == (7, "Completed")

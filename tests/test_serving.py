@@ -275,34 +275,3 @@ def test_score_answers_a_folder_a_prefix_and_a_table_version_on_spark_once_per_c
     with pytest.raises(ScoreSourceError, match="not a Delta table"):
         score_images(f"{folder}@3", f"{NAME}@champion", settings)
 
-
-def test_the_score_flow_resolves_the_alias_caches_an_unchanged_source_and_answers_a_new_file(champion, prefect_api: str, tmp_path: Path) -> None:
-    """`imagelake score`'s flow: the alias resolved at each run, the score stage a cache hit while neither the source
-    changed, and a miss that answers only the new file once one is added; a hit whose predictions table is gone is a miss."""
-    from flows.score import score_flow
-    from tasks.stage import stage_outcomes
-
-    store, _ = champion
-    overrides = {"workspace": str(tmp_path / "ws"), "mlflow_tracking_uri": store}
-    folder = tmp_path / "landing"
-    folder.mkdir()
-    for name, data, _ in files()[:2]:
-        (folder / f"{name}.img.png").write_bytes(data)
-
-    def run() -> tuple[dict, str]:
-        state = score_flow(f"{NAME}@champion", str(folder), overrides=overrides, return_state=True)
-        outcomes, _ = stage_outcomes(str(state.state_details.flow_run_id))
-        return state.result(), outcomes["score"]
-
-    first, outcome = run()
-    assert (first["model"], first["answered"], first["cached"], outcome) == (f"{NAME}/1", 2, False, "Completed")
-    again, outcome = run()
-    assert (again["answered"], again["predictions_version"], again["cached"], outcome) == (0, None, True, "Cached")
-    (folder / "new.png").write_bytes(encoded(drawing(1, 5), "PNG"))
-    third, outcome = run()
-    assert (third["answered"], third["predictions_version"], outcome) == (1, first["predictions_version"] + 1, "Completed")
-    import shutil
-
-    shutil.rmtree(third["predictions_uri"])
-    fourth, outcome = run()
-    assert (fourth["answered"], outcome) == (3, "Completed")
