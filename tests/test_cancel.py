@@ -35,7 +35,7 @@ from prefect.settings import PREFECT_API_URL, temporary_settings
 from prefect.states import State
 
 from infra.lifecycle import CRASH_AUTOMATION, HEARTBEAT_SECONDS, MISSED_HEARTBEATS, ensure_crash_detection, processes_with
-from tests.servers import PrefectServer, stop_group
+from tests.servers import WORKER_GRACE, PrefectServer, stop_group
 
 pytestmark = [pytest.mark.slow, pytest.mark.alone, pytest.mark.xdist_group("alone-cancel")]
 
@@ -175,7 +175,7 @@ def workers(deployed: Deployed) -> Iterator[list[Worker]]:
     started: list[Worker] = []
     yield started
     for worker in started:
-        stop_group(worker.process)
+        stop_group(worker.process, WORKER_GRACE)
         for process in marked(worker.marker):
             process.kill()
 
