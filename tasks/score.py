@@ -10,16 +10,16 @@ import re
 import time
 import uuid
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, Iterator
 
 import fsspec
 import pyarrow as pa
 import pyarrow.compute as pc
+from prefect.cache_policies import NO_CACHE
+from prefect.utilities.hashing import hash_objects
 from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
-from prefect.cache_policies import NO_CACHE
 from pyspark.sql.pandas.types import from_arrow_schema
-from prefect.utilities.hashing import hash_objects
 
 from infra.delta import Table, table_exists
 from infra.settings import Settings
@@ -53,11 +53,14 @@ def table_source(source: str) -> tuple[str, int | None] | None:
     return None
 
 
-def image_files(uri: str, extensions: list[str]) -> list[str]:
-    """Every image file under a folder or object-store prefix (any layout; labels are not needed to score)."""
+def image_files(uri: str, extensions: list[str]) -> Iterator[tuple[str, dict[str, Any]]]:
+    """Every image file under a folder or object-store prefix (any layout; labels are not needed to score), as its URI
+    and the store's info on it."""
     fs, root = fsspec.core.url_to_fs(uri)
     suffixes = tuple(e.lower() for e in extensions)
-    return [fs.unstrip_protocol(path) for path, _ in walk_files(fs, root) if path.lower().endswith(suffixes) and "/_" not in path[len(root) :]]
+    for path, info in walk_files(fs, root):
+        if path.lower().endswith(suffixes) and "/_" not in path[len(root) :]:
+            yield fs.unstrip_protocol(path), info
 
 
 def answered_before(settings: Settings, spark: SparkSession, name: str, version: int) -> frozenset[str]:
@@ -89,7 +92,7 @@ def score_images(source: str, model: str, settings: Settings) -> dict[str, Any]:
             raise ScoreSourceError(f"--source {source}: version {table_version} holds no images at the model's size {size}; score the source folder instead")
     else:
         uri, table_version, size = source_uri(source), None, None
-        files = image_files(uri, settings.image_extensions)
+        files = [path for path, _ in image_files(uri, settings.image_extensions)]
         if not files:
             raise ScoreSourceError(f"--source {source} holds no image files ({', '.join(settings.image_extensions)}): give a folder or prefix of images, or a Delta table")
         frame = spark.createDataFrame([(path, None, None) for path in files], "path string, sha256 string, image binary")
@@ -158,9 +161,8 @@ def source_state(inputs: dict[str, Any]) -> dict[str, str]:
         if table is not None:
             state = f"table {table[0]}@{table[1] if table[1] is not None else Table(table[0]).version()}"
         else:
-            fs, root = fsspec.core.url_to_fs(source_uri(inputs["source"]))
-            suffixes = tuple(e.lower() for e in settings.image_extensions)
-            state = hash_objects([(path, info.get("size"), info.get("mtime") or info.get("LastModified")) for path, info in walk_files(fs, root) if path.lower().endswith(suffixes)])
+            files = image_files(source_uri(inputs["source"]), settings.image_extensions)
+            state = hash_objects([(path, info.get("size"), info.get("mtime") or info.get("LastModified")) for path, info in files])
     except (ScoreSourceError, OSError, ValueError):  # the stage itself raises it, where the run reports a stage's failure
         state = "unreadable"
     return {"source": str(state)}
