@@ -4,9 +4,11 @@ worker process. This code runs inside Spark's Python workers."""
 from __future__ import annotations
 
 import hashlib
+import time
 from dataclasses import dataclass
 from typing import Any, Iterator
 
+import fsspec
 import numpy as np
 import pandas as pd
 import pyarrow as pa
@@ -15,7 +17,7 @@ from pyspark import TaskContext
 from tasks.resize_executor import PROGRESS_FOLDER, PROGRESS_SECONDS, ReadFailed, read_with_retries, report_progress
 from tasks.rules.schemas import ANSWERED_SCHEMA
 
-_models: dict[str, Any] = {}  # model URI -> the loaded pyfunc, for the life of the worker process
+_models: dict[tuple[str, str | None, str], Any] = {}  # (tracking, registry, model URI) -> the loaded pyfunc, for the worker process's life
 
 
 @dataclass(frozen=True)
@@ -35,20 +37,20 @@ class ScoreJob:
 
 
 def loaded_model(job: ScoreJob) -> Any:
-    """The job's model, loaded the first time this process asks (every later partition reuses it)."""
-    if job.model_uri not in _models:
+    """The job's model, loaded the first time this process asks (every later partition reuses it). A Python worker
+    outlives its job, so the model is known by its stores too: models:/NAME/1 of two registries are two models."""
+    key = (job.tracking_uri, job.registry_uri, job.model_uri)
+    if key not in _models:
         import mlflow
         import torch
 
         # One Spark task per core it was given: torch's threads would otherwise contend with the other tasks' for the cores.
         context = TaskContext.get()
         torch.set_num_threads(max(1, context.cpus() if context is not None else 1))
-
         mlflow.set_tracking_uri(job.tracking_uri)
-        if job.registry_uri:
-            mlflow.set_registry_uri(job.registry_uri)
-        _models[job.model_uri] = mlflow.pyfunc.load_model(job.model_uri)
-    return _models[job.model_uri]
+        mlflow.set_registry_uri(job.registry_uri or job.tracking_uri)  # as the driver's client does (infra/tracking.py)
+        _models[key] = mlflow.pyfunc.load_model(job.model_uri)
+    return _models[key]
 
 
 def answer_rows(job: ScoreJob, items: list[tuple[str, str, Any]]) -> list[dict]:
@@ -72,10 +74,6 @@ def score_partition(batches: Iterator[pa.RecordBatch], job: ScoreJob, partition:
     """mapInArrow's function: rows of (path, sha256, image) in, predictions rows out. A folder's rows come with neither
     image nor sha256: the file is read here. Content this model version answered before is skipped; a file that
     cannot be read in all its attempts is left out (no row), so a later run tries it again."""
-    import time
-
-    import fsspec
-
     partition = TaskContext.get().partitionId() if partition is None else partition
     fs = fsspec.core.url_to_fs(job.progress)[0] if job.progress else None
     done, reported = 0, time.monotonic()
