@@ -26,8 +26,9 @@ def run_settings(config_file: str | None, overrides: dict[str, Any] | None, **fi
 
 
 def check_run_parameters(config_file: str | None, overrides: dict[str, Any] | None) -> None:
-    """When the run came from a deployment (the UI, a schedule, the API), neither its `overrides` nor a settings file it
-    names outside the code may set what can run code or load pickles (infra/settings.py:refuse_unsafe)."""
+    """When the run came from a deployment (the UI, a schedule, the API), its `overrides` and a settings file it names
+    outside the code may set only what infra/settings.py:ALLOWED_FROM_RUNS allows, within RUN_LIMITS: where the worker
+    connects, keeps data or loads code from comes from the worker alone (infra/settings.py:refuse_unsafe)."""
     context = FlowRunContext.get()
     if context is not None and context.flow_run is not None and context.flow_run.deployment_id is not None:
         where = f"the parameters of a deployment run ({context.flow_run.name})"

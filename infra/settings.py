@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
@@ -155,7 +155,7 @@ class Settings(BaseSettings):
     )
     pretrained: str | None = Field(
         default=None,
-        description="Weights to start from: imagenet (the architecture's best torchvision weights, from torchvision's cache in TORCH_HOME or downloaded into it), a torchvision weights name (IMAGENET1K_V1, ResNet50_Weights.IMAGENET1K_V2), or the path or URI of a state dict",
+        description="Weights to start from: none, imagenet (the architecture's best torchvision weights, from torchvision's cache in TORCH_HOME or downloaded into it), a torchvision weights name (IMAGENET1K_V1, ResNet50_Weights.IMAGENET1K_V2), or the path or URI of a state dict",
     )
     freeze_backbone: bool = Field(default=False, description="Train only the classification head (a linear probe of the pretrained features)")
     backbone_lr_factor: float = Field(default=0.1, gt=0, le=1, description="With pretrained weights, the backbone's learning rate as a fraction of the new head's")
@@ -234,6 +234,12 @@ class Settings(BaseSettings):
             data = {**data, "pretrained": data["pretrained_weights"]}
             del data["pretrained_weights"]
         return data
+
+    @field_validator("pretrained", mode="before")
+    @classmethod
+    def _no_weights(cls, value: Any) -> Any:
+        # none means no weights, as augment's and class_weights' none do; never a file named none.
+        return None if isinstance(value, str) and value.strip().lower() in ("", "none") else value
 
     @model_validator(mode="after")
     def _no_credentials_in_addresses(self) -> "Settings":
@@ -358,22 +364,109 @@ def _names_a_secret(key: str) -> bool:
     return bool(_SECRET_KEY.search(key)) and not _SECRET_SOURCE.search(key)
 
 
-# Settings that can run code (Spark's JVM and Python options, jars on its class path) or load pickles (stage results are
-# read back by unpickling, a training resumes its checkpoints with torch.load: a run pointed at a folder of someone
-# else's files would load them): a run started from the UI or a deployment's parameters may not set them, unless the
-# worker lists them in this variable.
-UNSAFE_FROM_RUNS = ("spark_conf", "spark_jars", "allow_pickle_models", "workspace", "results_root", "ray_storage_root")
+# What a run started from a deployment (the UI's form, a schedule, the API) may set: what it ingests, how it trains,
+# splits and promotes, and how much of the worker's cluster it asks for. Nothing here names a host, a folder, a table
+# or a file, so a run can neither send the worker's credentials elsewhere, nor load someone else's pickles, nor write
+# or delete where the worker does not. A new field of Settings goes here or in REFUSED_FROM_RUNS (tests/test_settings.py).
+ALLOWED_FROM_RUNS = frozenset({
+    # What is ingested.
+    "image_size", "resize_mode", "image_extensions", "start_date", "end_date", "requeue_reasons", "max_file_bytes", "read_attempts",
+    "max_image_pixels", "max_bad_fraction", "max_retire_fraction", "decode_in_driver_up_to",
+    # Split and cache.
+    "val_fraction", "test_fraction", "partitions_per_worker",
+    # How it trains, and on how much of the worker's cluster.
+    "ray_placement_strategy", "num_workers", "use_gpu", "cpus_per_worker", "gpus_per_worker", "max_failures", "ray_log_to_driver",
+    "model_arch", "pretrained", "freeze_backbone", "backbone_lr_factor", "augment", "augment_flip", "label_smoothing", "class_weights",
+    "warm_start", "max_epochs", "max_train_minutes", "batch_size", "base_lr", "lr_scaling", "early_stopping_patience",
+    "early_stopping_min_delta", "early_stopping_threshold", "compile", "compile_mode", "loader_workers", "loader_processes",
+    "shuffle_buffer_batches", "bf16", "channels_last", "pin_memory", "seed",
+    # How the gate promotes, what scoring keeps, how much maintenance keeps (within RUN_LIMITS), how much Spark says.
+    "promotion_metric", "promotion_margin", "min_margin_over_baseline", "score_top_k",
+    "vacuum_retention_hours", "workspace_retention_hours", "spark_log_level",
+})
+
+# Only from the worker's config file or IMAGELAKE_* environment: where its clusters, stores, tables, folders and
+# registered model are (a run pointed elsewhere would send the worker's credentials to another host, unpickle Ray
+# Client's or Prefect's results from it, or write, retire and vacuum someone else's data), what code Spark loads, and
+# the policies that remove data (retire_deleted) or load pickles (allow_pickle_models).
+REFUSED_FROM_RUNS = frozenset({
+    "workspace", "table_root", "table_name", "quarantine_table_name", "history_table_name", "predictions_table_name",
+    "cache_root", "staging_root", "ray_storage_root", "results_root", "manifest_roots",
+    "spark_master", "spark_driver_memory", "spark_jars", "spark_conf", "delta_writer", "ray_address",
+    "mlflow_tracking_uri", "mlflow_registry_uri", "mlflow_experiment", "mlflow_ui_url", "model_name", "prefect_api_url",
+    "retire_deleted", "allow_pickle_models",
+})
+
+# What a model version recorded may never bring back into a retraining (tasks/registry.py:retrain_overrides).
+UNSAFE_FROM_RUNS = tuple(sorted(REFUSED_FROM_RUNS))
+
+# Allowed settings that a run may only make safer than the defaults, as (at least | at most, limit): past them data is
+# lost, or a decompression bomb can take the worker down with every run on it.
+RUN_LIMITS: dict[str, tuple[str, float]] = {
+    # A run that would retire more of a date's rows writes nothing: a run may only be more careful than the default.
+    "max_retire_fraction": ("at most", 0.5),
+    # Vacuum runs with Delta's retention check off and deletes files no commit added yet (infra/delta.py): below
+    # Delta's own week it deletes what time travel, readers and a writer still committing need.
+    "vacuum_retention_hours": ("at least", 168),
+    # Clean-up after each run deletes staging files, stage results and checkpoints this old: a running run's among them.
+    "workspace_retention_hours": ("at least", 168),
+    # The decoder's guards against huge files and decompression bombs.
+    "max_file_bytes": ("at most", 50 * 1024 * 1024),
+    "max_image_pixels": ("at most", 64_000_000),
+}
+
+# Torchvision's weights by name (tasks/worker/model.py:is_weights_name takes the same): never a path or a URL.
+_WEIGHTS_NAME = re.compile(r"^(?:[A-Za-z0-9_]+_Weights\.)?[A-Z][A-Z0-9_]*$")
+_RENAMED = {"pretrained_weights": "pretrained"}  # old names Settings still reads (Settings._renamed)
 ALLOW_FROM_RUNS_VARIABLE = "IMAGELAKE_ALLOW_FROM_RUNS"
 
 
+def _is_weights_name(value: Any) -> bool:
+    """No weights, imagenet or torchvision's weights by name: what a run may give as `pretrained` (a file or URL would be fetched and loaded)."""
+    if value is None:
+        return True
+    # Exactly as Settings._no_weights and tasks/worker/model.py read them: anything else is taken for a file.
+    return isinstance(value, str) and (value.strip().lower() in ("", "none") or value == "imagenet" or bool(_WEIGHTS_NAME.match(value)))
+
+
+def _within_limit(name: str, value: Any) -> bool:
+    """Whether VALUE keeps to RUN_LIMITS[NAME]; a value that is not a number (NaN included) does not."""
+    side, limit = RUN_LIMITS[name]
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return False
+    return number >= limit if side == "at least" else number <= limit
+
+
+def refusal(name: str, value: Any) -> str | None:
+    """Why a run may not set NAME to VALUE (the name, with the value and the limit for a limited one), or None."""
+    setting = _RENAMED.get(name, name)
+    if setting not in Settings.model_fields:
+        return None  # not a setting at all: load_settings refuses it by name
+    if setting not in ALLOWED_FROM_RUNS:
+        return name
+    if setting == "pretrained" and not _is_weights_name(value):
+        return f"{name}={value!r} (a run may set none, imagenet or a torchvision weights name, not a path or URL)"
+    if setting in RUN_LIMITS and not _within_limit(setting, value):
+        side, limit = RUN_LIMITS[setting]
+        return f"{name}={value!r} (a run may set {side} {limit})"
+    return None
+
+
 def refuse_unsafe(overrides: dict[str, Any] | None, where: str) -> dict[str, Any] | None:
-    """OVERRIDES, unless they set one of UNSAFE_FROM_RUNS that the worker's IMAGELAKE_ALLOW_FROM_RUNS does not allow."""
-    allowed = {name.strip() for name in os.environ.get(ALLOW_FROM_RUNS_VARIABLE, "").split(",") if name.strip()}
-    refused = sorted(name for name in (overrides or {}) if name in UNSAFE_FROM_RUNS and name not in allowed)
+    """OVERRIDES, unless they set what ALLOWED_FROM_RUNS does not allow, or go past RUN_LIMITS or set `pretrained` to a
+    path or URL, where the worker's IMAGELAKE_ALLOW_FROM_RUNS does not open that setting to runs."""
+    opened = {name.strip() for name in os.environ.get(ALLOW_FROM_RUNS_VARIABLE, "").split(",") if name.strip()}
+    given = sorted((overrides or {}).items())
+    reasons = {name: refusal(name, value) for name, value in given if name not in opened and _RENAMED.get(name, name) not in opened}
+    refused = {name: reason for name, reason in reasons.items() if reason}
     if refused:
         raise SettingsError(
-            f"{', '.join(refused)} cannot be set from {where}: they can run code or load pickles. Set them in the worker's "
-            f"config file or IMAGELAKE_* environment, or allow them for runs with {ALLOW_FROM_RUNS_VARIABLE}={','.join(refused)} on the worker."
+            f"{', '.join(refused.values())} cannot be set from {where}: a run may set what it ingests and how it trains, "
+            "within limits that lose no data, not where the worker connects, keeps data or loads code from. "
+            f"Set them in the worker's config file or IMAGELAKE_* environment, or allow them for runs with "
+            f"{ALLOW_FROM_RUNS_VARIABLE}={','.join(refused)} on the worker."
         )
     return overrides
 
@@ -383,7 +476,7 @@ CODE_ROOT = Path(__file__).resolve().parents[1]
 
 
 def refuse_unsafe_file(config_file: str | Path | None, where: str) -> None:
-    """Refuse a settings file named by WHERE (a run's parameters) that sets one of UNSAFE_FROM_RUNS, unless it lies in
+    """Refuse a settings file named by WHERE (a run's parameters) that sets what refuse_unsafe refuses, unless it lies in
     CODE_ROOT (infra/clusters/*.yaml: part of the deployment) or IMAGELAKE_ALLOW_FROM_RUNS allows those settings."""
     if not config_file:
         return

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -119,3 +120,155 @@ def test_a_settings_file_named_by_a_run_may_not_set_what_runs_code_unless_it_shi
     refuse_unsafe_file(tmp_path / "safe.yaml", "a run")
     monkeypatch.setenv("IMAGELAKE_ALLOW_FROM_RUNS", "allow_pickle_models")
     refuse_unsafe_file(planted, "a run")
+
+
+def test_every_setting_is_allowed_from_runs_or_refused_by_name() -> None:
+    # A new field of Settings fails here until someone decides whether a run from a deployment may set it.
+    from infra.settings import ALLOWED_FROM_RUNS, REFUSED_FROM_RUNS, RUN_LIMITS, Settings
+
+    undecided = sorted(set(Settings.model_fields) - ALLOWED_FROM_RUNS - REFUSED_FROM_RUNS)
+    assert not undecided, f"decide whether a run may set {undecided}: add each to ALLOWED_FROM_RUNS or REFUSED_FROM_RUNS"
+    assert not ALLOWED_FROM_RUNS & REFUSED_FROM_RUNS
+    assert ALLOWED_FROM_RUNS | REFUSED_FROM_RUNS == set(Settings.model_fields), "names that are not settings"
+    assert set(RUN_LIMITS) <= ALLOWED_FROM_RUNS
+
+
+DANGEROUS_FROM_RUNS = [
+    ("ray_address", "ray://elsewhere:10001"),  # Ray Client's results are unpickled in the flow
+    ("spark_master", "spark://elsewhere:7077"),
+    ("mlflow_tracking_uri", "http://elsewhere:5000"),  # the worker's MLflow credentials go to that host
+    ("mlflow_registry_uri", "http://elsewhere:5000"),
+    ("prefect_api_url", "http://elsewhere:4200/api"),
+    ("table_root", "/tmp/elsewhere"),
+    ("cache_root", "/tmp/elsewhere"),
+    ("staging_root", "/tmp/elsewhere"),
+    ("manifest_roots", ["/"]),
+    ("model_name", "someone-elses-model"),
+    ("retire_deleted", True),
+]
+
+
+@pytest.mark.parametrize(("name", "value"), DANGEROUS_FROM_RUNS, ids=[name for name, _ in DANGEROUS_FROM_RUNS])
+def test_where_the_worker_connects_and_keeps_its_data_is_refused_from_runs(monkeypatch, name: str, value) -> None:
+    from infra.settings import refuse_unsafe
+
+    monkeypatch.delenv("IMAGELAKE_ALLOW_FROM_RUNS", raising=False)
+    with pytest.raises(SettingsError, match=rf"^{name} cannot be set from a run: ") as refused:
+        refuse_unsafe({name: value, "max_epochs": 2}, "a run")
+    message = str(refused.value)
+    assert "worker's config file or IMAGELAKE_* environment" in message and f"IMAGELAKE_ALLOW_FROM_RUNS={name} " in message, message
+
+
+def test_a_name_that_is_no_setting_is_refused_by_name_when_the_settings_load(monkeypatch) -> None:
+    from infra.settings import refuse_unsafe
+
+    monkeypatch.delenv("IMAGELAKE_ALLOW_FROM_RUNS", raising=False)
+    assert refuse_unsafe({"tracking_uri": "http://elsewhere:5000"}, "a run")  # a property, not a setting: no run's setting either
+    with pytest.raises(SettingsError, match="tracking_uri: Extra inputs are not permitted"):
+        load_settings(overrides={"tracking_uri": "http://elsewhere:5000"})
+
+
+PATHS_AND_URLS = ["https://elsewhere/weights.pth", "/tmp/weights.pth", "weights.pth", "s3://bucket/weights.pth", "file:///tmp/w.pth", "Imagenet"]
+
+
+@pytest.mark.parametrize("given", PATHS_AND_URLS)
+@pytest.mark.parametrize("name", ["pretrained", "pretrained_weights"])
+def test_a_run_may_name_torchvision_weights_but_no_path_or_url(monkeypatch, name: str, given: str) -> None:
+    from infra.settings import refuse_unsafe
+
+    monkeypatch.delenv("IMAGELAKE_ALLOW_FROM_RUNS", raising=False)
+    expected = rf"^{name}='{given}' \(a run may set none, imagenet or a torchvision weights name, not a path or URL\) cannot be set from a run"
+    with pytest.raises(SettingsError, match=expected):
+        refuse_unsafe({name: given}, "a run")
+
+
+ORDINARY_FROM_RUNS = {
+    "image_size": 96, "max_epochs": 3, "base_lr": 3e-4, "model_arch": "resnet18", "augment": "standard", "augment_flip": True,
+    "start_date": "2024-03-01", "end_date": "2024-03-31", "val_fraction": 0.2, "test_fraction": 0.15, "seed": 7, "batch_size": 64,
+    "num_workers": 1, "freeze_backbone": True, "label_smoothing": 0.0, "warm_start": True, "promotion_margin": 0.01,
+    "requeue_reasons": ["decode_error"], "max_retire_fraction": 0.1, "vacuum_retention_hours": 336, "workspace_retention_hours": 200,
+    "max_file_bytes": 1024, "max_image_pixels": 1_000_000,
+}
+
+
+@pytest.mark.parametrize("pretrained", [None, "none", "imagenet", "DEFAULT", "IMAGENET1K_V2", "ResNet18_Weights.IMAGENET1K_V1"])
+def test_what_a_run_ingests_and_how_it_trains_pass(monkeypatch, pretrained) -> None:
+    from infra.settings import refuse_unsafe
+
+    monkeypatch.delenv("IMAGELAKE_ALLOW_FROM_RUNS", raising=False)
+    given = {**ORDINARY_FROM_RUNS, "pretrained": pretrained}
+    assert refuse_unsafe(given, "a run") == given
+    settings = load_settings(overrides=given)
+    assert settings.pretrained == (None if pretrained in (None, "none") else pretrained)  # none is no weights, not a file named none
+
+
+def test_the_weights_a_run_may_name_are_what_the_model_reads_as_names_not_files() -> None:
+    from infra.settings import _is_weights_name
+    from tasks.worker.model import is_weights_name
+
+    for given in ("imagenet", "DEFAULT", "IMAGENET1K_V2", "ResNet18_Weights.IMAGENET1K_V1", *PATHS_AND_URLS, "/tmp/DEFAULT", "s3://b/DEFAULT"):
+        assert _is_weights_name(given) == is_weights_name(given), given
+
+
+def test_what_the_shipped_deployments_and_the_form_send_passes(monkeypatch) -> None:
+    import yaml
+
+    from flows.pipeline import FORM_SETTINGS, RunParameters
+    from infra.settings import ALLOWED_FROM_RUNS, CODE_ROOT, Settings, refuse_unsafe
+
+    monkeypatch.delenv("IMAGELAKE_ALLOW_FROM_RUNS", raising=False)
+    for path in [CODE_ROOT / "prefect.yaml", *sorted((CODE_ROOT / "infra" / "clusters").glob("prefect-*.yaml"))]:
+        for deployment in yaml.safe_load(path.read_text())["deployments"]:
+            refuse_unsafe(deployment.get("parameters", {}).get("overrides"), f"{path.name} {deployment['name']}")
+    # The form sends every field, its defaults included (flows/pipeline.py:adhoc); every default passes too.
+    form = RunParameters(start_date="2024-03-01", end_date="2024-03-31")
+    refuse_unsafe(form.model_dump(exclude={"source", "config_file", "refresh"}, exclude_none=True, mode="json"), "the form")
+    defaults = {name: field.get_default(call_default_factory=True) for name, field in Settings.model_fields.items()}
+    assert set(FORM_SETTINGS) <= ALLOWED_FROM_RUNS
+    refuse_unsafe({name: defaults[name] for name in ALLOWED_FROM_RUNS}, "a run")
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "limit"),
+    [
+        ("vacuum_retention_hours", 0, "at least 168"),  # vacuum runs with Delta's retention check off
+        ("vacuum_retention_hours", "167.5", "at least 168"),  # as the API may send it; pydantic would read it as a number
+        ("vacuum_retention_hours", float("nan"), "at least 168"),
+        ("workspace_retention_hours", 1, "at least 168"),
+        ("max_retire_fraction", 1, "at most 0.5"),
+        ("max_file_bytes", 10**12, "at most 52428800"),
+        ("max_image_pixels", 10**12, "at most 64000000"),
+    ],
+)
+def test_a_run_may_not_go_past_the_limits_that_keep_data(monkeypatch, name: str, value, limit: str) -> None:
+    from infra.settings import refuse_unsafe
+
+    monkeypatch.delenv("IMAGELAKE_ALLOW_FROM_RUNS", raising=False)
+    expected = rf"^{name}={re.escape(repr(value))} \(a run may set {limit}\) cannot be set from a run: .*IMAGELAKE_ALLOW_FROM_RUNS={name} "
+    with pytest.raises(SettingsError, match=expected):
+        refuse_unsafe({name: value}, "a run")
+
+
+def test_the_worker_may_open_one_setting_to_runs_and_only_that_one(monkeypatch) -> None:
+    from infra.settings import refuse_unsafe
+
+    monkeypatch.setenv("IMAGELAKE_ALLOW_FROM_RUNS", "ray_address, vacuum_retention_hours,pretrained")
+    opened = {"ray_address": "ray://head:10001", "vacuum_retention_hours": 0, "pretrained": "/shared/weights.pth"}
+    assert refuse_unsafe(opened, "a run") == opened
+    assert refuse_unsafe({"pretrained_weights": "/shared/weights.pth"}, "a run"), "the old name of an opened setting is open too"
+    expected = r"^mlflow_tracking_uri, spark_master cannot be set from a run: .*IMAGELAKE_ALLOW_FROM_RUNS=mlflow_tracking_uri,spark_master "
+    with pytest.raises(SettingsError, match=expected):
+        refuse_unsafe({**opened, "spark_master": "spark://x:7077", "mlflow_tracking_uri": "http://x:5000"}, "a run")
+
+
+def test_a_settings_file_a_run_names_outside_the_code_follows_the_same_rule(monkeypatch, tmp_path) -> None:
+    from infra.settings import CODE_ROOT, refuse_unsafe_file
+
+    monkeypatch.delenv("IMAGELAKE_ALLOW_FROM_RUNS", raising=False)
+    planted = tmp_path / "mine.yaml"
+    planted.write_text("ray_address: ray://elsewhere:10001\nvacuum_retention_hours: 0\nmax_epochs: 2\n")
+    expected = rf"^ray_address, vacuum_retention_hours=0 \(a run may set at least 168\) cannot be set from the settings file {planted}, named by"
+    with pytest.raises(SettingsError, match=expected):
+        refuse_unsafe_file(planted, "a run")
+    # The deployments' own files set addresses, folders and a state dict's path: they ship with the code.
+    refuse_unsafe_file(CODE_ROOT / "infra/clusters/kubernetes.yaml", "a run")

@@ -39,5 +39,6 @@ def check_retire_fraction(retired: dict[date | None, int], rows: dict[date | Non
         listed = ", ".join(f"{n} of {total} rows of {day or 'rows without a date'}" for day, n, total in over[:5])
         raise TooManyRetired(
             f"the run would retire {listed} (their files are not listed), over max_retire_fraction={max_retire_fraction}; nothing was "
-            "written. If those files are really gone, run again with max_retire_fraction=1 (IMAGELAKE_MAX_RETIRE_FRACTION=1)."
+            "written. If those files are really gone, run again with max_retire_fraction=1 (`--set max_retire_fraction=1`, or "
+            "IMAGELAKE_MAX_RETIRE_FRACTION=1 on the worker: a deployment run may only lower it)."
         )
