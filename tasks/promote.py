@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import tempfile
 from pathlib import Path
@@ -14,18 +15,23 @@ from matplotlib.figure import Figure
 from mlflow import MlflowClient
 from prefect.artifacts import create_markdown_artifact
 from prefect.runtime import flow_run
+from pyspark.sql import functions as F
 
+from infra.delta import Table
 from infra.settings import Settings
 from infra.tracking import git_commit, mlflow_client, run_url
 from tasks.cards import confusion_matrix, metric_keys, model_card, per_class_metrics, per_class_table
 from tasks.worker.loader import pixel_rows, split_files
 from tasks.worker.model import ImageClassifier, ImageModel
 from tasks.predict import predict
-from tasks.registry import gate, registry_lock, served_model
+from tasks.registry import TestRowsAt, gate, registry_lock, served_model
+from tasks.resize_executor import read_with_retries
 from tasks.results import CachedSplits, Promoted, Trained
+from tasks.rules.images import resize_image
 from tasks.rules.promotion import CHALLENGER, CHAMPION, Decision, decision_markdown
 from tasks.rules.warm_start import labels_tag
 from tasks.stage import stage
+from tasks.table import matching
 
 
 def load_trained_model(checkpoint_path: str) -> ImageModel:
@@ -45,6 +51,42 @@ def read_split(uri: str, image_size: int) -> tuple[np.ndarray, np.ndarray]:
     table = pa.concat_tables(parts)
     pixels = pixel_rows(table.column("image"), image_size * image_size * 3, f"cached split {uri}")
     return pixels.reshape(len(pixels), image_size, image_size, 3), table.column("label").to_numpy()
+
+
+def split_hashes(uri: str) -> list[str]:
+    """The content hash of each row of one cached split, in the order `read_split` reads its images."""
+    fs, files = split_files(uri)
+    hashes: list[str] = []
+    for path in files:
+        with fs.open(path, "rb") as handle:
+            hashes += pq.read_table(handle, columns=["sha256"]).column("sha256").to_pylist()
+    return hashes
+
+
+def test_rows_at(settings: Settings, cached: CachedSplits) -> TestRowsAt:
+    """The test split's rows decoded again from their source files at another image size and resize mode, for a champion
+    trained at those: each row's file is found by its content hash in the table version the split was cached from, read
+    with the resize stage's retries, checked against that hash and decoded by the same rules. Any row that cannot be
+    (a file gone or changed since) raises: the gate then keeps the champion rather than compare on other rows."""
+
+    def decode(size: int, mode: str) -> np.ndarray:
+        hashes = split_hashes(cached.splits["test"])
+        table = Table.open(cached.table_uri, settings)
+        found = matching(table, {"sha256": pa.array(hashes, pa.string())}, ["sha256", "path"], F.col("image_size") == cached.image_size, cached.table_version)
+        path_of: dict[str, str] = {}
+        for sha256, path in sorted(zip(found.column("sha256").to_pylist(), found.column("path").to_pylist()), reverse=True):
+            path_of[sha256] = path  # the first path in order, where one content lies at several
+        out = np.empty((len(hashes), size, size, 3), dtype=np.uint8)
+        for row, sha256 in enumerate(hashes):
+            if sha256 not in path_of:
+                raise LookupError(f"test row {sha256[:12]} is not in {cached.table_uri} v{cached.table_version} at {cached.image_size} px")
+            data, _ = read_with_retries(path_of[sha256], settings.read_attempts, 0.5)
+            if hashlib.sha256(data).hexdigest() != sha256:
+                raise ValueError(f"{path_of[sha256]} has changed since table version {cached.table_version}")
+            out[row] = resize_image(data, size, mode, settings.max_image_pixels)[0]
+        return out
+
+    return decode
 
 
 def confusion_figure(matrix: np.ndarray, names: list[str]) -> Figure:
@@ -113,7 +155,8 @@ def promote_model(
             for key, value in tags.items():
                 client.set_model_version_tag(settings.model_name, version, key, value)
     decision, metrics, champion_version = gate(
-        client, settings, settings.model_name, version, images, labels, len(cached.labels), flow_run_id, baseline=trained.baseline_accuracy
+        client, settings, settings.model_name, version, images, labels, len(cached.labels), flow_run_id, baseline=trained.baseline_accuracy,
+        names=cached.labels, rows_at=test_rows_at(settings, cached),
     )
     with mlflow.start_run(run_id=trained.mlflow_run_id):
         mlflow.log_figure(confusion_figure(matrix, cached.labels), "confusion_matrix.png")
@@ -144,9 +187,12 @@ def promote_model(
     "promote",
     settings=(
         "model_name", "promotion_metric", "promotion_margin", "min_margin_over_baseline", "allow_pickle_models", "tracking_uri", "mlflow_registry_uri", "history_uri",
-        "resize_mode", "val_fraction", "test_fraction", "partitions_per_worker",
+        "resize_mode", "max_image_pixels", "read_attempts", "val_fraction", "test_fraction", "partitions_per_worker",
     ),
-    code=("tasks.predict", "tasks.registry", "tasks.served_model", "tasks.rules.promotion", "tasks.rules.images", "tasks.rules.answers", "tasks.cards"),
+    code=(
+        "tasks.predict", "tasks.registry", "tasks.served_model", "tasks.rules.promotion", "tasks.rules.images", "tasks.rules.answers", "tasks.cards",
+        "tasks.resize_executor", "tasks.table",
+    ),
     retries=1,
 )
 def promote(trained: Trained, cached: CachedSplits, settings: Settings) -> Promoted:

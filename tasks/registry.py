@@ -12,7 +12,7 @@ import uuid
 from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator, NamedTuple
 
 import mlflow
 import numpy as np
@@ -34,7 +34,7 @@ from tasks.rules.schemas import HISTORY_SCHEMA
 from tasks.rules.training import PARAM_SETTINGS
 from tasks.predict import evaluate
 from tasks.rules.promotion import CHALLENGER, CHAMPION, PREVIOUS, Decision, decide_promotion, held_by_baseline
-from tasks.rules.warm_start import Champion, labels_of_tag, shape_from_tags
+from tasks.rules.warm_start import Champion, labels_change, labels_of_tag, shape_from_tags
 import tasks.rules.answers as answer_rules
 import tasks.rules.images as image_rules
 
@@ -155,26 +155,66 @@ def is_gone(exc: BaseException) -> bool:
     return isinstance(exc, (RegistryError, FileNotFoundError)) or (isinstance(exc, MlflowException) and exc.error_code == "RESOURCE_DOES_NOT_EXIST")
 
 
+class ChampionCheck(NamedTuple):
+    """What evaluating the champion found: its value of the gate's metric, or why it is proven unusable (then it may be
+    replaced uncompared), or why it could not be compared now (then it stays: the gate fails closed)."""
+
+    value: float | None
+    unusable: str | None = None
+    uncompared: str | None = None
+
+
+# The candidate's test rows decoded again from their source files at another (image size, resize mode).
+TestRowsAt = Callable[[int, str], np.ndarray]
+
+
+def out_of_memory(exc: BaseException) -> bool:
+    """Whether an error is the host's or an accelerator's memory running out (torch raises RuntimeError subclasses)."""
+    return isinstance(exc, MemoryError) or "out of memory" in str(exc).lower()
+
+
 def champion_metric(
-    client: MlflowClient, settings: Settings, name: str, version: str, images: np.ndarray, labels: np.ndarray, classes: int
-) -> tuple[float | None, str | None]:
-    """The champion's value of the gate's metric on the candidate's test split, or why the champion is known to be
-    unusable (its version or files are gone, or they are not a model for this data): then it may be replaced. Any
-    other failure to fetch it (a timeout, a refused connection, a server error) raises ChampionUnreachable."""
+    client: MlflowClient, settings: Settings, name: str, version: str, images: np.ndarray, labels: np.ndarray, classes: int,
+    names: list[str] | None = None, rows_at: TestRowsAt | None = None,
+) -> ChampionCheck:
+    """The champion's value of the gate's metric on the candidate's test rows, decoded at the champion's own image size
+    and resize mode. Proven unusable (may be replaced): its version or files are gone, its files are not a model, or it
+    is a model for other labels. Anything else that stops the comparison (running out of memory, rows that cannot be
+    decoded at its size, a model that refuses the input) keeps the champion. A store that does not answer now raises
+    ChampionUnreachable (the stage retries)."""
+    where = f"v{version}"
     try:
         folder = model_files(client, name, version)
+        tags = client.get_model_version(name, version).tags
     except Exception as exc:
         if is_gone(exc):
-            return None, f"v{version}: {type(exc).__name__}: {exc}"[:300]
+            return ChampionCheck(None, unusable=f"{where}: {type(exc).__name__}: {exc}"[:300])
         raise ChampionUnreachable(
             f"the champion {name} v{version} could not be fetched ({type(exc).__name__}: {str(exc)[:300]}); nothing was promoted "
             "and no alias moved. The stage retries; if the model store stays unreachable, run again once it answers."
         ) from exc
-    try:  # the files are here: a failure now is the files', and happens again every time
-        value = evaluate(load_model_folder(folder, name, version, settings.allow_pickle_models), images, labels, classes)[settings.promotion_metric]
-    except Exception as exc:  # noqa: BLE001 - not a model, or not one for this data: known unusable
-        return None, f"v{version}: {type(exc).__name__}: {exc}"[:300]
-    return value, None
+    try:  # the files are here: a failure to load them is the files', and happens again every time
+        model = load_model_folder(folder, name, version, settings.allow_pickle_models)
+        theirs = model_labels(folder, tags)
+    except Exception as exc:  # noqa: BLE001 - sorted below: only a file that is no model is proven unusable
+        if isinstance(exc, UnsafeModel) or out_of_memory(exc):
+            return ChampionCheck(None, uncompared=f"{where} could not be loaded here: {type(exc).__name__}: {exc}"[:400])
+        return ChampionCheck(None, unusable=f"{where}: {type(exc).__name__}: {exc}"[:300])
+    if names is not None and theirs and list(theirs) != list(names):
+        return ChampionCheck(None, unusable=f"{where} is a model for other labels ({labels_change(tuple(theirs), tuple(names))})")
+    inputs, shape = images, shape_from_tags(tags)
+    if shape is not None and images.ndim == 4 and (shape.image_size, shape.resize_mode) != (images.shape[1], settings.resize_mode):
+        own = f"{shape.image_size} px ({shape.resize_mode})"
+        if rows_at is None:
+            return ChampionCheck(None, uncompared=f"{where} takes {own} images and the test rows are not at hand at that size")
+        try:
+            inputs = rows_at(shape.image_size, shape.resize_mode)
+        except Exception as exc:  # noqa: BLE001 - a file gone or changed since: no fair comparison, the champion stays
+            return ChampionCheck(None, uncompared=f"{where} takes {own} images; the test rows could not be decoded at that size: {type(exc).__name__}: {exc}"[:400])
+    try:
+        return ChampionCheck(evaluate(model, inputs, labels, classes)[settings.promotion_metric])
+    except Exception as exc:  # noqa: BLE001 - the champion loaded and is for these labels: whatever failed now is no proof against it
+        return ChampionCheck(None, uncompared=f"{where} could not be evaluated on the test split: {type(exc).__name__}: {exc}"[:400])
 
 
 def alias_version(client: MlflowClient, name: str, alias: str) -> str | None:
@@ -318,14 +358,16 @@ def crown(client: MlflowClient, settings: Settings, name: str, version: str, act
 
 def gate(
     client: MlflowClient, settings: Settings, name: str, version: str, images: np.ndarray, labels: np.ndarray, classes: int, flow_run_id: str | None = None,
-    baseline: float | None = None,
+    baseline: float | None = None, names: list[str] | None = None, rows_at: TestRowsAt | None = None,
 ) -> tuple[Decision, dict[str, float], str | None]:
     """Evaluate candidate and champion on the same split, decide, tag the candidate and move aliases, all under the lock.
 
     The champion is read inside the lock, just before the aliases move (compare-and-set): two
     promotions finishing together are decided one after the other, each against the champion
-    the other left, so the worse model can never end up champion. Only a champion known to be
-    unusable is replaced without a comparison; one that cannot be fetched now stops the gate.
+    the other left, so the worse model can never end up champion. The champion is evaluated at its
+    own image size (ROWS_AT decodes the test rows again at it). Only a champion proven unusable (gone,
+    not a model, or one for other labels: NAMES) is replaced without a comparison; one that cannot be
+    compared stays champion, the candidate becomes challenger; one that cannot be fetched now stops the gate.
     """
     candidate = evaluate(load_registered_model(client, name, version, settings.allow_pickle_models), images, labels, classes)
     metric = settings.promotion_metric
@@ -335,11 +377,12 @@ def gate(
         if champion_version == str(version):  # a second flow run that got the same training's result: nothing to decide
             reason = f"v{version} is the champion already (its gate ran in an earlier flow run)"
             return Decision(True, reason, metric, candidate[metric], candidate[metric], settings.promotion_margin), candidate, champion_version
-        champion_value, champion_error = None, None
+        check = ChampionCheck(None)
         if champion_version is not None:
-            champion_value, champion_error = champion_metric(client, settings, name, champion_version, images, labels, classes)
+            check = champion_metric(client, settings, name, champion_version, images, labels, classes, names, rows_at)
         held = held_by_baseline(metric, candidate, baseline, settings.min_margin_over_baseline)
-        decision = held or decide_promotion(metric, candidate[metric], champion_value, settings.promotion_margin, champion_error)
+        decision = held or decide_promotion(metric, candidate[metric], check.value, settings.promotion_margin, check.unusable, check.uncompared)
+        champion_value = check.value
         tags = {
             "promotion_decision": "promoted" if decision.promote else "not promoted",
             "promotion_reason": decision.reason,

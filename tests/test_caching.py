@@ -150,6 +150,8 @@ def test_same_data_hits_new_file_reruns_from_ingest_new_size_from_resize(prefect
     assert sorted(missed) == sorted(set(ALL) - {"ingest"})
     assert "setting image_size changed 16 -> 20" in missed["resize"]
     assert fifth["files_decoded"] == fourth["rows"]
+    # The gate compared the 20 px candidate with the 16 px champion on the test rows decoded again at 16 px.
+    assert re.search(r"(beats|does not beat) champion \d\.\d{4}", fifth["promotion_decision"]), fifth["promotion_decision"]
 
     # refresh: every stage recomputes though the cache holds all of them.
     sixth, missed = run(source, {**overrides, "image_size": 20}, refresh=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import pickle
 import re
 import threading
@@ -71,9 +72,11 @@ def test_label_names_survive_the_tag_and_older_comma_joined_tags_still_read() ->
     assert labels_of_tag("[not json,other") == ["[not json", "other"], "an old tag whose first name starts with a bracket"
 
 
-def test_a_champion_that_cannot_be_loaded_is_replaced_with_the_reason() -> None:
-    decision = decide_promotion("accuracy", 0.2, None, 0.1, champion_error="v3: OSError: model.pt2 is missing")
+def test_a_champion_proven_unusable_is_replaced_and_one_not_compared_is_kept() -> None:
+    decision = decide_promotion("accuracy", 0.2, None, 0.1, champion_unusable="v3: FileNotFoundError: model.pt2 is missing")
     assert decision.promote and "could not be evaluated" in decision.reason and "v3" in decision.reason
+    kept = decide_promotion("accuracy", 0.9, None, 0.0, champion_uncompared="v3 could not be evaluated: OutOfMemoryError")
+    assert not kept.promote and "stays champion" in kept.reason and "OutOfMemoryError" in kept.reason
 
 
 @pytest.mark.parametrize("metric,candidate,champion", [("accuracy", float("nan"), 0.5), ("accuracy", 1.5, 0.5), ("f2", 0.5, 0.5), ("loss", -1.0, 0.5)])
@@ -273,22 +276,75 @@ def test_a_champion_the_store_cannot_serve_now_is_kept_and_the_gate_retries(spar
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("damage", ["files gone", "not a model"])
+@pytest.mark.parametrize("damage", ["files gone", "not a model", "other labels"])
 def test_a_champion_known_to_be_unusable_is_replaced_with_the_reason(spark, registry, damage: str) -> None:
     import shutil
 
     client, settings, models, images, labels = registry
     champion = register(models["good"])
-    gate(client, settings, NAME, champion, images, labels, 4)
+    gate(client, settings, NAME, champion, images, labels, 4, names=list("abcd"))
     folder = Path(client.get_model_version_download_uri(NAME, champion).removeprefix("file://"))
     if damage == "files gone":
         shutil.rmtree(folder)
-    else:
+    elif damage == "not a model":
         next(folder.rglob("model.pt2")).write_bytes(b"not a program")
+    else:  # the same program, registered for labels the candidate's data does not have
+        meta = next(folder.rglob("meta.json"))
+        meta.write_text(meta.read_text().replace('"d"', '"e"'))
     candidate = register(models["bad"])
-    decision, _, _ = gate(client, settings, NAME, candidate, images, labels, 4)
+    decision, _, _ = gate(client, settings, NAME, candidate, images, labels, 4, names=list("abcd"))
     assert decision.promote and alias_version(client, NAME, CHAMPION) == candidate
-    assert f"the champion could not be evaluated (v{champion}: " in decision.reason
+    assert f"the champion could not be evaluated (v{champion}" in decision.reason
+    if damage == "other labels":
+        assert "a model for other labels (labels 4 -> 4 (added: d; removed: e))" in decision.reason
+
+
+@pytest.mark.slow
+def test_a_champion_of_another_image_size_is_compared_at_its_own_size_and_kept_when_it_cannot_be(spark, registry, tmp_path: Path, monkeypatch) -> None:
+    """The gate evaluates a champion trained at 24 px on the test rows decoded at 24 px; when they cannot be decoded
+    at that size, or the champion's evaluation runs out of memory, it stays champion and the candidate is challenger."""
+    import tasks.registry as registry_module
+
+    client, settings, models, _, _ = registry
+    good = models_and_split()[0]["good"]
+    big = np.random.default_rng(1).integers(0, 256, (48, 24, 24, 3), dtype=np.uint8)
+    small = np.ascontiguousarray(big[:, 4:20, 4:20])  # the candidate's rows at 16 px (a crop will do here)
+    with torch.no_grad():
+        labels = good(torch.from_numpy(big)).argmax(dim=1).numpy()  # what the 24 px champion answers on its rows
+    mlflow.pyfunc.save_model(tmp_path / "at24", **served_model(tmp_path / "at24-parts", good, list("abcd"), 24, "letterbox", None, big[:2]))
+    champion = register(tmp_path / "at24")
+    for key, value in {"image_size": "24", "resize_mode": "letterbox", "labels": json.dumps(list("abcd")), "training_params": json.dumps({"arch": "small_cnn"})}.items():
+        client.set_model_version_tag(NAME, champion, key, value)
+    gate(client, settings, NAME, champion, big, labels, 4, names=list("abcd"))
+    sizes: list[tuple[int, str]] = []
+
+    def at(size: int, mode: str) -> np.ndarray:
+        sizes.append((size, mode))
+        return big
+
+    candidate = register(models["bad"])
+    decision, _, compared = gate(client, settings, NAME, candidate, small, labels, 4, names=list("abcd"), rows_at=at)
+    assert not decision.promote and "does not beat champion 1.0000" in decision.reason, decision.reason
+    assert sizes == [(24, "letterbox")] and compared == champion
+
+    def gone(size: int, mode: str) -> np.ndarray:
+        raise FileNotFoundError("src/3/x.png")
+
+    real = registry_module.evaluate
+
+    def out_of_memory(model, images, *args):
+        if images.shape[1] == 24:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(model, images, *args)
+
+    for rows_at, why in ((gone, "the test rows could not be decoded at that size: FileNotFoundError: src/3/x.png"), (None, "the test rows are not at hand"), (at, "OutOfMemoryError")):
+        if rows_at is at:
+            monkeypatch.setattr(registry_module, "evaluate", out_of_memory)
+        other = register(models["good"])  # a candidate that would win any comparison
+        decision, _, _ = gate(client, settings, NAME, other, small, labels, 4, names=list("abcd"), rows_at=rows_at)
+        assert not decision.promote and why in decision.reason and "stays champion" in decision.reason, decision.reason
+        assert (alias_version(client, NAME, CHAMPION), alias_version(client, NAME, CHALLENGER)) == (champion, other)
+        assert client.get_model_version(NAME, other).tags["promotion_decision"] == "not promoted"
 
 
 @pytest.mark.slow

@@ -24,19 +24,30 @@ class Decision:
     margin: float
 
 
-def decide_promotion(metric: str, candidate: float, champion: float | None, margin: float = 0.0, champion_error: str | None = None) -> Decision:
+def decide_promotion(
+    metric: str, candidate: float, champion: float | None, margin: float = 0.0, champion_unusable: str | None = None,
+    champion_uncompared: str | None = None,
+) -> Decision:
     """Promote when there is no usable champion, or when the candidate beats it by more than `margin` on `metric`.
 
-    Ties never promote. A champion that could not be loaded or evaluated (`champion_error`) is
-    replaced, and the reason says why.
+    Ties never promote. A champion proven unusable (`champion_unusable`: gone, not a model, a model
+    for other labels) is replaced, and the reason says why. A champion that could not be compared for
+    any other reason (`champion_uncompared`) stays: the gate fails closed and the candidate is challenger.
     """
     if metric not in METRICS:
         raise ValueError(f"unknown promotion metric {metric!r}: choose one of {', '.join(METRICS)}")
     for name, value in (("candidate", candidate), ("champion", champion), ("margin", margin)):
         if value is not None and (math.isnan(value) or value < 0 or (metric != "loss" and value > 1)):
             raise ValueError(f"{name} {metric} must be a number in [0, 1] (loss: >= 0), got {value!r}")
-    if champion_error:
-        return Decision(True, f"the champion could not be evaluated ({champion_error}); candidate {metric} {candidate:.4f}", metric, candidate, None, margin)
+    if champion_unusable:
+        return Decision(True, f"the champion could not be evaluated ({champion_unusable}); candidate {metric} {candidate:.4f}", metric, candidate, None, margin)
+    if champion_uncompared:
+        return Decision(
+            False,
+            f"the champion was not compared ({champion_uncompared}): it stays champion and the candidate ({metric} {candidate:.4f}) is "
+            "kept as challenger. Compare them by hand and use `imagelake promote` to crown it anyway",
+            metric, candidate, None, margin,
+        )
     if champion is None:
         return Decision(True, f"no champion yet; candidate {metric} {candidate:.4f}", metric, candidate, None, margin)
     higher = METRICS[metric]
