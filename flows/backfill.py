@@ -30,7 +30,7 @@ def plan_dates(table: ImageTable, settings: Settings, source: str, start: date, 
     """Each date in the range that has source files or table rows: missing, stale or done (see tasks.rules.listing.date_plan).
     The listing goes to staging and is compared with the tables by Spark; the driver gets counts per date."""
     scope = Scope(tuple(e.lower() for e in settings.image_extensions), start, end, settings.max_file_bytes)
-    return date_plan(date_counts(table, save_listing(source_uri(source), scope, settings.staging_uri), scope), start, end)
+    return date_plan(date_counts(table, save_listing(source_uri(source), scope, settings.staging_uri), scope, settings.staging_uri), start, end)
 
 
 @imagelake_flow("imagelake-ingest-date")

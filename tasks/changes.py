@@ -12,6 +12,7 @@ import hashlib
 import itertools
 import json
 import uuid
+from dataclasses import dataclass
 from datetime import date
 from typing import Iterator
 
@@ -24,23 +25,86 @@ from pyspark.sql import functions as F
 from pyspark.sql.pandas.types import from_arrow_schema
 
 from infra.compat import collect_arrow
-from tasks.ingest import save_listing, write_manifest
+from tasks.ingest import LISTING_BATCH, canonical_uri, is_manifest, save_listing, write_manifest
 from tasks.results import ListingDiff, Listed
 from tasks.rules.listing import Scope
 from tasks.rules.schemas import CHANGES_SCHEMA, LISTING_SCHEMA
 from tasks.table import ImageTable
 
 
-def state_key(table: ImageTable, scope: Scope, retire_deleted: bool) -> str:
-    """Everything the diff depends on besides the listing and the tables' versions, hashed."""
+def state_key(table: ImageTable, scope: Scope, retire_deleted: bool, source: str) -> str:
+    """Everything the diff depends on besides the listing and the tables' versions, hashed. The source is part of it:
+    a diff retires only its source's rows, so one source's diff (or the listing the tables were last in step with)
+    says nothing of another's, even where both list the same files."""
     quarantine = table.quarantine.uri if table.quarantine is not None else None
-    parts = [table.uri, quarantine, table.image_size, str(scope.start), str(scope.end), retire_deleted]
+    parts = [table.uri, quarantine, table.image_size, str(scope.start), str(scope.end), retire_deleted, canonical_uri(source)]
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:32]
 
 
 def diff_basis(listed: Listed, table: ImageTable, scope: Scope, retire_deleted: bool) -> str:
     """Everything the diff depends on besides the tables' versions, hashed."""
-    return hashlib.sha256(f"{listed.listing_fingerprint}|{state_key(table, scope, retire_deleted)}".encode()).hexdigest()
+    key = state_key(table, scope, retire_deleted, listed.source_uri)
+    return hashlib.sha256(f"{listed.listing_fingerprint}|{key}".encode()).hexdigest()
+
+
+# Staging's folder of what each manifest's listings named: a folder per manifest, a file per set of paths it listed.
+# Kept whatever its age: a manifest retires only rows whose paths it once named, and without the record it retires none.
+NAMED = "named"
+
+
+@dataclass(frozen=True)
+class Owner:
+    """The table rows a source may retire. Rows do not record which source landed them, and other sources may land
+    rows of the same dates in the same table: a run retires only what it can tell is its own. A folder source owns
+    the paths below its folder (on a path boundary: `/data/a` does not own `/data/ab/x.png`). A manifest's files may
+    lie anywhere in its folder and manifest_roots, beside another manifest's or a folder source's: it owns only the
+    paths that its own listings named (NAMED, record_named's record); a path it never named, or named only in a
+    listing whose record is gone, is not provably its own and is kept."""
+
+    prefix: str | None = None  # a folder source: the canonical URI of its folder, with a trailing slash
+    named: str | None = None  # a manifest: the folder of Parquet files of the paths its listings named
+
+    def rows(self, frame: DataFrame) -> DataFrame:
+        """The rows of FRAME (with a path column) that are this source's."""
+        if self.prefix is not None:
+            return frame.where(F.col("path").startswith(self.prefix))
+        named = frame.sparkSession.read.schema("path string").parquet(self.named)
+        return frame.join(named, "path", "left_semi")
+
+
+def named_folder(staging_dir: str, source: str) -> str:
+    """The folder of a manifest's record of the paths its listings named."""
+    return f"{staging_dir.rstrip('/')}/{NAMED}/{hashlib.sha256(canonical_uri(source).encode()).hexdigest()[:32]}"
+
+
+def record_named(listed: Listed, folder: str) -> None:
+    """Add a manifest listing's paths to its record, a batch at a time: a file per set of paths, named by their hash
+    (a listing whose files only changed adds nothing). Written aside, then moved (readers skip a dot file), and never
+    rewritten, so two runs of one manifest never overwrite each other's paths."""
+    fs, root = fsspec.core.url_to_fs(folder)
+    fs.makedirs(root, exist_ok=True)
+    aside, digest = f"{root}/.{uuid.uuid4().hex}.parquet", hashlib.sha256()
+    try:
+        with fsspec.open(listed.manifest_uri, "rb") as handle, fs.open(aside, "wb") as out:
+            with pq.ParquetWriter(out, pa.schema([("path", pa.string())])) as writer:
+                for batch in pq.ParquetFile(handle).iter_batches(batch_size=LISTING_BATCH, columns=["path"]):
+                    digest.update("\n".join(batch.column(0).to_pylist()).encode() + b"\n")
+                    writer.write_batch(batch)
+        named = f"{root}/{digest.hexdigest()[:32]}.parquet"
+        if not fs.exists(named):
+            fs.mv(aside, named)
+    finally:
+        if fs.exists(aside):
+            fs.rm(aside)
+
+
+def owner_of(listed: Listed, staging_dir: str) -> Owner:
+    """Which rows the listed source may retire (a manifest's listing is added to its record first)."""
+    if not is_manifest(listed.source_uri):
+        return Owner(prefix=canonical_uri(listed.source_uri).rstrip("/") + "/")
+    folder = named_folder(staging_dir, listed.source_uri)
+    record_named(listed, folder)
+    return Owner(named=folder)
 
 
 IN_SYNC = "in-sync"  # staging's folder of in-sync markers and last-<key>.json records
@@ -209,17 +273,17 @@ def is_changed(listing: DataFrame) -> Column:
     return F.col("k_size").isNull() | (F.col("k_size") != listing["size"]) | (F.col("k_mtime") != listing["mtime"]) | other_stamp
 
 
-def changed_entries(table: ImageTable, listing: DataFrame, version: int | None, retire_in: Column | None) -> DataFrame:
+def changed_entries(table: ImageTable, listing: DataFrame, version: int | None, retire_in: Column | None, owner: Owner | None = None) -> DataFrame:
     """Listed entries that are new or changed (with the table's content hash for their path, if any), then `delete`
-    entries for table rows whose file is gone (of the rows RETIRE_IN selects; None: retire nothing)."""
+    entries for OWNER's table rows whose file is gone (of the rows RETIRE_IN selects; None for either: retire nothing)."""
     known = known_frame(table, version)
     if known is None:
         return listing.withColumn("known_sha256", F.lit(None).cast("string"))
     joined = listing.join(known, "path", "left")
     todo = joined.where(is_changed(joined)).select(*LISTING_SCHEMA.names, F.col("k_sha256").alias("known_sha256"))
-    if retire_in is None or version is None:
+    if retire_in is None or owner is None or version is None:
         return todo
-    present = table.images.frame(version).where(table.this_size() & retire_in).select("path")
+    present = owner.rows(table.images.frame(version).where(table.this_size() & retire_in).select("path"))
     gone = present.join(listing.select("path"), "path", "left_anti").select(
         "path", F.lit("-").alias("label"), F.lit(None).cast("date").alias("date"), F.lit(0).cast("long").alias("size"),
         F.lit(0.0).alias("mtime"), F.lit(None).cast("string").alias("stamp"), F.lit(None).cast("string").alias("issue"),
@@ -238,25 +302,36 @@ def dates_of(scope: Scope) -> Column:
     return predicate
 
 
+def changes_to_make(
+    table: ImageTable, listed: Listed, scope: Scope, retire_deleted: bool, staging_dir: str, version: int | None, before: str | None
+) -> pa.Table:
+    """The listing's changes to the tables, the images table at VERSION: against BEFORE, the listing they were last in
+    step with, where there is one; else against the tables' rows, by Spark."""
+    dated = scope.start is not None or scope.end is not None
+    owner = owner_of(listed, staging_dir)  # every listing of a manifest is recorded, retiring or not
+    if before is not None:
+        # Nobody wrote since the tables were last in step with a listing: the change is between the two listings,
+        # found in the driver from the two files, without a Spark job or a row of the table. That listing is of the
+        # same source (the key says so): a path it named and this one lacks is the source's own to retire.
+        return with_known_hashes(table, changes_between(before, listed.manifest_uri, dated or retire_deleted), version)
+    listing = table.spark.read.schema(from_arrow_schema(LISTING_SCHEMA)).parquet(listed.manifest_uri)
+    # A date-limited run replaces exactly its source's rows of its dates: its files gone from those dates are retired.
+    retire_in = dates_of(scope) if dated else (F.lit(True) if retire_deleted else None)
+    batches = collect_arrow(changed_entries(table, listing, version, retire_in, owner))  # only what changed reaches the driver
+    return pa.Table.from_batches(batches).cast(CHANGES_SCHEMA) if batches else CHANGES_SCHEMA.empty_table()
+
+
 def diff_against_table(table: ImageTable, listed: Listed, scope: Scope, retire_deleted: bool, staging_dir: str) -> ListingDiff:
     """Keep what is new or changed in a listing since the tables' current versions (at its image size), and stage that list."""
-    basis, versions, key = diff_basis(listed, table, scope, retire_deleted), table_versions(table), state_key(table, scope, retire_deleted)
-    dated = scope.start is not None or scope.end is not None
+    basis, versions = diff_basis(listed, table, scope, retire_deleted), table_versions(table)
+    key = state_key(table, scope, retire_deleted, listed.source_uri)
     fingerprint = hashlib.sha256(f"{basis}|{versions[0]}|{versions[1]}".encode()).hexdigest()
     in_sync_folder = f"{staging_dir.rstrip('/')}/{IN_SYNC}"
-    before = last_in_sync(in_sync_folder, key, versions) if versions[0] is not None else None
-    if is_in_sync(in_sync_folder, basis, versions):
+    if is_in_sync(in_sync_folder, basis, versions):  # (a manifest's listing was recorded when it was diffed)
         todo = CHANGES_SCHEMA.empty_table()
-    elif before is not None:
-        # Nobody wrote since the tables were last in step with a listing: the change is between the two listings,
-        # found in the driver from the two files, without a Spark job or a row of the table.
-        todo = with_known_hashes(table, changes_between(before, listed.manifest_uri, dated or retire_deleted), versions[0])
     else:
-        listing = table.spark.read.schema(from_arrow_schema(LISTING_SCHEMA)).parquet(listed.manifest_uri)
-        # A date-limited run replaces exactly its dates: files gone from those dates are retired.
-        retire_in = dates_of(scope) if dated else (F.lit(True) if retire_deleted else None)
-        batches = collect_arrow(changed_entries(table, listing, versions[0], retire_in))  # only what changed reaches the driver
-        todo = pa.Table.from_batches(batches).cast(CHANGES_SCHEMA) if batches else CHANGES_SCHEMA.empty_table()
+        before = last_in_sync(in_sync_folder, key, versions) if versions[0] is not None else None
+        todo = changes_to_make(table, listed, scope, retire_deleted, staging_dir, versions[0], before)
     upserts = pc.sum(pc.equal(todo["action"], "upsert")).as_py() or 0
     return ListingDiff(
         manifest_uri=write_manifest(todo, f"{staging_dir.rstrip('/')}/ingest-{fingerprint[:20]}.parquet"),
@@ -280,10 +355,11 @@ def ingest_listing(table: ImageTable, uri: str, scope: Scope, retire_deleted: bo
     return diff_against_table(table, save_listing(uri, scope, staging_dir), scope, retire_deleted, staging_dir)
 
 
-def date_counts(table: ImageTable, listed: Listed, scope: Scope) -> dict[date, dict[str, int]]:
-    """Per date of a listing (and of the table's rows in the scope's date range): files listed, of those new or changed
-    since the tables, table rows (this image size) and rows whose file is gone. Counted by Spark: only one row per
-    date and count reaches the driver, never the table's paths."""
+def date_counts(table: ImageTable, listed: Listed, scope: Scope, staging_dir: str) -> dict[date, dict[str, int]]:
+    """Per date of a listing (and of the source's table rows in the scope's date range): files listed, of those new or
+    changed since the tables, the source's table rows (this image size) and those whose file is gone; another source's
+    rows of a date are not this one's to replace. Counted by Spark: only one row per date and count reaches the
+    driver, never the table's paths."""
     listing = table.spark.read.schema(from_arrow_schema(LISTING_SCHEMA)).parquet(listed.manifest_uri)
     version = table.images.version()
     counts: dict[date, dict[str, int]] = {}
@@ -295,7 +371,7 @@ def date_counts(table: ImageTable, listed: Listed, scope: Scope) -> dict[date, d
     count(listing, "files")
     count(changed_entries(table, listing, version, None), "new_or_changed")
     if version is not None:
-        present = table.images.frame(version).where(table.this_size() & dates_of(scope)).select("path", "date")
+        present = owner_of(listed, staging_dir).rows(table.images.frame(version).where(table.this_size() & dates_of(scope)).select("path", "date"))
         count(present, "rows")
         count(present.join(listing.select("path"), "path", "left_anti"), "gone")
     return counts

@@ -182,9 +182,14 @@ def is_within(uri: str, root: str) -> bool:
     return uri == root or uri.startswith(root.rstrip("/") + "/")
 
 
+def is_manifest(uri: str) -> bool:
+    """Whether a source URI names a manifest CSV (else it is a folder tree)."""
+    return uri.lower().endswith(".csv")
+
+
 def iter_source(uri: str, scope: Scope) -> Iterator[dict[str, Any]]:
     """List a folder tree or a manifest CSV, an entry at a time."""
-    return list_manifest(uri, scope) if uri.lower().endswith(".csv") else list_folder(uri, scope)
+    return list_manifest(uri, scope) if is_manifest(uri) else list_folder(uri, scope)
 
 
 def list_source(uri: str, scope: Scope) -> list[dict[str, Any]]:

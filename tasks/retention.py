@@ -3,7 +3,8 @@ they are older than `workspace_retention_hours`, so a workspace that runs every 
 
 What is removed is only ever a cache: a later run that wanted it recomputes it (a stage result that names a removed
 file is a cache miss, see `stage(needs=...)`). What a later run reads first is kept whatever its age: the listing the
-tables were last in step with, the newest split-count record of each table, and the cache-key records.
+tables were last in step with, the newest split-count record of each table, the cache-key records, and each manifest's
+record of the paths it named (tasks/changes.py:record_named; no cache: without it the manifest retires nothing).
 """
 
 from __future__ import annotations

@@ -59,6 +59,7 @@ def test_retention_removes_old_stage_files_and_keeps_what_the_next_run_reads(tmp
         put(results / "cache-keys" / "train.json", old),
         put(checkpoints / "train-young" / "checkpoint_000000" / "checkpoint.ckpt", young).parent.parent,
         put(staging / "notes.txt", old),  # not a file any stage writes: not retention's to remove
+        put(staging / "named" / "0123" / "4567.parquet", old),  # a manifest's record of what it named: what it may retire
     ]
     # A resize folder with one old file and one just written is in use.
     put(staging / "resize-cccc-32-letterbox" / "part-00000.parquet", old)

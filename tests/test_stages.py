@@ -390,6 +390,53 @@ def test_a_run_that_would_retire_most_of_a_dates_rows_is_refused(lake: Lake, dig
     assert written.retired == 7 and len(lake.rows()) == 13
 
 
+def test_a_dated_or_retiring_run_retires_only_rows_under_its_own_folder(lake: Lake, digits_dir: Path, tmp_path: Path) -> None:
+    """Two folder sources land rows of the same date in one table. A dated run of one, and a run of it that retires
+    deleted files, retire what that source lost and never the other's rows, which its listing cannot see. The folder
+    `ab` begins with `a`'s name: a source owns the paths below its folder, not those that share its name's start.
+    The retire limit is off, so that it is not what keeps the rows."""
+    day = Scope((".png",), start=date(2024, 3, 1), end=date(2024, 3, 1))
+    first, second = tmp_path / "a", tmp_path / "ab"
+    copy_digits(digits_dir, first / "date=2024-03-01", labels=("1",), per_label=3)
+    copy_digits(digits_dir, second / "date=2024-03-01", labels=("2",), per_label=3)
+    lake.run(first, scope=day)
+    lake.run(second, scope=day)
+    theirs = {p for p in lake.rows() if p.startswith(f"file://{second}/")}
+    assert len(theirs) == 3 and len(lake.rows()) == 6
+
+    lost = sorted((first / "date=2024-03-01" / "1").glob("*.png"))
+    lost[0].unlink()
+    _, _, written = lake.run(first, scope=day, max_retire=1.0)
+    assert written.retired == 1 and theirs < set(lake.rows()) and len(lake.rows()) == 5
+    lost[1].unlink()
+    _, _, written = lake.run(first, retire=True, max_retire=1.0)
+    assert written.retired == 1 and theirs < set(lake.rows()) and len(lake.rows()) == 4
+
+
+def test_a_manifest_retires_only_paths_that_its_own_listings_named(lake: Lake, digits_dir: Path, tmp_path: Path) -> None:
+    """Two manifests in one folder name files of the same date. A dated run of one retires the row of a line it
+    dropped, never the other's rows, though they lie in its folder too. A manifest whose record of the paths it named
+    is gone (another staging folder, say) cannot prove a row its own: it retires nothing."""
+    day = Scope((".png",), start=date(2024, 3, 1), end=date(2024, 3, 1))
+    landing = tmp_path / "landing"
+    copy_digits(digits_dir, landing, labels=("1", "2"), per_label=2)
+
+    def manifest(name: str, files: list[Path]) -> Path:
+        (landing / name).write_text("path,label,date\n" + "".join(f"{f.parent.name}/{f.name},{f.parent.name},2024-03-01\n" for f in files))
+        return landing / name
+
+    ones, twos = sorted((landing / "1").glob("*.png")), sorted((landing / "2").glob("*.png"))
+    lake.run(manifest("a.csv", ones), scope=day)
+    lake.run(manifest("b.csv", twos), scope=day)
+    assert len(lake.rows()) == 4
+    _, _, written = lake.run(manifest("a.csv", ones[:1]), scope=day, retire=True, max_retire=1.0)
+    assert written.retired == 1 and sorted(Path(p).name for p in lake.rows()) == sorted(f.name for f in [ones[0], *twos])
+
+    shutil.rmtree(tmp_path / "staging")
+    _, _, written = lake.run(manifest("b.csv", twos[:1]), scope=day, retire=True, max_retire=1.0)
+    assert written.retired == 0 and len(lake.rows()) == 3
+
+
 def test_a_read_that_fails_is_retried_and_never_quarantined(lake: Lake, digits_dir: Path, tmp_path: Path) -> None:
     import fsspec
     from fsspec.implementations.local import LocalFileSystem
