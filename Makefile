@@ -96,11 +96,14 @@ ui: install $(if $(filter postgres,$(UI_DATABASE)),postgres)
 	$(BIN)/python -m infra.ui --workspace $(WORKSPACE) --database $(UI_DATABASE)
 
 # A process worker for the deployments in prefect.yaml (after `make ui`, from another shell).
+# The API's auth string: the caller's own, else the one `make ui` generated.
+UI_API = PREFECT_API_URL=$${PREFECT_API_URL:-http://127.0.0.1:4200/api} \
+	PREFECT_API_AUTH_STRING="$${PREFECT_API_AUTH_STRING:-$$(sed -n 's/^PREFECT_API_AUTH_STRING=//p' $(WORKSPACE)/ui/ui.env 2>/dev/null)}"
 worker: install
-	PREFECT_API_URL=$${PREFECT_API_URL:-http://127.0.0.1:4200/api} $(BIN)/prefect work-pool create imagelake-process --type process 2>/dev/null || true
-	PREFECT_API_URL=$${PREFECT_API_URL:-http://127.0.0.1:4200/api} $(BIN)/prefect deploy --all
-	PREFECT_API_URL=$${PREFECT_API_URL:-http://127.0.0.1:4200/api} PREFECT_FLOWS_HEARTBEAT_FREQUENCY=$${PREFECT_FLOWS_HEARTBEAT_FREQUENCY:-30} $(BIN)/python -m infra.lifecycle
-	PREFECT_API_URL=$${PREFECT_API_URL:-http://127.0.0.1:4200/api} IMAGELAKE_HOME=$(CURDIR) $(BIN)/prefect worker start --pool imagelake-process
+	$(UI_API) $(BIN)/prefect work-pool create imagelake-process --type process 2>/dev/null || true
+	$(UI_API) $(BIN)/prefect deploy --all
+	$(UI_API) PREFECT_FLOWS_HEARTBEAT_FREQUENCY=$${PREFECT_FLOWS_HEARTBEAT_FREQUENCY:-30} $(BIN)/python -m infra.lifecycle
+	$(UI_API) IMAGELAKE_HOME=$(CURDIR) $(BIN)/prefect worker start --pool imagelake-process
 
 # A Spark standalone master and 2 workers, 2 Ray nodes, PostgreSQL, an MLflow server (basic auth) and a Prefect server, on 127.0.0.1.
 cluster-up: install $(if $(filter postgres,$(CLUSTER_DATABASE)),postgres)

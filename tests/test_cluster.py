@@ -297,6 +297,41 @@ def test_cluster_down_leaves_no_process_behind_and_a_start_again_in_its_folder_k
     assert local_cluster.running(root) == []
 
 
+def http_status(url: str, method: str = "GET", headers: dict | None = None, body: bytes | None = None) -> tuple[int, dict[str, str], bytes]:
+    """An HTTP request's status, headers (lower-case names) and body, error statuses included."""
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(url, data=body, method=method, headers=headers or {})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status, {k.lower(): v for k, v in response.headers.items()}, response.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, {k.lower(): v for k, v in exc.headers.items()}, exc.read()
+
+
+def check_ui_api_is_closed(prefect: str, auth_string: str, mlflow: str) -> None:
+    """`make ui`'s Prefect API answers only with its auth string, takes state changes only with a CSRF token, and answers
+    CORS requests from its own origin only; its MLflow server refuses requests from another origin."""
+    import base64
+
+    basic = {"Authorization": "Basic " + base64.b64encode(auth_string.encode()).decode()}
+    json_body = {"Content-Type": "application/json"}
+    assert http_status(f"{prefect}/api/admin/version")[0] == 401, "no auth string, no answer"
+    assert http_status(f"{prefect}/api/admin/version", headers={"Authorization": "Basic " + base64.b64encode(b"imagelake:guess").decode()})[0] == 401
+    assert http_status(f"{prefect}/api/admin/version", headers=basic)[0] == 200
+    assert http_status(f"{prefect}/api/flows/filter", "POST", {**basic, **json_body}, b"{}")[0] == 403, "a state change needs a CSRF token"
+    status, _, token = http_status(f"{prefect}/api/csrf-token?client=ui-test", headers=basic)
+    assert status == 200
+    csrf = {"Prefect-Csrf-Token": json.loads(token)["token"], "Prefect-Csrf-Client": "ui-test"}
+    assert http_status(f"{prefect}/api/flows/filter", "POST", {**basic, **json_body, **csrf}, b"{}")[0] == 200
+    for origin, allowed in ((prefect, True), ("http://pages.example", False)):
+        _, headers, _ = http_status(f"{prefect}/api/flows/filter", "OPTIONS", {"Origin": origin, "Access-Control-Request-Method": "POST"})
+        assert (headers.get("access-control-allow-origin") == origin) is allowed, (origin, headers)
+    refused = http_status(f"{mlflow}/api/2.0/mlflow/experiments/create", "POST", {**json_body, "Origin": "http://pages.example"}, b'{"name": "x"}')
+    assert refused[0] == 403, refused
+
+
 def test_the_ui_servers_on_postgresql_keep_their_records_there_and_stop_with_it() -> None:
     """`make ui UI_DATABASE=postgres`: both servers on a PostgreSQL of their own, stopped after them on SIGTERM."""
     import signal
@@ -320,8 +355,10 @@ def test_the_ui_servers_on_postgresql_keep_their_records_there_and_stop_with_it(
             assert served.poll() is None and time.monotonic() < deadline, (workspace / "ui.log").read_text()[-3000:]
             time.sleep(1)
         made = local_cluster.http_json(f"http://127.0.0.1:{mlflow_port}/api/2.0/mlflow/experiments/create", data={"name": "kept-in-postgres"})
-        password = local_cluster.read_env_file(workspace / "ui" / "ui.env")[ui.PASSWORD]
+        secrets_found = local_cluster.read_env_file(workspace / "ui" / "ui.env")
+        password, auth_string = secrets_found[ui.PASSWORD], secrets_found[ui.AUTH_STRING]
         assert oct((workspace / "ui" / "ui.env").stat().st_mode & 0o777) == "0o600"
+        check_ui_api_is_closed(f"http://127.0.0.1:{prefect_port}", auth_string, f"http://127.0.0.1:{mlflow_port}")
         with psycopg2.connect(host="127.0.0.1", port=database_port, user=postgres.ROLE, password=password, dbname="mlflow") as db:
             with db.cursor() as cursor:
                 cursor.execute("SELECT name FROM experiments WHERE experiment_id = %s", (int(made["experiment_id"]),))
