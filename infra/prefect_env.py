@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import hashlib
 import re
 from typing import Iterator
@@ -80,14 +81,34 @@ def one_at_a_time(settings: Settings, what: str, timeout: float | None = 600) ->
         if api is None:
             yield
             return
-        from prefect.concurrency.sync import concurrency
+        from infra.lease import acquire
 
         with temporary_settings(updates={PREFECT_API_URL: api}):
             ensure_one_slot(name)
-            # strict: a missing limit is an error, never no lock. A lease renewal that fails once (a busy server) must not
-            # end an hours-long training that holds the slot: the lease then lapses and the next holder goes on.
-            with concurrency(name, occupy=1, timeout_seconds=timeout, lease_duration=60, strict=True, raise_on_lease_renewal_failure=False):
-                yield
+            # A lease renewal that fails once (a busy server) must not end an hours-long training that holds the slot: the
+            # lease may then lapse and the next holder go on, so what the lock protects is fenced (`fence`).
+        lease = acquire(api, name, timeout, duration=LEASE_SECONDS)
+        token = _leases.set({**_leases.get(), what: lease})
+        try:
+            yield
+        finally:
+            _leases.reset(token)
+            lease.release()
+
+
+LEASE_SECONDS = 60  # a holder that cannot renew for this long loses the lock to the next caller
+
+# The Prefect leases this thread holds, by what they lock.
+_leases: contextvars.ContextVar[dict] = contextvars.ContextVar("imagelake_leases", default={})
+
+
+def fence(what: str) -> None:
+    """Before changing what the lock on WHAT protects (an alias move, a commit): raise infra.lease.LeaseLost if this
+    thread's lease on it lapsed and another holder may be in. A lock held by its file alone (no Prefect API) holds for
+    as long as the process lives, and needs no fence."""
+    lease = _leases.get().get(what)
+    if lease is not None:
+        lease.check()
 
 
 def ensure_one_slot(limit: str) -> None:

@@ -26,7 +26,7 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from infra.compat import collect_arrow
-from infra.prefect_env import one_at_a_time
+from infra.prefect_env import fence, one_at_a_time
 from infra.settings import Settings
 from infra.spark import spark_session
 from tasks.ingest import modified_seconds
@@ -137,8 +137,9 @@ def version_rows(spark: SparkSession, plan: SplitPlan, image_size: int, files: l
     return frame.select("image", index_of[F.col("label")].cast("long").alias("label"), "sha256", "split")
 
 
-def cache_splits(spark: SparkSession, plan: SplitPlan, image_size: int, cache_root: str, seed: int = 42) -> CachedSplits:
-    """The cache of every split of the plan's version: reused if cached, grown from the nearest cached version, or written whole."""
+def cache_splits(spark: SparkSession, plan: SplitPlan, image_size: int, cache_root: str, seed: int = 42, lock: str | None = None) -> CachedSplits:
+    """The cache of every split of the plan's version: reused if cached, grown from the nearest cached version, or written
+    whole. The manifest that commits it is written under LOCK's fence (infra/prefect_env.py:fence), if given."""
     key = line_key(plan, image_size, seed)
     line = CacheLine(f"{cache_root.rstrip('/')}/{key}")
     versions = line.versions()
@@ -170,6 +171,8 @@ def cache_splits(spark: SparkSession, plan: SplitPlan, image_size: int, cache_ro
             splits={split: line.fs.unstrip_protocol(line.manifest(split, plan.version)) for split in SPLITS}, counts=plan.counts, labels=plan.labels,
             image_size=image_size, num_partitions=plan.num_partitions, reused=False, label_counts=plan.label_counts, quarantined=plan.quarantined,
         )
+    if lock is not None:
+        fence(lock)  # the line's lock lapsed: another run may be writing this version's manifest; commit nothing
     line.write(plan.version, files, generation, cached)
     return cached.model_copy(update={"reused": same_rows, "quarantined": plan.quarantined})
 
@@ -402,8 +405,9 @@ def cache_one_at_a_time(spark: SparkSession, plan: SplitPlan, settings: Settings
     """cache_splits under the lock of its cache line. Two runs caching one line at once (the nightly run and an ad-hoc
     one) would write the same generation's folder and each list the other's files in its manifest: the second waits,
     then reuses (or grows from) what the first wrote."""
-    with one_at_a_time(settings, f"cache-{line_key(plan, settings.image_size, settings.seed)}", timeout=None):
-        return cache_splits(spark, plan, settings.image_size, settings.cache_uri, settings.seed)
+    lock = f"cache-{line_key(plan, settings.image_size, settings.seed)}"
+    with one_at_a_time(settings, lock, timeout=None):
+        return cache_splits(spark, plan, settings.image_size, settings.cache_uri, settings.seed, lock)
 
 
 @stage("cache", settings=("image_size", "cache_uri", "seed"), code=("tasks.table",), needs=cached_files, unfinished=damaged_split)

@@ -28,7 +28,7 @@ from mlflow.types.schema import Array, ColSpec, Object, ParamSchema, ParamSpec, 
 from PIL import Image
 
 from infra.delta import Table
-from infra.prefect_env import one_at_a_time
+from infra.prefect_env import fence, one_at_a_time
 from infra.settings import UNSAFE_FROM_RUNS, Settings
 from tasks.rules.schemas import HISTORY_SCHEMA
 from tasks.rules.training import PARAM_SETTINGS
@@ -254,8 +254,13 @@ def champion_state_dict(client: MlflowClient, name: str, version: str, allow_pic
 def registry_lock(settings: Settings, name: str) -> Iterator[None]:
     """Serialise alias moves of one model, on this machine and across hosts (infra/prefect_env.py: one_at_a_time):
     a compare-and-set needs the champion not to move under it."""
-    with one_at_a_time(settings, f"registry-{name}"):
+    with one_at_a_time(settings, lock_of(name)):
         yield
+
+
+def lock_of(name: str) -> str:
+    """What the registry lock of model NAME locks: alias moves and history rows are fenced by it (infra/prefect_env.py:fence)."""
+    return f"registry-{name}"
 
 
 def record(settings: Settings, rows: list[dict]) -> None:
@@ -318,6 +323,7 @@ def move_aliases(client: MlflowClient, settings: Settings, name: str, targets: d
             rows.append({"model": name, "alias": alias, "from_version": before, "to_version": str(version), "action": action,
                          "reason": reasons[alias][:1000], "flow_run_id": flow_run_id, "move_id": move_id})
     move = {"id": move_id, "targets": {alias: str(version) for alias, version in targets.items()}, "drop": drop, "rows": rows}
+    fence(lock_of(name))  # the lock's lease lapsed: another holder may be deciding; write nothing down
     client.set_registered_model_tag(name, PENDING_MOVE, json.dumps(move))
     carry_out(client, settings, name, move)
 
@@ -326,10 +332,13 @@ def carry_out(client: MlflowClient, settings: Settings, name: str, move: dict) -
     """Carry out a written-down alias move; each step may be done again (the aliases are set, not toggled; the rows are
     appended only if the history lacks them), so a move cut short is finished by doing it again."""
     for alias, version in move["targets"].items():
+        fence(lock_of(name))  # before each step: a move cut short here is finished by the next holder
         client.set_registered_model_alias(name, alias, version)
     if move.get("drop") and alias_version(client, name, move["drop"]) in set(move["targets"].values()):
+        fence(lock_of(name))
         client.delete_registered_model_alias(name, move["drop"])
     if move["rows"] and not recorded(settings, move["id"]):
+        fence(lock_of(name))
         record(settings, move["rows"])
     client.delete_registered_model_tag(name, PENDING_MOVE)
 

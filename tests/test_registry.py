@@ -427,6 +427,36 @@ def test_two_hosts_promoting_at_once_are_serialised_by_the_prefect_server(prefec
 
 
 @pytest.mark.slow
+def test_an_alias_move_under_a_lapsed_lease_is_refused_while_another_holder_is_in(prefect_api: str, spark, registry) -> None:
+    """The registry lock's Prefect lease lapses (the server drops it, as it does when a holder cannot renew in time) and a
+    second host takes the lock: the first holder's alias move and history row are fenced off, and nothing moves."""
+    from infra.lease import LeaseLost, acquire, client_of
+    from infra.prefect_env import _leases, lock_name
+    from tasks.registry import lock_of, registry_lock
+
+    client, settings, models, images, labels = registry
+    settings = settings.model_copy(update={"prefect_api_url": prefect_api})
+    champion = register(models["good"])
+    gate(client, settings, NAME, champion, images, labels, 4)
+    other = register(models["bad"])
+    with registry_lock(settings, NAME):
+        lease = _leases.get()[lock_of(NAME)]
+        with client_of(prefect_api) as prefect:
+            prefect.release_concurrency_slots_with_lease(lease.lease_id)  # lapsed: the slot is free again
+        second = acquire(prefect_api, lock_name(lock_of(NAME)), timeout=30)  # another host enters
+        try:
+            with pytest.raises(LeaseLost, match=rf"the lock .*registry-{NAME}.* may be held by another run now .*nothing was changed"):
+                crown(client, settings, NAME, other, "manual", "a move under a lapsed lease")
+        finally:
+            second.release()
+    assert alias_version(client, NAME, CHAMPION) == champion and moves(spark, settings) == [(CHAMPION, None, champion, "gate")]
+    assert "imagelake.pending_move" not in client.get_registered_model(NAME).tags, "not even written down"
+    with registry_lock(settings, NAME):  # a lease that holds fences nothing
+        crown(client, settings, NAME, other, "manual", "a move under a lease that holds")
+    assert alias_version(client, NAME, CHAMPION) == other
+
+
+@pytest.mark.slow
 def test_the_promote_stage_retries_a_champion_the_store_cannot_serve_and_then_compares_with_it(
     spark, digits_cached, settings, prefect_api: str, tmp_path: Path, monkeypatch
 ) -> None:
