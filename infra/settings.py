@@ -118,6 +118,9 @@ class Settings(BaseSettings):
         default_factory=list, description="Quarantine reasons whose files every run sends back through (as `imagelake requeue --reason` does once)"
     )
     max_image_pixels: int = Field(default=64_000_000, ge=1, description="Larger images are quarantined as decompression bombs")
+    max_decode_seconds: float = Field(
+        default=30.0, gt=0, description="A file whose decoding goes on longer is quarantined as decode_timeout (checked as the decoder reads the file)"
+    )
     max_bad_fraction: float = Field(default=0.2, ge=0, le=1, description="A run with more bad files fails and writes nothing")
     max_retire_fraction: float = Field(
         default=0.5, ge=0, le=1, description="A run that would retire more of any date's rows fails and writes nothing"
@@ -371,7 +374,7 @@ def _names_a_secret(key: str) -> bool:
 ALLOWED_FROM_RUNS = frozenset({
     # What is ingested.
     "image_size", "resize_mode", "image_extensions", "start_date", "end_date", "requeue_reasons", "max_file_bytes", "read_attempts",
-    "max_image_pixels", "max_bad_fraction", "max_retire_fraction", "decode_in_driver_up_to",
+    "max_image_pixels", "max_decode_seconds", "max_bad_fraction", "max_retire_fraction", "decode_in_driver_up_to",
     # Split and cache.
     "val_fraction", "test_fraction", "partitions_per_worker",
     # How it trains, and on how much of the worker's cluster.
@@ -413,6 +416,7 @@ RUN_LIMITS: dict[str, tuple[str, float]] = {
     # The decoder's guards against huge files and decompression bombs.
     "max_file_bytes": ("at most", 50 * 1024 * 1024),
     "max_image_pixels": ("at most", 64_000_000),
+    "max_decode_seconds": ("at most", 30),
 }
 
 # Torchvision's weights by name (tasks/worker/model.py:is_weights_name takes the same): never a path or a URL.

@@ -131,7 +131,7 @@ def staged_for_write(resized: Resized) -> list[str]:
     "resize",
     # max_bad_fraction and max_retire_fraction too: a write that refused took back the files this stage wrote.
     settings=(
-        "image_size", "resize_mode", "max_file_bytes", "max_image_pixels", "read_attempts", "max_bad_fraction", "max_retire_fraction", "retire_deleted", "start_date", "end_date",
+        "image_size", "resize_mode", "max_file_bytes", "max_image_pixels", "max_decode_seconds", "read_attempts", "max_bad_fraction", "max_retire_fraction", "retire_deleted", "start_date", "end_date",
         "table_uri", "quarantine_uri", "staging_uri",
     ),
     facts=tables_now,
@@ -143,7 +143,10 @@ def resize(listed: Listed, settings: Settings) -> Resized:
     """Prefect stage: find what is new or changed at this image size, then read, hash and resize it."""
     table = ImageTable.of(settings)
     ingested = diff_against_table(table, listed, scope_of(settings), settings.retire_deleted, settings.staging_uri)
-    rules = DecodeRules(settings.image_size, settings.resize_mode, settings.max_file_bytes, settings.max_image_pixels, settings.read_attempts)
+    rules = DecodeRules(
+        settings.image_size, settings.resize_mode, settings.max_file_bytes, settings.max_image_pixels, settings.read_attempts,
+        max_seconds=settings.max_decode_seconds,
+    )
     # A folder of this run's own: an identical run started at the same time must not wipe the rows this one's write reads.
     folder = f"resize-{ingested.content_fingerprint[:16]}-{settings.image_size}-{settings.resize_mode}-{uuid.uuid4().hex[:12]}"
     # Spark's Python workers take seconds to start; the driver decodes a short list in a fraction of that.

@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 from PIL import Image
 from pyspark import TaskContext
 
-from tasks.rules.images import ImageDecodeError, ResizeMode, decode_square
+from tasks.rules.images import DECODE_SECONDS, ImageDecodeError, ResizeMode, decode_square
 from tasks.rules.schemas import IMAGE_TABLE_SCHEMA, STAGED_ARROW_SCHEMA, STAGED_IMAGE_COLUMNS
 
 # Executors write how many files they have done every few seconds, for the driver's progress line.
@@ -35,6 +35,7 @@ class DecodeRules:
     max_pixels: int
     read_attempts: int = 3  # a read that fails this many times is left for the next run, never quarantined
     read_backoff: float = 0.5  # seconds before the second attempt, doubled before each later one
+    max_seconds: float = DECODE_SECONDS  # one file's decoding past this is quarantined as decode_timeout
 
 
 class ReadFailed(OSError):
@@ -93,7 +94,7 @@ def process_file(row: dict, rules: DecodeRules) -> tuple[dict, bytes | None]:
     if out["sha256"] == row.get("known_sha256"):
         return {**out, "status": "known"}, None
     try:
-        square, width, height = decode_square(data, rules.size, rules.mode, rules.max_pixels)
+        square, width, height = decode_square(data, rules.size, rules.mode, rules.max_pixels, rules.max_seconds)
     except ImageDecodeError as exc:
         return {**out, "status": "quarantined", "reason": exc.reason, "detail": str(exc)}, None
     return {**out, "width": width, "height": height}, square.tobytes()

@@ -121,3 +121,29 @@ def test_images_over_the_pixel_limit_are_decompression_bombs() -> None:
     with pytest.raises(ImageDecodeError) as raised:
         resize_image(encode(Image.new("RGB", (500, 500)), "PNG"), 16, max_pixels=100_000)
     assert raised.value.reason == "decompression_bomb"
+
+
+def test_decoding_that_goes_past_its_deadline_quarantines_the_file_and_the_stage_goes_on() -> None:
+    """The deadline is checked as the decoder reads the file: a file still being read past it is `decode_timeout`, in
+    the decoding rules (predict, serving, scoring) and in the resize stage's processing of one file, which moves on."""
+    from tasks.resize_executor import DecodeRules, process_file
+
+    png = io.BytesIO()
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (600, 600, 3), dtype=np.uint8)).save(png, format="PNG")
+    data = png.getvalue()
+    with pytest.raises(ImageDecodeError, match=r"decode_timeout: decoding went on past 0 s \(max_decode_seconds\)") as stopped:
+        resize_image(data, 32, max_seconds=0)
+    assert stopped.value.reason == "decode_timeout"
+    assert resize_image(data, 32)[0].shape == (32, 32, 3), "the default deadline leaves it decoded"
+
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "slow.png"
+        path.write_bytes(data)
+        row = {"path": str(path), "action": "upsert", "issue": None, "known_sha256": None}
+        staged, pixels = process_file(row, DecodeRules(size=32, mode="letterbox", max_file_bytes=10_000_000, max_pixels=10_000_000, max_seconds=0))
+        assert (staged["status"], staged["reason"], pixels) == ("quarantined", "decode_timeout", None)
+        staged, pixels = process_file(row, DecodeRules(size=32, mode="letterbox", max_file_bytes=10_000_000, max_pixels=10_000_000))
+        assert staged["status"] == "new" and len(pixels) == 32 * 32 * 3

@@ -6,6 +6,7 @@ Pure: Pillow and numpy only, no engine; the resize stage runs these on Spark's e
 from __future__ import annotations
 
 import io
+import time
 from typing import Literal
 
 import numpy as np
@@ -25,6 +26,37 @@ class ImageDecodeError(ValueError):
 
 
 STRIP_ROWS = 256  # rows of a 16- or 32-bit image narrowed at a time
+DECODE_SECONDS = 30.0  # the default bound of one file's decoding (the resize stage's max_decode_seconds)
+
+
+class DecodeTimeout(Exception):
+    """One file's decoding went past its deadline."""
+
+
+class TimedBytes(io.BytesIO):
+    """A file's bytes as Pillow's decoders read them, a chunk at a time: a read past the deadline raises DecodeTimeout, so
+    a file that keeps a decoder going round its chunks is stopped between two of them (a decoder stuck inside one call
+    of its C code is not: only a process of its own could bound that)."""
+
+    def __init__(self, data: bytes, deadline: float) -> None:
+        super().__init__(data)
+        self.deadline = deadline
+
+    def _check(self) -> None:
+        if time.monotonic() >= self.deadline:
+            raise DecodeTimeout
+
+    def read(self, size: int | None = -1, /) -> bytes:
+        self._check()
+        return super().read(size)
+
+    def readinto(self, buffer, /) -> int:  # type: ignore[no-untyped-def, override]
+        self._check()
+        return super().readinto(buffer)
+
+    def readline(self, size: int | None = -1, /) -> bytes:
+        self._check()
+        return super().readline(size)
 
 
 def to_8bit(image: Image.Image) -> Image.Image:
@@ -67,12 +99,15 @@ def fit_square(image: Image.Image, size: int, mode: ResizeMode) -> Image.Image:
     return canvas
 
 
-def decode_square(data: bytes, size: int, mode: ResizeMode = "letterbox", max_pixels: int | None = None) -> tuple[Image.Image, int, int]:
-    """Decode one image file's bytes into a size x size RGB image; also return its oriented width and height."""
+def decode_square(
+    data: bytes, size: int, mode: ResizeMode = "letterbox", max_pixels: int | None = None, max_seconds: float = DECODE_SECONDS
+) -> tuple[Image.Image, int, int]:
+    """Decode one image file's bytes into a size x size RGB image; also return its oriented width and height. Decoding
+    that reads the file past MAX_SECONDS stops, and the file is `decode_timeout`."""
     if not data:
         raise ImageDecodeError("empty_file", "0 bytes")
     try:
-        with Image.open(io.BytesIO(data)) as image:
+        with Image.open(TimedBytes(data, time.monotonic() + max_seconds)) as image:
             if max_pixels and image.width * image.height > max_pixels:
                 raise ImageDecodeError("decompression_bomb", f"{image.width}x{image.height} is over max_image_pixels={max_pixels}")
             # The source's size as displayed: EXIF orientations 5-8 turn it a quarter (read before draft() shrinks it).
@@ -85,6 +120,8 @@ def decode_square(data: bytes, size: int, mode: ResizeMode = "letterbox", max_pi
             square = fit_square(to_rgb(oriented), size, mode)
     except ImageDecodeError:
         raise
+    except DecodeTimeout:
+        raise ImageDecodeError("decode_timeout", f"decoding went on past {max_seconds:g} s (max_decode_seconds)") from None
     except Image.DecompressionBombError as exc:
         raise ImageDecodeError("decompression_bomb", str(exc)) from None
     except UnidentifiedImageError:
@@ -101,7 +138,9 @@ def decode_square(data: bytes, size: int, mode: ResizeMode = "letterbox", max_pi
     return square, width, height
 
 
-def resize_image(data: bytes, size: int, mode: ResizeMode = "letterbox", max_pixels: int | None = None) -> tuple[np.ndarray, int, int]:
+def resize_image(
+    data: bytes, size: int, mode: ResizeMode = "letterbox", max_pixels: int | None = None, max_seconds: float = DECODE_SECONDS
+) -> tuple[np.ndarray, int, int]:
     """Decode one image file's bytes into size x size x 3 uint8 pixels; also return its oriented width and height."""
-    square, width, height = decode_square(data, size, mode, max_pixels)
+    square, width, height = decode_square(data, size, mode, max_pixels, max_seconds)
     return np.asarray(square, dtype=np.uint8), width, height
