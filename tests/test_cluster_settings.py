@@ -1,4 +1,4 @@
-"""The cluster settings files of infra/clusters (the README's "Running on a cluster"): each parses and holds no secret."""
+"""The cluster settings files of infra/clusters (docs/operations.md, "Running on a cluster"): each parses and holds no secret."""
 
 from __future__ import annotations
 
@@ -33,11 +33,11 @@ def load(path: Path) -> Settings:
     return load_settings(path)
 
 
-def test_there_is_a_settings_file_for_each_cluster_the_readme_covers() -> None:
+def test_there_is_a_settings_file_for_each_cluster_the_docs_cover() -> None:
     assert {path.stem for path in SETTINGS_FILES} == {"local", "databricks", "kubernetes"}
-    readme = (REPO / "README.md").read_text()
+    page = (REPO / "docs" / "operations.md").read_text()
     for path in [*SETTINGS_FILES, CLUSTERS / "prefect-kubernetes.yaml"]:
-        assert f"infra/clusters/{path.name}" in readme, f"the README does not point at {path.name}"
+        assert f"infra/clusters/{path.name}" in page, f"docs/operations.md does not point at {path.name}"
 
 
 @pytest.mark.parametrize("path", SETTINGS_FILES, ids=lambda p: p.name)
