@@ -75,19 +75,21 @@ def backfill(
 
     failed: dict[str, str] = {}
     landed: list[dict[str, Any]] = []
-    with ThreadPoolExecutor(max_workers=max_concurrency) as pool:
-        # Each date runs in a copy of this flow's context, so it is recorded as a subflow run of the backfill.
-        futures = {day: pool.submit(contextvars.copy_context().run, ingest_date, source, day, config_file, overrides) for day in todo}
-        try:
-            for day, future in futures.items():
-                try:
-                    landed.append(future.result())
-                except Exception as exc:  # one date's failure must not stop the others
-                    failed[day] = f"{type(exc).__name__}: {exc}"
-        except BaseException:  # cancelled, or the worker died: dates not started yet must not start
-            for future in futures.values():
-                future.cancel()
-            raise
+    pool = ThreadPoolExecutor(max_workers=max_concurrency)
+    # Each date runs in a copy of this flow's context, so it is recorded as a subflow run of the backfill.
+    futures = {day: pool.submit(contextvars.copy_context().run, ingest_date, source, day, config_file, overrides) for day in todo}
+    try:
+        for day, future in futures.items():
+            try:
+                landed.append(future.result())
+            except Exception as exc:  # one date's failure must not stop the others
+                failed[day] = f"{type(exc).__name__}: {exc}"
+    except BaseException:
+        # Cancelled, timed out, or the worker died: dates not started yet must not start, and the flow does not wait for
+        # a date that hangs (its Spark and Ray are released by the run's hooks).
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    pool.shutdown(wait=True)
     result: dict[str, Any] = {"plan": plan, "dry_run": False, "ingested": landed, "failed": failed}
     if table.images.exists():
         version = TableVersion(table_uri=table.uri, version=table.images.version(), engine=table.engine)

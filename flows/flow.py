@@ -2,27 +2,97 @@
 
 from __future__ import annotations
 
+import contextvars
+import functools
+import inspect
 from typing import Any, Callable, TypeVar
 
 from prefect import flow
 from prefect.context import FlowRunContext
+from prefect.utilities.hashing import file_hash
 
-from infra.lifecycle import release_compute, watch_worker
+from infra.deadline import Deadline, FlowTimedOut, deadline
+from infra.lifecycle import release_after_timeout, release_compute, watch_worker
 from infra.settings import Settings, load_settings, refuse_unsafe, refuse_unsafe_file
 
 F = TypeVar("F", bound=Callable[..., Any])
 
+# The deadline of the flow run this code runs in, with that run's id: run_settings arms it.
+_flow_deadline: contextvars.ContextVar[tuple[Deadline, str] | None] = contextvars.ContextVar("imagelake_flow_deadline", default=None)
+
 
 def imagelake_flow(name: str) -> Callable[[F], F]:
-    """A Prefect flow whose prints go to its run's log; a run a worker started ends as Crashed if that worker dies, and a
-    cancelled or crashed run stops the Spark and Ray it started (see infra/lifecycle.py)."""
-    return flow(name=name, log_prints=True, on_running=[watch_worker], on_cancellation=[release_compute], on_crashed=[release_compute])  # type: ignore[return-value]
+    """A Prefect flow whose prints go to its run's log; a run a worker started ends as Crashed if that worker dies, a
+    cancelled or crashed run stops the Spark and Ray it started, and so does one that ran past a time limit (its own,
+    flow_timeout_hours from its settings, a stage's or a lock wait's), which ends TimedOut (see infra/lifecycle.py)."""
+
+    def declare(fn: F) -> F:
+        return flow(  # type: ignore[return-value]
+            time_limited(fn), name=name, version=flow_version(fn), log_prints=True, on_running=[watch_worker],
+            on_failure=[release_after_timeout], on_cancellation=[release_compute], on_crashed=[release_compute],
+        )
+
+    return declare
+
+
+def time_limited(fn: F) -> F:
+    """FN under a deadline that the run's settings arm once read (run_settings): Prefect's own flow timeout is fixed
+    before the run starts, and its alarm cannot end a ray.get() (infra/deadline.py)."""
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        context = FlowRunContext.get()
+        with deadline() as scope:
+            token = _flow_deadline.set((scope, str(context.flow_run.id)) if context is not None and context.flow_run else None)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                _flow_deadline.reset(token)
+
+    # Prefect validates a run's parameters against the annotations of the function it is given, evaluated in that
+    # function's module: this one's, where the flow's own types (a form's model) are not defined. Hence FN's, resolved.
+    run.__signature__ = resolved_signature(fn)  # type: ignore[attr-defined]
+    return run  # type: ignore[return-value]
+
+
+def resolved_signature(fn: Callable[..., Any]) -> inspect.Signature:
+    """FN's signature with its annotations evaluated in FN's module (as written, where one cannot be evaluated yet)."""
+    try:
+        return inspect.signature(fn, eval_str=True)
+    except (NameError, TypeError, SyntaxError):
+        return inspect.signature(fn)
+
+
+def flow_version(fn: Callable[..., Any]) -> str | None:
+    """Prefect's default version of a flow, a digest of its file: FN's file, not that of the wrapper around it."""
+    try:
+        path = inspect.getsourcefile(fn)
+        return file_hash(path) if path else None
+    except (TypeError, OSError):
+        return None
 
 
 def run_settings(config_file: str | None, overrides: dict[str, Any] | None, **fixed: Any) -> Settings:
-    """A flow's settings from its `config_file` and `overrides` parameters (then FIXED), checked by check_run_parameters."""
+    """A flow's settings from its `config_file` and `overrides` parameters (then FIXED), checked by check_run_parameters;
+    the run's time limit, flow_timeout_hours, runs from here."""
     check_run_parameters(config_file, overrides)
-    return load_settings(config_file, {**(overrides or {}), **fixed})
+    settings = load_settings(config_file, {**(overrides or {}), **fixed})
+    arm_flow_deadline(settings)
+    return settings
+
+
+def arm_flow_deadline(settings: Settings) -> None:
+    """Start the clock of the flow run this runs in: past flow_timeout_hours it is stopped and fails TimedOut."""
+    held, context = _flow_deadline.get(), FlowRunContext.get()
+    hours = settings.flow_timeout_hours
+    if held is None or context is None or context.flow_run is None or held[1] != str(context.flow_run.id) or hours is None:
+        return  # not in an imagelake flow's own run (a test's flow, a plain call), or no limit
+    run = context.flow_run
+    held[0].arm(hours * 3600, FlowTimedOut(
+        f"flow run {run.name!r} ({run.id}) of {context.flow.name} ran past flow_timeout_hours={hours:g} and was stopped; its Spark and Ray "
+        "are released as for a cancel. If it was working rather than stuck (on a hung mount, a Spark or Ray job that no longer moves), raise "
+        "flow_timeout_hours in the worker's settings (a run may set at most 24)"
+    ))
 
 
 def check_run_parameters(config_file: str | None, overrides: dict[str, Any] | None) -> None:

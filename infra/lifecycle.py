@@ -17,6 +17,8 @@ ends Failed); and inside `ray.get()` Ray passes on only KeyboardInterrupt and Sy
   could cancel it; it interrupts itself instead, so the engine reports Crashed and the hooks below stop Spark and Ray.
 - `release_compute` (on_cancellation and on_crashed hooks): stops this process's Spark and Ray, then any process
   still running for the run (everything started for it carries its id in PREFECT__FLOW_RUN_ID).
+- `release_after_timeout` (an on_failure hook): the same for a run that failed TimedOut, past its own time limit, a
+  stage's or a lock wait's (infra/deadline.py): what it waited on may be a Spark job or a Ray run that no longer moves.
 
 When the flow-run process itself dies at once (SIGKILL, a lost machine), nothing is left to report: for that,
 `ensure_crash_detection` creates the server automation that marks a deployment's flow run Crashed once three
@@ -192,7 +194,8 @@ def _alive(processes: list[Any], timeout: float) -> list[Any]:
 
 
 def release_compute(flow: Any, flow_run: Any, state: Any) -> None:
-    """Flow hook (on_cancellation, on_crashed): stop this process's Spark and Ray, then whatever still runs for the run."""
+    """Flow hook (on_cancellation, on_crashed; on_failure through release_after_timeout): stop this process's Spark and
+    Ray, then whatever still runs for the run."""
     from prefect.logging.loggers import flow_run_logger
 
     # Only a process that a runner started for one run may stop Spark and Ray outright: in `imagelake run` or a test
@@ -206,6 +209,14 @@ def release_compute(flow: Any, flow_run: Any, state: Any) -> None:
         logger.warning("%s: stopped %s; ended leftover processes %s", state.name, ", ".join(stopped) or "nothing in-process", reaped or "none")
     for problem in problems:
         logger.warning("%s: could not stop %s (what is left ends with the process)", state.name, problem)
+
+
+def release_after_timeout(flow: Any, flow_run: Any, state: Any) -> None:
+    """Flow hook (on_failure): a run that failed TimedOut (past flow_timeout_hours, a stage's limit or a lock wait) may
+    have left a Spark job or a Ray run going, stuck on what made it late: release them as a cancel does. Other failures
+    end the process and its compute with it, as before."""
+    if state.name == "TimedOut":
+        release_compute(flow, flow_run, state)
 
 
 # --- a run whose worker died -------------------------------------------------------------------------------------

@@ -8,8 +8,6 @@ import hashlib
 import re
 from typing import Iterator
 
-from filelock import FileLock
-
 from prefect.context import FlowRunContext
 from prefect.filesystems import LocalFileSystem, RemoteFileSystem, WritableFileSystem
 from prefect.settings import (
@@ -21,6 +19,7 @@ from prefect.settings import (
 )
 
 from infra.compat import flow_run_context_with_result_storage
+from infra.holders import file_lock, shared, shared_record, waiting_for
 from infra.settings import Settings
 
 
@@ -71,12 +70,13 @@ def lock_name(what: str) -> str:
 def one_at_a_time(settings: Settings, what: str, timeout: float | None = 600) -> Iterator[None]:
     """Hold the lock on WHAT: a file lock in the workspace for this machine's runs, and a Prefect global concurrency
     limit of one slot for every run that talks to the same Prefect server, on any host (its lease lapses if the holder
-    dies). On Prefect's ephemeral server, which lives on this machine, the file lock is the lock. TimeoutError after
-    TIMEOUT seconds of waiting (None: wait as long as it takes)."""
+    dies). On Prefect's ephemeral server, which lives on this machine, the file lock is the lock. The holder is written
+    down as it enters (infra/holders.py); a wait of more than TIMEOUT seconds (None: as long as it takes) raises LockBusy,
+    a TimeoutError naming the holder and what to do."""
     name = lock_name(what)
     folder = settings.workspace_dir / "locks"
     folder.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(folder / f"{name}.lock"), timeout=-1 if timeout is None else timeout):
+    with file_lock(folder / f"{name}.lock", what, timeout):
         api = prefect_api_in_use(settings)
         if api is None:
             yield
@@ -87,10 +87,12 @@ def one_at_a_time(settings: Settings, what: str, timeout: float | None = 600) ->
             ensure_one_slot(name)
             # A lease renewal that fails once (a busy server) must not end an hours-long training that holds the slot: the
             # lease may then lapse and the next holder go on, so what the lock protects is fenced (`fence`).
-        lease = acquire(api, name, timeout, duration=LEASE_SECONDS)
+        with waiting_for(what, timeout, lambda: shared_record(api, name)):
+            lease = acquire(api, name, timeout, duration=LEASE_SECONDS)
         token = _leases.set({**_leases.get(), what: lease})
         try:
-            yield
+            with shared(api, name):  # every host that may wait for it can name the holder
+                yield
         finally:
             _leases.reset(token)
             lease.release()

@@ -227,6 +227,32 @@ class Settings(BaseSettings):
         description="After each run, remove staging files, cached stage results and training checkpoints unchanged for this long (keep it above the longest run)",
     )
 
+    # Time limits: a hung mount or a stuck Spark or Ray job fails its run (TimedOut, its Spark and Ray released) instead
+    # of holding up every queued run behind it. Each is generous for its stage; none enters a cache key. none: no limit.
+    flow_timeout_hours: float | None = Field(
+        default=24, gt=0, description="A flow run still going after this long fails TimedOut (a run may set at most 24: nightly runs go one at a time)"
+    )
+    stage_timeout_minutes: float | None = Field(
+        default=360, gt=0, description="Time limit of each stage without one of its own (split, summary, retention, requeue, maintenance, scoring)"
+    )
+    ingest_timeout_minutes: float | None = Field(default=240, gt=0, description="Time limit of the ingest stage (listing millions of source files)")
+    resize_timeout_minutes: float | None = Field(default=480, gt=0, description="Time limit of the resize stage (decoding millions of images)")
+    write_timeout_minutes: float | None = Field(default=180, gt=0, description="Time limit of the write stage (the Delta merge)")
+    cache_timeout_minutes: float | None = Field(
+        default=360, gt=0, description="Time limit of the cache stage, its wait for another run caching the same line included"
+    )
+    train_timeout_minutes: float | None = Field(
+        default=720, gt=0,
+        description="Time limit of the train stage, its wait for another run training the same Ray run included (keep it above max_train_minutes)",
+    )
+    promote_timeout_minutes: float | None = Field(default=60, gt=0, description="Time limit of the promote stage (test predictions, the gate)")
+    cache_lock_wait_minutes: float | None = Field(
+        default=180, gt=0, description="How long the cache stage waits for another run caching the same line before it fails naming that run"
+    )
+    train_lock_wait_minutes: float | None = Field(
+        default=360, gt=0, description="How long the train stage waits for another run training the same Ray run before it fails naming that run"
+    )
+
     @model_validator(mode="before")
     @classmethod
     def _renamed(cls, data: Any) -> Any:
@@ -272,6 +298,18 @@ class Settings(BaseSettings):
             raise ValueError(f"start_date {self.start_date} is after end_date {self.end_date}")
         return self
 
+    @model_validator(mode="after")
+    def _lock_waits_end_first(self) -> "Settings":
+        # A wait that outlasts its stage's limit would end as that limit, and the error would not name who holds the lock.
+        for stage in ("cache", "train"):
+            wait, limit = getattr(self, f"{stage}_lock_wait_minutes"), getattr(self, f"{stage}_timeout_minutes")
+            if limit is not None and (wait is None or wait >= limit):
+                raise ValueError(
+                    f"{stage}_lock_wait_minutes={'none' if wait is None else f'{wait:g}'} must be below {stage}_timeout_minutes={limit:g}: "
+                    f"set both, the wait shorter (e.g. {stage}_lock_wait_minutes={limit / 2:g})"
+                )
+        return self
+
     @classmethod
     def settings_customise_sources(
         cls,
@@ -283,6 +321,11 @@ class Settings(BaseSettings):
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         # Explicit overrides beat the environment, which beats the config file.
         return init_settings, env_settings, _ConfigFileSource(settings_cls)
+
+    def lock_wait_seconds(self, stage: str) -> float | None:
+        """How long STAGE (cache or train) waits for another run holding its lock, in seconds (None: as long as it takes)."""
+        minutes = getattr(self, f"{stage}_lock_wait_minutes")
+        return None if minutes is None else minutes * 60
 
     @property
     def patience(self) -> int:
@@ -386,6 +429,9 @@ ALLOWED_FROM_RUNS = frozenset({
     # How the gate promotes, what scoring keeps, how much maintenance keeps (within RUN_LIMITS), how much Spark says.
     "promotion_metric", "promotion_margin", "min_margin_over_baseline", "score_top_k",
     "vacuum_retention_hours", "workspace_retention_hours", "spark_log_level",
+    # Time limits: a run may shorten its own (a failed run is its own loss); the flow's limit caps the rest (RUN_LIMITS).
+    "flow_timeout_hours", "stage_timeout_minutes", "ingest_timeout_minutes", "resize_timeout_minutes", "write_timeout_minutes",
+    "cache_timeout_minutes", "train_timeout_minutes", "promote_timeout_minutes", "cache_lock_wait_minutes", "train_lock_wait_minutes",
 })
 
 # Only from the worker's config file or IMAGELAKE_* environment: where its clusters, stores, tables, folders and
@@ -404,7 +450,7 @@ REFUSED_FROM_RUNS = frozenset({
 UNSAFE_FROM_RUNS = tuple(sorted(REFUSED_FROM_RUNS))
 
 # Allowed settings that a run may only make safer than the defaults, as (at least | at most, limit): past them data is
-# lost, or a decompression bomb can take the worker down with every run on it.
+# lost, a decompression bomb can take the worker down with every run on it, or one run holds up every run behind it.
 RUN_LIMITS: dict[str, tuple[str, float]] = {
     # A run that would retire more of a date's rows writes nothing: a run may only be more careful than the default.
     "max_retire_fraction": ("at most", 0.5),
@@ -417,6 +463,9 @@ RUN_LIMITS: dict[str, tuple[str, float]] = {
     "max_file_bytes": ("at most", 50 * 1024 * 1024),
     "max_image_pixels": ("at most", 64_000_000),
     "max_decode_seconds": ("at most", 30),
+    # A run that may run for days holds every run queued behind it (the nightly deployment runs one at a time); its
+    # stages' limits and lock waits need no cap of their own, since the flow's ends them all.
+    "flow_timeout_hours": ("at most", 24),
 }
 
 # Torchvision's weights by name (tasks/worker/model.py:is_weights_name takes the same): never a path or a URL.

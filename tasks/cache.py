@@ -404,9 +404,9 @@ def damaged_split(cached: CachedSplits) -> str | None:
 def cache_one_at_a_time(spark: SparkSession, plan: SplitPlan, settings: Settings) -> CachedSplits:
     """cache_splits under the lock of its cache line. Two runs caching one line at once (the nightly run and an ad-hoc
     one) would write the same generation's folder and each list the other's files in its manifest: the second waits,
-    then reuses (or grows from) what the first wrote."""
+    then reuses (or grows from) what the first wrote. It waits cache_lock_wait_minutes at most, then fails naming the first."""
     lock = f"cache-{line_key(plan, settings.image_size, settings.seed)}"
-    with one_at_a_time(settings, lock, timeout=None):
+    with one_at_a_time(settings, lock, timeout=settings.lock_wait_seconds("cache")):
         return cache_splits(spark, plan, settings.image_size, settings.cache_uri, settings.seed, lock)
 
 

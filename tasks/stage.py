@@ -1,15 +1,17 @@
-"""What every stage's Prefect task shares: retries with backoff, and a cache key that says what it is made of.
+"""What every stage's Prefect task shares: retries with backoff, a time limit, and a cache key that says what it is made of.
 
 A stage's key is built from named parts: the code of the module that does the work, each upstream
 result (which carries the Delta table version it read or wrote), the settings that change the
 stage's output (and no others: the Spark log level or the MLflow UI's address never make a miss),
 and facts read when the key is computed (the source listing, the table's current version). The
 parts of the last key computed for each stage are kept beside the cached results, so a run can
-say why a stage was a cache miss.
+say why a stage was a cache miss. A stage's time limit (`timeout_setting`) is a setting too, but in
+no key: it changes no output.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import inspect
 import json
@@ -29,7 +31,10 @@ from prefect.settings import PREFECT_TASKS_REFRESH_CACHE
 from prefect.tasks import exponential_backoff
 from prefect.utilities.hashing import hash_objects
 
+from infra.deadline import Overdue, StageTimedOut, deadline, overdue_raised
 from infra.errors import PermanentError
+from infra.holders import LockBusy
+from infra.settings import Settings
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -182,10 +187,50 @@ def stage_seconds(flow_run_id: str) -> dict[str, float]:
         return dict(_seconds.get(flow_run_id, {}))
 
 
+def timeout_setting(stage: str) -> str:
+    """The setting that limits STAGE: `<stage>_timeout_minutes` where Settings has one, else stage_timeout_minutes."""
+    own = f"{stage.replace('-', '_')}_timeout_minutes"
+    return own if own in Settings.model_fields else "stage_timeout_minutes"
+
+
+def interruptible(fn: F) -> F:
+    """FN as a stage's Prefect task runs it: past the stage's or its flow's deadline, what the interrupt leaves comes out
+    as that deadline's error (infra/deadline.py), which Prefect records as TimedOut rather than as a crash or a result."""
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with overdue_raised():
+            return fn(*args, **kwargs)
+
+    return run  # type: ignore[return-value]
+
+
 class Stage(Task):
-    """A Prefect task that says when it starts and ends, with its duration, in the CLI and in the flow run's logs."""
+    """A Prefect task that says when it starts and ends, with its duration, in the CLI and in the flow run's logs, and
+    that stops, failing TimedOut, once it runs past its time limit (`timeout_setting`)."""
 
     def __call__(self, *args: Any, return_state: bool = False, **kwargs: Any) -> Any:
+        # The limit covers the whole call: the cache key's facts (a listing of the source) may hang on a mount too.
+        with deadline(*self.time_limit(args, kwargs)):
+            return self.reported(*args, return_state=return_state, **kwargs)
+
+    def time_limit(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[float | None, StageTimedOut | None]:
+        """This call's limit in seconds, and the error past it, from the settings it is given (none without settings)."""
+        try:
+            settings = inspect.signature(self.fn).bind_partial(*args, **kwargs).arguments.get("settings")
+        except TypeError:  # a call that does not fit the stage: Prefect says so
+            return None, None
+        name = timeout_setting(self.name)
+        minutes = getattr(settings, name) if isinstance(settings, Settings) else None
+        if minutes is None:
+            return None, None
+        return minutes * 60, StageTimedOut(
+            f"stage {self.name} ran past {name}={minutes:g} (minutes) and was stopped; its run fails and releases its Spark and Ray. "
+            f"If it was working rather than stuck (on a hung mount, a Spark or Ray job that no longer moves), raise {name}"
+        )
+
+    def reported(self, *args: Any, return_state: bool = False, **kwargs: Any) -> Any:
+        """Run the task, saying when it starts and how it ended."""
         context = FlowRunContext.get()
         if context is None:  # called outside a flow (a test): no run to report to
             return super().__call__(*args, return_state=return_state, **kwargs)
@@ -195,7 +240,7 @@ class Stage(Task):
         state = super().__call__(*args, return_state=True, **kwargs)
         seconds = time.perf_counter() - start
         note_outcome(str(context.flow_run.id), self.name, state.name, seconds)
-        ended = {"Cached": "from the cache", "Completed": "done"}.get(state.name, state.name.lower())
+        ended = {"Cached": "from the cache", "Completed": "done", "TimedOut": "timed out"}.get(state.name, state.name.lower())
         logger.info(f"{self.name}: {ended} in {seconds:.1f} s")
         return state if return_state else state.result()
 
@@ -220,9 +265,11 @@ def is_permanent(error: BaseException | None) -> bool:
 
 
 def retry_transient_only(task: Any, task_run: Any, state: Any) -> bool:
-    """Prefect retry condition: retry unless the stage failed with a permanent error."""
+    """Prefect retry condition: retry unless the stage failed with a permanent error, or ran past a time limit."""
     try:
         state.result()
+    except (Overdue, LockBusy):  # the retry would block as long again, and every run queued behind this one with it
+        return False
     except Exception as exc:  # I/O, a lost worker, a busy server may pass on the next attempt; bad input never will
         return not is_permanent(exc)
     return True
@@ -240,7 +287,8 @@ def stage(
     backoff: float = 2.0,
     cache_policy: CachePolicy | None = None,
 ) -> Callable[[F], F]:
-    """Declare a pipeline stage: a Prefect task that retries with jittered exponential backoff and caches its result.
+    """Declare a pipeline stage: a Prefect task that retries with jittered exponential backoff, caches its result, and
+    fails TimedOut past the time limit its settings give it (`timeout_setting`: never retried).
 
     `settings` names the settings fields that change the stage's output; `facts` adds key parts read at call time;
     `code` names other modules whose code the stage runs; `needs` gives the files and folders a result of the stage names,
@@ -249,7 +297,7 @@ def stage(
     """
     def declare(fn: F) -> F:
         return Stage(  # type: ignore[return-value]
-            fn=fn,
+            fn=interruptible(fn),
             name=name,
             retries=retries,
             retry_delay_seconds=exponential_backoff(backoff_factor=backoff),

@@ -313,8 +313,8 @@ def train_model(cached: CachedSplits, settings: Settings, fresh: str | None = No
     name = run_name(cached, settings, fresh, warm.version)
     logger = stage_logger()
     # Two runs of one key at once (a nightly run and an ad-hoc one on the same data) would train into one Ray run and
-    # one MLflow run: one trains, and the other waits and takes its result.
-    with one_at_a_time(settings, f"train-{name}", timeout=None):
+    # one MLflow run: one trains, and the other waits and takes its result (or, after train_lock_wait_minutes, fails naming the first).
+    with one_at_a_time(settings, f"train-{name}", timeout=settings.lock_wait_seconds("train")):
         done = finished_training(client, settings, name, warm)
         if done is not None:
             logger.info(f"train: Ray run {name} was trained by another run of the same data, settings and code: its result is used")

@@ -238,6 +238,8 @@ def test_what_the_shipped_deployments_and_the_form_send_passes(monkeypatch) -> N
         ("max_retire_fraction", 1, "at most 0.5"),
         ("max_file_bytes", 10**12, "at most 52428800"),
         ("max_image_pixels", 10**12, "at most 64000000"),
+        ("flow_timeout_hours", 48, "at most 24"),  # a run may not hold the one-at-a-time queue longer than the worker allows
+        ("flow_timeout_hours", None, "at most 24"),
     ],
 )
 def test_a_run_may_not_go_past_the_limits_that_keep_data(monkeypatch, name: str, value, limit: str) -> None:
