@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Callable, TypeVar
 
 import fsspec
+from PIL import Image, UnidentifiedImageError
 from prefect import Task, get_run_logger
 from prefect.cache_policies import CachePolicy
 from prefect.context import FlowRunContext
@@ -246,7 +247,17 @@ class Stage(Task):
 
 
 # Bad input, bad settings and programming errors fail the same way every time: retrying only delays the message.
-PERMANENT_ERRORS: tuple[type[BaseException], ...] = (PermanentError, ValueError, TypeError, KeyError, FileNotFoundError)
+# Pillow's errors about an image's bytes are an OSError and a bare Exception, but the same bytes fail the same way.
+PERMANENT_ERRORS: tuple[type[BaseException], ...] = (
+    PermanentError, ValueError, TypeError, KeyError, FileNotFoundError, UnidentifiedImageError, Image.DecompressionBombError,
+)
+# Arrow's own S3 client reports a key that is not there as a plain OSError, where a local file or s3fs raise FileNotFoundError.
+NOT_FOUND_ON_S3 = ("AWS Error NO_SUCH_KEY", "AWS Error RESOURCE_NOT_FOUND")
+
+
+def permanent_itself(error: BaseException) -> bool:
+    """Whether ERROR, not counting what it wraps, is one no retry can mend."""
+    return isinstance(error, PERMANENT_ERRORS) or (isinstance(error, OSError) and any(mark in str(error) for mark in NOT_FOUND_ON_S3))
 
 
 def is_permanent(error: BaseException | None) -> bool:
@@ -258,7 +269,7 @@ def is_permanent(error: BaseException | None) -> bool:
         if current is None or id(current) in seen:
             continue
         seen.add(id(current))
-        if isinstance(current, PERMANENT_ERRORS):
+        if permanent_itself(current):
             return True
         pending += [current.__cause__, current.__context__, *getattr(current, "worker_failures", {}).values()]
     return False

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from typing import Callable
 
 import fsspec
 
@@ -235,6 +236,20 @@ def requeue(table: ImageTable, reasons: list[str] | None = None) -> dict[str, in
     return chosen
 
 
+# The points a write passes, in order: after its plan (nothing committed), after the quarantine's commit, after the
+# images table's commit. A crash in each leaves a different state that the next run must complete exactly once.
+WRITE_PHASES = ("planned", "quarantine-committed", "images-committed")
+# Called with each phase's name as a write reaches it; None in the pipeline's runs, so nothing is called. The crash
+# tests set it in a writer process of their own, to kill the write at a named phase and know where the kill landed.
+on_phase: Callable[[str], None] | None = None
+
+
+def reached(phase: str) -> None:
+    """Tell on_phase, if set, that the write reached PHASE."""
+    if on_phase is not None:
+        on_phase(phase)
+
+
 def write_images(table: ImageTable, resized: Resized, max_bad_fraction: float, max_retire_fraction: float = 1.0) -> Written:
     """Check the bad share, then land the images and append the quarantine; return the images table's version.
 
@@ -263,7 +278,9 @@ def write_images(table: ImageTable, resized: Resized, max_bad_fraction: float, m
     if changes.empty and not table.images.exists():
         raise TooManyBadFiles(f"no image could be written to {table_uri}: no file of this run is a usable image ({resized.quarantined})")
     quarantine_before = table.quarantine.version()
+    reached("planned")
     commits = land_quarantine(table, bad)
+    reached("quarantine-committed")
     added, removed = changes.upserts.num_rows, len(changes.deletes)
     before, expected = (changes.read_version, quarantine_before), (changes.read_version, next_version(quarantine_before, commits))
     if changes.empty:
@@ -281,6 +298,7 @@ def write_images(table: ImageTable, resized: Resized, max_bad_fraction: float, m
     else:
         version = table.images.merge(image_changes(resized, table_uri, changes))
         remove_uncommitted(table_uri, changes.files)
+    reached("images-committed")
     mark_if_in_step(table, resized, before, (next_version(changes.read_version, 1), expected[1]))
     return Written(table_uri=table_uri, version=version, engine=engine, rows=added, retired=removed, quarantined=bad.rows.num_rows, unread=resized.unread_files)
 

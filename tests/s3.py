@@ -1,11 +1,13 @@
-"""A real S3-compatible server for tests: S3Proxy (from Maven Central, fetched by `make install`) on 127.0.0.1."""
+"""S3 for tests: S3Proxy (from Maven Central, fetched by `make install`) on 127.0.0.1, and an endpoint that only throttles."""
 
 from __future__ import annotations
 
 import secrets
 import socket
 import subprocess
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from infra.cluster import free_port
@@ -94,3 +96,40 @@ class S3Server:
         import s3fs
 
         return s3fs.S3FileSystem(key=self.key, secret=self.secret, client_kwargs={"endpoint_url": self.endpoint, "region_name": "us-east-1"})
+
+
+SLOW_DOWN = (
+    b'<?xml version="1.0" encoding="UTF-8"?>'
+    b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message><RequestId>0</RequestId></Error>"
+)
+
+
+class SlowDownHandler(BaseHTTPRequestHandler):
+    """Every request answered as S3 answers when it throttles: 503 SlowDown (HEAD without a body, as S3 does)."""
+
+    def answer(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        self.send_response(503)
+        self.send_header("Content-Type", "application/xml")
+        self.send_header("Content-Length", str(len(SLOW_DOWN)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(SLOW_DOWN)
+
+    do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = answer
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+class SlowDownServer:
+    """An S3 endpoint on 127.0.0.1 that throttles every request, so that S3 clients raise what they raise for a 503."""
+
+    def __enter__(self) -> str:
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), SlowDownHandler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        return f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def __exit__(self, *exc) -> None:
+        self.server.shutdown()
+        self.server.server_close()

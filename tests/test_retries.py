@@ -1,18 +1,37 @@
-"""Stage retries: a transient failure is retried and the run completes; a permanent one fails after one attempt."""
+"""Stage retries: a transient failure is retried and the run completes; a permanent one fails after one attempt. The
+classifier on errors as Pillow, Arrow, fsspec and the S3 clients raise them: bad bytes, a file gone, S3 throttling."""
 
 from __future__ import annotations
 
+import errno
+import io
+import struct
+import uuid
+import zlib
 from pathlib import Path
+from typing import Callable, Iterator
 
+import botocore.config
+import botocore.session
+import fsspec
+import pyarrow as pa
+import pyarrow.dataset as ds
+import pyarrow.parquet as pq
 import pytest
+import s3fs
+from botocore.exceptions import ClientError
+from PIL import Image, UnidentifiedImageError
 from prefect import flow
 from prefect.cache_policies import NO_CACHE
+from pyarrow.fs import AwsStandardS3RetryStrategy, S3FileSystem
 from ray.train import WorkerGroupError
 
 from infra.settings import SettingsError
-from tasks.stage import stage
+from tasks.resize_executor import read_with_retries
+from tasks.stage import is_permanent, stage
 from tasks.worker.train_loop import CheckpointUnusable
 from tasks.rules.bad_files import TooManyBadFiles
+from tests.s3 import SlowDownServer
 
 
 ERRORS = {
@@ -124,3 +143,125 @@ def test_a_cached_result_that_left_files_unread_is_a_miss_until_none_are(prefect
     assert reading_flow(str(left), settings)["state"] == "Completed"
     assert reading_flow(str(left), settings)["state"] == "Cached", "a complete result is the cache from then on"
     assert len(left.with_suffix(".calls").read_text().splitlines()) == 3
+
+
+# --- The classifier on errors as the libraries raise them ----------------------------------------------------------
+
+
+def raised(call: Callable[[], object]) -> BaseException:
+    """The error CALL raises, as the library raised it (its cause and context included)."""
+    try:
+        call()
+    except Exception as exc:  # noqa: BLE001 - whatever it raises is the error under test
+        return exc
+    raise AssertionError(f"{call} raised nothing")
+
+
+def png_claiming(width: int, height: int) -> bytes:
+    """A PNG whose header claims WIDTH x HEIGHT pixels: Pillow refuses a bomb from its header, before any pixel."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)) + chunk(b"IEND", b"")
+
+
+# Errors about a file's bytes, and the type each library raises: the same bytes fail the same way on every attempt.
+BAD_BYTES: dict[str, tuple[Callable[[], object], type[BaseException]]] = {
+    "Pillow: not an image": (lambda: Image.open(io.BytesIO(b"<html>an error page saved as a .png</html>")), UnidentifiedImageError),
+    "Pillow: a decompression bomb": (lambda: Image.open(io.BytesIO(png_claiming(20_000, 20_000))), Image.DecompressionBombError),
+    "Arrow: not Parquet": (lambda: pq.read_table(pa.BufferReader(b"half a Parquet file")), pa.ArrowInvalid),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_BYTES))
+def test_an_error_about_the_files_bytes_is_permanent(case: str) -> None:
+    """A retry reads the same bytes and fails again: one attempt."""
+    call, kind = BAD_BYTES[case]
+    error = raised(call)
+    assert type(error) is kind, f"{case}: {type(error).__name__}: {error}"
+    assert is_permanent(error), f"{case}: {type(error).__module__}.{type(error).__name__} ({error}) would be retried"
+
+
+def parquet_bytes(n: int) -> bytes:
+    """A one-row Parquet file."""
+    out = pa.BufferOutputStream()
+    pq.write_table(pa.table({"n": [n]}), out)
+    return out.getvalue().to_pybytes()
+
+
+def deleted_after_listing(folder: str) -> dict[str, BaseException]:
+    """Three files under FOLDER (a path or an s3:// URI) listed, then one of them deleted before it is read: the errors
+    of the reads that meet the gap, by reader (the resize stage's, and Arrow's over a dataset it listed, as the write
+    stage lists the staged rows)."""
+    fs, root = fsspec.core.url_to_fs(folder)
+    fs.makedirs(root, exist_ok=True)
+    for n in range(3):
+        fs.pipe_file(f"{root}/{n}.parquet", parquet_bytes(n))
+    dataset = ds.dataset(folder, format="parquet")
+    fs.rm(f"{root}/1.parquet")
+    return {"fsspec": raised(lambda: read_with_retries(f"{folder}/1.parquet", 3, 0.0)), "Arrow": raised(dataset.to_table)}
+
+
+def test_a_file_deleted_between_its_listing_and_its_read_is_permanent(tmp_path: Path) -> None:
+    """A retry reads the same listing and misses the same file again (resize counts such a file unread instead, and the
+    next run's listing finds it or not): one attempt."""
+    for reader, error in deleted_after_listing(str(tmp_path / "files")).items():
+        assert is_permanent(error), f"{reader}: {type(error).__module__}.{type(error).__name__} ({error}) would be retried"
+
+
+def test_a_key_deleted_on_s3_between_its_listing_and_its_read_is_permanent(s3) -> None:
+    """The same gap on S3 (S3Proxy answers 404 NoSuchKey) is the same failure as on a disk, whichever client meets it."""
+    for reader, error in deleted_after_listing(f"s3://lake/{uuid.uuid4().hex[:12]}").items():
+        assert is_permanent(error), f"{reader}: {type(error).__module__}.{type(error).__name__} ({error}) would be retried"
+
+
+@pytest.fixture(scope="module")
+def slow_down() -> Iterator[str]:
+    """An S3 endpoint that answers every request 503 SlowDown."""
+    with SlowDownServer() as endpoint:
+        yield endpoint
+
+
+def botocore_get(endpoint: str) -> None:
+    no_retries = botocore.config.Config(retries={"max_attempts": 1, "mode": "standard"})
+    client = botocore.session.get_session().create_client(
+        "s3", endpoint_url=endpoint, aws_access_key_id="key", aws_secret_access_key="secret", region_name="us-east-1", config=no_retries,
+    )
+    client.get_object(Bucket="lake", Key="a.png")
+
+
+def s3fs_read(endpoint: str) -> None:
+    fs = s3fs.S3FileSystem(
+        key="key", secret="secret", skip_instance_cache=True, client_kwargs={"endpoint_url": endpoint, "region_name": "us-east-1"},
+        config_kwargs={"retries": {"max_attempts": 1, "mode": "standard"}},
+    )
+    fs.retries = 1
+    fs.cat_file("lake/a.png")
+
+
+def arrow_read(endpoint: str) -> None:
+    store = S3FileSystem(
+        access_key="key", secret_key="secret", endpoint_override=endpoint.removeprefix("http://"), scheme="http", region="us-east-1",
+        retry_strategy=AwsStandardS3RetryStrategy(max_attempts=1),
+    )
+    pq.read_table("lake/a.parquet", filesystem=store)
+
+
+def is_slow_down(error: BaseException) -> bool:
+    """Whether ERROR is S3's 503, as botocore reports it or as s3fs and Arrow pass it on."""
+    if isinstance(error, ClientError):
+        return error.response["ResponseMetadata"]["HTTPStatusCode"] == 503
+    return isinstance(error, OSError) and ((error.errno == errno.EBUSY and is_slow_down(error.__cause__)) or "HTTP status 503" in str(error))
+
+
+# Each client with no retries of its own: the error is what reaches the stage once the library gives up.
+SLOW_DOWN_CLIENTS = {"botocore": botocore_get, "s3fs": s3fs_read, "Arrow's S3": arrow_read}
+
+
+@pytest.mark.parametrize("client", list(SLOW_DOWN_CLIENTS))
+def test_an_s3_slow_down_is_transient(slow_down: str, client: str) -> None:
+    """S3 throttles a prefix that gets more requests than it takes: a later attempt, after a backoff, passes."""
+    error = raised(lambda: SLOW_DOWN_CLIENTS[client](slow_down))
+    assert is_slow_down(error), f"{client}: {type(error).__name__}: {error}"
+    assert not is_permanent(error), f"{client}: {type(error).__name__} ({error}) would fail the stage at once"

@@ -86,11 +86,52 @@ class Deployed:
         )
         return run
 
+    def stages(self, flow_run_id: str) -> list[dict]:
+        """The task runs of the run and its subflow runs, less those that only stand for a subflow run in its parent."""
+        family = self.family(flow_run_id)
+        subflows = {run["parent_task_run_id"] for run in self.flow_runs({"flow_runs": {"id": {"any_": family}}})}
+        found = self.api.post("/task_runs/filter", json={"task_runs": {"flow_run_id": {"any_": family}}, "limit": 200})
+        assert found.status_code == 200, found.text
+        return [task for task in found.json() if task["id"] not in subflows]
+
     def summary_artifacts(self, flow_run_id: str) -> list[dict]:
         body = {"artifacts": {"key": {"any_": [SUMMARY_KEY]}, "flow_run_id": {"any_": self.family(flow_run_id)}}}
         found = self.api.post("/artifacts/filter", json=body)
         assert found.status_code == 200, found.text
         return found.json()
+
+
+def ran(record: dict) -> tuple[datetime, datetime] | None:
+    """When a flow or task run ran, from its API record; None if it never ran (a cache hit) or has not ended."""
+    if not record.get("start_time") or not record.get("end_time"):
+        return None
+    start, end = (datetime.fromisoformat(record[key].replace("Z", "+00:00")) for key in ("start_time", "end_time"))
+    return start, end
+
+
+def overlapping(first: list[dict], second: list[dict]) -> list[tuple[str, str]]:
+    """The names of the pairs of runs, one of FIRST and one of SECOND, that were running at the same moment."""
+    pairs = []
+    for one in first:
+        for other in second:
+            a, b = ran(one), ran(other)
+            if a and b and a[0] < b[1] and b[0] < a[1]:
+                pairs.append((one["name"], other["name"]))
+    return pairs
+
+
+def ran_at_once(deployed: Deployed, first: str, second: str) -> list[tuple[str, str]]:
+    """Check that two flow runs ran at the same time, not one after the other as a worker taking one run at a time
+    would run them: the runs overlap, and so do stages of theirs (task runs of each run and its subflow runs, which
+    the server records from the runs' events, possibly a little after the run ends). The overlapping stages."""
+    runs = [deployed.api.get(f"/flow_runs/{flow_run_id}").json() for flow_run_id in (first, second)]
+    assert overlapping(runs[:1], runs[1:]), f"the flow runs ran one after the other: {[(run['name'], ran(run)) for run in runs]}"
+    deadline = time.monotonic() + 60
+    while not (stages := overlapping(deployed.stages(first), deployed.stages(second))) and time.monotonic() < deadline:
+        time.sleep(2)
+    times = {task["name"]: ran(task) for flow_run_id in (first, second) for task in deployed.stages(flow_run_id)}
+    assert stages, f"no stage of one run ran while a stage of the other did: {times}"
+    return stages
 
 
 def run_params(deployment: dict, source: Path, **changed) -> dict:
@@ -344,6 +385,8 @@ def test_a_backfill_and_the_nightly_run_at_once_count_every_image_once_and_leave
     assert [created.status_code for created in runs] == [201, 201], [created.text for created in runs]
     for created in runs:
         deployed.wait_for_run(created.json()["id"], timeout=2 * RUN_TIMEOUT)
+    stages = ran_at_once(deployed, *(created.json()["id"] for created in runs))
+    print(f"{len(stages)} pairs of stages ran at once, e.g. {stages[:3]}")
 
     table = str(deployed.workspace / "tables" / "images")
     paths = [row["path"] for row in read_version(spark, table, Table(table).version(), "delta-rs").select("path").collect()]
@@ -384,6 +427,8 @@ def test_a_nightly_and_an_ad_hoc_run_of_the_same_data_at_once_train_once_and_nev
         deployed.wait_for_run(created.json()["id"], timeout=2 * RUN_TIMEOUT)
         [artifact] = deployed.summary_artifacts(created.json()["id"])
         summaries.append(dict(re.findall(r"^\| (\w+) \| (.*) \|$", artifact["data"], re.M)))
+    stages = ran_at_once(deployed, *(created.json()["id"] for created in runs))
+    print(f"{len(stages)} pairs of stages ran at once, e.g. {stages[:3]}")
     first, second = summaries
     assert first["mlflow_run_id"] == second["mlflow_run_id"] and first["model_version"] == second["model_version"], "one trained, the other took its result"
 

@@ -1,4 +1,4 @@
-"""Writes that survive crashes and concurrency: a writer killed mid-write, two writers at once."""
+"""Writes that survive crashes and concurrency: a writer killed at each phase of its write, two writers at once."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from typing import Callable
 from datetime import date
@@ -24,7 +23,7 @@ from tasks.resize_executor import DecodeRules
 from tasks.table import ImageTable
 from tasks.rules.schemas import IMAGE_TABLE_SCHEMA
 from tasks.results import Resized
-from tasks.write import plan_changes, settle_concurrent_append, write_images
+from tasks.write import WRITE_PHASES, plan_changes, settle_concurrent_append, write_images
 from tests.conftest import REPO
 from tests.lake import copy_digits
 
@@ -43,10 +42,16 @@ def lake_of(spark, table: str, quarantine: str, engine: str) -> ImageTable:
     return ImageTable.at(spark, table, RULES.size, engine, quarantine)
 
 
-def writer(root: Path, resized: dict, engine: str, barrier: Path | None = None, lake: str | None = None) -> subprocess.Popen:
-    """A writer process for the tables under LAKE (default: ROOT), its workspace and log under ROOT."""
+def writer(
+    root: Path, resized: dict, engine: str, barrier: Path | None = None, lake: str | None = None, stop_at: str | None = None,
+) -> subprocess.Popen:
+    """A writer process for the tables under LAKE (default: ROOT), its workspace and log under ROOT; with STOP_AT, it
+    prints each phase of its write (tasks/write.py: WRITE_PHASES) and waits at that one to be killed."""
     lake = lake or str(root)
-    args = {"workspace": str(root / "ws"), "resized": resized, "engine": engine, "table": f"{lake}/tables/images", "quarantine": f"{lake}/tables/quarantine", "barrier": str(barrier) if barrier else None}
+    args = {
+        "workspace": str(root / "ws"), "resized": resized, "engine": engine, "table": f"{lake}/tables/images", "quarantine": f"{lake}/tables/quarantine",
+        "barrier": str(barrier) if barrier else None, "stop_at": stop_at,
+    }
     # The writer's stderr goes to a file next to its data, so a failing writer can be diagnosed.
     log = (root / f"writer-{resized['staging_uri'].rstrip('/').rsplit('/', 1)[-1]}.log").open("w")
     return subprocess.Popen([sys.executable, str(REPO / "tests" / "writer.py"), json.dumps(args)], stdout=subprocess.PIPE, stderr=log, text=True, cwd=REPO)
@@ -59,53 +64,85 @@ def wait_for(process: subprocess.Popen, line: str) -> None:
     raise AssertionError(f"writer exited before printing {line}")
 
 
+def phases_until(process: subprocess.Popen, phase: str) -> list[str]:
+    """The phases the writer reported, in order, once it reports PHASE (where it then waits)."""
+    seen = []
+    for got in process.stdout:
+        if got.startswith("PHASE "):
+            seen.append(got.split(" ", 1)[1].strip())
+            if seen[-1] == phase:
+                return seen
+    raise AssertionError(f"the writer exited after the phases {seen}, before {phase}; its log is in the test's folder")
+
+
 def table_rows(spark, table: str, engine: str) -> list[str]:
     version = Table(table).version()
     return [row["path"] for row in read_version(spark, table, version, engine).select("path").collect()]
 
 
-def kill_writers_and_rerun(spark, source: Path, tmp_path: Path, engine: str, delays: tuple[float, ...], lake: Callable[[int], str]) -> list[int]:
-    """For each delay: resize, start a writer, kill it DELAY s into its write, then write again; the table ends whole."""
-    seen = []
-    for attempt, delay in enumerate(delays):
-        root, lake_root = tmp_path / f"attempt{attempt}", lake(attempt)
+def rows_in(spark, table: str, engine: str) -> list[str]:
+    """The table's paths, none where there is no table yet."""
+    return table_rows(spark, table, engine) if Table(table).exists() else []
+
+
+IMAGES, BAD_FILES = 300, 3
+# What a writer killed at each phase of its write has committed: (quarantine rows, image rows).
+COMMITTED_AT = {"planned": (0, 0), "quarantine-committed": (BAD_FILES, 0), "images-committed": (BAD_FILES, IMAGES)}
+
+
+def source_with_bad_files(digits_dir: Path, source: Path) -> Path:
+    """300 digits and three files that are no image: the write then commits the quarantine, then the images."""
+    copy_digits(digits_dir, source, labels=tuple(str(d) for d in range(10)), per_label=IMAGES // 10)
+    for n in range(BAD_FILES):
+        (source / "0" / f"broken-{n}.png").write_bytes(f"not an image {n}".encode())
+    return source
+
+
+def kill_at(root: Path, resized: dict, engine: str, lake_root: str, phase: str) -> list[str]:
+    """Start a writer, kill it where its write reports PHASE; the phases it reported."""
+    process = writer(root, resized, engine, lake=lake_root, stop_at=phase)
+    try:
+        return phases_until(process, phase)
+    finally:
+        os.kill(process.pid, signal.SIGKILL)
+        process.wait()
+
+
+def kill_writers_and_rerun(spark, source: Path, tmp_path: Path, engine: str, lake: Callable[[str], str]) -> None:
+    """For each phase of a write: resize, start a writer, kill it at that phase, then write again; the tables end whole."""
+    for phase in WRITE_PHASES:
+        root, lake_root = tmp_path / phase, lake(phase)
         root.mkdir()
         table, quarantine = f"{lake_root}/tables/images", f"{lake_root}/tables/quarantine"
         resized = stage_run(spark, source, lake_root, "all", Scope((".png",)))
-        process = writer(root, resized, engine, lake=lake_root)
-        wait_for(process, "WRITING")
-        time.sleep(delay)
-        os.kill(process.pid, signal.SIGKILL)
-        process.wait()
-        committed = len(table_rows(spark, table, engine)) if Table(table).exists() else 0
-        seen.append(committed)
-        assert committed in (0, 300), f"a killed writer left a partial commit: {seen}"
+        reported = kill_at(root, resized, engine, lake_root, phase)
+        # The kill landed in the window PHASE names: after the phases before it, before any later one, and the tables
+        # hold what the write commits up to that phase, no more and no less.
+        assert reported == list(WRITE_PHASES[: WRITE_PHASES.index(phase) + 1]), f"killed at {phase}, the writer reported {reported}"
+        committed = (len(rows_in(spark, quarantine, engine)), len(rows_in(spark, table, engine)))
+        assert committed == COMMITTED_AT[phase], f"killed at {phase}: (quarantine rows, image rows) = {committed}"
         # The re-run after the crash (or after a commit Prefect never recorded) completes the write exactly once.
         written = write_images(lake_of(spark, table, quarantine, engine), Resized.model_validate(resized), 1.0)
-        paths = table_rows(spark, table, engine)
-        assert len(paths) == len(set(paths)) == 300
+        paths, bad = table_rows(spark, table, engine), table_rows(spark, quarantine, engine)
+        assert len(paths) == len(set(paths)) == IMAGES, f"killed at {phase}: {len(paths)} image rows, {len(set(paths))} paths"
+        assert len(bad) == len(set(bad)) == BAD_FILES, f"killed at {phase}: {len(bad)} quarantine rows, {len(set(bad))} paths"
         again = write_images(lake_of(spark, table, quarantine, engine), Resized.model_validate(resized), 1.0)
-        assert (again.rows, again.version) == (0, written.version)
-    return seen
+        assert (again.rows, again.version, again.quarantined) == (0, written.version, 0)
 
 
 @pytest.mark.both_engines
 @pytest.mark.slow
-def test_a_writer_killed_at_any_point_loses_and_duplicates_nothing(spark, digits_dir: Path, tmp_path: Path, engine: str) -> None:
-    source = tmp_path / "src"
-    copy_digits(digits_dir, source, labels=tuple(str(d) for d in range(10)), per_label=30)
-    seen = kill_writers_and_rerun(spark, source, tmp_path, engine, (0.0, 0.05, 0.15, 0.4, 0.8), lambda attempt: str(tmp_path / f"attempt{attempt}"))
-    print(f"rows committed when the writer was killed: {seen}")
+def test_a_writer_killed_at_each_phase_of_its_write_loses_and_duplicates_nothing(spark, digits_dir: Path, tmp_path: Path, engine: str) -> None:
+    source = source_with_bad_files(digits_dir, tmp_path / "src")
+    kill_writers_and_rerun(spark, source, tmp_path, engine, lambda phase: str(tmp_path / phase))
 
 
 @pytest.mark.both_engines
 @pytest.mark.slow
-def test_a_writer_killed_on_s3_loses_and_duplicates_nothing(spark, s3, digits_dir: Path, tmp_path: Path, engine: str) -> None:
-    source = tmp_path / "src"
-    copy_digits(digits_dir, source, labels=tuple(str(d) for d in range(10)), per_label=30)
+def test_a_writer_killed_at_each_phase_on_s3_loses_and_duplicates_nothing(spark, s3, digits_dir: Path, tmp_path: Path, engine: str) -> None:
+    source = source_with_bad_files(digits_dir, tmp_path / "src")
     prefix = f"s3://lake/{uuid.uuid4().hex[:12]}"
-    seen = kill_writers_and_rerun(spark, source, tmp_path, engine, (0.05, 0.3, 0.8), lambda attempt: f"{prefix}/attempt{attempt}")
-    print(f"rows committed when the writer was killed (S3): {seen}")
+    kill_writers_and_rerun(spark, source, tmp_path, engine, lambda phase: f"{prefix}/{phase}")
 
 
 @pytest.mark.both_engines

@@ -5,19 +5,36 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import time
 from pathlib import Path
+from typing import Callable
 
+import tasks.write
 from infra.settings import Settings
 from infra.spark import spark_session
 from tasks.results import Resized
 from tasks.table import ImageTable
 from tasks.write import write_images
 
+
+def stop_at(phase: str) -> Callable[[str], None]:
+    """A phase hook that prints each phase the write reaches and, at PHASE, waits there for the test to kill it."""
+
+    def hook(reached: str) -> None:
+        print(f"PHASE {reached}", flush=True)
+        if reached == phase:
+            threading.Event().wait()
+
+    return hook
+
+
 if __name__ == "__main__":
     args = json.loads(sys.argv[1])
     spark = spark_session(Settings(workspace=Path(args["workspace"]), spark_master="local[1]"))
     resized = Resized.model_validate(args["resized"])
+    if args.get("stop_at"):
+        tasks.write.on_phase = stop_at(args["stop_at"])
     print("READY", flush=True)
     while args.get("barrier") and not Path(args["barrier"]).exists():
         time.sleep(0.01)
