@@ -1,14 +1,16 @@
 """What a growing lake costs: a cold run, a re-run with nothing new, and a run with 1% new files, side by side.
 
-    .venv/bin/python bench/scale.py [--files 40000] [--new 0.01] [--keep DIR]
+    .venv/bin/python bench/scale.py [--files 40000] [--new 0.01] [--keep DIR] [--code DIR]
     .venv/bin/python bench/scale.py --listing-only --files 1000000
 
 Builds FILES small JPEGs (96-200 px, 10 labels), then runs `imagelake run` three times on one workspace
 (image_size 32, 1 epoch): cold, again with nothing changed (the first re-run after a write), and after adding
 NEW x FILES new images. Each run is its own process, as a scheduled run is. Per stage, the seconds the run
-reports itself (`stage_seconds`); Spark's start-up (which falls inside the first stage that needs Spark) is
-taken out and reported apart. The data stages are ingest to cache; the ratios are each run's data-stage
-seconds over the cold run's. Also: bytes the run added to the Petastorm cache, and the Python driver's peak RSS.
+reports itself (`stage_seconds`). The data stages are ingest to cache; the ratio is each run's data-stage seconds
+over the cold run's, Spark's start-up included where a data stage started Spark (the user waits for it: a run that
+needs no Spark job starts none). Spark's start-up is also shown apart, with the stage it fell in, and the ratio
+without it. Also: bytes the run added to the Petastorm cache, and the Python driver's peak RSS. --code runs the
+pipeline from another checkout of imagelake (an older commit's, say) with this environment, to compare the two.
 
 With --listing-only: FILES/10 and FILES empty files (date=/label folders of 1,000 to 2,000 files); in a fresh process
 each, the listing streamed to staging, then the driver's diff of that listing with one holding NEW x more files;
@@ -63,13 +65,31 @@ def folder_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.exists() else 0
 
 
-def run(source: Path, workspace: Path) -> dict:
+def run_env(code: Path | None) -> dict[str, str]:
+    """The run's environment: no IMAGELAKE_ settings of this shell, and CODE (a checkout) first on the import path."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("IMAGELAKE_")}
+    if code is not None:
+        env["PYTHONPATH"] = os.pathsep.join([str(code.resolve()), *filter(None, [env.get("PYTHONPATH")])])
+    return env
+
+
+def started_in(summary: dict) -> str | None:
+    """The stage whose seconds hold Spark's start-up. A run that says none started none; one from before the summary
+    said which started it in the first stage after ingest (which needs none) that ran rather than came from the cache."""
+    if not summary.get("spark_startup_seconds"):
+        return None
+    if "spark_started_in" in summary:
+        return summary["spark_started_in"]
+    return next((s for s in STAGES[1:] if s in summary["stage_seconds"] and s not in summary["cache_hits"]), None)
+
+
+def run(source: Path, workspace: Path, code: Path | None = None) -> dict:
     settings = [f"workspace={workspace}", "image_size=32", "max_epochs=1", "num_workers=1", "batch_size=64"]
     before = folder_bytes(workspace / "cache")
     started = time.perf_counter()
     done = subprocess.run(
         [IMAGELAKE, "run", "--source", str(source), "--json", *[a for s in settings for a in ("--set", s)]],
-        capture_output=True, text=True, env={k: v for k, v in os.environ.items() if not k.startswith("IMAGELAKE_")},
+        capture_output=True, text=True, env=run_env(code),
     )
     wall = time.perf_counter() - started
     if done.returncode:
@@ -77,15 +97,15 @@ def run(source: Path, workspace: Path) -> dict:
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     seconds = dict(summary["stage_seconds"])
     startup = summary.get("spark_startup_seconds") or 0.0
-    # Spark starts in the first stage after ingest (which needs none) that ran rather than came from the cache.
-    first = next((s for s in STAGES[1:] if s in seconds and s not in summary["cache_hits"]), None)
-    if startup and first is not None:
-        seconds[first] = max(0.0, seconds[first] - startup)
+    stage = started_in(summary)
+    data = sum(seconds.get(s, 0.0) for s in DATA_STAGES)
     return {
         "wall": wall,
         "seconds": seconds,
         "spark_startup": startup,
-        "data": sum(seconds.get(s, 0.0) for s in DATA_STAGES),
+        "spark_in": stage or "-",
+        "data": data,  # Spark's start-up included where a data stage started it
+        "data_ex_spark": data - (startup if stage in DATA_STAGES else 0.0),
         "cache_added": folder_bytes(workspace / "cache") - before,
         "rss_mb": summary.get("driver_peak_rss_mb"),
         "decoded": summary["files_decoded"],
@@ -156,11 +176,31 @@ def listing_scale(files: list[int], new: float, root: Path) -> None:
         shutil.rmtree(staging, ignore_errors=True)
 
 
+def print_table(results: dict[str, dict], files: int) -> None:
+    """Seconds per stage (Spark's start-up inside the stage that started it), the data stages' sum and its ratio to the
+    cold run's with the start-up (what the user waits for) and without it; the start-up and its stage apart."""
+    cold = results["cold"]
+    print(f"\n{files} files, image_size 32, 1 epoch, {os.cpu_count()} cores; seconds per stage, Spark's start-up inside the stage it fell in")
+    print(
+        f"{'run':<10} {'wall':>7} {'spark':>6} {'in':>8} " + " ".join(f"{s:>8}" for s in STAGES)
+        + f" {'data':>7} {'ratio':>6} {'ex-spark':>8} {'cache +MB':>9} {'RSS MB':>7}"
+    )
+    for name, r in results.items():
+        cells = " ".join(f"{'hit' if s in r['hits'] else format(r['seconds'].get(s, 0.0), '.1f'):>8}" for s in STAGES)
+        ratio = r["data"] / cold["data"] if cold["data"] else float("nan")
+        bare = r["data_ex_spark"] / cold["data_ex_spark"] if cold["data_ex_spark"] else float("nan")
+        print(
+            f"{name:<10} {r['wall']:>7.1f} {r['spark_startup']:>6.1f} {r['spark_in']:>8} {cells} {r['data']:>7.2f} {ratio:>6.3f} {bare:>8.3f} "
+            f"{r['cache_added'] / 1e6:>9.1f} {r['rss_mb'] or 0:>7.0f}"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--files", type=int, default=40_000)
     parser.add_argument("--new", type=float, default=0.01)
     parser.add_argument("--keep", type=Path, help="work in this folder and leave it (default: a temp folder, removed)")
+    parser.add_argument("--code", type=Path, help="run the pipeline from this checkout of imagelake (default: the installed one)")
     parser.add_argument("--listing-only", action="store_true", help="only the listing part, on empty files, at FILES/10 and FILES")
     parser.add_argument("--measure-listing", nargs=2, type=Path, metavar=("SOURCE", "STAGING"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -182,19 +222,10 @@ def main() -> None:
         for name in ("cold", "no change", f"+{args.new:.0%}"):
             if name.startswith("+"):
                 build(source, args.files, max(1, round(args.files * args.new)))
-            results[name] = run(source, workspace)
+            results[name] = run(source, workspace, args.code)
             print(f"{name}: {results[name]['wall']:.1f} s, decoded {results[name]['decoded']}", flush=True)
-        cold = results["cold"]
-        print(f"\n{args.files} files, image_size 32, 1 epoch, {os.cpu_count()} cores; seconds per stage (Spark start-up apart)")
-        print(f"{'run':<10} {'wall':>7} {'spark':>6} " + " ".join(f"{s:>8}" for s in STAGES) + f" {'data':>7} {'ratio':>6} {'cache +MB':>9} {'RSS MB':>7}")
-        for name, r in results.items():
-            cells = " ".join(f"{'hit' if s in r['hits'] else format(r['seconds'].get(s, 0.0), '.1f'):>8}" for s in STAGES)
-            ratio = r["data"] / cold["data"] if cold["data"] else float("nan")
-            print(
-                f"{name:<10} {r['wall']:>7.1f} {r['spark_startup']:>6.1f} {cells} {r['data']:>7.2f} {ratio:>6.3f} "
-                f"{r['cache_added'] / 1e6:>9.1f} {r['rss_mb'] or 0:>7.0f}"
-            )
-        grown = results[f"+{args.new:.0%}"]
+        print_table(results, args.files)
+        cold, grown = results["cold"], results[f"+{args.new:.0%}"]
         print(f"\ncache bytes added by the +{args.new:.0%} run / the first cache: {grown['cache_added'] / cold['cache_added']:.3f}")
     finally:
         if args.keep is None:

@@ -150,7 +150,7 @@ def engines(summary: dict[str, Any]) -> str:
     """Where the work ran: the Spark application and master, the Ray nodes of the training ranks."""
     spark = summary.get("spark_application")
     nodes = summary.get("ray_worker_nodes") or []
-    where = f"Spark {spark['id']} on {spark['master']}" if spark else "Spark: every Spark stage came from the cache"
+    where = f"Spark {spark['id']} on {spark['master']}" if spark else "Spark: not started (no stage needed a Spark job)"
     distinct = len(set(nodes))
     return f"{where}; Ray Train: {len(nodes)} rank(s) on {distinct} Ray node(s)" + (f" ({', '.join(n[:8] for n in nodes)})" if nodes else "")
 

@@ -29,7 +29,7 @@ from pyspark.sql.types import StructType
 from infra.compat import collect_arrow, delta_log_commits, delta_log_mentions
 from infra.errors import PermanentError
 from infra.settings import Settings
-from infra.spark import delta_jars_loaded, s3_endpoint, spark_session
+from infra.spark import SparkSource, delta_jars_loaded, on_demand, s3_endpoint, session_of
 
 Engine = Literal["delta-rs", "spark"]
 WRITE_ID_KEY = "imagelake.write_id"
@@ -39,14 +39,17 @@ class DeltaEngineUnavailable(PermanentError, RuntimeError):
     """The Delta engine the settings force cannot run here."""
 
 
-def choose_engine(settings: Settings, spark: SparkSession) -> Engine:
+def choose_engine(settings: Settings, spark: SparkSource) -> Engine:
     """The Delta engine for reads, merges, compaction, vacuum and history: the settings' `delta_writer`.
 
     "auto" is delta-rs on an embedded Spark (local[...]), where bench/delta_ops.py measured it faster at every
     one of those operations, and Spark's Delta on a Spark cluster whose driver loads Delta's jars, where that
-    work runs on the executors instead of the driver.
+    work runs on the executors instead of the driver. SPARK is asked only where the answer depends on its jars.
     """
-    jars = delta_jars_loaded(spark)
+    known = engine_without_spark(settings)
+    if known is not None:
+        return known
+    jars = delta_jars_loaded(session_of(spark))
     if settings.delta_writer == "spark" and not jars:
         raise DeltaEngineUnavailable(
             "delta_writer is 'spark' but Spark cannot load Delta's classes (io.delta.sql.DeltaSparkSessionExtension): "
@@ -56,6 +59,15 @@ def choose_engine(settings: Settings, spark: SparkSession) -> Engine:
     if settings.delta_writer != "auto":
         return settings.delta_writer
     return "spark" if jars and not settings.spark_master.startswith("local") else "delta-rs"
+
+
+def engine_without_spark(settings: Settings) -> Engine | None:
+    """The engine `choose_engine` picks where Spark's jars do not matter: delta-rs when the settings name it, or name
+    "auto" on an embedded Spark. None where Spark must be asked (delta_writer=spark, or auto on a Spark cluster): the
+    answer is the same as Spark's, without the seconds a process takes to start Spark only to be told."""
+    if settings.delta_writer == "delta-rs" or (settings.delta_writer == "auto" and settings.spark_master.startswith("local")):
+        return "delta-rs"
+    return None
 
 
 def storage_options(table_uri: str) -> dict[str, str] | None:
@@ -459,14 +471,21 @@ class Table:
     """
 
     uri: str
-    spark: SparkSession | None = None  # None: a table that is only appended to or maintained, never read here
+    # The session, or the function that starts it on first use (`open`); None: a table only appended to or maintained here.
+    session: SparkSource | None = None
     engine: Engine = "delta-rs"
 
     @classmethod
     def open(cls, uri: str, settings: Settings, engine: Engine | None = None) -> "Table":
-        """The table at URI with this process's Spark session; the engine is the settings' choice unless given."""
-        spark = spark_session(settings)
-        return cls(uri, spark, engine or choose_engine(settings, spark))
+        """The table at URI with this process's Spark session, started only when a read or a Spark merge first needs it:
+        a run that finds nothing to do starts no Spark. The engine is the settings' choice unless given."""
+        session = on_demand(settings)
+        return cls(uri, session, engine or choose_engine(settings, session))
+
+    @property
+    def spark(self) -> SparkSession | None:
+        """The Spark session (started now if the table was opened with settings and this is the process's first ask)."""
+        return None if self.session is None else session_of(self.session)
 
     def exists(self) -> bool:
         return table_exists(self.uri)
@@ -522,9 +541,10 @@ class Table:
         return read_current(self._reader(), self.uri, self.engine, columns, where, version)
 
     def _reader(self) -> SparkSession:
-        if self.spark is None:
+        spark = self.spark
+        if spark is None:
             raise RuntimeError(f"table {self.uri} was opened without a Spark session, which reading it needs")
-        return self.spark
+        return spark
 
     def append(self, rows: pa.Table | pa.RecordBatchReader) -> int:
         """Append rows in one commit (delta-rs, either engine: small tables, no JVM round trip); return its version."""

@@ -6,7 +6,9 @@ import os
 import sys
 import threading
 import time
+from collections import Counter
 from pathlib import Path
+from typing import Callable, Union
 
 from pyspark.sql import SparkSession
 
@@ -21,6 +23,11 @@ DELTA_CATALOG = "org.apache.spark.sql.delta.catalog.DeltaCatalog"
 
 _lock = threading.Lock()
 _started_in: list[float] = []  # seconds this process took to start its SparkSession (empty: none started)
+_started_by: list[str] = []  # the stage that started it
+_asked: Counter[str] = Counter()  # calls of spark_session, by the stage that made them
+
+# A session, or a function that gets (or starts) one when first called: what a stage hands on where it may need none.
+SparkSource = Union[SparkSession, Callable[[], SparkSession]]
 
 
 def spark_startup_seconds() -> float | None:
@@ -28,10 +35,57 @@ def spark_startup_seconds() -> float | None:
     return _started_in[-1] if _started_in else None
 
 
+def spark_started_by() -> str | None:
+    """The stage (Prefect task) in which this process started its SparkSession ("-": outside one; None: none started)."""
+    return _started_by[-1] if _started_by else None
+
+
+def spark_asks() -> dict[str, int]:
+    """How many times each stage ("-": code outside a stage) asked for this process's SparkSession. The first ask of a
+    process starts Spark, which costs seconds whatever the data: a stage that can answer without a Spark job must not ask."""
+    with _lock:
+        return dict(_asked)
+
+
+def _asking_stage() -> str:
+    """The name of the Prefect task this thread runs, "-" outside one (Prefect is not imported for the question)."""
+    context = sys.modules.get("prefect.context")
+    run = context.TaskRunContext.get() if context is not None else None
+    return run.task.name if run is not None else "-"
+
+
+class OnDemand:
+    """The process's SparkSession for some settings, got (or started) only when called: what a Table or a stage holds
+    where it may need no Spark job at all. Its repr names the master alone (settings may hold store addresses)."""
+
+    __slots__ = ("settings",)
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+
+    def __call__(self) -> SparkSession:
+        return spark_session(self.settings)
+
+    def __repr__(self) -> str:
+        return f"OnDemand({self.settings.spark_master})"
+
+
+def on_demand(settings: Settings) -> OnDemand:
+    """The process's SparkSession for these settings, got (or started) only when the function is called."""
+    return OnDemand(settings)
+
+
+def session_of(spark: SparkSource) -> SparkSession:
+    """The session itself: SPARK, or the one its function gets (starting it on the process's first ask)."""
+    return spark if isinstance(spark, SparkSession) else spark()
+
+
 def spark_session(settings: Settings) -> SparkSession:
     """Get or start the process's SparkSession for these settings."""
     exit_on_cancel()  # on every call, as a subflow may have put Prefect's handler back (see infra/lifecycle.py)
+    asking = _asking_stage()
     with _lock:
+        _asked[asking] += 1
         active = SparkSession.getActiveSession()
         if active is not None:
             active.sparkContext.setLogLevel(settings.spark_log_level)
@@ -82,6 +136,7 @@ def spark_session(settings: Settings) -> SparkSession:
         # seconds that every run pays once, whatever its data; they count as start-up, not as the first stage's work.
         session.range(1).count()
         _started_in.append(round(time.perf_counter() - started, 3))
+        _started_by.append(asking)
         return session
 
 

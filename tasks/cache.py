@@ -22,13 +22,13 @@ import fsspec
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
-from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
 from infra.compat import collect_arrow
 from infra.prefect_env import fence, one_at_a_time
 from infra.settings import Settings
-from infra.spark import spark_session
+from infra.spark import SparkSource, on_demand, session_of
 from tasks.ingest import modified_seconds
 from tasks.progress import stage_logger
 from tasks.rules.splits import SPLITS
@@ -130,16 +130,17 @@ def nearest(versions: list[int], version: int) -> int | None:
     return before[-1] if before else (versions[0] if versions else None)
 
 
-def version_rows(spark: SparkSession, plan: SplitPlan, image_size: int, files: list[str] | None = None) -> DataFrame:
+def version_rows(spark: SparkSource, plan: SplitPlan, image_size: int, files: list[str] | None = None) -> DataFrame:
     """The version's rows (those FILES hold, if given) as the cache stores them (image, label index, sha256) with their split."""
     frame = ImageTable.of_version(spark, plan, image_size).with_split(plan.version, plan.val_fraction, plan.test_fraction, files)
     index_of = F.create_map(*[F.lit(item) for index, label in enumerate(plan.labels) for item in (label, index)])
     return frame.select("image", index_of[F.col("label")].cast("long").alias("label"), "sha256", "split")
 
 
-def cache_splits(spark: SparkSession, plan: SplitPlan, image_size: int, cache_root: str, seed: int = 42, lock: str | None = None) -> CachedSplits:
+def cache_splits(spark: SparkSource, plan: SplitPlan, image_size: int, cache_root: str, seed: int = 42, lock: str | None = None) -> CachedSplits:
     """The cache of every split of the plan's version: reused if cached, grown from the nearest cached version, or written
-    whole. The manifest that commits it is written under LOCK's fence (infra/prefect_env.py:fence), if given."""
+    whole. The manifest that commits it is written under LOCK's fence (infra/prefect_env.py:fence), if given. SPARK may
+    be a function that starts the session: a reuse, or a growth the driver makes alone, never calls it."""
     key = line_key(plan, image_size, seed)
     line = CacheLine(f"{cache_root.rstrip('/')}/{key}")
     versions = line.versions()
@@ -177,14 +178,14 @@ def cache_splits(spark: SparkSession, plan: SplitPlan, image_size: int, cache_ro
     return cached.model_copy(update={"reused": same_rows, "quarantined": plan.quarantined})
 
 
-def row_changes(spark: SparkSession, line: CacheLine, manifests: dict[str, Any], plan: SplitPlan, image_size: int) -> pa.Table:
+def row_changes(spark: SparkSource, line: CacheLine, manifests: dict[str, Any], plan: SplitPlan, image_size: int) -> pa.Table:
     """Keys (sha256, label) of the rows the version has and the base's cache lacks (`split` and the `data_file` that holds
     each) and of those the cache holds and the version lost (the cache `file` that holds each): one join of keys, no pixels,
     and only the differences reach the driver."""
     old_files = [f"{line.uri}/{name}" for split in SPLITS for name in manifests[split]["files"]]
     now = version_rows(spark, plan, image_size).select(*ROW_KEY, "split", F.input_file_name().alias("data_file"))
     if old_files:
-        old = spark.read.parquet(*old_files).select(*ROW_KEY, F.input_file_name().alias("file"))
+        old = session_of(spark).read.parquet(*old_files).select(*ROW_KEY, F.input_file_name().alias("file"))
     else:
         old = now.select(*ROW_KEY, F.lit(None).cast("string").alias("file")).limit(0)
     differences = now.join(old, list(ROW_KEY), "full_outer").where(F.col("file").isNull() | F.col("split").isNull())
@@ -275,7 +276,7 @@ def write_split_arrow(rows: pa.Table, fs: Any, folder: str, partitions: int, see
             pq.write_table(chunk, out, row_group_size=max(1, (8 * 1024 * 1024) // per_row))
 
 
-def grow(spark: SparkSession, line: CacheLine, base: int, plan: SplitPlan, image_size: int, seed: int) -> tuple[dict[str, list[str]], int, bool] | None:
+def grow(spark: SparkSource, line: CacheLine, base: int, plan: SplitPlan, image_size: int, seed: int) -> tuple[dict[str, list[str]], int, bool] | None:
     """Files for the plan's version made from BASE's: its new rows in a new generation (read from the data files that hold
     them alone), files that hold rows it lost rewritten without them. None if the result would not hold exactly the
     plan's rows (then it is written whole).
@@ -294,7 +295,7 @@ def grow(spark: SparkSession, line: CacheLine, base: int, plan: SplitPlan, image
     if added.num_rows and in_driver:
         fresh = new_rows_arrow(table, plan, added)
     if added.num_rows and fresh is None:
-        keys = spark.createDataFrame(added.select(list(ROW_KEY)).to_pandas())
+        keys = session_of(spark).createDataFrame(added.select(list(ROW_KEY)).to_pandas())
         data_files = pc.unique(added["data_file"]).to_pylist()
         fresh = version_rows(spark, plan, image_size, data_files).join(F.broadcast(keys), list(ROW_KEY), "left_semi")
     files = {}
@@ -401,7 +402,7 @@ def damaged_split(cached: CachedSplits) -> str | None:
     return CacheLine(cached.cache_dir).problem(cached.table_version)
 
 
-def cache_one_at_a_time(spark: SparkSession, plan: SplitPlan, settings: Settings) -> CachedSplits:
+def cache_one_at_a_time(spark: SparkSource, plan: SplitPlan, settings: Settings) -> CachedSplits:
     """cache_splits under the lock of its cache line. Two runs caching one line at once (the nightly run and an ad-hoc
     one) would write the same generation's folder and each list the other's files in its manifest: the second waits,
     then reuses (or grows from) what the first wrote. It waits cache_lock_wait_minutes at most, then fails naming the first."""
@@ -413,4 +414,4 @@ def cache_one_at_a_time(spark: SparkSession, plan: SplitPlan, settings: Settings
 @stage("cache", settings=("image_size", "cache_uri", "seed"), code=("tasks.table",), needs=cached_files, unfinished=damaged_split)
 def cache(plan: SplitPlan, settings: Settings) -> CachedSplits:
     """Prefect stage: materialise (or reuse, or grow) the Petastorm cache of every split."""
-    return cache_one_at_a_time(spark_session(settings), plan, settings)
+    return cache_one_at_a_time(on_demand(settings), plan, settings)

@@ -33,10 +33,11 @@ def resize_images(
     """Decode and resize every new or changed file on the executors: pixels into uncommitted table files, the rest to staging.
 
     A file whose content is what the table already holds for its path is not decoded again. Each task writes how
-    many files it has done every `progress_seconds` for the driver's progress line. Nothing to do starts no Spark job;
-    a list of at most `in_driver_up_to` files is decoded by the driver itself, the same way.
+    many files it has done every `progress_seconds` for the driver's progress line. Nothing to do asks for no Spark
+    session (a process that has none starts none); a list of at most `in_driver_up_to` files is decoded by the driver
+    itself, the same way.
     """
-    spark, table_uri = table.spark, table.uri  # plain values: the executors' closure carries no session
+    table_uri = table.uri  # a plain value: the executors' closure carries no session
     fs, folder = fsspec.core.url_to_fs(staging_uri)
     if fs.exists(folder):
         fs.rm(folder, recursive=True)
@@ -53,7 +54,7 @@ def resize_images(
         ])
         counts = count_by_status(summary)
     elif listed.num_rows:
-        counts = decode_on_executors(spark, listed.to_pylist(), rules, staging_uri, table_uri, progress_seconds)
+        counts = decode_on_executors(table.spark, listed.to_pylist(), rules, staging_uri, table_uri, progress_seconds)
     by_status: dict[str, int] = {}
     for (status, _), (n, _) in counts.items():
         by_status[status] = by_status.get(status, 0) + n

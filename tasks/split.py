@@ -7,22 +7,22 @@ import json
 import uuid
 
 import fsspec
-from pyspark.sql import SparkSession
 
 from infra.delta import Table
 from infra.settings import Settings
-from infra.spark import spark_session
+from infra.spark import SparkSource, on_demand
 from tasks.results import SplitPlan, TableVersion
 from tasks.rules.splits import SPLITS, check_splits
 from tasks.stage import stage
 from tasks.table import DRIVER_BYTES, ImageTable, splits_of
 
 
-def plan_splits(spark: SparkSession, written: TableVersion, settings: Settings) -> SplitPlan:
+def plan_splits(spark: SparkSource, written: TableVersion, settings: Settings) -> SplitPlan:
     """Count each split and the labels at the written version; fail early if a split or label set is unusable.
 
     The counts of an earlier version planned with the same fractions (recorded in staging) are brought forward by the
-    rows of the data files that changed since (`ImageTable.rows_between`, no Spark job); otherwise one Spark query counts."""
+    rows of the data files that changed since (`ImageTable.rows_between`, no Spark job); otherwise one Spark query counts.
+    SPARK may be a function that starts the session: only that query calls it."""
     table = ImageTable.of_version(spark, written, settings.image_size, settings.quarantine_uri)
     records = PlanRecords(settings, written)
     label_counts = records.carried_forward(table, written.version)
@@ -106,4 +106,4 @@ def quarantine_now(inputs: dict) -> dict[str, str]:
 @stage("split", settings=("image_size", "val_fraction", "test_fraction", "partitions_per_worker", "num_workers"), facts=quarantine_now, code=("tasks.rules.splits",))
 def split(table: TableVersion, settings: Settings) -> SplitPlan:
     """Prefect stage: plan the split and the partition count of one table version."""
-    return plan_splits(spark_session(settings), table, settings)
+    return plan_splits(on_demand(settings), table, settings)

@@ -11,7 +11,7 @@ from prefect.runtime import flow_run
 from prefect.utilities.urls import url_for
 
 from infra.settings import Settings
-from infra.spark import spark_application, spark_startup_seconds
+from infra.spark import spark_application, spark_started_by, spark_startup_seconds
 from infra.tracking import mlflow_client, run_url
 from tasks.cards import dataset_card_markdown, dataset_card_of
 from tasks.rules.markdown import markdown_text
@@ -96,13 +96,16 @@ def summarize(resized: Resized | None, table: TableVersion, cached: CachedSplits
     summary["flow_run_id"] = str(flow_run.id) if flow_run.id else None
     # The page Prefect's own "View at" line names; None on Prefect's ephemeral API, which has no UI.
     summary["flow_run_url"] = url_for("flow-run", obj_id=flow_run.id) if flow_run.id else None
-    # Where the work ran: the Spark application (None when every Spark stage came from the cache) and the Ray nodes of the ranks.
+    # Where the work ran: the Spark application (None when no stage needed a Spark job, or every one that would came from
+    # the cache: this process then never started Spark) and the Ray nodes of the ranks.
     summary["spark_application"] = spark_application()
     summary["ray_worker_nodes"] = getattr(trained, "worker_nodes", [])  # a result cached before this field has none
     summary["cache"] = cache_report(*stage_outcomes(summary["flow_run_id"])) if flow_run.id else []
     summary["cache_hits"] = [row["stage"] for row in summary["cache"] if row["cache"] == "hit"]
-    # Spark's start-up falls inside the first stage that needs it: reported apart, with the driver's peak memory.
+    # Spark's start-up falls inside the first stage that needs it: reported apart, with that stage and the driver's peak
+    # memory. None for both where this process started no Spark.
     summary["spark_startup_seconds"] = spark_startup_seconds()
+    summary["spark_started_in"] = spark_started_by()
     summary["driver_peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
     summary["stage_seconds"] = {name: seconds for name, seconds in stage_seconds(summary["flow_run_id"]).items() if name != SUMMARY_STAGE} if flow_run.id else {}
     link = run_url(client, settings, trained.mlflow_run_id)

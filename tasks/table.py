@@ -1,7 +1,9 @@
 """The images table at one image size, with its quarantine: everything the stages ask of them, in one object.
 
 A stage builds one `ImageTable` from its settings (`ImageTable.of(settings)`): the Spark session and the Delta engine
-are chosen there, once, and travel with it. Which engine reads, merges or commits is `infra.delta.Table`'s business.
+are chosen there, once, and travel with it; the session starts only when something first needs a Spark job, so a run
+that can answer from the Delta log and staging alone starts none. Which engine reads, merges or commits is
+`infra.delta.Table`'s business.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from pyspark.sql import functions as F
 from infra.compat import collect_arrow
 from infra.delta import Engine, Table, check_plain_files
 from infra.settings import Settings
+from infra.spark import SparkSource
 from tasks.results import TableVersion
 from tasks.rules.schemas import IMAGE_TABLE_SCHEMA
 from tasks.rules.splits import BUCKETS, split_of
@@ -54,17 +57,18 @@ class ImageTable:
 
     @classmethod
     def of(cls, settings: Settings, engine: Engine | None = None) -> ImageTable:
-        """The settings' tables at the settings' image size; the engine is chosen here unless given."""
+        """The settings' tables at the settings' image size (Spark started on first use); the engine is chosen here unless given."""
         images = Table.open(settings.table_uri, settings, engine)
-        return cls(images, Table(settings.quarantine_uri, images.spark, images.engine), settings.image_size)
+        return cls(images, Table(settings.quarantine_uri, images.session, images.engine), settings.image_size)
 
     @classmethod
-    def at(cls, spark: SparkSession, table_uri: str, image_size: int, engine: Engine = "delta-rs", quarantine_uri: str | None = None) -> ImageTable:
-        """The table at TABLE_URI (and quarantine, if given) read with ENGINE, for callers that hold their own Spark session."""
+    def at(cls, spark: SparkSource, table_uri: str, image_size: int, engine: Engine = "delta-rs", quarantine_uri: str | None = None) -> ImageTable:
+        """The table at TABLE_URI (and quarantine, if given) read with ENGINE, for callers that hold their own Spark session
+        (or a function that starts it on first use: `infra.spark.on_demand`)."""
         return cls(Table(table_uri, spark, engine), Table(quarantine_uri, spark, engine) if quarantine_uri else None, image_size)
 
     @classmethod
-    def of_version(cls, spark: SparkSession, table: TableVersion, image_size: int, quarantine_uri: str | None = None) -> ImageTable:
+    def of_version(cls, spark: SparkSource, table: TableVersion, image_size: int, quarantine_uri: str | None = None) -> ImageTable:
         """The table a TableVersion names, read with the engine it was written with."""
         return cls.at(spark, table.table_uri, image_size, table.engine, quarantine_uri)  # type: ignore[arg-type]
 
@@ -74,6 +78,7 @@ class ImageTable:
 
     @property
     def spark(self) -> SparkSession:
+        """The Spark session, started now if this is the process's first ask."""
         return self.images.spark
 
     @property

@@ -11,6 +11,7 @@ import pytest
 from flows.pipeline import pipeline
 from flows.score import score_flow
 from infra.settings import load_settings
+from infra.spark import spark_asks
 from tasks.stage import StageKey, code_digest, explain, key_parts, stage_outcomes
 from tasks.summary import cache_report
 from tests.lake import copy_digits
@@ -99,6 +100,12 @@ def run(source: Path, overrides: dict, **kwargs) -> tuple[dict, dict[str, str]]:
     return summary, {row["stage"]: row["why"] for row in summary["cache"] if row["cache"] == "miss"}
 
 
+def asked_for_spark_since(before: dict[str, int]) -> dict[str, int]:
+    """The stages that asked for the process's SparkSession since BEFORE (`spark_asks()`), with how often. The test
+    process shares one session, so a stage that asks gets it at once: what a run's own process would start is the asking."""
+    return {stage: n - before.get(stage, 0) for stage, n in spark_asks().items() if n > before.get(stage, 0)}
+
+
 @pytest.mark.slow
 def test_same_data_hits_new_file_reruns_from_ingest_new_size_from_resize(prefect_api: str, digits_dir: Path, tmp_path: Path) -> None:
     source = tmp_path / "src"
@@ -116,8 +123,12 @@ def test_same_data_hits_new_file_reruns_from_ingest_new_size_from_resize(prefect
 
     # The run that follows a first write: the listing is the same, but the table moved to v0, so resize checks again
     # (decoding nothing); everything downstream of the unchanged table version is served from the cache.
+    asked = spark_asks()
     second, missed = run(source, overrides)
     assert second["cache_hits"] == ["ingest", "split", "cache", "train", "promote"], second["cache"]
+    # Resize finds the tables in step with the listing and write has nothing to land: no stage asks for Spark, so a
+    # run in a process of its own (a scheduled run) starts none.
+    assert asked_for_spark_since(asked) == {}
     assert missed["resize"] == "table version changed None -> 0"
     assert (second["files_decoded"], second["delta_version"], second["model_version"]) == (0, first["delta_version"], first["model_version"])
 

@@ -78,6 +78,21 @@ def test_auto_is_delta_rs_on_an_embedded_spark_and_spark_forced_or_on_a_cluster(
     assert choose_engine(Settings(workspace=tmp_path, spark_master="spark://127.0.0.1:7077"), spark) == "spark"
 
 
+def test_the_engine_is_chosen_without_spark_where_its_jars_do_not_matter(tmp_path: Path) -> None:
+    """Opening a table starts no Spark where the engine does not depend on Spark's jars (auto on an embedded Spark, or
+    delta-rs named): a run that then needs no Spark job starts none. Spark is asked where the answer is its jars'."""
+    asked: list[str] = []
+
+    def never(master: str):
+        return lambda: asked.append(master) or pytest.fail("Spark asked for, where the engine needs no Spark")
+
+    for given in ({}, {"delta_writer": "delta-rs"}, {"delta_writer": "delta-rs", "spark_master": "spark://127.0.0.1:7077"}):
+        settings = Settings(workspace=tmp_path, **given)
+        assert choose_engine(settings, never(settings.spark_master)) == "delta-rs"
+        assert Table.open(f"{tmp_path}/t", settings).engine == "delta-rs"
+    assert asked == []
+
+
 def test_commit_versions_are_exact_while_another_writer_commits(tmp_path: Path) -> None:
     """delta-rs' history() numbers commits from a latest version it reads apart from them: under a concurrent
     writer it was out by one in about a quarter of calls, so a write could report (and then read) the wrong version."""
