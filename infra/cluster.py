@@ -131,7 +131,7 @@ class Cluster:
 
     def credentials(self) -> dict[str, str]:
         """The generated credentials, as the clients read them from the environment."""
-        return read_env_file(self.env_file, only=("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "PREFECT_API_AUTH_STRING"))
+        return read_env_file(self.env_file, only=("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "PREFECT_API_AUTH_STRING", "RAY_AUTH_TOKEN"))
 
     def client_env(self) -> dict[str, str]:
         """Everything a client of this cluster needs in its environment (the database's password is not for clients)."""
@@ -206,11 +206,14 @@ def write_private(path: Path, text: str) -> None:
     os.chmod(path, 0o600)
 
 
+RAY_AUTH = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN")  # Ray's token authentication, in every Ray process's environment
+
+
 def _base_env(root: Path) -> dict[str, str]:
     env = dict(os.environ)
     for name in list(env):
         # A developer's own Prefect, MLflow or imagelake settings must not leak into the cluster's servers.
-        if name.startswith(("PREFECT_", "MLFLOW_", "IMAGELAKE_", "RAY_ADDRESS", LOOPBACK_RAY)):
+        if name.startswith(("PREFECT_", "MLFLOW_", "IMAGELAKE_", "RAY_ADDRESS", "RAY_AUTH", LOOPBACK_RAY)):
             env.pop(name)
     env[CLUSTER_VARIABLE] = str(root)
     env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
@@ -314,19 +317,22 @@ def up(root: Path = DEFAULT_ROOT, ports: Ports | None = None, timeout: float = 1
         postgres.check_reachable(cluster.postgres_data, postgres.service_user())
     _save(cluster)
     prefect_token = secrets.token_urlsafe(24)
+    # Ray's own token authentication: every node, driver and Ray Client must present it (the nodes hold the MLflow password).
+    ray_auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
     write_private(
         cluster.env_file,
         "# imagelake local cluster (written by `make cluster-up`; holds credentials, keep it private)\n"
         + "".join(f"{name}={value}\n" for name, value in cluster.settings_env().items())
         + f"MLFLOW_TRACKING_USERNAME={MLFLOW_USER}\nMLFLOW_TRACKING_PASSWORD={mlflow_password}\n"
         + f"PREFECT_API_AUTH_STRING={PREFECT_USER}:{prefect_token}\n"
+        + "".join(f"{name}={value}\n" for name, value in ray_auth.items())
         + "# The servers' database password (the MLflow and Prefect servers use it; clients need not and do not get it).\n"
         + f"{POSTGRES_PASSWORD}={database_password}\n",
     )
     try:
         if compute:
             _start_spark(cluster, timeout)
-            _start_ray(cluster, timeout, {"MLFLOW_TRACKING_USERNAME": MLFLOW_USER, "MLFLOW_TRACKING_PASSWORD": mlflow_password})
+            _start_ray(cluster, timeout, {"MLFLOW_TRACKING_USERNAME": MLFLOW_USER, "MLFLOW_TRACKING_PASSWORD": mlflow_password, **ray_auth})
         if database == "postgres":
             _start_postgres(cluster, timeout, database_password)
         urls = cluster.database_urls(database_password)
@@ -404,6 +410,7 @@ def ray_nodes(cluster: Cluster) -> list[str]:
     env = _base_env(Path(cluster.root))
     env.pop(CLUSTER_VARIABLE)
     env[LOOPBACK_RAY] = "0"
+    env.update(read_env_file(cluster.env_file, only=RAY_AUTH))
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     if done.returncode != 0:
         raise ValueError(done.stderr[-2000:])

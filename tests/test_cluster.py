@@ -134,7 +134,11 @@ def test_a_driver_outside_the_ray_cluster_joins_through_ray_client(cluster_run: 
     code = ("import json, ray; from infra.settings import load_settings; from infra.ray_runtime import connect_ray; "
             "connect_ray(load_settings(None, {'ray_address': %r})); "
             "print(json.dumps([ray.get(ray.remote(lambda: ray.get_runtime_context().get_node_id()).remote()), len(ray.nodes())]))")
-    done = subprocess.run([sys.executable, "-c", code % cluster_run.cluster.ray_client_address], cwd=REPO, env=cli_env(), capture_output=True,
+    token = local_cluster.read_env_file(cluster_run.cluster.env_file, only=local_cluster.RAY_AUTH)
+    refused = subprocess.run([sys.executable, "-c", code % cluster_run.cluster.ray_client_address], cwd=REPO, env=cli_env(), capture_output=True,
+                             text=True, timeout=300)
+    assert refused.returncode != 0, "Ray refuses a driver without the cluster's token"
+    done = subprocess.run([sys.executable, "-c", code % cluster_run.cluster.ray_client_address], cwd=REPO, env=cli_env(token), capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:] + ray_client_logs(cluster_run.cluster)
     node, count = json.loads(done.stdout.strip().splitlines()[-1])
