@@ -20,6 +20,8 @@ from typing import Any, Callable, Iterator
 
 from filelock import FileLock
 
+from infra.lease import client_of
+
 
 class LockBusy(TimeoutError):
     """A wait for a lock gave up: the message names who holds it and what to do. Never retried (the retry would wait as long)."""
@@ -139,10 +141,7 @@ def variable_name(limit: str) -> str:
 
 def shared_record(api: str, limit: str) -> dict[str, Any] | None:
     """The holder of LIMIT as its holder published it on the Prefect API at API, or None."""
-    from prefect.client.orchestration import get_client
-    from prefect.settings import PREFECT_API_URL, temporary_settings
-
-    with temporary_settings(updates={PREFECT_API_URL: api}), get_client(sync_client=True) as client:
+    with client_of(api) as client:
         found = client.read_variable_by_name(variable_name(limit))
     return found.value if found is not None and isinstance(found.value, dict) else None
 
@@ -159,12 +158,10 @@ def shared(api: str, limit: str) -> Iterator[None]:
 
 
 def _publish(api: str, limit: str, holder: dict[str, Any] | None) -> None:
-    from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import VariableCreate, VariableUpdate
-    from prefect.settings import PREFECT_API_URL, temporary_settings
 
     name = variable_name(limit)
-    with temporary_settings(updates={PREFECT_API_URL: api}), get_client(sync_client=True) as client:
+    with client_of(api) as client:
         if client.read_variable_by_name(name) is None:
             client.create_variable(VariableCreate(name=name, value=holder))
         else:
@@ -173,10 +170,7 @@ def _publish(api: str, limit: str, holder: dict[str, Any] | None) -> None:
 
 def _withdraw(api: str, limit: str, holder: dict[str, Any]) -> None:
     """Remove the record if it is still this holder's (a lease that lapsed may have let another holder write its own)."""
-    from prefect.client.orchestration import get_client
-    from prefect.settings import PREFECT_API_URL, temporary_settings
-
     if shared_record(api, limit) != holder:
         return
-    with temporary_settings(updates={PREFECT_API_URL: api}), get_client(sync_client=True) as client:
+    with client_of(api) as client:
         client.delete_variable_by_name(variable_name(limit))

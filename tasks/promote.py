@@ -25,7 +25,7 @@ from tasks.worker.loader import pixel_rows, split_files
 from tasks.worker.model import ImageClassifier, ImageModel
 from tasks.predict import predict
 from tasks.registry import TestRowsAt, gate, registry_lock, served_model
-from tasks.resize_executor import read_with_retries
+from tasks.resize_executor import DecodeRules, read_with_retries
 from tasks.results import CachedSplits, Promoted, Trained
 from tasks.rules.images import resize_image
 from tasks.rules.promotion import CHALLENGER, CHAMPION, Decision, decision_markdown
@@ -80,7 +80,7 @@ def test_rows_at(settings: Settings, cached: CachedSplits) -> TestRowsAt:
         for row, sha256 in enumerate(hashes):
             if sha256 not in path_of:
                 raise LookupError(f"test row {sha256[:12]} is not in {cached.table_uri} v{cached.table_version} at {cached.image_size} px")
-            data, _ = read_with_retries(path_of[sha256], settings.read_attempts, 0.5)
+            data, _ = read_with_retries(path_of[sha256], settings.read_attempts, DecodeRules.read_backoff)
             if hashlib.sha256(data).hexdigest() != sha256:
                 raise ValueError(f"{path_of[sha256]} has changed since table version {cached.table_version}")
             out[row] = resize_image(data, size, mode, settings.max_image_pixels)[0]
