@@ -2,7 +2,8 @@
 
     .venv/bin/python bench/decode_memory.py [--side 8000]
 
-Writes a --side x --side 16-bit greyscale PNG (a smooth gradient: a small file, well inside max_file_bytes), then decodes it to 224 px in two fresh
+Writes a --side x --side 16-bit greyscale PNG (a smooth gradient: a small file, well inside max_file_bytes), then
+decodes it to 224 px in two fresh
 processes: (a) the earlier way, the pixels widened to int64, clipped and shifted (each a copy), (b)
 tasks.rules.images.decode_square as it is. Each prints its peak resident memory above the process's own after its
 imports and the file's read (ru_maxrss), in MB and in bytes per pixel; then (b) over (a).
@@ -56,9 +57,13 @@ def main() -> None:
         print(f"{args.side} x {args.side} 16-bit PNG, {path.stat().st_size / 1e6:.1f} MB, decoded to 224 px")
         peaks = {}
         for way in ("widened", "now"):
-            out = subprocess.run([sys.executable, "-c", CHILD, str(REPO), str(path), way], check=True, capture_output=True, text=True).stdout
+            out = subprocess.run(
+                [sys.executable, "-c", CHILD, str(REPO), str(path), way], check=True, capture_output=True, text=True
+            ).stdout
             peaks[way] = json.loads(out.splitlines()[-1])["peak_kb"] * 1024
-            print(f"  ({'a' if way == 'widened' else 'b'}) {way:8} peak {peaks[way] / 1e6:7.0f} MB  {peaks[way] / pixels:5.1f} bytes a pixel")
+            print(
+                f"  ({'a' if way == 'widened' else 'b'}) {way:8} peak {peaks[way] / 1e6:7.0f} MB  {peaks[way] / pixels:5.1f} bytes a pixel"
+            )
         print(f"  (b) / (a): {peaks['now'] / peaks['widened']:.2f}")
 
 

@@ -67,7 +67,9 @@ def main() -> None:
     try:
         spark = spark_session(Settings(workspace=work / "ws"))
         if not delta_jars_loaded(spark):
-            raise SystemExit("Spark's Delta jars are not installed (`make install` fetches them with mvn): nothing to compare")
+            raise SystemExit(
+                "Spark's Delta jars are not installed (`make install` fetches them with mvn): nothing to compare"
+            )
         build(work / "seed", args.rows, args.side)
         merge_rows = changes(args.rows, args.side)
         operations = {

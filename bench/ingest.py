@@ -32,11 +32,11 @@ from infra.settings import Settings
 from infra.spark import delta_jars_loaded, spark_session
 from tasks.changes import ingest_listing
 from tasks.ingest import source_uri
-from tasks.rules.listing import Scope
 from tasks.resize import resize_images
 from tasks.resize_executor import DecodeRules
-from tasks.table import ImageTable
 from tasks.rules.images import resize_image
+from tasks.rules.listing import Scope
+from tasks.table import ImageTable
 from tasks.write import write_images
 
 
@@ -53,7 +53,9 @@ def write_photos(out: Path, count: int, seed: int = 0) -> None:
         scale = int(rng.integers(300, 1601)) / max(crop.size)
         folder = out / f"class{index % 2}"
         folder.mkdir(parents=True, exist_ok=True)
-        crop.resize((max(1, round(crop.size[0] * scale)), max(1, round(crop.size[1] * scale)))).save(folder / f"{index:05d}.jpg", quality=90)
+        crop.resize((max(1, round(crop.size[0] * scale)), max(1, round(crop.size[1] * scale)))).save(
+            folder / f"{index:05d}.jpg", quality=90
+        )
 
 
 def seed_blog(spark, source: str, out: str, size: int) -> None:
@@ -114,8 +116,11 @@ def main() -> None:
         write_photos(work / "photos", args.images)
         write_photos(work / "warm", 16, seed=1)
         files = sorted((work / "photos").rglob("*.jpg"))
-        print(f"{len(files)} JPEG photos, {sum(f.stat().st_size for f in files) / len(files) / 1024:.0f} KB on average, "
-              f"{os.cpu_count()} cores, {args.size}x{args.size} letterbox", flush=True)
+        print(
+            f"{len(files)} JPEG photos, {sum(f.stat().st_size for f in files) / len(files) / 1024:.0f} KB on average, "
+            f"{os.cpu_count()} cores, {args.size}x{args.size} letterbox",
+            flush=True,
+        )
         spark = spark_session(Settings(workspace=work / "ws"))
         pool = multiprocessing.get_context("spawn").Pool(os.cpu_count())
         # Warm the JVM, the Python workers, the pool and the page cache for every method alike.
@@ -127,18 +132,31 @@ def main() -> None:
         for path in files:
             path.read_bytes()
         source = source_uri(str(work / "photos"))
-        a = timed("(a) seed blog: binaryFile + row UDF + thumbnail, Parquet", args.images, lambda: seed_blog(spark, source, str(work / "a"), args.size))
-        b = timed("(b) limit: Pillow + draft(), one process per core", args.images, lambda: pillow_limit(pool, files, args.size))
+        a = timed(
+            "(a) seed blog: binaryFile + row UDF + thumbnail, Parquet",
+            args.images,
+            lambda: seed_blog(spark, source, str(work / "a"), args.size),
+        )
+        b = timed(
+            "(b) limit: Pillow + draft(), one process per core",
+            args.images,
+            lambda: pillow_limit(pool, files, args.size),
+        )
         c = {
-            engine: timed(f"(c) imagelake: ingest -> resize -> Delta write ({engine})", args.images,
-                          lambda engine=engine: imagelake(spark, source, work / f"c-{engine}", args.size, engine))
+            engine: timed(
+                f"(c) imagelake: ingest -> resize -> Delta write ({engine})",
+                args.images,
+                lambda engine=engine: imagelake(spark, source, work / f"c-{engine}", args.size, engine),
+            )
             for engine in engines
         }
         pool.close()
         for engine, rate in c.items():
             print(f"imagelake ({engine}) / limit: {rate / b:.2f}   imagelake ({engine}) / seed blog: {rate / a:.2f}")
         if len(engines) == 1:
-            print("Spark's Delta jars are not installed (`make install` fetches them with mvn): only delta-rs was measured")
+            print(
+                "Spark's Delta jars are not installed (`make install` fetches them with mvn): only delta-rs was measured"
+            )
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -1,13 +1,16 @@
-"""Peak memory of listing one large source folder the way the ingest stage does, this code against an earlier checkout, side by side.
+"""Peak memory of listing one large source folder the way the ingest stage does, this code against an earlier checkout,
+side by side.
 
-    .venv/bin/python bench/listing_memory.py [--files 1000000] [--labels 10] [--keep DIR] [--against DIR] [--bound-mb 300]
+    .venv/bin/python bench/listing_memory.py [--files 1000000] [--labels 10] [--keep DIR] [--against DIR] [--bound-mb
+    300]
 
 Creates FILES empty .jpg files in LABELS label folders (label<k>/<n>.jpg, FILES/LABELS a folder; --labels 1 puts them
 all in one folder), then lists them into a staging folder with tasks.ingest.save_listing (what the ingest stage and
 its cache key call) in a fresh process per checkout: (a) the code under --against (an earlier checkout, e.g. a git
 worktree of HEAD), (b) this tree. Each prints its peak resident memory above the process's own after its imports
 and a one-file listing (ru_maxrss; the first listing pages in some 45 MB of Arrow's and Parquet's code, whatever its
-size), in MB and in bytes per listed file, and its seconds; then (b) over (a), whether both listings have one fingerprint, and
+size), in MB and in bytes per listed file, and its seconds; then (b) over (a), whether both listings have one
+fingerprint, and
 whether (b) stays within --bound-mb (the exit status is 1 when it does not).
 
 Creating the files is the slow part (about 10-30 s per million on a local disk): --keep DIR builds them there once
@@ -76,7 +79,11 @@ def measure(code: Path, source: Path, work: Path) -> dict:
     staging, tiny = Path(tempfile.mkdtemp(prefix="staging-", dir=work)), work / "one-file"
     build(tiny, 1, 1)
     try:
-        done = subprocess.run([sys.executable, "-c", CHILD, str(code), str(source), str(staging), str(tiny)], capture_output=True, text=True)
+        done = subprocess.run(
+            [sys.executable, "-c", CHILD, str(code), str(source), str(staging), str(tiny)],
+            capture_output=True,
+            text=True,
+        )
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     if done.returncode:
@@ -89,15 +96,27 @@ def measure(code: Path, source: Path, work: Path) -> dict:
 
 def report(name: str, code: Path, result: dict) -> None:
     peak = result["peak_kb"] * 1024
-    print(f"  {name} {str(code)[-28:]:>28}  peak {peak / 1e6:6.0f} MB  {peak / result['files']:6.0f} bytes a file  {result['seconds']:6.1f} s")
+    print(
+        f"  {name} {str(code)[-28:]:>28}  peak {peak / 1e6:6.0f} MB  {peak / result['files']:6.0f} bytes a file  {result['seconds']:6.1f} s"
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--files", type=int, default=1_000_000)
-    parser.add_argument("--labels", type=int, default=10, help="label folders the files are spread over (1: one folder of them all)")
-    parser.add_argument("--keep", type=Path, help="build the files here and keep them for the next run (else a temp folder, removed after)")
-    parser.add_argument("--against", type=Path, help="an earlier checkout to measure first, e.g. `git worktree add /tmp/listing-old HEAD`")
+    parser.add_argument(
+        "--labels", type=int, default=10, help="label folders the files are spread over (1: one folder of them all)"
+    )
+    parser.add_argument(
+        "--keep",
+        type=Path,
+        help="build the files here and keep them for the next run (else a temp folder, removed after)",
+    )
+    parser.add_argument(
+        "--against",
+        type=Path,
+        help="an earlier checkout to measure first, e.g. `git worktree add /tmp/listing-old HEAD`",
+    )
     parser.add_argument("--bound-mb", type=float, default=300.0, help="the peak this tree's listing must stay within")
     args = parser.parse_args()
 
@@ -105,8 +124,10 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     try:
         source = source_in(work, args.files, args.labels)
-        print(f"{args.files:,} empty .jpg files in {args.labels} label folders ({args.files // args.labels:,} a folder), "
-              "listed to staging by tasks.ingest.save_listing, each in a fresh process")
+        print(
+            f"{args.files:,} empty .jpg files in {args.labels} label folders ({args.files // args.labels:,} a folder), "
+            "listed to staging by tasks.ingest.save_listing, each in a fresh process"
+        )
         results = {}
         for name, code in (("(a)", args.against), ("(b)", REPO)):
             if code is not None:
@@ -116,7 +137,9 @@ def main() -> None:
         if "(a)" in results:
             old = results["(a)"]
             same = "yes" if old["fingerprint"] == now["fingerprint"] else "NO"
-            print(f"  (b) / (a): peak {now['peak_kb'] / old['peak_kb']:.2f}, seconds {now['seconds'] / old['seconds']:.2f}; same fingerprint: {same}")
+            print(
+                f"  (b) / (a): peak {now['peak_kb'] / old['peak_kb']:.2f}, seconds {now['seconds'] / old['seconds']:.2f}; same fingerprint: {same}"
+            )
         within = now["peak_kb"] * 1024 <= args.bound_mb * 1e6
         print(f"  (b) within {args.bound_mb:.0f} MB: {'yes' if within else 'NO'}")
     finally:

@@ -47,7 +47,13 @@ BIN = Path(sys.executable).parent
 POOL = "imagelake-process"
 TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
 BUSY_STATUSES = {429, 503}
-BUSY_WORDS = ("database is locked", "503 Service Unavailable", "Service Unavailable", "too many clients", "QueuePool limit")
+BUSY_WORDS = (
+    "database is locked",
+    "503 Service Unavailable",
+    "Service Unavailable",
+    "too many clients",
+    "QueuePool limit",
+)
 SMALL = {"image_size": 32, "max_epochs": 1, "batch_size": 16, "num_workers": 1}
 
 
@@ -61,14 +67,19 @@ class Scenario:
     per_label: int = 3
 
 
-SCENARIOS = {"full": Scenario(dates=20, max_concurrency=4, nightly=2, adhoc=3), "small": Scenario(dates=3, max_concurrency=2, nightly=2, adhoc=1)}
+SCENARIOS = {
+    "full": Scenario(dates=20, max_concurrency=4, nightly=2, adhoc=3),
+    "small": Scenario(dates=3, max_concurrency=2, nightly=2, adhoc=1),
+}
 
 
 @dataclass
 class Report:
     database: str
     scenario: str
-    runs: list[dict] = field(default_factory=list)  # the runs created here: name, end state, seconds, busy (failed for it)
+    runs: list[dict] = field(
+        default_factory=list
+    )  # the runs created here: name, end state, seconds, busy (failed for it)
     flow_runs_completed: int = 0  # subflow runs included
     minutes: float = 0.0
     runs_per_minute: float = 0.0
@@ -93,7 +104,9 @@ class Report:
 
     @property
     def not_completed(self) -> list[str]:
-        return [f"{run['name']} {run['state']}: {run.get('why', '')}" for run in self.runs if run["state"] != "COMPLETED"]
+        return [
+            f"{run['name']} {run['state']}: {run.get('why', '')}" for run in self.runs if run["state"] != "COMPLETED"
+        ]
 
 
 class Api:
@@ -165,10 +178,19 @@ def dates(scenario: Scenario) -> list[str]:
 
 
 def prefect_cli(env: dict[str, str], *args: str) -> None:
-    done = subprocess.run([str(BIN / "prefect"), "--no-prompt", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
-                          stdin=subprocess.DEVNULL)
+    done = subprocess.run(
+        [str(BIN / "prefect"), "--no-prompt", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        stdin=subprocess.DEVNULL,
+    )
     if done.returncode != 0:
-        raise RuntimeError(f"prefect {' '.join(args)} exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+        raise RuntimeError(
+            f"prefect {' '.join(args)} exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+        )
 
 
 def run_load(root: Path, database: str, scenario_name: str = "small") -> Report:
@@ -180,14 +202,30 @@ def run_load(root: Path, database: str, scenario_name: str = "small") -> Report:
     cluster = servers.up(root / "cluster", servers.Ports.free(), database=database, compute=False)
     worker = None
     try:
-        env = {name: value for name, value in os.environ.items() if not name.startswith(("IMAGELAKE_", "PREFECT_", "MLFLOW_"))}
-        env.update(cluster.client_env(), PREFECT_HOME=str(home), IMAGELAKE_HOME=str(REPO), IMAGELAKE_WORKSPACE=str(workspace),
-                   PREFECT_WORKER_QUERY_SECONDS="5")
+        env = {
+            name: value
+            for name, value in os.environ.items()
+            if not name.startswith(("IMAGELAKE_", "PREFECT_", "MLFLOW_"))
+        }
+        env.update(
+            cluster.client_env(),
+            PREFECT_HOME=str(home),
+            IMAGELAKE_HOME=str(REPO),
+            IMAGELAKE_WORKSPACE=str(workspace),
+            PREFECT_WORKER_QUERY_SECONDS="5",
+        )
         prefect_cli(env, "work-pool", "create", POOL, "--type", "process")
         prefect_cli(env, "deploy", "--all")
         with (root / "worker.log").open("w") as log:
-            worker = subprocess.Popen([str(BIN / "prefect"), "worker", "start", "--pool", POOL, "--type", "process"], cwd=REPO, env=env,
-                                      stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+            worker = subprocess.Popen(
+                [str(BIN / "prefect"), "worker", "start", "--pool", POOL, "--type", "process"],
+                cwd=REPO,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         user, token = env["PREFECT_API_AUTH_STRING"].split(":", 1)
         api = Api(f"{cluster.prefect_url}/api", (user, token))
         probe = Probe(api)
@@ -195,7 +233,9 @@ def run_load(root: Path, database: str, scenario_name: str = "small") -> Report:
             probe.start()
             started = time.monotonic()
             created = create_runs(api, landing, scenario)
-            ended = wait_until_ended(api, created, timeout=600 + 240 * (scenario.dates + scenario.nightly + scenario.adhoc))
+            ended = wait_until_ended(
+                api, created, timeout=600 + 240 * (scenario.dates + scenario.nightly + scenario.adhoc)
+            )
             report.minutes = (time.monotonic() - started) / 60
         finally:
             probe.stopped.set()
@@ -204,14 +244,29 @@ def run_load(root: Path, database: str, scenario_name: str = "small") -> Report:
         report.flow_runs_completed = sum(run["state_type"] == "COMPLETED" for run in everything)
         report.runs_per_minute = report.flow_runs_completed / report.minutes
         for run in ended:
-            said = run_logs(api, run["id"]) + ((run.get("state") or {}).get("message") or "") if run["state_type"] != "COMPLETED" else ""
+            said = (
+                run_logs(api, run["id"]) + ((run.get("state") or {}).get("message") or "")
+                if run["state_type"] != "COMPLETED"
+                else ""
+            )
             busy = any(word in said for word in BUSY_WORDS)
-            report.runs.append({"name": run["name"], "state": run["state_type"], "seconds": round(run["total_run_time"]), "busy": busy,
-                                **({"why": said[:4000]} if said else {})})  # the newest lines first
+            report.runs.append(
+                {
+                    "name": run["name"],
+                    "state": run["state_type"],
+                    "seconds": round(run["total_run_time"]),
+                    "busy": busy,
+                    **({"why": said[:4000]} if said else {}),
+                }
+            )  # the newest lines first
         report.api_requests = len(probe.latencies)
         if probe.latencies:
             report.api_p50_ms = round(statistics.median(probe.latencies), 1)
-            report.api_p95_ms = round(statistics.quantiles(probe.latencies, n=20)[18], 1) if len(probe.latencies) >= 20 else max(probe.latencies)
+            report.api_p95_ms = (
+                round(statistics.quantiles(probe.latencies, n=20)[18], 1)
+                if len(probe.latencies) >= 20
+                else max(probe.latencies)
+            )
         report.busy_answers, report.errors = api.busy, api.errors
         api.close()
         check_table(report, workspace, landing)
@@ -222,21 +277,51 @@ def run_load(root: Path, database: str, scenario_name: str = "small") -> Report:
             stop_group(worker)
         servers.down(Path(cluster.root))
     log = Path(cluster.root) / "logs" / "prefect.log"
-    report.busy_in_server_log = log.read_text(errors="replace").count("Encountered retryable exception") if log.exists() else 0
+    report.busy_in_server_log = (
+        log.read_text(errors="replace").count("Encountered retryable exception") if log.exists() else 0
+    )
     return report
 
 
 def create_runs(api: Api, landing: Path, scenario: Scenario) -> list[str]:
     """The backfill, the nightly runs and the ad-hoc runs, POSTed one after another without waiting."""
-    deployment = {name: api.call("GET", f"/deployments/name/{flow}/{name}").json()
-                  for flow, name in (("imagelake-backfill", "backfill"), ("imagelake-pipeline", "nightly"), ("imagelake-adhoc", "adhoc"))}
-    bodies = [("backfill", custom_run_body(deployment["backfill"], {
-        "source": str(landing), "start_date": dates(scenario)[0], "end_date": dates(scenario)[-1], "max_concurrency": scenario.max_concurrency,
-        "dry_run": False, "overrides": SMALL}, "load-backfill"))]
-    bodies += [("nightly", custom_run_body(deployment["nightly"], {"source": str(landing), "overrides": SMALL}, f"load-nightly-{n}"))
-               for n in range(1, scenario.nightly + 1)]
+    deployment = {
+        name: api.call("GET", f"/deployments/name/{flow}/{name}").json()
+        for flow, name in (
+            ("imagelake-backfill", "backfill"),
+            ("imagelake-pipeline", "nightly"),
+            ("imagelake-adhoc", "adhoc"),
+        )
+    }
+    bodies = [
+        (
+            "backfill",
+            custom_run_body(
+                deployment["backfill"],
+                {
+                    "source": str(landing),
+                    "start_date": dates(scenario)[0],
+                    "end_date": dates(scenario)[-1],
+                    "max_concurrency": scenario.max_concurrency,
+                    "dry_run": False,
+                    "overrides": SMALL,
+                },
+                "load-backfill",
+            ),
+        )
+    ]
+    bodies += [
+        (
+            "nightly",
+            custom_run_body(deployment["nightly"], {"source": str(landing), "overrides": SMALL}, f"load-nightly-{n}"),
+        )
+        for n in range(1, scenario.nightly + 1)
+    ]
     adhoc = {**form_defaults(deployment["adhoc"]), **SMALL, "source": str(landing)}
-    bodies += [("adhoc", custom_run_body(deployment["adhoc"], {"params": adhoc}, f"load-adhoc-{n}")) for n in range(1, scenario.adhoc + 1)]
+    bodies += [
+        ("adhoc", custom_run_body(deployment["adhoc"], {"params": adhoc}, f"load-adhoc-{n}"))
+        for n in range(1, scenario.adhoc + 1)
+    ]
     ids = []
     for name, body in bodies:
         response = api.call("POST", f"/deployments/{deployment[name]['id']}/create_flow_run", body)
@@ -256,9 +341,13 @@ def wait_until_ended(api: Api, ids: list[str], timeout: float) -> list[dict]:
 
 
 def run_logs(api: Api, flow_run_id: str) -> str:
-    children = api.call("POST", "/flow_runs/filter", {"flow_runs": {"parent_flow_run_id": {"any_": [flow_run_id]}}}).json()
+    children = api.call(
+        "POST", "/flow_runs/filter", {"flow_runs": {"parent_flow_run_id": {"any_": [flow_run_id]}}}
+    ).json()
     ids = [flow_run_id, *(child["id"] for child in children)]
-    logs = api.call("POST", "/logs/filter", {"logs": {"flow_run_id": {"any_": ids}}, "limit": 200, "sort": "TIMESTAMP_DESC"}).json()
+    logs = api.call(
+        "POST", "/logs/filter", {"logs": {"flow_run_id": {"any_": ids}}, "limit": 200, "sort": "TIMESTAMP_DESC"}
+    ).json()
     return "\n".join(log["message"] for log in logs)
 
 
@@ -266,7 +355,9 @@ def check_table(report: Report, workspace: Path, landing: Path) -> None:
     from deltalake import DeltaTable
 
     table = workspace / "tables" / "images"
-    paths = DeltaTable(str(table)).to_pyarrow_table(columns=["path"]).column("path").to_pylist() if table.exists() else []
+    paths = (
+        DeltaTable(str(table)).to_pyarrow_table(columns=["path"]).column("path").to_pylist() if table.exists() else []
+    )
     landed = [path for path in paths if f"{landing}/" in path]
     report.images_in_table = len(set(landed))
     report.duplicate_rows = len(landed) - len(set(landed))
@@ -293,11 +384,18 @@ def check_registry(report: Report, workspace: Path, cluster: servers.Cluster) ->
                 os.environ[name] = value
     from deltalake import DeltaTable
 
-    rows = DeltaTable(settings.history_uri).to_pyarrow_table(columns=["alias", "from_version", "to_version", "at"]).to_pylist()
+    rows = (
+        DeltaTable(settings.history_uri)
+        .to_pyarrow_table(columns=["alias", "from_version", "to_version", "at"])
+        .to_pylist()
+    )
     chain = sorted((row for row in rows if row["alias"] == CHAMPION), key=lambda row: row["at"])
     report.champion_moves = len(chain)
-    report.history_chain_whole = bool(chain) and chain[-1]["to_version"] == report.champion and all(
-        before["to_version"] == after["from_version"] for before, after in zip(chain, chain[1:]))
+    report.history_chain_whole = (
+        bool(chain)
+        and chain[-1]["to_version"] == report.champion
+        and all(before["to_version"] == after["from_version"] for before, after in zip(chain, chain[1:]))
+    )
 
 
 def leftovers(home: Path, worker: subprocess.Popen | None, grace: float = 60) -> list[str]:
@@ -306,7 +404,11 @@ def leftovers(home: Path, worker: subprocess.Popen | None, grace: float = 60) ->
 
     deadline = time.monotonic() + grace
     while True:
-        alive = [process for process in processes_with("PREFECT_HOME", str(home)) if worker is None or process.pid != worker.pid]
+        alive = [
+            process
+            for process in processes_with("PREFECT_HOME", str(home))
+            if worker is None or process.pid != worker.pid
+        ]
         alive = [process for process in alive if process.is_running() and process.status() != psutil.STATUS_ZOMBIE]
         if not alive or time.monotonic() > deadline:
             return [f"{process.pid} {' '.join(process.cmdline())[:120]}" for process in alive]

@@ -1,4 +1,5 @@
-"""Training input throughput: imagelake's Petastorm shard loader against Petastorm's defaults and the limit, side by side.
+"""Training input throughput: imagelake's Petastorm shard loader against Petastorm's defaults and the limit, side by
+side.
 
     .venv/bin/python bench/loader.py [--images 2000] [--size 224] [--batch 64]
 
@@ -36,8 +37,16 @@ def write_cache(spark, out: Path, images: int, size: int, partitions: int) -> st
     """A split in the cache's layout: image (raw uint8 pixels), label, sha256; 8 MB row groups."""
     rng = np.random.default_rng(0)
     pixels = rng.integers(0, 256, (images, size * size * 3), dtype=np.uint8)
-    frame = pd.DataFrame({"image": [row.tobytes() for row in pixels], "label": rng.integers(0, 10, images), "sha256": [f"{i:064x}" for i in range(images)]})
-    spark.createDataFrame(frame).repartition(partitions).write.mode("overwrite").option("parquet.block.size", 8 * 1024 * 1024).parquet(str(out))
+    frame = pd.DataFrame(
+        {
+            "image": [row.tobytes() for row in pixels],
+            "label": rng.integers(0, 10, images),
+            "sha256": [f"{i:064x}" for i in range(images)],
+        }
+    )
+    spark.createDataFrame(frame).repartition(partitions).write.mode("overwrite").option(
+        "parquet.block.size", 8 * 1024 * 1024
+    ).parquet(str(out))
     return f"file://{out}"
 
 
@@ -45,10 +54,14 @@ def petastorm_defaults(url: str, size: int, batch: int) -> int:
     """(a) Per-row decode in a TransformSpec, Petastorm's torch DataLoader, float tensors."""
 
     def decode(frame: pd.DataFrame) -> pd.DataFrame:
-        frame["image"] = frame["image"].map(lambda b: np.frombuffer(b, dtype=np.uint8).reshape(size, size, 3).astype(np.float32) / 255.0)
+        frame["image"] = frame["image"].map(
+            lambda b: np.frombuffer(b, dtype=np.uint8).reshape(size, size, 3).astype(np.float32) / 255.0
+        )
         return frame[["image", "label"]]
 
-    spec = TransformSpec(decode, edit_fields=[("image", np.float32, (size, size, 3), False)], selected_fields=["image", "label"])
+    spec = TransformSpec(
+        decode, edit_fields=[("image", np.float32, (size, size, 3), False)], selected_fields=["image", "label"]
+    )
     seen = 0
     with make_batch_reader(url, schema_fields=["image", "label"], num_epochs=1, transform_spec=spec) as reader:
         for images, _ in ((b["image"], b["label"]) for b in DataLoader(reader, batch_size=batch)):
@@ -59,10 +72,14 @@ def petastorm_defaults(url: str, size: int, batch: int) -> int:
 def limit(url: str, size: int, batch: int) -> int:
     """(b) pyarrow batches turned into uint8 tensors by one frombuffer over the column's data buffer."""
     seen = 0
-    for record_batch in ds.dataset(url.removeprefix("file://"), format="parquet").to_batches(columns=["image", "label"], batch_size=batch):
+    for record_batch in ds.dataset(url.removeprefix("file://"), format="parquet").to_batches(
+        columns=["image", "label"], batch_size=batch
+    ):
         column = record_batch.column(0)
         offsets = np.frombuffer(column.buffers()[1], dtype=np.int32, count=len(column) + 1, offset=column.offset * 4)
-        data = np.frombuffer(column.buffers()[2], dtype=np.uint8, count=int(offsets[-1] - offsets[0]), offset=int(offsets[0]))
+        data = np.frombuffer(
+            column.buffers()[2], dtype=np.uint8, count=int(offsets[-1] - offsets[0]), offset=int(offsets[0])
+        )
         images = torch.from_numpy(data.reshape(len(column), size, size, 3))
         labels = torch.from_numpy(record_batch.column(1).to_numpy(zero_copy_only=False).copy())
         seen += len(images) if len(labels) == len(images) else 0
@@ -72,7 +89,9 @@ def limit(url: str, size: int, batch: int) -> int:
 def imagelake(url: str, size: int, batch: int, workers: int) -> int:
     """(c) The loader training uses, on one shard covering the split, for one epoch."""
     seen = 0
-    with ShardBatches(url, shard=0, shard_count=1, batch_size=batch, image_size=size, seed=0, shuffle=True, workers=workers) as loader:
+    with ShardBatches(
+        url, shard=0, shard_count=1, batch_size=batch, image_size=size, seed=0, shuffle=True, workers=workers
+    ) as loader:
         for images, labels in loader:
             assert images.dtype == torch.uint8 and labels.dtype == torch.int64
             seen += len(images)
@@ -98,18 +117,26 @@ def main() -> None:
     parser.add_argument("--images", type=int, default=2000)
     parser.add_argument("--size", type=int, default=224)
     parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--passes", type=int, default=7, help="passes of (b) and (c), taking turns; medians are printed")
+    parser.add_argument(
+        "--passes", type=int, default=7, help="passes of (b) and (c), taking turns; medians are printed"
+    )
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 2, help="Petastorm reader threads for (c)")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="imagelake-loader-"))
     try:
         spark = spark_session(Settings(workspace=work / "ws"))
         url = write_cache(spark, work / "train", args.images, args.size, partitions=4)
-        print(f"{args.images} images {args.size}x{args.size}x3 uint8 in Parquet, batches of {args.batch}, {os.cpu_count()} cores", flush=True)
+        print(
+            f"{args.images} images {args.size}x{args.size}x3 uint8 in Parquet, batches of {args.batch}, {os.cpu_count()} cores",
+            flush=True,
+        )
         # Warm the page cache and imports for every method alike.
         limit(url, args.size, args.batch)
         imagelake(url, args.size, args.batch, args.workers)
-        a = report("(a) Petastorm defaults: TransformSpec per row + DataLoader", [one_pass("a", args.images, lambda: petastorm_defaults(url, args.size, args.batch))])
+        a = report(
+            "(a) Petastorm defaults: TransformSpec per row + DataLoader",
+            [one_pass("a", args.images, lambda: petastorm_defaults(url, args.size, args.batch))],
+        )
         # (b) and (c) take turns, pass after pass, so that both see the same machine state.
         rates: dict[str, list[float]] = {"b": [], "c": []}
         for _ in range(args.passes):

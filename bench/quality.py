@@ -1,7 +1,8 @@
 """Model quality on three data sets, each next to two plain baselines on the same split: `imagelake run` with the
 default settings in fresh workspaces.
 
-    .venv/bin/python bench/quality.py [--sets digits,photos,stamps] [--runs 3] [--first-seed 1] [--same-seed] [--ref GIT_REF] [--set NAME=VALUE ...]
+    .venv/bin/python bench/quality.py [--sets digits,photos,stamps] [--runs 3] [--first-seed 1] [--same-seed] [--ref
+    GIT_REF] [--set NAME=VALUE ...]
 
 Data sets:
 - digits: the demo (`make run`'s): scikit-learn's 1,797 handwritten digits as 64 px PNGs, 10 labels;
@@ -70,7 +71,18 @@ def one_run(code: Path, source: Path, workspace: Path, extra: list[str]) -> dict
     """One `imagelake run` in a fresh workspace: its summary's figures, the gradient boosting baseline and the wall time."""
     env = {key: value for key, value in os.environ.items() if not key.startswith("IMAGELAKE_")}
     env["PYTHONPATH"] = str(code)  # the code under test, ahead of the editable install
-    command = [sys.executable, "-m", "flows.cli", "run", "--source", str(source), "--set", f"workspace={workspace}", "--json", *extra]
+    command = [
+        sys.executable,
+        "-m",
+        "flows.cli",
+        "run",
+        "--source",
+        str(source),
+        "--set",
+        f"workspace={workspace}",
+        "--json",
+        *extra,
+    ]
     started = time.perf_counter()
     done = subprocess.run(command, cwd=code, env=env, capture_output=True, text=True, timeout=3600)
     wall = time.perf_counter() - started
@@ -82,7 +94,11 @@ def one_run(code: Path, source: Path, workspace: Path, extra: list[str]) -> dict
     finally:
         shutil.rmtree(workspace, ignore_errors=True)
     return {
-        "test": summary["test_accuracy"], "lr": summary.get("baseline_accuracy"), "gb": boosted, "epochs": summary["epochs_run"], "wall": wall,
+        "test": summary["test_accuracy"],
+        "lr": summary.get("baseline_accuracy"),
+        "gb": boosted,
+        "epochs": summary["epochs_run"],
+        "wall": wall,
         "quarantined": summary.get("quarantined") or {},
     }
 
@@ -106,13 +122,24 @@ def main() -> None:
     parser.add_argument("--sets", default="digits,photos,stamps", help="comma-separated: digits, photos, stamps")
     parser.add_argument("--runs", type=int, default=3, help="runs per data set and code version")
     parser.add_argument("--ref", help="also run this git revision's code first, as the baseline")
-    parser.add_argument("--same-seed", action="store_true", help="every run with the default seed (shows determinism), not seeds 1..N")
-    parser.add_argument("--first-seed", type=int, default=1, help="the first run's seed (runs use FIRST..FIRST+N-1), to extend an earlier series")
-    parser.add_argument("--set", action="append", default=[], help="a setting for every run, NAME=VALUE (default: none, the defaults)")
+    parser.add_argument(
+        "--same-seed", action="store_true", help="every run with the default seed (shows determinism), not seeds 1..N"
+    )
+    parser.add_argument(
+        "--first-seed",
+        type=int,
+        default=1,
+        help="the first run's seed (runs use FIRST..FIRST+N-1), to extend an earlier series",
+    )
+    parser.add_argument(
+        "--set", action="append", default=[], help="a setting for every run, NAME=VALUE (default: none, the defaults)"
+    )
     args = parser.parse_args()
     wanted = [name.strip() for name in args.sets.split(",") if name.strip()]
     if "stamps" in wanted and not STAMPS.is_dir():
-        sys.exit(f"{STAMPS} is missing: `make stamps` installs Debian's tuxpaint-stamps-default (or leave stamps out of --sets)")
+        sys.exit(
+            f"{STAMPS} is missing: `make stamps` installs Debian's tuxpaint-stamps-default (or leave stamps out of --sets)"
+        )
     scratch = Path(tempfile.mkdtemp(prefix="imagelake-quality-"))
     try:
         from flows.demo_data import write_digits, write_photos
@@ -127,7 +154,12 @@ def main() -> None:
         versions = [("this checkout", REPO)]
         if args.ref:
             worktree = scratch / "baseline-code"
-            subprocess.run(["git", "worktree", "add", "--detach", str(worktree), args.ref], cwd=REPO, check=True, capture_output=True)
+            subprocess.run(
+                ["git", "worktree", "add", "--detach", str(worktree), args.ref],
+                cwd=REPO,
+                check=True,
+                capture_output=True,
+            )
             versions.insert(0, (f"baseline {args.ref}", worktree))
         table = []
         try:
@@ -139,12 +171,21 @@ def main() -> None:
                         seed = [] if args.same_seed else ["--set", f"seed={index}"]
                         settings = [*seed, *extra, *(item for pair in args.set for item in ("--set", pair))]
                         results.append(one_run(code, folder, scratch / f"{name}-{index}", settings))
-                        print(line(name, index, "default seed" if args.same_seed else f"seed {index}", results[-1]), flush=True)
+                        print(
+                            line(name, index, "default seed" if args.same_seed else f"seed {index}", results[-1]),
+                            flush=True,
+                        )
                     table.append((label, name, results))
         finally:
             if args.ref:
-                subprocess.run(["git", "worktree", "remove", "--force", str(scratch / "baseline-code")], cwd=REPO, capture_output=True)
-        print("\n| code | data set | runs | test accuracy (median, min-max) | logistic regression | gradient boosting | margin over the better | wall s |")
+                subprocess.run(
+                    ["git", "worktree", "remove", "--force", str(scratch / "baseline-code")],
+                    cwd=REPO,
+                    capture_output=True,
+                )
+        print(
+            "\n| code | data set | runs | test accuracy (median, min-max) | logistic regression | gradient boosting | margin over the better | wall s |"
+        )
         print("|---|---|---:|---|---:|---:|---:|---:|")
         for label, name, results in table:
             tests = [r["test"] for r in results]

@@ -75,7 +75,8 @@ def run_env(code: Path | None) -> dict[str, str]:
 
 def started_in(summary: dict) -> str | None:
     """The stage whose seconds hold Spark's start-up. A run that says none started none; one from before the summary
-    said which started it in the first stage after ingest (which needs none) that ran rather than came from the cache."""
+    said which started it in the first stage after ingest (which needs none) that ran rather than came from the
+    cache."""
     if not summary.get("spark_startup_seconds"):
         return None
     if "spark_started_in" in summary:
@@ -89,7 +90,9 @@ def run(source: Path, workspace: Path, code: Path | None = None) -> dict:
     started = time.perf_counter()
     done = subprocess.run(
         [IMAGELAKE, "run", "--source", str(source), "--json", *[a for s in settings for a in ("--set", s)]],
-        capture_output=True, text=True, env=run_env(code),
+        capture_output=True,
+        text=True,
+        env=run_env(code),
     )
     wall = time.perf_counter() - started
     if done.returncode:
@@ -117,7 +120,9 @@ def write_empty(args: tuple[Path, int, int]) -> None:
     """COUNT empty .jpg files from START, in date=YYYY-MM-DD/label<K> folders (10,000 files a day, 10 labels; a day comes back after 28)."""
     out, start, count = args
     for index in range(start, start + count):
-        folder = out / f"date=2026-{1 + index // 300_000 % 12:02d}-{1 + index // 10_000 % 28:02d}" / f"label{index % 10}"
+        folder = (
+            out / f"date=2026-{1 + index // 300_000 % 12:02d}-{1 + index // 10_000 % 28:02d}" / f"label{index % 10}"
+        )
         folder.mkdir(parents=True, exist_ok=True)
         os.close(os.open(folder / f"{index:08d}.jpg", os.O_CREAT | os.O_WRONLY, 0o644))
 
@@ -156,12 +161,16 @@ def measure_listing(source: Path, staging: Path, new: float) -> None:
 
 def listing_scale(files: list[int], new: float, root: Path) -> None:
     """The listing part at each size in FILES (empty files): seconds per 100,000 files and the driver's peak RSS."""
-    print(f"{'files':>10} {'list s':>7} {'s/100k':>7} {'diff s':>7} {'imports MB':>10} {'listed MB':>9} {'diffed MB':>9} {'B/file listed':>13} {'B/file diffed':>13}")
+    print(
+        f"{'files':>10} {'list s':>7} {'s/100k':>7} {'diff s':>7} {'imports MB':>10} {'listed MB':>9} {'diffed MB':>9} {'B/file listed':>13} {'B/file diffed':>13}"
+    )
     for count in files:
         source, staging = root / f"empty-{count}", root / f"staging-{count}"
         build_empty(source, 0, count)
         done = subprocess.run(
-            [sys.executable, __file__, "--measure-listing", str(source), str(staging), "--new", str(new)], capture_output=True, text=True
+            [sys.executable, __file__, "--measure-listing", str(source), str(staging), "--new", str(new)],
+            capture_output=True,
+            text=True,
         )
         if done.returncode:
             sys.exit(f"listing {count} files failed:\n{done.stderr[-3000:]}")
@@ -180,9 +189,12 @@ def print_table(results: dict[str, dict], files: int) -> None:
     """Seconds per stage (Spark's start-up inside the stage that started it), the data stages' sum and its ratio to the
     cold run's with the start-up (what the user waits for) and without it; the start-up and its stage apart."""
     cold = results["cold"]
-    print(f"\n{files} files, image_size 32, 1 epoch, {os.cpu_count()} cores; seconds per stage, Spark's start-up inside the stage it fell in")
     print(
-        f"{'run':<10} {'wall':>7} {'spark':>6} {'in':>8} " + " ".join(f"{s:>8}" for s in STAGES)
+        f"\n{files} files, image_size 32, 1 epoch, {os.cpu_count()} cores; seconds per stage, Spark's start-up inside the stage it fell in"
+    )
+    print(
+        f"{'run':<10} {'wall':>7} {'spark':>6} {'in':>8} "
+        + " ".join(f"{s:>8}" for s in STAGES)
         + f" {'data':>7} {'ratio':>6} {'ex-spark':>8} {'cache +MB':>9} {'RSS MB':>7}"
     )
     for name, r in results.items():
@@ -200,8 +212,12 @@ def main() -> None:
     parser.add_argument("--files", type=int, default=40_000)
     parser.add_argument("--new", type=float, default=0.01)
     parser.add_argument("--keep", type=Path, help="work in this folder and leave it (default: a temp folder, removed)")
-    parser.add_argument("--code", type=Path, help="run the pipeline from this checkout of imagelake (default: the installed one)")
-    parser.add_argument("--listing-only", action="store_true", help="only the listing part, on empty files, at FILES/10 and FILES")
+    parser.add_argument(
+        "--code", type=Path, help="run the pipeline from this checkout of imagelake (default: the installed one)"
+    )
+    parser.add_argument(
+        "--listing-only", action="store_true", help="only the listing part, on empty files, at FILES/10 and FILES"
+    )
     parser.add_argument("--measure-listing", nargs=2, type=Path, metavar=("SOURCE", "STAGING"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.measure_listing:
@@ -226,7 +242,9 @@ def main() -> None:
             print(f"{name}: {results[name]['wall']:.1f} s, decoded {results[name]['decoded']}", flush=True)
         print_table(results, args.files)
         cold, grown = results["cold"], results[f"+{args.new:.0%}"]
-        print(f"\ncache bytes added by the +{args.new:.0%} run / the first cache: {grown['cache_added'] / cold['cache_added']:.3f}")
+        print(
+            f"\ncache bytes added by the +{args.new:.0%} run / the first cache: {grown['cache_added'] / cold['cache_added']:.3f}"
+        )
     finally:
         if args.keep is None:
             shutil.rmtree(root, ignore_errors=True)

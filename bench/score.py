@@ -62,8 +62,12 @@ def register(root: Path, arch: str, size: int) -> str:
     model = ImageModel(10, arch, image_size=size).eval()
     examples = np.zeros((2, size, size, 3), dtype=np.uint8)
     with tempfile.TemporaryDirectory() as folder, mlflow.start_run(experiment_id=experiment):
-        info = mlflow.pyfunc.log_model(name="model", **served_model(Path(folder), model, labels, size, "letterbox", 10_000_000, examples))
-    version = mlflow.register_model(info.model_uri, "bench", tags={"labels": labels_tag(labels), "image_size": str(size)}).version
+        info = mlflow.pyfunc.log_model(
+            name="model", **served_model(Path(folder), model, labels, size, "letterbox", 10_000_000, examples)
+        )
+    version = mlflow.register_model(
+        info.model_uri, "bench", tags={"labels": labels_tag(labels), "image_size": str(size)}
+    ).version
     mlflow.MlflowClient(store, store).set_registered_model_alias("bench", "champion", version)
     return store
 
@@ -106,19 +110,30 @@ def main() -> None:
         python_model._answer(decoded[:256], 3)  # the program's first calls are slower: warmed before any timing
         rates: dict[str, list[float]] = {"forward": [], "pyfunc": [], "score": [], "re-run": []}
         for run in range(args.runs):
-            # The best of three passes: at this rate a pass is a fraction of a second, and Spark's JVM beside it adds noise.
-            rates["forward"].append(len(decoded) / min(timed(lambda: python_model._answer(decoded, 3)) for _ in range(3)))
+            # The best of three passes: at this rate a pass is a fraction of a second, and Spark's JVM beside it adds
+            # noise.
+            rates["forward"].append(
+                len(decoded) / min(timed(lambda: python_model._answer(decoded, 3)) for _ in range(3))
+            )
             rates["pyfunc"].append(len(data) / timed(lambda: model.predict(pd.DataFrame({"image": data}))))
             shutil.rmtree(settings.predictions_uri, ignore_errors=True)
             answered: dict = {}
-            rates["score"].append(len(files) / timed(lambda: answered.update(score_images(str(folder), "bench@champion", settings))))
+            rates["score"].append(
+                len(files) / timed(lambda: answered.update(score_images(str(folder), "bench@champion", settings)))
+            )
             assert answered["answered"] == len(files), answered
-            rates["re-run"].append(len(files) / timed(lambda: answered.update(score_images(str(folder), "bench@champion", settings))))
+            rates["re-run"].append(
+                len(files) / timed(lambda: answered.update(score_images(str(folder), "bench@champion", settings)))
+            )
             assert answered["answered"] == 0, answered
-        print(f"{args.images} PNGs (96-160 px) -> {args.arch} at {args.size} px; Spark local with {cores} cores; {args.runs} runs")
+        print(
+            f"{args.images} PNGs (96-160 px) -> {args.arch} at {args.size} px; Spark local with {cores} cores; {args.runs} runs"
+        )
         limit = statistics.median(rates["forward"])
         for name, values in rates.items():
-            print(f"  {name:8} images/s min {min(values):8.0f}  median {statistics.median(values):8.0f}  max {max(values):8.0f}   {statistics.median(values) / limit:5.2f} of forward")
+            print(
+                f"  {name:8} images/s min {min(values):8.0f}  median {statistics.median(values):8.0f}  max {max(values):8.0f}   {statistics.median(values) / limit:5.2f} of forward"
+            )
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -1,6 +1,7 @@
 """A soak: many consecutive small `imagelake run`s on a growing folder, against long-lived servers.
 
-    .venv/bin/python bench/soak.py [--runs 50] [--start 300] [--growth 0.02] [--retention-hours 0.05] [--out bench/results/soak] [--keep DIR]
+    .venv/bin/python bench/soak.py [--runs 50] [--start 300] [--growth 0.02] [--retention-hours 0.05] [--out
+    bench/results/soak] [--keep DIR]
 
 The servers of `make cluster-up` without Spark and Ray (infra/cluster.py, compute=False: PostgreSQL, the MLflow
 server with basic authentication, the Prefect server) stay up throughout. The source starts with --start demo digits
@@ -104,7 +105,12 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=50)
     parser.add_argument("--start", type=int, default=300)
     parser.add_argument("--growth", type=float, default=0.02)
-    parser.add_argument("--retention-hours", type=float, default=0.05, help="workspace_retention_hours of every run (default 0.05: 3 minutes)")
+    parser.add_argument(
+        "--retention-hours",
+        type=float,
+        default=0.05,
+        help="workspace_retention_hours of every run (default 0.05: 3 minutes)",
+    )
     parser.add_argument("--database", choices=servers.DATABASES, default="postgres")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "soak")
     parser.add_argument("--keep", type=Path, help="keep the folders here (default: a temporary folder, removed)")
@@ -120,27 +126,62 @@ def main() -> int:
     source, workspace, rows = base / "source", base / "workspace", []
     cluster = servers.up(base / "servers", servers.Ports.free(), database=args.database, compute=False)
     try:
-        env = {name: value for name, value in os.environ.items() if not name.startswith(("IMAGELAKE_", "PREFECT_", "MLFLOW_"))}
+        env = {
+            name: value
+            for name, value in os.environ.items()
+            if not name.startswith(("IMAGELAKE_", "PREFECT_", "MLFLOW_"))
+        }
         env.update(cluster.client_env(), PREFECT_HOME=str(base / "prefect-home"))
         used = grow(pool, source, 0, args.start)
         for run in range(1, args.runs + 1):
             if run > 1:
                 used = grow(pool, source, used, min(len(pool), used + math.ceil(used * args.growth)))
             started = time.monotonic()
-            done = subprocess.run([IMAGELAKE, "run", "--source", str(source), "--set", f"workspace={workspace}",
-                                   *(part for pair in SMALL for part in ("--set", pair)),
-                                   "--set", f"workspace_retention_hours={args.retention_hours}", "--json"],
-                                  cwd=REPO, env=env, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=1800)
+            done = subprocess.run(
+                [
+                    IMAGELAKE,
+                    "run",
+                    "--source",
+                    str(source),
+                    "--set",
+                    f"workspace={workspace}",
+                    *(part for pair in SMALL for part in ("--set", pair)),
+                    "--set",
+                    f"workspace_retention_hours={args.retention_hours}",
+                    "--json",
+                ],
+                cwd=REPO,
+                env=env,
+                capture_output=True,
+                text=True,
+                stdin=subprocess.DEVNULL,
+                timeout=1800,
+            )
             seconds = time.monotonic() - started
             if done.returncode != 0:
                 print(done.stdout[-3000:], done.stderr[-3000:], file=sys.stderr)
                 raise SystemExit(f"run {run} exited {done.returncode}")
             summary = json.loads(done.stdout.strip().splitlines()[-1])
-            row = {"run": run, "files": used, "seconds": round(seconds, 1), "decoded": summary.get("files_decoded"),
-                   **{f"{name}_mib": round(folder_bytes(workspace / name) / 2**20, 2) for name in FOLDERS},
-                   "servers_mib": round(folder_bytes(Path(cluster.root)) / 2**20, 2), **server_figures(Path(cluster.root))}
+            row = {
+                "run": run,
+                "files": used,
+                "seconds": round(seconds, 1),
+                "decoded": summary.get("files_decoded"),
+                **{f"{name}_mib": round(folder_bytes(workspace / name) / 2**20, 2) for name in FOLDERS},
+                "servers_mib": round(folder_bytes(Path(cluster.root)) / 2**20, 2),
+                **server_figures(Path(cluster.root)),
+            }
             rows.append(row)
-            print(json.dumps({**row, "removed_by_retention": summary.get("removed_by_retention"), "stage_seconds": summary.get("stage_seconds")}), flush=True)
+            print(
+                json.dumps(
+                    {
+                        **row,
+                        "removed_by_retention": summary.get("removed_by_retention"),
+                        "stage_seconds": summary.get("stage_seconds"),
+                    }
+                ),
+                flush=True,
+            )
             write_csv(rows, args.out / "soak.csv")  # after every run: a soak stopped early keeps what it measured
     except KeyboardInterrupt:
         print(f"stopped after {len(rows)} runs", file=sys.stderr)

@@ -56,7 +56,9 @@ def main() -> None:
     print()
     files = per_file(tests)
     if base_files:
-        print("| file | tests timed | s | baseline tests timed | baseline s | ratio |\n| --- | ---: | ---: | ---: | ---: | ---: |")
+        print(
+            "| file | tests timed | s | baseline tests timed | baseline s | ratio |\n| --- | ---: | ---: | ---: | ---: | ---: |"
+        )
         for name in sorted(set(files) | set(base_files), key=lambda n: -files.get(n, (0, 0.0))[1]):
             count, seconds = files.get(name, (0, 0.0))
             base_count, base_seconds = base_files.get(name, (0, 0.0))
@@ -67,7 +69,9 @@ def main() -> None:
         for name, (count, seconds) in sorted(files.items(), key=lambda kv: -kv[1][1]):
             print(f"| `{name}` | {count} | {seconds:.0f} |")
     total = sum(tests.values())
-    print(f"\n{len(tests)} tests, {total / 60:.1f} min of test time added up; wall clock: {'; '.join(closing) or 'not in the log'}")
+    print(
+        f"\n{len(tests)} tests, {total / 60:.1f} min of test time added up; wall clock: {'; '.join(closing) or 'not in the log'}"
+    )
 
 
 if __name__ == "__main__":

@@ -40,8 +40,9 @@ import threading
 import time
 import traceback
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -55,10 +56,13 @@ from ray.train import RunConfig, ScalingConfig
 from ray.train.lightning import RayTrainReportCallback
 from ray.train.torch import TorchTrainer
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository, for `python3 bench/train.py` without an install
+sys.path.insert(
+    0, str(Path(__file__).resolve().parent.parent)
+)  # the repository, for `python3 bench/train.py` without an install
 
 from tasks.worker.loader import ShardBatches  # noqa: E402
-from tasks.worker.model import IMAGENET_MEAN, IMAGENET_STD, ImageModel, compiled as compiled_model  # noqa: E402
+from tasks.worker.model import IMAGENET_MEAN, IMAGENET_STD, ImageModel  # noqa: E402
+from tasks.worker.model import compiled as compiled_model
 from tasks.worker.train_loop import DataWait, make_model, make_trainer, ray_trainer, shard_loaders  # noqa: E402
 
 ROW_GROUP_BYTES = 8 * 1024 * 1024  # as the cache stage writes (parquet.block.size)
@@ -74,12 +78,16 @@ def write_cache(out: Path, images: int, size: int, files: int, seed: int = 0) ->
     for file, rows in enumerate(np.array_split(np.arange(images), files)):
         data = rng.integers(0, 256, len(rows) * pixels, dtype=np.uint8)
         offsets = pa.array(np.arange(len(rows) + 1, dtype=np.int32) * pixels)
-        table = pa.table({
-            "image": pa.BinaryArray.from_buffers(pa.binary(), len(rows), [None, offsets.buffers()[1], pa.py_buffer(data)]),
-            "label": pa.array(rng.integers(0, 10, len(rows)), pa.int64()),
-            "sha256": pa.array([f"{i:064x}" for i in rows.tolist()]),
-            "position": pa.array((file << 33) + np.arange(len(rows), dtype=np.int64)),
-        })
+        table = pa.table(
+            {
+                "image": pa.BinaryArray.from_buffers(
+                    pa.binary(), len(rows), [None, offsets.buffers()[1], pa.py_buffer(data)]
+                ),
+                "label": pa.array(rng.integers(0, 10, len(rows)), pa.int64()),
+                "sha256": pa.array([f"{i:064x}" for i in rows.tolist()]),
+                "position": pa.array((file << 33) + np.arange(len(rows), dtype=np.int64)),
+            }
+        )
         pq.write_table(table, out / f"part-{file:05d}.parquet", row_group_size=group_rows)
     return f"file://{out}"
 
@@ -114,9 +122,13 @@ class Steady(DataWait):
     def result(self) -> dict[str, Any]:
         steps = self.wait + self.compute
         return {
-            "images": self.images, "rate": self.images / max(steps, 1e-9), "wait": self.wait / max(steps, 1e-9),
-            "utilisation": float(np.mean(self.utilisation)) if self.utilisation else None, "peak_gib": self.peak_gib,
-            "cpu_ms_per_image": 1000 * self.cpu / max(self.images, 1), "threads": torch.get_num_threads(),
+            "images": self.images,
+            "rate": self.images / max(steps, 1e-9),
+            "wait": self.wait / max(steps, 1e-9),
+            "utilisation": float(np.mean(self.utilisation)) if self.utilisation else None,
+            "peak_gib": self.peak_gib,
+            "cpu_ms_per_image": 1000 * self.cpu / max(self.images, 1),
+            "threads": torch.get_num_threads(),
         }
 
 
@@ -149,15 +161,21 @@ class Profile(pl.Callback):
         self.profiler: torch.profiler.profile | None = None
         self.started = 0.0
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if trainer.current_epoch == 1 and batch_idx == self.first:
             activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
             self.profiler = torch.profiler.profile(activities=activities)
             self.profiler.__enter__()
             self.started = time.perf_counter()
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if self.profiler is None or (batch_idx != self.first + self.steps - 1 and batch_idx != trainer.num_training_batches - 1):
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self.profiler is None or (
+            batch_idx != self.first + self.steps - 1 and batch_idx != trainer.num_training_batches - 1
+        ):
             return  # ends after `steps` steps, or at the epoch's last (a profiler left open breaks torch.compile later)
         self.steps = batch_idx - self.first + 1
         torch.cuda.synchronize()
@@ -186,7 +204,9 @@ class SyncWatch(pl.Callback):
         self.sites: dict[str, int] = {}
         self._restore: Callable[[], None] | None = None
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if trainer.current_epoch != 1 or batch_idx != self.first:
             return
         caught = warnings.catch_warnings()
@@ -207,12 +227,17 @@ class SyncWatch(pl.Callback):
         self._restore = restore
         torch.cuda.set_sync_debug_mode("warn")
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if self._restore is None or batch_idx != self.first + self.steps - 1:
             return
         self._restore()
         self._restore = None
-        print(f"synchronising operations in {self.steps} steps: {sum(self.sites.values())} at {len(self.sites)} call sites", flush=True)
+        print(
+            f"synchronising operations in {self.steps} steps: {sum(self.sites.values())} at {len(self.sites)} call sites",
+            flush=True,
+        )
         for site, count in sorted(self.sites.items(), key=lambda item: -item[1]):
             print(f"--- {count} times: {site}", flush=True)
 
@@ -233,7 +258,7 @@ class OnGpu:
     def __iter__(self) -> Any:
         return iter([(self.images, self.labels)] * self.steps)
 
-    def __enter__(self) -> "OnGpu":
+    def __enter__(self) -> OnGpu:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -255,7 +280,10 @@ def run_epochs(config: dict[str, Any], rank: int = 0, world: int = 1, distribute
     pl.seed_everything(0, workers=True)
     steady = Steady()
     if config.get("gpu_batches"):
-        train_batches, val_batches = OnGpu(config["gpu_batches"], config["batch_size"], config["image_size"]), OnGpu(1, config["batch_size"], config["image_size"])
+        train_batches, val_batches = (
+            OnGpu(config["gpu_batches"], config["batch_size"], config["image_size"]),
+            OnGpu(1, config["batch_size"], config["image_size"]),
+        )
     else:
         train_batches, val_batches = shard_loaders(config, rank, world)
     callbacks: list[pl.Callback] = [steady]
@@ -267,7 +295,9 @@ def run_epochs(config: dict[str, Any], rank: int = 0, world: int = 1, distribute
     if distributed:  # as a Ray Train worker of the training stage sets up its trainer
         trainer = ray_trainer(config, [*callbacks, RayTrainReportCallback()], len(train_batches), 1, world)
     else:
-        trainer = make_trainer(config, callbacks, len(train_batches), 1, accelerator="gpu" if config["use_gpu"] else "cpu", devices=1)
+        trainer = make_trainer(
+            config, callbacks, len(train_batches), 1, accelerator="gpu" if config["use_gpu"] else "cpu", devices=1
+        )
     model = make_model(config, len(train_batches))
     if config.get("checked_metrics"):
         checked_metrics(model)
@@ -314,7 +344,15 @@ def zoo_model(arch: str) -> torch.nn.Module:
 
 
 def limit(
-    arch: str, batch: int, size: int, frozen: bool, steps: int, warmup: int, compiled: str | None = None, fused: bool = False, zoo: bool = False
+    arch: str,
+    batch: int,
+    size: int,
+    frozen: bool,
+    steps: int,
+    warmup: int,
+    compiled: str | None = None,
+    fused: bool = False,
+    zoo: bool = False,
 ) -> dict[str, Any]:
     """Training steps of the model alone, on random uint8 batches already on the GPU: what the data path aims at.
     `compiled`: a torch.compile mode; `fused`: AdamW's fused kernel (else its default, one kernel per op over all
@@ -360,8 +398,12 @@ def limit(
     elapsed, cpu = time.perf_counter() - started, cpu_seconds() - cpu
     stop.set()
     result = {
-        "images": steps * batch, "rate": steps * batch / elapsed, "wait": None, "utilisation": float(np.mean(utilisation)) if utilisation else None,
-        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None, "cpu_ms_per_image": 1000 * cpu / (steps * batch),
+        "images": steps * batch,
+        "rate": steps * batch / elapsed,
+        "wait": None,
+        "utilisation": float(np.mean(utilisation)) if utilisation else None,
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
+        "cpu_ms_per_image": 1000 * cpu / (steps * batch),
         "warmup_s": warm,
     }
     return result
@@ -370,7 +412,18 @@ def limit(
 def loader_alone(url: str, size: int, batch: int, workers: int, processes: int, epochs: int = 2) -> dict[str, Any]:
     """ShardBatches by itself, batches copied to the GPU and dropped: the rate the loader can feed (epochs after the first)."""
     gpu = torch.cuda.is_available()
-    with ShardBatches(url, shard=0, shard_count=1, batch_size=batch, image_size=size, seed=0, shuffle=True, workers=workers, pin_memory=gpu, processes=processes) as batches:
+    with ShardBatches(
+        url,
+        shard=0,
+        shard_count=1,
+        batch_size=batch,
+        image_size=size,
+        seed=0,
+        shuffle=True,
+        workers=workers,
+        pin_memory=gpu,
+        processes=processes,
+    ) as batches:
         images = 0
         for epoch in range(epochs):
             if epoch == 1:
@@ -380,7 +433,14 @@ def loader_alone(url: str, size: int, batch: int, workers: int, processes: int, 
             if gpu:
                 torch.cuda.synchronize()
         elapsed, cpu = time.perf_counter() - started, cpu_seconds() - cpu
-    return {"images": images, "rate": images / elapsed, "wait": None, "utilisation": None, "peak_gib": None, "cpu_ms_per_image": 1000 * cpu / images}
+    return {
+        "images": images,
+        "rate": images / elapsed,
+        "wait": None,
+        "utilisation": None,
+        "peak_gib": None,
+        "cpu_ms_per_image": 1000 * cpu / images,
+    }
 
 
 def loaders_together(url: str, size: int, batch: int, workers: int, processes: int, epochs: int = 2) -> dict[str, Any]:
@@ -388,7 +448,18 @@ def loaders_together(url: str, size: int, batch: int, workers: int, processes: i
     `processes`, each drained to the GPU by a thread of this process: how the loader's rate grows with processes."""
     gpu = torch.cuda.is_available()
     loaders = [
-        ShardBatches(url, shard=j, shard_count=processes, batch_size=batch, image_size=size, seed=0, shuffle=True, workers=workers, pin_memory=gpu, processes=1)
+        ShardBatches(
+            url,
+            shard=j,
+            shard_count=processes,
+            batch_size=batch,
+            image_size=size,
+            seed=0,
+            shuffle=True,
+            workers=workers,
+            pin_memory=gpu,
+            processes=1,
+        )
         for j in range(processes)
     ]
     counts = [0] * processes
@@ -420,7 +491,14 @@ def loaders_together(url: str, size: int, batch: int, workers: int, processes: i
         for loader in loaders:
             loader.__exit__(None, None, None)
     images = sum(counts)
-    return {"images": images, "rate": images / elapsed, "wait": None, "utilisation": None, "peak_gib": None, "cpu_ms_per_image": 1000 * cpu / images}
+    return {
+        "images": images,
+        "rate": images / elapsed,
+        "wait": None,
+        "utilisation": None,
+        "peak_gib": None,
+        "cpu_ms_per_image": 1000 * cpu / images,
+    }
 
 
 def photo_crops(count: int, size: int, seed: int = 0) -> tuple[list[Any], int]:
@@ -432,7 +510,13 @@ def photo_crops(count: int, size: int, seed: int = 0) -> tuple[list[Any], int]:
     from PIL import Image
 
     roots = [p for p in sys.path if p.endswith("-packages")]
-    patterns = ["skimage/data/*.png", "skimage/data/*.jpg", "sklearn/datasets/images/*.jpg", "matplotlib/mpl-data/sample_data/*.jpg", "matplotlib/mpl-data/sample_data/*.png"]
+    patterns = [
+        "skimage/data/*.png",
+        "skimage/data/*.jpg",
+        "sklearn/datasets/images/*.jpg",
+        "matplotlib/mpl-data/sample_data/*.jpg",
+        "matplotlib/mpl-data/sample_data/*.png",
+    ]
     photos = []
     for path in sorted({f for root in roots for pattern in patterns for f in glob.glob(f"{root}/{pattern}")}):
         try:
@@ -453,7 +537,7 @@ def photo_crops(count: int, size: int, seed: int = 0) -> tuple[list[Any], int]:
     return crops, len(photos)
 
 
-def jpeg_section(table: "Table", size: int, batch: int = 256, count: int = 1024) -> None:
+def jpeg_section(table: Table, size: int, batch: int = 256, count: int = 1024) -> None:
     """Cache bytes per image as raw pixels against JPEG (quality 90 and 95) of real photographs at `size` px, and how
     fast each comes out as a GPU batch: raw pixels copied from pinned memory, JPEG decoded by nvJPEG
     (torchvision.io.decode_jpeg on the GPU) or by Pillow on one core."""
@@ -516,12 +600,22 @@ class Table:
             with self.text_path.open("a") as out:
                 out.write(line + "\n")
 
-    def add(self, arch: str, frozen: bool, path: str, batch: int, workers: int | str | None, measure: Callable[[], dict[str, Any]]) -> dict[str, Any] | None:
+    def add(
+        self,
+        arch: str,
+        frozen: bool,
+        path: str,
+        batch: int,
+        workers: int | str | None,
+        measure: Callable[[], dict[str, Any]],
+    ) -> dict[str, Any] | None:
         started = time.perf_counter()
         try:
             result = measure()
         except Exception as error:  # one failed row must not cost the rest of the table
-            self.say(f"{arch:15} {'head' if frozen else 'all':6}  {path:40} {batch:5} FAILED: {type(error).__name__}: {str(error).strip().splitlines()[-1][:200]}")
+            self.say(
+                f"{arch:15} {'head' if frozen else 'all':6}  {path:40} {batch:5} FAILED: {type(error).__name__}: {str(error).strip().splitlines()[-1][:200]}"
+            )
             return None
         # Rates are shared of the model's first limit row: eager, or compiled for the paths that compile.
         key = (arch, frozen, batch, "compile" in path)
@@ -537,7 +631,15 @@ class Table:
             f" {result['rate']:9.0f} {fmt(share, '{:7.2f}')} {fmt(result['wait'], '{:10.1%}')} {fmt(result['utilisation'], '{:8.0f}%')}"
             f" {fmt(result['peak_gib'], '{:9.1f}')} {result['cpu_ms_per_image']:11.2f}   ({time.perf_counter() - started:.0f} s)"
         )
-        row = {"arch": arch, "frozen": frozen, "path": path, "batch": batch, "workers": workers, "of_limit": share, **result}
+        row = {
+            "arch": arch,
+            "frozen": frozen,
+            "path": path,
+            "batch": batch,
+            "workers": workers,
+            "of_limit": share,
+            **result,
+        }
         self.rows.append(row)
         if self.json_path:
             Path(self.json_path).write_text(json.dumps(self.rows, indent=1))
@@ -549,11 +651,25 @@ def epochs_for(rate: float, images: int, seconds: float) -> int:
     return min(12, max(2, 1 + math.ceil(rate * seconds / images)))
 
 
-def train_config(url: str, size: int, arch: str, batch: int, epochs: int, workers: int, gpu: bool, **more: Any) -> dict[str, Any]:
+def train_config(
+    url: str, size: int, arch: str, batch: int, epochs: int, workers: int, gpu: bool, **more: Any
+) -> dict[str, Any]:
     """The training loop's config for the cached split at `url` (10 labels; no early stop before the last epoch)."""
     return {
-        "train_uri": url, "val_uri": url, "num_classes": 10, "image_size": size, "arch": arch, "batch_size": batch, "learning_rate": 1e-3,
-        "max_epochs": epochs, "patience": epochs, "min_delta": 0.0, "seed": 0, "use_gpu": gpu, "loader_workers": workers, **more,
+        "train_uri": url,
+        "val_uri": url,
+        "num_classes": 10,
+        "image_size": size,
+        "arch": arch,
+        "batch_size": batch,
+        "learning_rate": 1e-3,
+        "max_epochs": epochs,
+        "patience": epochs,
+        "min_delta": 0.0,
+        "seed": 0,
+        "use_gpu": gpu,
+        "loader_workers": workers,
+        **more,
     }
 
 
@@ -568,37 +684,92 @@ def gpu_table(args: argparse.Namespace, url: str, work: Path) -> None:
     sections = set(args.sections.split(","))
 
     def config(arch: str, batch: int, frozen: bool, workers: int, epochs: int, **more: Any) -> dict[str, Any]:
-        if not sections & {"final", "ray", "diagnose", "targets", "zoo-path"}:  # the earlier tables' sections, as their code ran: eager, reader threads, epoch by epoch
+        if not sections & {
+            "final",
+            "ray",
+            "diagnose",
+            "targets",
+            "zoo-path",
+        }:  # the earlier tables' sections, as their code ran: eager, reader threads, epoch by epoch
             more = {"compile": False, "loader_processes": 0, "next_epoch_ahead": False, **more}
         return train_config(url, size, arch, batch, epochs, workers, gpu=True, freeze_backbone=frozen, **more)
 
     def limits(arch: str, frozen: bool, batches: tuple[int, ...]) -> None:
         for batch in batches:
-            table.add(arch, frozen, "limit: random batches on the GPU", batch, None, lambda: limit(arch, batch, size, frozen, args.steps, args.warmup))
+            table.add(
+                arch,
+                frozen,
+                "limit: random batches on the GPU",
+                batch,
+                None,
+                lambda: limit(arch, batch, size, frozen, args.steps, args.warmup),
+            )
 
     def loader_paths(arch: str, frozen: bool, batch: int, workers: int, ray_too: bool = True, **more: Any) -> None:
         epochs = epochs_for(table.limits.get((arch, frozen, batch, False), 1000.0), args.images, args.seconds)
-        table.add(arch, frozen, "Lightning + ShardBatches", batch, workers, lambda: run_epochs(config(arch, batch, frozen, workers, epochs, **more)))
+        table.add(
+            arch,
+            frozen,
+            "Lightning + ShardBatches",
+            batch,
+            workers,
+            lambda: run_epochs(config(arch, batch, frozen, workers, epochs, **more)),
+        )
         if ray_too:
-            table.add(arch, frozen, "Ray TorchTrainer, 1 GPU worker", batch, workers, lambda: ray_epochs(config(arch, batch, frozen, workers, epochs, **more), work, cores))
+            table.add(
+                arch,
+                frozen,
+                "Ray TorchTrainer, 1 GPU worker",
+                batch,
+                workers,
+                lambda: ray_epochs(config(arch, batch, frozen, workers, epochs, **more), work, cores),
+            )
 
     # Ray's object store is unused here (the loader reads Parquet itself): a small one starts fast anywhere.
-    ray.init(num_cpus=cores + 1, num_gpus=1, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False, object_store_memory=2 * 2**30)
+    ray.init(
+        num_cpus=cores + 1,
+        num_gpus=1,
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        log_to_driver=False,
+        object_store_memory=2 * 2**30,
+    )
     workers = args.loader_workers
 
     def compiled_limit_then_ray() -> int:
         """ResNet-50's compiled limit, then Ray TorchTrainer with the GPU defaults; the epochs it trained."""
         batch = args.gpu_batch
-        table.add("resnet50", False, "limit: fused, compile", batch, None, lambda: limit("resnet50", batch, size, False, args.steps, args.warmup + 5, "default", True))
+        table.add(
+            "resnet50",
+            False,
+            "limit: fused, compile",
+            batch,
+            None,
+            lambda: limit("resnet50", batch, size, False, args.steps, args.warmup + 5, "default", True),
+        )
         epochs = epochs_for(table.limits.get(("resnet50", False, batch, True), 1000.0), args.images, args.seconds)
-        table.add("resnet50", False, "Ray TorchTrainer, compile, defaults", batch, f"{workers}+p", lambda: ray_epochs(config("resnet50", batch, False, workers, epochs), work, cores))
+        table.add(
+            "resnet50",
+            False,
+            "Ray TorchTrainer, compile, defaults",
+            batch,
+            f"{workers}+p",
+            lambda: ray_epochs(config("resnet50", batch, False, workers, epochs), work, cores),
+        )
         return epochs
 
     if "resnet50" in sections:  # 1 and 2: the limit, then the project's path at the same batch
         limits("resnet50", False, (128, 256))
         loader_paths("resnet50", False, 256, workers)
         epochs = epochs_for(table.limits.get(("resnet50", False, 256, False), 1000.0), args.images, args.seconds)
-        table.add("resnet50", False, "Lightning, metrics checked per step", 256, workers, lambda: run_epochs(config("resnet50", 256, False, workers, epochs, checked_metrics=True)))
+        table.add(
+            "resnet50",
+            False,
+            "Lightning, metrics checked per step",
+            256,
+            workers,
+            lambda: run_epochs(config("resnet50", 256, False, workers, epochs, checked_metrics=True)),
+        )
     if "frozen" in sections:  # 3: transfer learning needs several times the rate: how many reader threads it takes
         limits("resnet50", True, (256,))
         rates = {}
@@ -608,7 +779,14 @@ def gpu_table(args: argparse.Namespace, url: str, work: Path) -> None:
         if args.ray_everywhere:
             best = max(rates, key=rates.get)
             epochs = epochs_for(table.limits.get(("resnet50", True, 256, False), 1000.0), args.images, args.seconds)
-            table.add("resnet50", True, "Ray TorchTrainer, 1 GPU worker", 256, best, lambda: ray_epochs(config("resnet50", 256, True, best, epochs), work, cores))
+            table.add(
+                "resnet50",
+                True,
+                "Ray TorchTrainer, 1 GPU worker",
+                256,
+                best,
+                lambda: ray_epochs(config("resnet50", 256, True, best, epochs), work, cores),
+            )
     if "small" in sections:  # 4: the smaller models, so that users can pick
         limits("resnet18", False, (256,))
         loader_paths("resnet18", False, 256, workers, ray_too=args.ray_everywhere)
@@ -617,93 +795,427 @@ def gpu_table(args: argparse.Namespace, url: str, work: Path) -> None:
     if "profile" in sections:  # where a step of the project's path goes, host and GPU
         epochs = epochs_for(table.limits.get(("resnet50", False, 256, False), 1000.0), args.images, args.seconds)
         profile = str(Path(args.json).with_name("gpu-profile.txt")) if args.json else ""
-        table.add("resnet50", False, "Lightning, under torch.profiler", 256, workers, lambda: run_epochs(config("resnet50", 256, False, workers, epochs, profile=profile)))
+        table.add(
+            "resnet50",
+            False,
+            "Lightning, under torch.profiler",
+            256,
+            workers,
+            lambda: run_epochs(config("resnet50", 256, False, workers, epochs, profile=profile)),
+        )
     if "compile" in sections:  # torch.compile on the limit: does it raise the ceiling?
-        table.add("resnet50", False, "limit, torch.compile", 256, None, lambda: limit("resnet50", 256, size, False, args.steps, args.warmup + 10, compiled="default"))
+        table.add(
+            "resnet50",
+            False,
+            "limit, torch.compile",
+            256,
+            None,
+            lambda: limit("resnet50", 256, size, False, args.steps, args.warmup + 10, compiled="default"),
+        )
     if "ladder" in sections:  # ResNet-50's limit one step at a time: the optimizer's kernel, compile, CUDA graphs
         steps, warm = args.steps, args.warmup
-        table.add("resnet50", False, "limit: AdamW foreach (eager)", 256, None, lambda: limit("resnet50", 256, size, False, steps, warm))
-        table.add("resnet50", False, "limit: AdamW fused (eager)", 256, None, lambda: limit("resnet50", 256, size, False, steps, warm, fused=True))
-        table.add("resnet50", False, "limit: fused, compile", 256, None, lambda: limit("resnet50", 256, size, False, steps, warm + 5, "default", True))
-        table.add("resnet50", False, "limit: fused, compile reduce-overhead", 256, None, lambda: limit("resnet50", 256, size, False, steps, warm + 5, "reduce-overhead", True))
-        table.add("tv_resnet50", False, "limit: fused (eager), torchvision", 256, None, lambda: limit("resnet50", 256, size, False, steps, warm, fused=True, zoo=True))
+        table.add(
+            "resnet50",
+            False,
+            "limit: AdamW foreach (eager)",
+            256,
+            None,
+            lambda: limit("resnet50", 256, size, False, steps, warm),
+        )
+        table.add(
+            "resnet50",
+            False,
+            "limit: AdamW fused (eager)",
+            256,
+            None,
+            lambda: limit("resnet50", 256, size, False, steps, warm, fused=True),
+        )
+        table.add(
+            "resnet50",
+            False,
+            "limit: fused, compile",
+            256,
+            None,
+            lambda: limit("resnet50", 256, size, False, steps, warm + 5, "default", True),
+        )
+        table.add(
+            "resnet50",
+            False,
+            "limit: fused, compile reduce-overhead",
+            256,
+            None,
+            lambda: limit("resnet50", 256, size, False, steps, warm + 5, "reduce-overhead", True),
+        )
+        table.add(
+            "tv_resnet50",
+            False,
+            "limit: fused (eager), torchvision",
+            256,
+            None,
+            lambda: limit("resnet50", 256, size, False, steps, warm, fused=True, zoo=True),
+        )
     if "paths" in sections:  # the training path with the fused optimizer, then compiled, in Lightning and Ray Train
-        rate = table.limits.get(("resnet50", False, 256, True), table.limits.get(("resnet50", False, 256, False), 1000.0))
+        rate = table.limits.get(
+            ("resnet50", False, 256, True), table.limits.get(("resnet50", False, 256, False), 1000.0)
+        )
         epochs = epochs_for(rate, args.images, args.seconds)
-        table.add("resnet50", False, "Lightning, fused AdamW", 256, workers, lambda: run_epochs(config("resnet50", 256, False, workers, epochs)))
-        table.add("resnet50", False, "Lightning, compile", 256, workers, lambda: run_epochs(config("resnet50", 256, False, workers, epochs, compile="default")))
-        table.add("resnet50", False, "Ray TorchTrainer, compile", 256, workers, lambda: ray_epochs(config("resnet50", 256, False, workers, epochs, compile="default"), work, cores))
-        table.add("resnet50", False, "Ray TorchTrainer, compile, 1 loader proc", 256, f"{workers}+p", lambda: ray_epochs(config("resnet50", 256, False, workers, epochs, compile="default", loader_processes=1), work, cores))
+        table.add(
+            "resnet50",
+            False,
+            "Lightning, fused AdamW",
+            256,
+            workers,
+            lambda: run_epochs(config("resnet50", 256, False, workers, epochs)),
+        )
+        table.add(
+            "resnet50",
+            False,
+            "Lightning, compile",
+            256,
+            workers,
+            lambda: run_epochs(config("resnet50", 256, False, workers, epochs, compile="default")),
+        )
+        table.add(
+            "resnet50",
+            False,
+            "Ray TorchTrainer, compile",
+            256,
+            workers,
+            lambda: ray_epochs(config("resnet50", 256, False, workers, epochs, compile="default"), work, cores),
+        )
+        table.add(
+            "resnet50",
+            False,
+            "Ray TorchTrainer, compile, 1 loader proc",
+            256,
+            f"{workers}+p",
+            lambda: ray_epochs(
+                config("resnet50", 256, False, workers, epochs, compile="default", loader_processes=1), work, cores
+            ),
+        )
     if "loader" in sections:  # reader threads in the training process against a loader process, where the loader limits
         for threads in (4, 8):
-            table.add("loader", False, "ShardBatches alone, threads", 256, threads, lambda: loader_alone(url, size, 256, threads, 0))
-            table.add("loader", False, "ShardBatches alone, 1 process", 256, f"{threads}+p", lambda: loader_alone(url, size, 256, threads, 1))
+            table.add(
+                "loader",
+                False,
+                "ShardBatches alone, threads",
+                256,
+                threads,
+                lambda: loader_alone(url, size, 256, threads, 0),
+            )
+            table.add(
+                "loader",
+                False,
+                "ShardBatches alone, 1 process",
+                256,
+                f"{threads}+p",
+                lambda: loader_alone(url, size, 256, threads, 1),
+            )
         for arch, frozen in (("resnet50", True), ("small_cnn", False)):
             limits(arch, frozen, (256,))
             epochs = epochs_for(table.limits.get((arch, frozen, 256, False), 1000.0), args.images, args.seconds)
-            table.add(arch, frozen, "Lightning, threads", 256, workers, lambda: run_epochs(config(arch, 256, frozen, workers, epochs)))
-            table.add(arch, frozen, "Lightning, 1 loader process", 256, f"{workers}+p", lambda: run_epochs(config(arch, 256, frozen, workers, epochs, loader_processes=1)))
+            table.add(
+                arch,
+                frozen,
+                "Lightning, threads",
+                256,
+                workers,
+                lambda: run_epochs(config(arch, 256, frozen, workers, epochs)),
+            )
+            table.add(
+                arch,
+                frozen,
+                "Lightning, 1 loader process",
+                256,
+                f"{workers}+p",
+                lambda: run_epochs(config(arch, 256, frozen, workers, epochs, loader_processes=1)),
+            )
     if "final" in sections:  # the training path's defaults on a GPU, against each model's eager and compiled limits
         batch = args.gpu_batch
 
         def defaults(arch: str, frozen: bool, baseline_too: bool) -> None:
             epochs = epochs_for(table.limits.get((arch, frozen, batch, True), 1000.0), args.images, args.seconds)
             # The defaults with a GPU: compiled, one loader process, the next epoch begun ahead.
-            table.add(arch, frozen, "Lightning, compile, defaults", batch, f"{workers}+p", lambda: run_epochs(config(arch, batch, frozen, workers, epochs)))
+            table.add(
+                arch,
+                frozen,
+                "Lightning, compile, defaults",
+                batch,
+                f"{workers}+p",
+                lambda: run_epochs(config(arch, batch, frozen, workers, epochs)),
+            )
             if baseline_too:
-                table.add(arch, frozen, "Lightning, compile, no next epoch ahead", batch, f"{workers}+p", lambda: run_epochs(config(arch, batch, frozen, workers, epochs, next_epoch_ahead=False)))
+                table.add(
+                    arch,
+                    frozen,
+                    "Lightning, compile, no next epoch ahead",
+                    batch,
+                    f"{workers}+p",
+                    lambda: run_epochs(config(arch, batch, frozen, workers, epochs, next_epoch_ahead=False)),
+                )
 
         steps, warm = args.steps, args.warmup
-        table.add("resnet50", False, "limit: fused (eager)", batch, None, lambda: limit("resnet50", batch, size, False, steps, warm, fused=True))
+        table.add(
+            "resnet50",
+            False,
+            "limit: fused (eager)",
+            batch,
+            None,
+            lambda: limit("resnet50", batch, size, False, steps, warm, fused=True),
+        )
         epochs = compiled_limit_then_ray()
         defaults("resnet50", False, baseline_too=True)
         for arch, frozen in (("resnet50", True), ("small_cnn", False)):
-            table.add(arch, frozen, "limit: fused (eager)", batch, None, lambda: limit(arch, batch, size, frozen, steps, warm, fused=True))
-            table.add(arch, frozen, "limit: fused, compile", batch, None, lambda: limit(arch, batch, size, frozen, steps, warm + 5, "default", True))
+            table.add(
+                arch,
+                frozen,
+                "limit: fused (eager)",
+                batch,
+                None,
+                lambda: limit(arch, batch, size, frozen, steps, warm, fused=True),
+            )
+            table.add(
+                arch,
+                frozen,
+                "limit: fused, compile",
+                batch,
+                None,
+                lambda: limit(arch, batch, size, frozen, steps, warm + 5, "default", True),
+            )
             defaults(arch, frozen, baseline_too=False)
-        table.add("small_cnn", False, "Lightning, eager, threads", batch, workers, lambda: run_epochs(config("small_cnn", batch, False, workers, epochs_for(table.limits.get(("small_cnn", False, batch, False), 1000.0), args.images, args.seconds), compile=False, loader_processes=0)))
-        table.add("resnet50", False, "Ray TorchTrainer, compile, no next epoch ahead", batch, f"{workers}+p", lambda: ray_epochs(config("resnet50", batch, False, workers, epochs, next_epoch_ahead=False), work, cores))
-    if "diagnose" in sections:  # where the frozen backbone and the small CNN lose their steps: the loop, the loader, syncs
+        table.add(
+            "small_cnn",
+            False,
+            "Lightning, eager, threads",
+            batch,
+            workers,
+            lambda: run_epochs(
+                config(
+                    "small_cnn",
+                    batch,
+                    False,
+                    workers,
+                    epochs_for(table.limits.get(("small_cnn", False, batch, False), 1000.0), args.images, args.seconds),
+                    compile=False,
+                    loader_processes=0,
+                )
+            ),
+        )
+        table.add(
+            "resnet50",
+            False,
+            "Ray TorchTrainer, compile, no next epoch ahead",
+            batch,
+            f"{workers}+p",
+            lambda: ray_epochs(config("resnet50", batch, False, workers, epochs, next_epoch_ahead=False), work, cores),
+        )
+    if (
+        "diagnose" in sections
+    ):  # where the frozen backbone and the small CNN lose their steps: the loop, the loader, syncs
         batch, steps, warm = args.gpu_batch, args.steps, args.warmup
         on_gpu_steps = max(1, args.images // batch)
-        table.add("resnet50", True, "limit: fused, compile", batch, None, lambda: limit("resnet50", batch, size, True, steps, warm + 5, "default", True))
+        table.add(
+            "resnet50",
+            True,
+            "limit: fused, compile",
+            batch,
+            None,
+            lambda: limit("resnet50", batch, size, True, steps, warm + 5, "default", True),
+        )
         epochs = epochs_for(table.limits.get(("resnet50", True, batch, True), 1000.0), args.images, args.seconds)
-        table.add("resnet50", True, "Lightning, compile, defaults", batch, f"{workers}+p", lambda: run_epochs(config("resnet50", batch, True, workers, epochs)))
-        table.add("resnet50", True, "Lightning, compile, batches on the GPU", batch, None, lambda: run_epochs(config("resnet50", batch, True, workers, epochs, gpu_batches=on_gpu_steps)))
-        table.add("resnet50", True, "Lightning, compile reduce-overhead", batch, f"{workers}+p", lambda: run_epochs(config("resnet50", batch, True, workers, epochs, compile="reduce-overhead")))
+        table.add(
+            "resnet50",
+            True,
+            "Lightning, compile, defaults",
+            batch,
+            f"{workers}+p",
+            lambda: run_epochs(config("resnet50", batch, True, workers, epochs)),
+        )
+        table.add(
+            "resnet50",
+            True,
+            "Lightning, compile, batches on the GPU",
+            batch,
+            None,
+            lambda: run_epochs(config("resnet50", batch, True, workers, epochs, gpu_batches=on_gpu_steps)),
+        )
+        table.add(
+            "resnet50",
+            True,
+            "Lightning, compile reduce-overhead",
+            batch,
+            f"{workers}+p",
+            lambda: run_epochs(config("resnet50", batch, True, workers, epochs, compile="reduce-overhead")),
+        )
         profile = str(Path(args.json).with_name("gpu-profile-frozen.txt")) if args.json else ""
-        table.add("resnet50", True, "Lightning, compile, syncs watched, profiled", batch, f"{workers}+p", lambda: run_epochs(config("resnet50", batch, True, workers, epochs, sync_watch=True, profile=profile)))
-        table.add("small_cnn", False, "limit: fused (eager)", batch, None, lambda: limit("small_cnn", batch, size, False, steps, warm, fused=True))
+        table.add(
+            "resnet50",
+            True,
+            "Lightning, compile, syncs watched, profiled",
+            batch,
+            f"{workers}+p",
+            lambda: run_epochs(config("resnet50", batch, True, workers, epochs, sync_watch=True, profile=profile)),
+        )
+        table.add(
+            "small_cnn",
+            False,
+            "limit: fused (eager)",
+            batch,
+            None,
+            lambda: limit("small_cnn", batch, size, False, steps, warm, fused=True),
+        )
         epochs = epochs_for(table.limits.get(("small_cnn", False, batch, False), 1000.0) / 3, args.images, args.seconds)
-        table.add("small_cnn", False, "Lightning, eager, batches on the GPU", batch, None, lambda: run_epochs(config("small_cnn", batch, False, workers, epochs, compile=False, gpu_batches=on_gpu_steps)))
+        table.add(
+            "small_cnn",
+            False,
+            "Lightning, eager, batches on the GPU",
+            batch,
+            None,
+            lambda: run_epochs(
+                config("small_cnn", batch, False, workers, epochs, compile=False, gpu_batches=on_gpu_steps)
+            ),
+        )
         for processes in (1, 2, 4):
-            table.add("loader", False, f"{processes} loader processes at once", batch, f"{workers}+{processes}p", lambda: loaders_together(url, size, batch, workers, processes))
-        table.add("small_cnn", False, "Lightning, eager, 1 loader process", batch, f"{workers}+p", lambda: run_epochs(config("small_cnn", batch, False, workers, epochs, compile=False)))
-        table.add("small_cnn", False, "Lightning, eager, syncs watched", batch, f"{workers}+p", lambda: run_epochs(config("small_cnn", batch, False, workers, epochs, compile=False, sync_watch=True)))
-    if "targets" in sections:  # the frozen backbone and the small CNN against their limits, the per-step wait gone; more loader processes
+            table.add(
+                "loader",
+                False,
+                f"{processes} loader processes at once",
+                batch,
+                f"{workers}+{processes}p",
+                lambda: loaders_together(url, size, batch, workers, processes),
+            )
+        table.add(
+            "small_cnn",
+            False,
+            "Lightning, eager, 1 loader process",
+            batch,
+            f"{workers}+p",
+            lambda: run_epochs(config("small_cnn", batch, False, workers, epochs, compile=False)),
+        )
+        table.add(
+            "small_cnn",
+            False,
+            "Lightning, eager, syncs watched",
+            batch,
+            f"{workers}+p",
+            lambda: run_epochs(config("small_cnn", batch, False, workers, epochs, compile=False, sync_watch=True)),
+        )
+    if (
+        "targets" in sections
+    ):  # the frozen backbone and the small CNN against their limits, the per-step wait gone; more loader processes
         batch, steps, warm = args.gpu_batch, args.steps, args.warmup
         on_gpu_steps = max(1, args.images // batch)
-        table.add("resnet50", True, "limit: fused, compile", batch, None, lambda: limit("resnet50", batch, size, True, steps, warm + 5, "default", True))
+        table.add(
+            "resnet50",
+            True,
+            "limit: fused, compile",
+            batch,
+            None,
+            lambda: limit("resnet50", batch, size, True, steps, warm + 5, "default", True),
+        )
         epochs = epochs_for(table.limits.get(("resnet50", True, batch, True), 1000.0), args.images, args.seconds)
-        table.add("resnet50", True, "Lightning, compile, batches on the GPU", batch, None, lambda: run_epochs(config("resnet50", batch, True, workers, epochs, gpu_batches=on_gpu_steps)))
-        table.add("resnet50", True, "Lightning, compile, defaults", batch, f"{workers}+p", lambda: run_epochs(config("resnet50", batch, True, workers, epochs)))
+        table.add(
+            "resnet50",
+            True,
+            "Lightning, compile, batches on the GPU",
+            batch,
+            None,
+            lambda: run_epochs(config("resnet50", batch, True, workers, epochs, gpu_batches=on_gpu_steps)),
+        )
+        table.add(
+            "resnet50",
+            True,
+            "Lightning, compile, defaults",
+            batch,
+            f"{workers}+p",
+            lambda: run_epochs(config("resnet50", batch, True, workers, epochs)),
+        )
         # The small CNN's steps are short: ten times the steps for a steady limit.
-        table.add("small_cnn", False, "limit: fused (eager)", batch, None, lambda: limit("small_cnn", batch, size, False, 10 * steps, 2 * warm, fused=True))
+        table.add(
+            "small_cnn",
+            False,
+            "limit: fused (eager)",
+            batch,
+            None,
+            lambda: limit("small_cnn", batch, size, False, 10 * steps, 2 * warm, fused=True),
+        )
         epochs = epochs_for(table.limits.get(("small_cnn", False, batch, False), 1000.0) / 3, args.images, args.seconds)
-        table.add("small_cnn", False, "Lightning, eager, batches on the GPU", batch, None, lambda: run_epochs(config("small_cnn", batch, False, workers, epochs, compile=False, gpu_batches=on_gpu_steps)))
+        table.add(
+            "small_cnn",
+            False,
+            "Lightning, eager, batches on the GPU",
+            batch,
+            None,
+            lambda: run_epochs(
+                config("small_cnn", batch, False, workers, epochs, compile=False, gpu_batches=on_gpu_steps)
+            ),
+        )
         for processes in (2, 4):
-            table.add("small_cnn", False, f"Lightning, eager, {processes} loader processes", batch, f"{workers}+{processes}p", lambda: run_epochs(config("small_cnn", batch, False, workers, epochs, compile=False, loader_processes=processes)))
-        table.add("resnet50", True, "Lightning, compile, 2 loader processes", batch, f"{workers}+2p", lambda: run_epochs(config("resnet50", batch, True, workers, epochs_for(table.limits.get(("resnet50", True, batch, True), 1000.0), args.images, args.seconds), loader_processes=2)))
+            table.add(
+                "small_cnn",
+                False,
+                f"Lightning, eager, {processes} loader processes",
+                batch,
+                f"{workers}+{processes}p",
+                lambda: run_epochs(
+                    config("small_cnn", batch, False, workers, epochs, compile=False, loader_processes=processes)
+                ),
+            )
+        table.add(
+            "resnet50",
+            True,
+            "Lightning, compile, 2 loader processes",
+            batch,
+            f"{workers}+2p",
+            lambda: run_epochs(
+                config(
+                    "resnet50",
+                    batch,
+                    True,
+                    workers,
+                    epochs_for(table.limits.get(("resnet50", True, batch, True), 1000.0), args.images, args.seconds),
+                    loader_processes=2,
+                )
+            ),
+        )
     if "zoo-path" in sections:  # torchvision's models in the training path, against their own limits
         batch, steps, warm = args.gpu_batch, args.steps, args.warmup
         for arch in ("efficientnet_b0", "vit_b_16"):
             if "zoo-eager" in sections:
-                table.add(arch, False, "limit: fused (eager)", batch, None, lambda: limit(arch, batch, size, False, steps, warm, fused=True))
-            table.add(arch, False, "limit: fused, compile", batch, None, lambda: limit(arch, batch, size, False, steps, warm + 5, "default", True))
+                table.add(
+                    arch,
+                    False,
+                    "limit: fused (eager)",
+                    batch,
+                    None,
+                    lambda: limit(arch, batch, size, False, steps, warm, fused=True),
+                )
+            table.add(
+                arch,
+                False,
+                "limit: fused, compile",
+                batch,
+                None,
+                lambda: limit(arch, batch, size, False, steps, warm + 5, "default", True),
+            )
             epochs = epochs_for(table.limits.get((arch, False, batch, True), 1000.0), args.images, args.seconds)
-            table.add(arch, False, "Lightning, compile, defaults", batch, f"{workers}+p", lambda: run_epochs(config(arch, batch, False, workers, epochs)))
+            table.add(
+                arch,
+                False,
+                "Lightning, compile, defaults",
+                batch,
+                f"{workers}+p",
+                lambda: run_epochs(config(arch, batch, False, workers, epochs)),
+            )
             if "zoo-ray" in sections:
-                table.add(arch, False, "Ray TorchTrainer, compile, defaults", batch, f"{workers}+p", lambda: ray_epochs(config(arch, batch, False, workers, epochs), work, cores))
+                table.add(
+                    arch,
+                    False,
+                    "Ray TorchTrainer, compile, defaults",
+                    batch,
+                    f"{workers}+p",
+                    lambda: ray_epochs(config(arch, batch, False, workers, epochs), work, cores),
+                )
     if "ray" in sections:  # the Ray row of "final" alone, against the compiled limit
         compiled_limit_then_ray()
     if "jpeg" in sections:
@@ -713,27 +1225,49 @@ def gpu_table(args: argparse.Namespace, url: str, work: Path) -> None:
             table.say(f"JPEG section FAILED: {type(error).__name__}: {error}")
     if "zoo" in sections:  # torchvision's models: what compile gives each
         for arch in ("efficientnet_b0", "vit_b_16"):
-            table.add(arch, False, "limit: fused (eager), torchvision", 256, None, lambda: limit(arch, 256, size, False, args.steps, args.warmup, fused=True, zoo=True))
-            table.add(arch, False, "limit: fused, compile, torchvision", 256, None, lambda: limit(arch, 256, size, False, args.steps, args.warmup + 5, "default", True, zoo=True))
+            table.add(
+                arch,
+                False,
+                "limit: fused (eager), torchvision",
+                256,
+                None,
+                lambda: limit(arch, 256, size, False, args.steps, args.warmup, fused=True, zoo=True),
+            )
+            table.add(
+                arch,
+                False,
+                "limit: fused, compile, torchvision",
+                256,
+                None,
+                lambda: limit(arch, 256, size, False, args.steps, args.warmup + 5, "default", True, zoo=True),
+            )
 
 
 def cpu_comparison(args: argparse.Namespace, url: str, work: Path) -> None:
     cores = os.cpu_count() or 2
-    print(f"{args.images} images {args.size}x{args.size}, {args.arch}, batch {args.batch}, {args.epochs} epochs (the first is warm-up), "
-          f"CPU, {cores} cores, {torch.get_num_threads()} torch threads")
+    print(
+        f"{args.images} images {args.size}x{args.size}, {args.arch}, batch {args.batch}, {args.epochs} epochs (the first is warm-up), "
+        f"CPU, {cores} cores, {torch.get_num_threads()} torch threads"
+    )
     config = train_config(url, args.size, args.arch, args.batch, args.epochs, args.loader_workers, gpu=False)
 
     def report(label: str, result: dict[str, Any], wall: float) -> float:
-        print(f"{label:44} {result['rate']:8.1f} images/s   data wait {result['wait']:5.1%}   wall {wall:6.1f} s", flush=True)
+        print(
+            f"{label:44} {result['rate']:8.1f} images/s   data wait {result['wait']:5.1%}   wall {wall:6.1f} s",
+            flush=True,
+        )
         return result["rate"]
 
     started = time.perf_counter()
     a = report("(a) plain Lightning, one process", run_epochs(config), time.perf_counter() - started)
-    # The worker gets every core, as the plain process has (Ray sets its torch threads from its CPUs); +1 for the controller.
+    # The worker gets every core, as the plain process has (Ray sets its torch threads from its CPUs); +1 for the
+    # controller.
     ray.init(num_cpus=cores + 1, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
     started = time.perf_counter()
     result = ray_epochs(config, work, cores)
-    b = report(f"(b) Ray Train TorchTrainer, one worker ({result['threads']} threads)", result, time.perf_counter() - started)
+    b = report(
+        f"(b) Ray Train TorchTrainer, one worker ({result['threads']} threads)", result, time.perf_counter() - started
+    )
     print(f"TorchTrainer / plain Lightning: {b / a:.2f}")
 
 
@@ -747,12 +1281,30 @@ def main() -> None:
     parser.add_argument("--arch", default="small_cnn", help="CPU only")
     parser.add_argument("--batch", type=int, default=64, help="CPU only")
     parser.add_argument("--epochs", type=int, default=6, help="CPU only")
-    parser.add_argument("--sections", default="final", help="GPU only: which parts of the table (also targets, diagnose, zoo-path, zoo-eager, zoo-ray; ladder, paths, loader, jpeg, zoo, resnet50, frozen, small, profile, compile: earlier tables')")
-    parser.add_argument("--frozen-workers", type=lambda s: [int(x) for x in s.split(",")], default=[2, 4], help="GPU only: reader threads tried for the frozen backbone")
-    parser.add_argument("--ray-everywhere", action="store_true", help="GPU only: Ray rows for the frozen backbone and the smaller models too")
+    parser.add_argument(
+        "--sections",
+        default="final",
+        help="GPU only: which parts of the table (also targets, diagnose, zoo-path, zoo-eager, zoo-ray; ladder, paths, loader, jpeg, zoo, resnet50, frozen, small, profile, compile: earlier tables')",
+    )
+    parser.add_argument(
+        "--frozen-workers",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=[2, 4],
+        help="GPU only: reader threads tried for the frozen backbone",
+    )
+    parser.add_argument(
+        "--ray-everywhere",
+        action="store_true",
+        help="GPU only: Ray rows for the frozen backbone and the smaller models too",
+    )
     parser.add_argument("--steps", type=int, default=40, help="GPU only: timed steps of each limit")
     parser.add_argument("--warmup", type=int, default=15, help="GPU only: untimed steps before them")
-    parser.add_argument("--seconds", type=float, default=8.0, help="GPU only: about how long each loader path trains after its warm-up epoch")
+    parser.add_argument(
+        "--seconds",
+        type=float,
+        default=8.0,
+        help="GPU only: about how long each loader path trains after its warm-up epoch",
+    )
     parser.add_argument("--gpu-batch", type=int, default=256, help="GPU only: the batch of the final section")
     parser.add_argument("--json", help="GPU only: also write the rows to this file")
     args = parser.parse_args()

@@ -65,8 +65,18 @@ def run(source: Path, workspace: Path, settings: list[str]) -> dict:
     """One `imagelake run` in its own process; its --json summary, with the wall time."""
     started = time.perf_counter()
     done = subprocess.run(
-        [IMAGELAKE, "run", "--source", str(source), "--json", *[a for s in [f"workspace={workspace}", *settings] for a in ("--set", s)]],
-        capture_output=True, text=True, cwd=REPO, env={k: v for k, v in os.environ.items() if not k.startswith("IMAGELAKE_")},
+        [
+            IMAGELAKE,
+            "run",
+            "--source",
+            str(source),
+            "--json",
+            *[a for s in [f"workspace={workspace}", *settings] for a in ("--set", s)],
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={k: v for k, v in os.environ.items() if not k.startswith("IMAGELAKE_")},
     )
     if done.returncode:
         sys.exit(f"imagelake run failed:\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}")
@@ -86,14 +96,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--warm-epochs", type=int, default=2, help="max_epochs of the warm-started run (default 2)")
     parser.add_argument("--keep", type=Path, help="work in this folder and leave it (default: a temp folder, removed)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="NAME=VALUE", help="a setting for every run")
+    parser.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="NAME=VALUE", help="a setting for every run"
+    )
     args = parser.parse_args()
     root = args.keep or Path(tempfile.mkdtemp(prefix="imagelake-warm-"))
     source = root / "source"
     try:
         write_digits(root / "digits", size=64)
         counts = split_halves(root / "digits", root / "halves")
-        print(f"halves: A {sum(counts['A'].values())} images, B {sum(counts['B'].values())} images, 10 labels each", flush=True)
+        print(
+            f"halves: A {sum(counts['A'].values())} images, B {sum(counts['B'].values())} images, 10 labels each",
+            flush=True,
+        )
         add_half(root / "halves" / "A", source)
         first = run(source, root / "ws-1", args.overrides)
         print(row("1: half A, scratch", first), flush=True)
@@ -103,10 +118,16 @@ def main() -> None:
         full = run(source, root / "ws-full", args.overrides)
         warm = run(source, root / "ws-warm", [*args.overrides, "warm_start=true", f"max_epochs={args.warm_epochs}"])
         if warm["warm_started_from"] != first["model_version"]:
-            sys.exit(f"the warm run did not start from the champion v{first['model_version']}: warm_started_from {warm['warm_started_from']}")
+            sys.exit(
+                f"the warm run did not start from the champion v{first['model_version']}: warm_started_from {warm['warm_started_from']}"
+            )
         settings = ", ".join(args.overrides) or "default settings"
-        print(f"\ndemo digits, {settings}, {os.cpu_count()} cores; fit = Lightning's fit on rank 0; train = the train stage (Ray start-up included)")
-        print(f"{'run':<22} {'test acc':>8} {'epochs':>6} {'fit s':>7} {'train s':>9} {'wall s':>7}  {'warm from':>9}  model")
+        print(
+            f"\ndemo digits, {settings}, {os.cpu_count()} cores; fit = Lightning's fit on rank 0; train = the train stage (Ray start-up included)"
+        )
+        print(
+            f"{'run':<22} {'test acc':>8} {'epochs':>6} {'fit s':>7} {'train s':>9} {'wall s':>7}  {'warm from':>9}  model"
+        )
         print(row("1: half A, scratch", first))
         print(row("2a: A+B, full retrain", full))
         print(row("2b: A+B, warm start", warm))

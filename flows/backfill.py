@@ -27,14 +27,21 @@ class BackfillFailed(RuntimeError):
 
 
 def plan_dates(table: ImageTable, settings: Settings, source: str, start: date, end: date) -> list[dict[str, Any]]:
-    """Each date in the range that has source files or table rows: missing, stale or done (see tasks.rules.listing.date_plan).
+    """Each date in the range that has source files or table rows: missing, stale or done (see
+    tasks.rules.listing.date_plan).
     The listing goes to staging and is compared with the tables by Spark; the driver gets counts per date."""
     scope = Scope(tuple(e.lower() for e in settings.image_extensions), start, end, settings.max_file_bytes)
-    return date_plan(date_counts(table, save_listing(source_uri(source), scope, settings.staging_uri), scope, settings.staging_uri), start, end)
+    return date_plan(
+        date_counts(table, save_listing(source_uri(source), scope, settings.staging_uri), scope, settings.staging_uri),
+        start,
+        end,
+    )
 
 
 @imagelake_flow("imagelake-ingest-date")
-def ingest_date(source: str, day: str, config_file: str | None = None, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+def ingest_date(
+    source: str, day: str, config_file: str | None = None, overrides: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """Ingest, resize and write one date partition (re-running it replaces exactly that date's rows)."""
     settings = run_settings(config_file, overrides, start_date=day, end_date=day)
     with stage_results(settings):
@@ -60,14 +67,18 @@ def backfill(
         raise ValueError(f"max_concurrency must be at least 1, got {max_concurrency}")
     settings = run_settings(config_file, overrides)
     table = ImageTable.of(settings)
-    if settings.requeue_reasons and not dry_run:  # once, before the plan (which then finds their dates stale); never per date
+    if (
+        settings.requeue_reasons and not dry_run
+    ):  # once, before the plan (which then finds their dates stale); never per date
         with stage_results(settings):
             requeue_by_setting(settings)
         overrides = {**(overrides or {}), "requeue_reasons": []}
     plan = plan_dates(table, settings, source, start_date, end_date)
     if not plan:
         raise ValueError(f"no date=YYYY-MM-DD folders between {start_date} and {end_date} under {source}")
-    create_table_artifact(plan, key="imagelake-backfill-plan", description=f"Dates {start_date} to {end_date}: missing, stale or done")
+    create_table_artifact(
+        plan, key="imagelake-backfill-plan", description=f"Dates {start_date} to {end_date}: missing, stale or done"
+    )
     todo = [item["date"] for item in plan if item["status"] != "done"]
     print(f"backfill plan: {len(todo)} of {len(plan)} dates to ingest ({', '.join(todo) or 'none'})")
     if dry_run:
@@ -77,7 +88,10 @@ def backfill(
     landed: list[dict[str, Any]] = []
     pool = ThreadPoolExecutor(max_workers=max_concurrency)
     # Each date runs in a copy of this flow's context, so it is recorded as a subflow run of the backfill.
-    futures = {day: pool.submit(contextvars.copy_context().run, ingest_date, source, day, config_file, overrides) for day in todo}
+    futures = {
+        day: pool.submit(contextvars.copy_context().run, ingest_date, source, day, config_file, overrides)
+        for day in todo
+    }
     try:
         for day, future in futures.items():
             try:
@@ -95,7 +109,12 @@ def backfill(
         version = TableVersion(table_uri=table.uri, version=table.images.version(), engine=table.engine)
         with stage_results(settings):
             summary = train_and_promote(version, settings)
-        result.update(delta_version=version.version, model_version=summary["model_version"], model_alias=summary["model_alias"])
+        result.update(
+            delta_version=version.version, model_version=summary["model_version"], model_alias=summary["model_alias"]
+        )
     if failed:
-        raise BackfillFailed(f"{len(failed)} of {len(todo)} dates failed; re-run them: " + "; ".join(f"{day}: {why}" for day, why in sorted(failed.items())))
+        raise BackfillFailed(
+            f"{len(failed)} of {len(todo)} dates failed; re-run them: "
+            + "; ".join(f"{day}: {why}" for day, why in sorted(failed.items()))
+        )
     return result

@@ -4,9 +4,10 @@ machine check and the demo data. Flows and stages are imported by the command th
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 import typer
 
@@ -25,12 +26,19 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def main(
-    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print imagelake's version and exit."),
+    version: bool = typer.Option(
+        False, "--version", callback=_version, is_eager=True, help="Print imagelake's version and exit."
+    ),
 ) -> None:
     """Train image models on a lakehouse."""
 
-ConfigOption = typer.Option(None, "--config", "-c", help="Settings file (.yaml, .toml or .json); IMAGELAKE_* variables override it.")
-SetOption = typer.Option(None, "--set", "-s", help="Override one setting: NAME=VALUE (repeatable), e.g. --set max_epochs=3.")
+
+ConfigOption = typer.Option(
+    None, "--config", "-c", help="Settings file (.yaml, .toml or .json); IMAGELAKE_* variables override it."
+)
+SetOption = typer.Option(
+    None, "--set", "-s", help="Override one setting: NAME=VALUE (repeatable), e.g. --set max_epochs=3."
+)
 
 
 def parse_overrides(pairs: list[str] | None) -> dict[str, Any]:
@@ -47,11 +55,11 @@ def parse_overrides(pairs: list[str] | None) -> dict[str, Any]:
     return overrides
 
 
-def _file(config: Optional[Path]) -> str | None:
+def _file(config: Path | None) -> str | None:
     return str(config) if config else None
 
 
-def _settings_or_exit(config: Optional[Path], pairs: list[str] | None) -> tuple[Settings, dict[str, Any]]:
+def _settings_or_exit(config: Path | None, pairs: list[str] | None) -> tuple[Settings, dict[str, Any]]:
     try:
         overrides = parse_overrides(pairs)
         return load_settings(config, overrides), overrides
@@ -60,9 +68,12 @@ def _settings_or_exit(config: Optional[Path], pairs: list[str] | None) -> tuple[
         raise typer.Exit(2) from None
 
 
-def _start(settings: Settings, flow: Callable[..., Any], errors: tuple[type[Exception], ...] = (), **parameters: Any) -> Any:
+def _start(
+    settings: Settings, flow: Callable[..., Any], errors: tuple[type[Exception], ...] = (), **parameters: Any
+) -> Any:
     """Run FLOW with the settings' Prefect API and result store. Bad input or settings (ValueError, FileNotFoundError,
-    ERRORS) end the command with exit code 2 and the message, which says what to do; the traceback is in the log above."""
+    ERRORS) end the command with exit code 2 and the message, which says what to do; the traceback is in the log
+    above."""
     from infra.prefect_env import prefect_for
 
     try:
@@ -86,14 +97,16 @@ def run(
     source: str = typer.Option(..., "--source", help="Folder (or URI) of images laid out as <label>/<file>."),
     as_json: bool = JsonOption,
     refresh: bool = typer.Option(False, "--refresh", help="Recompute every stage even where the cache holds a result."),
-    config: Optional[Path] = ConfigOption,
-    set_: Optional[list[str]] = SetOption,
+    config: Path | None = ConfigOption,
+    set_: list[str] | None = SetOption,
 ) -> None:
     """Run the whole pipeline on SOURCE and print a summary."""
     settings, overrides = _settings_or_exit(config, set_)
     from flows.pipeline import pipeline
 
-    summary = _start(settings, pipeline, source=source, config_file=_file(config), overrides=overrides or None, refresh=refresh)
+    summary = _start(
+        settings, pipeline, source=source, config_file=_file(config), overrides=overrides or None, refresh=refresh
+    )
     _print_summary(summary, as_json)
 
 
@@ -110,7 +123,8 @@ def format_summary(summary: dict[str, Any]) -> str:
     """A few lines a person reads after a run."""
     return "\n".join(
         [
-            f"imagelake run {summary.get('flow_run_id')}" + (f"  ({summary['flow_run_url']})" if summary.get("flow_run_url") else ""),
+            f"imagelake run {summary.get('flow_run_id')}"
+            + (f"  ({summary['flow_run_url']})" if summary.get("flow_run_url") else ""),
             f"  Delta table   {summary['delta_table']} v{summary['delta_version']} ({summary['rows']} images, "
             f"{summary['rows_added']} added, {summary['rows_retired']} retired, writer {summary['delta_engine']})",
             f"  files         {summary['files_decoded']} decoded, {summary['files_known']} already known, "
@@ -120,7 +134,11 @@ def format_summary(summary: dict[str, Any]) -> str:
             f"  stages        from cache: {', '.join(summary.get('cache_hits') or []) or 'none'}{recomputed(summary.get('cache', []))}",
             f"  stage times   {timings(summary.get('stage_seconds') or {})}",
             f"  training      {summary['epochs_run']} epochs, val accuracy {summary['val_accuracy']:.3f}, MLflow run {summary['mlflow_run_id']}"
-            + (f", warm start from v{summary['warm_started_from']}" if summary.get("warm_started_from", "none") != "none" else ""),
+            + (
+                f", warm start from v{summary['warm_started_from']}"
+                if summary.get("warm_started_from", "none") != "none"
+                else ""
+            ),
             f"  model         {summary['model_name']} v{summary['model_version']} -> {summary['model_alias']} "
             f"(test accuracy {summary['test_accuracy']:.3f}{margin(summary)}; champion is v{summary['champion_version']})",
             f"  ran on        {engines(summary)}",
@@ -131,13 +149,19 @@ def format_summary(summary: dict[str, Any]) -> str:
 def margin(summary: dict[str, Any]) -> str:
     """The model's margin over its run's plain baseline, where the run fitted one."""
     baseline = summary.get("baseline_accuracy")
-    return "" if baseline is None else f", {summary['test_accuracy'] - baseline:+.3f} over its baseline's {baseline:.3f}"
+    return (
+        "" if baseline is None else f", {summary['test_accuracy'] - baseline:+.3f} over its baseline's {baseline:.3f}"
+    )
 
 
 def unread_line(summary: dict[str, Any]) -> str:
     """Files no read could get (left out of this version, read again by the next run) and reads that were retried."""
     unread, retries = summary.get("files_unread") or {}, summary.get("read_retries") or 0
-    text = f"; could not read {sum(unread.values())} ({', '.join(f'{k}: {v}' for k, v in sorted(unread.items()))}), the next run reads them" if unread else ""
+    text = (
+        f"; could not read {sum(unread.values())} ({', '.join(f'{k}: {v}' for k, v in sorted(unread.items()))}), the next run reads them"
+        if unread
+        else ""
+    )
     return text + (f"; {retries} read(s) retried" if retries else "")
 
 
@@ -152,19 +176,27 @@ def engines(summary: dict[str, Any]) -> str:
     nodes = summary.get("ray_worker_nodes") or []
     where = f"Spark {spark['id']} on {spark['master']}" if spark else "Spark: not started (no stage needed a Spark job)"
     distinct = len(set(nodes))
-    return f"{where}; Ray Train: {len(nodes)} rank(s) on {distinct} Ray node(s)" + (f" ({', '.join(n[:8] for n in nodes)})" if nodes else "")
+    return f"{where}; Ray Train: {len(nodes)} rank(s) on {distinct} Ray node(s)" + (
+        f" ({', '.join(n[:8] for n in nodes)})" if nodes else ""
+    )
 
 
 @app.command()
 def backfill(
     start: datetime = typer.Argument(..., formats=["%Y-%m-%d"], help="First date (YYYY-MM-DD) of the range."),
     end: datetime = typer.Argument(..., formats=["%Y-%m-%d"], help="Last date (YYYY-MM-DD) of the range, included."),
-    source: str = typer.Option(..., "--source", help="Folder (or URI) of images laid out as date=YYYY-MM-DD/<label>/<file>."),
-    dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan (missing, stale or done per date) and ingest nothing."),
-    max_concurrency: int = typer.Option(2, "--max-concurrency", min=1, help="Dates ingested at once, each as its own subflow run."),
+    source: str = typer.Option(
+        ..., "--source", help="Folder (or URI) of images laid out as date=YYYY-MM-DD/<label>/<file>."
+    ),
+    dry_run: bool = typer.Option(
+        False, "--dry-run", help="Print the plan (missing, stale or done per date) and ingest nothing."
+    ),
+    max_concurrency: int = typer.Option(
+        2, "--max-concurrency", min=1, help="Dates ingested at once, each as its own subflow run."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print the result as one JSON object on the last line."),
-    config: Optional[Path] = ConfigOption,
-    set_: Optional[list[str]] = SetOption,
+    config: Path | None = ConfigOption,
+    set_: list[str] | None = SetOption,
 ) -> None:
     """Ingest every date of START..END that is missing or stale, then train once on the resulting table version."""
     settings, overrides = _settings_or_exit(config, set_)
@@ -173,21 +205,33 @@ def backfill(
 
     try:
         result = _start(
-            settings, backfill_flow, source=source, start_date=start.date(), end_date=end.date(), max_concurrency=max_concurrency, dry_run=dry_run,
-            config_file=_file(config), overrides=overrides or None,
+            settings,
+            backfill_flow,
+            source=source,
+            start_date=start.date(),
+            end_date=end.date(),
+            max_concurrency=max_concurrency,
+            dry_run=dry_run,
+            config_file=_file(config),
+            overrides=overrides or None,
         )
     except BackfillFailed as exc:  # the other dates landed: exit 1, naming the dates to re-run
         typer.secho(f"error: {exc}", err=True, fg="red")
         raise typer.Exit(1) from None
     for item in result["plan"]:
-        typer.echo(f"  {item['date']}  {item['status']:8} {item['files']} files, {item['new_or_changed']} new or changed, {item['gone']} gone")
+        typer.echo(
+            f"  {item['date']}  {item['status']:8} {item['files']} files, {item['new_or_changed']} new or changed, {item['gone']} gone"
+        )
     if "model_version" in result:
-        typer.echo(f"trained on table version {result['delta_version']}: model v{result['model_version']} -> {result['model_alias']}")
+        typer.echo(
+            f"trained on table version {result['delta_version']}: model v{result['model_version']} -> {result['model_alias']}"
+        )
     if as_json:
         typer.echo(json.dumps(result, sort_keys=True, default=str))
 
+
 @app.command()
-def maintain(config: Optional[Path] = ConfigOption, set_: Optional[list[str]] = SetOption) -> None:
+def maintain(config: Path | None = ConfigOption, set_: list[str] | None = SetOption) -> None:
     """Compact and vacuum the Delta tables (keeping every registered model's table version)."""
     settings, overrides = _settings_or_exit(config, set_)
     from flows.maintenance import maintenance
@@ -195,11 +239,14 @@ def maintain(config: Optional[Path] = ConfigOption, set_: Optional[list[str]] = 
     report = _start(settings, maintenance, config_file=_file(config), overrides=overrides or None)
     typer.echo(json.dumps(report, indent=2, default=str))
 
+
 @app.command()
 def requeue(
-    reason: Optional[list[str]] = typer.Option(None, "--reason", "-r", help="Only files quarantined for this reason (repeatable); default: every file."),
-    config: Optional[Path] = ConfigOption,
-    set_: Optional[list[str]] = SetOption,
+    reason: list[str] | None = typer.Option(
+        None, "--reason", "-r", help="Only files quarantined for this reason (repeatable); default: every file."
+    ),
+    config: Path | None = ConfigOption,
+    set_: list[str] | None = SetOption,
 ) -> None:
     """Send quarantined files back through: the next run reads them again (a file still bad is quarantined again)."""
     settings, _ = _settings_or_exit(config, set_)
@@ -210,10 +257,12 @@ def requeue(
     held = table.quarantined_by_reason()
     unknown = [name for name in reason or [] if name not in held]
     if unknown:
-        _fail(ValueError(
-            f"--reason {', '.join(unknown)}: no file in the quarantine table {settings.quarantine_uri} has that reason; "
-            f"its reasons now: {', '.join(f'{name} ({n})' for name, n in held.items()) or 'none (it is empty)'}"
-        ))
+        _fail(
+            ValueError(
+                f"--reason {', '.join(unknown)}: no file in the quarantine table {settings.quarantine_uri} has that reason; "
+                f"its reasons now: {', '.join(f'{name} ({n})' for name, n in held.items()) or 'none (it is empty)'}"
+            )
+        )
     requeued = requeue_files(table, reason or None)
     if not requeued:
         typer.echo(f"nothing to requeue: the quarantine table {settings.quarantine_uri} is empty")
@@ -225,7 +274,7 @@ def requeue(
 
 
 @app.command()
-def doctor(config: Optional[Path] = ConfigOption, set_: Optional[list[str]] = SetOption) -> None:
+def doctor(config: Path | None = ConfigOption, set_: list[str] | None = SetOption) -> None:
     """Check Python, Java, Spark, Delta, Petastorm, Ray, GPUs, MLflow and Prefect for these settings."""
     settings, _ = _settings_or_exit(config, set_)
     from flows.doctor import run_checks
@@ -236,12 +285,16 @@ def doctor(config: Optional[Path] = ConfigOption, set_: Optional[list[str]] = Se
         typer.echo(f"{status:8} {check.name:20} {check.detail}")
     missing = [check for check in checks if check.required and not check.ok]
     if missing:
-        typer.secho(f"missing: {', '.join(check.name for check in missing)} (see the lines above for what to do)", err=True, fg="red")
+        typer.secho(
+            f"missing: {', '.join(check.name for check in missing)} (see the lines above for what to do)",
+            err=True,
+            fg="red",
+        )
         raise typer.Exit(1)
     typer.echo("everything imagelake needs is here")
 
 
-def _registry_or_exit(config: Optional[Path], pairs: list[str] | None):
+def _registry_or_exit(config: Path | None, pairs: list[str] | None):
     settings, _ = _settings_or_exit(config, pairs)
     from infra.tracking import mlflow_client
 
@@ -257,8 +310,8 @@ def _fail(exc: Exception) -> None:
 def lineage(
     model: str = typer.Argument(..., help="Registered model name."),
     version: str = typer.Argument(..., help="Model version."),
-    config: Optional[Path] = ConfigOption,
-    set_: Optional[list[str]] = SetOption,
+    config: Path | None = ConfigOption,
+    set_: list[str] | None = SetOption,
 ) -> None:
     """Print what a model version was trained on and with, and how to retrain on exactly that data."""
     _, client = _registry_or_exit(config, set_)
@@ -280,8 +333,8 @@ def retrain(
     model: str = typer.Option(..., "--model", help="Registered model name."),
     version: str = typer.Option(..., "--version", help="The version whose data and training settings to reuse."),
     as_json: bool = JsonOption,
-    config: Optional[Path] = ConfigOption,
-    set_: Optional[list[str]] = SetOption,
+    config: Path | None = ConfigOption,
+    set_: list[str] | None = SetOption,
 ) -> None:
     """Train again on exactly the Delta table version a model version was trained on, with its training settings."""
     settings, client = _registry_or_exit(config, set_)
@@ -295,17 +348,23 @@ def retrain(
     except RegistryError as exc:
         _fail(exc)
     summary = _start(
-        settings, retrain_flow, (RegistryError,), table_uri=found["delta_table"], table_version=int(found["delta_version"]), config_file=_file(config),
+        settings,
+        retrain_flow,
+        (RegistryError,),
+        table_uri=found["delta_table"],
+        table_version=int(found["delta_version"]),
+        config_file=_file(config),
         overrides=overrides,
     )
     _print_summary(summary, as_json)
+
 
 @app.command()
 def rollback(
     model: str = typer.Option(..., "--model", help="Registered model name."),
     reason: str = typer.Option("operator rollback", "--reason", help="Why (recorded in the alias history)."),
-    config: Optional[Path] = ConfigOption,
-    set_: Optional[list[str]] = SetOption,
+    config: Path | None = ConfigOption,
+    set_: list[str] | None = SetOption,
 ) -> None:
     """Move `champion` back to `previous-champion` (the two swap)."""
     settings, client = _registry_or_exit(config, set_)
@@ -324,8 +383,8 @@ def promote(
     model: str = typer.Option(..., "--model", help="Registered model name."),
     version: str = typer.Option(..., "--version", help="The version to make champion."),
     reason: str = typer.Option(..., "--reason", help="Why (recorded in the alias history)."),
-    config: Optional[Path] = ConfigOption,
-    set_: Optional[list[str]] = SetOption,
+    config: Path | None = ConfigOption,
+    set_: list[str] | None = SetOption,
 ) -> None:
     """Make a version champion by hand, bypassing the gate; the replaced champion becomes previous-champion."""
     settings, client = _registry_or_exit(config, set_)
@@ -341,8 +400,8 @@ def promote(
 @app.command()
 def history(
     model: str = typer.Option(..., "--model", help="Registered model name."),
-    config: Optional[Path] = ConfigOption,
-    set_: Optional[list[str]] = SetOption,
+    config: Path | None = ConfigOption,
+    set_: list[str] | None = SetOption,
 ) -> None:
     """Every alias move of a model: when, who, which alias, from which version to which, and why."""
     settings, _ = _registry_or_exit(config, set_)
@@ -350,7 +409,9 @@ def history(
     from tasks.registry import history as read_history
 
     for row in read_history(spark_session(settings), settings, model):
-        typer.echo(f"{row['at']:%Y-%m-%d %H:%M:%S} {row['who']:10} {row['alias']:18} v{row['from_version'] or '-'} -> v{row['to_version']}  [{row['action']}] {row['reason']}")
+        typer.echo(
+            f"{row['at']:%Y-%m-%d %H:%M:%S} {row['who']:10} {row['alias']:18} v{row['from_version'] or '-'} -> v{row['to_version']}  [{row['action']}] {row['reason']}"
+        )
 
 
 @app.command()
@@ -358,8 +419,8 @@ def predict(
     model: str = typer.Option(..., "--model", help="NAME@ALIAS or NAME/VERSION, e.g. imagelake-classifier@champion."),
     source: Path = typer.Option(..., "--source", help="An image file or a folder of images (searched recursively)."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object per image instead of text."),
-    config: Optional[Path] = ConfigOption,
-    set_: Optional[list[str]] = SetOption,
+    config: Path | None = ConfigOption,
+    set_: list[str] | None = SetOption,
 ) -> None:
     """Label images with a registered model, resized exactly as for training."""
     settings, client = _registry_or_exit(config, set_)
@@ -371,43 +432,72 @@ def predict(
     except (RegistryError, FileNotFoundError) as exc:
         _fail(exc)
     for result in results:
-        typer.echo(json.dumps(result) if as_json else f"{result['path']}\t{result['label']}\t{result['probability']:.3f}" + (f"\t{result['error']}" if result.get("error") else ""))
+        typer.echo(
+            json.dumps(result)
+            if as_json
+            else f"{result['path']}\t{result['label']}\t{result['probability']:.3f}"
+            + (f"\t{result['error']}" if result.get("error") else "")
+        )
 
 
 @app.command()
 def score(
     model: str = typer.Option(..., "--model", help="NAME@ALIAS or NAME/VERSION, e.g. imagelake-classifier@champion."),
-    source: str = typer.Option(..., "--source", help="A folder or object-store prefix of images (any layout), or a Delta table of images: its URI, with @VERSION for an older version."),
+    source: str = typer.Option(
+        ...,
+        "--source",
+        help="A folder or object-store prefix of images (any layout), or a Delta table of images: its URI, with @VERSION for an older version.",
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
-    config: Optional[Path] = ConfigOption,
-    set_: Optional[list[str]] = SetOption,
+    config: Path | None = ConfigOption,
+    set_: list[str] | None = SetOption,
 ) -> None:
     """Label a folder, prefix or table version on Spark with a registered model, into the Delta table `predictions`."""
     settings, overrides = _settings_or_exit(config, set_)
     from flows.score import score_flow
     from tasks.registry import RegistryError
 
-    result = _start(settings, score_flow, (RegistryError,), model=model, source=source, config_file=_file(config), overrides=overrides)
+    result = _start(
+        settings,
+        score_flow,
+        (RegistryError,),
+        model=model,
+        source=source,
+        config_file=_file(config),
+        overrides=overrides,
+    )
     if as_json:
         typer.echo(json.dumps(result))
         return
-    where = f"{result['predictions_uri']} version {result['predictions_version']}" if result["predictions_version"] is not None else "nothing new to write"
+    where = (
+        f"{result['predictions_uri']} version {result['predictions_version']}"
+        if result["predictions_version"] is not None
+        else "nothing new to write"
+    )
     if result["cached"]:
         where += " (the source has not changed since the last run with this version)"
-    typer.echo(f"{result['model']}: {result['answered']} of {result['images']} images answered ({result['errors']} not images) -> {where}")
+    typer.echo(
+        f"{result['model']}: {result['answered']} of {result['images']} images answered ({result['errors']} not images) -> {where}"
+    )
 
 
 @app.command("demo-data")
 def demo_data(
     out: Path = typer.Argument(..., help="Folder to write OUT/<label>/<id>.png into."),
     size: int = typer.Option(64, help="Side of the written PNGs in pixels (the digits are 8x8)."),
-    per_label: Optional[int] = typer.Option(None, help="Write at most this many images of each digit (or photo)."),
-    photos: bool = typer.Option(False, "--photos", help="Real photographs instead: random crops of scikit-learn's two sample photos, 300-1,600 px JPEGs."),
+    per_label: int | None = typer.Option(None, help="Write at most this many images of each digit (or photo)."),
+    photos: bool = typer.Option(
+        False,
+        "--photos",
+        help="Real photographs instead: random crops of scikit-learn's two sample photos, 300-1,600 px JPEGs.",
+    ),
 ) -> None:
     """Write scikit-learn's handwritten digits as PNG files (or, with --photos, crops of its sample photos as JPEGs) in ImageFolder layout."""
     from flows.demo_data import write_digits, write_photos
 
-    count = write_photos(out, per_label=per_label or 150) if photos else write_digits(out, size=size, per_label=per_label)
+    count = (
+        write_photos(out, per_label=per_label or 150) if photos else write_digits(out, size=size, per_label=per_label)
+    )
     typer.echo(f"wrote {count} images to {out}")
 
 

@@ -49,6 +49,8 @@ def write_photos(out: Path, per_label: int = 150, seed: int = 0, sizes: tuple[in
                 image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
             long_side = int(rng.integers(sizes[0], sizes[1] + 1))
             scale = long_side / max(image.size)
-            image = image.resize((max(1, round(image.width * scale)), max(1, round(image.height * scale))), Image.Resampling.BICUBIC)
+            image = image.resize(
+                (max(1, round(image.width * scale)), max(1, round(image.height * scale))), Image.Resampling.BICUBIC
+            )
             image.save(folder / f"{index:04d}.jpg", quality=int(rng.integers(75, 96)))
     return per_label * len(samples.images)

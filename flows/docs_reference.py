@@ -19,10 +19,11 @@ import inspect
 import re
 import sys
 import textwrap
+from collections.abc import Callable
 from datetime import date
 from pathlib import Path
 from types import NoneType, UnionType
-from typing import Any, Callable, Literal, Union, get_args, get_origin
+from typing import Any, Literal, Union, get_args, get_origin
 
 from pydantic.fields import FieldInfo
 
@@ -58,9 +59,14 @@ def type_text(annotation: Any) -> str:
         return f"list of {type_text(args[0])}" if args else "list"
     if origin is dict:
         return f"map of {type_text(args[0])} to {type_text(args[1])}" if args else "map"
-    return {int: "integer", float: "number", bool: "true or false", str: "text", Path: "path", date: "date (YYYY-MM-DD)"}.get(
-        annotation, getattr(annotation, "__name__", str(annotation))
-    )
+    return {
+        int: "integer",
+        float: "number",
+        bool: "true or false",
+        str: "text",
+        Path: "path",
+        date: "date (YYYY-MM-DD)",
+    }.get(annotation, getattr(annotation, "__name__", str(annotation)))
 
 
 def limits_text(field: FieldInfo) -> str:
@@ -157,7 +163,9 @@ def settings_table() -> str:
             field = Settings.model_fields[name]
             kind = ", ".join(part for part in (type_text(field.annotation), limits_text(field)) if part)
             description = field.description or ""
-            out.append(f"| `{name}` | {cell(kind)} | {cell(default_text(name, field))} | {from_runs_text(name)} | {cell(description)} |")
+            out.append(
+                f"| `{name}` | {cell(kind)} | {cell(default_text(name, field))} | {from_runs_text(name)} | {cell(description)} |"
+            )
         out.append("")
     missing = sorted(set(Settings.model_fields) - described)
     if missing:
@@ -171,7 +179,11 @@ def settings_table() -> str:
 
 def stage_modules() -> list[str]:
     """The modules of tasks/ that declare a stage (read as text first: tasks/served_model.py must never be imported)."""
-    return sorted(f"tasks.{path.stem}" for path in (REPO / "tasks").glob("*.py") if "\n@stage(" in path.read_text(encoding="utf-8"))
+    return sorted(
+        f"tasks.{path.stem}"
+        for path in (REPO / "tasks").glob("*.py")
+        if "\n@stage(" in path.read_text(encoding="utf-8")
+    )
 
 
 def stages() -> tuple[list[Any], list[Any]]:

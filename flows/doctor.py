@@ -5,9 +5,9 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from infra.settings import Settings
 
@@ -22,7 +22,9 @@ class Check:
 
 def _python(settings: Settings) -> Check:
     ok = sys.version_info[:2] == (3, 11)
-    return Check("python", ok, f"{sys.version.split()[0]} at {sys.executable}" + ("" if ok else " (imagelake needs 3.11)"))
+    return Check(
+        "python", ok, f"{sys.version.split()[0]} at {sys.executable}" + ("" if ok else " (imagelake needs 3.11)")
+    )
 
 
 def _java(settings: Settings) -> Check:
@@ -52,24 +54,36 @@ def _spark(settings: Settings) -> list[Check]:
         delta = f"loaded; delta_writer={settings.delta_writer} gives " + (
             "Spark's Delta: tables are read, merged, compacted and vacuumed by Spark, executors' files committed by delta-rs"
             if engine == "spark"
-            else "delta-rs" + (" (faster than Spark's Delta on an embedded Spark; delta_writer=spark forces it)" if settings.delta_writer == "auto" else "")
+            else "delta-rs"
+            + (
+                " (faster than Spark's Delta on an embedded Spark; delta_writer=spark forces it)"
+                if settings.delta_writer == "auto"
+                else ""
+            )
         )
     elif needed:
         delta = "absent, but delta_writer=spark needs them: `make install` fetches them with mvn (or list them in IMAGELAKE_SPARK_JARS), or set delta_writer=auto"
     else:
         delta = "absent: format('delta') is unavailable; Delta tables use delta-rs (deltalake). `make install` fetches the jars where mvn reaches Maven Central"
     checks = [
-        Check("spark", rows == 10, f"pyspark {pyspark.__version__}, master {spark.sparkContext.master}, a test job ran"),
+        Check(
+            "spark", rows == 10, f"pyspark {pyspark.__version__}, master {spark.sparkContext.master}, a test job ran"
+        ),
         Check("delta jars", jars, delta, required=needed),
     ]
     for state in check_jars():
         detail = (
-            f"{state.path}, SHA-256 as installed" if state.ok and state.checksum_ok else
-            f"{state.path} (no SHA-256 recorded)" if state.ok else
-            f"{state.path} differs from the SHA-256 recorded at install: run `make install` again" if state.present else
-            f"not in {jar_folder()}: `make install` fetches it with mvn"
+            f"{state.path}, SHA-256 as installed"
+            if state.ok and state.checksum_ok
+            else f"{state.path} (no SHA-256 recorded)"
+            if state.ok
+            else f"{state.path} differs from the SHA-256 recorded at install: run `make install` again"
+            if state.present
+            else f"not in {jar_folder()}: `make install` fetches it with mvn"
         )
-        checks.append(Check(f"jar {state.coordinate}", state.ok, detail, required=needed and state.checksum_ok is False))
+        checks.append(
+            Check(f"jar {state.coordinate}", state.ok, detail, required=needed and state.checksum_ok is False)
+        )
     return checks
 
 
@@ -84,7 +98,11 @@ def _petastorm(settings: Settings) -> Check:
         pq.write_table(pa.table({"x": list(range(8))}), Path(folder) / "part-0.parquet")
         with make_batch_reader(Path(folder).as_uri(), num_epochs=1, workers_count=1) as reader:
             rows = sum(len(batch.x) for batch in reader)
-    return Check("pyarrow + petastorm", rows == 8, f"pyarrow {pa.__version__}, petastorm {petastorm_version}: read a Parquet file back")
+    return Check(
+        "pyarrow + petastorm",
+        rows == 8,
+        f"pyarrow {pa.__version__}, petastorm {petastorm_version}: read a Parquet file back",
+    )
 
 
 def _deltalake(settings: Settings) -> Check:
@@ -115,7 +133,11 @@ def _lightning(settings: Settings) -> Check:
     from tasks.worker.train_loop import ray_lightning_problem
 
     problem = ray_lightning_problem()
-    return Check("lightning", problem is None, problem or f"pytorch_lightning {pytorch_lightning.__version__}, as Ray Train's Lightning integration uses")
+    return Check(
+        "lightning",
+        problem is None,
+        problem or f"pytorch_lightning {pytorch_lightning.__version__}, as Ray Train's Lightning integration uses",
+    )
 
 
 def _gpu(settings: Settings) -> Check:
@@ -145,13 +167,30 @@ def _prefect(settings: Settings) -> Check:
 
     url = prefect_api_in_use(settings)
     if url is None:
-        return Check("prefect", True, f"prefect {prefect.__version__}; API: an ephemeral local server per run (set prefect_api_url to use a server)")
+        return Check(
+            "prefect",
+            True,
+            f"prefect {prefect.__version__}; API: an ephemeral local server per run (set prefect_api_url to use a server)",
+        )
     response = httpx.get(f"{url.rstrip('/')}/health", timeout=10)
-    return Check("prefect", response.status_code == 200, f"prefect {prefect.__version__}; API {url}: health {response.status_code}")
+    return Check(
+        "prefect",
+        response.status_code == 200,
+        f"prefect {prefect.__version__}; API {url}: health {response.status_code}",
+    )
 
 
 CHECKS: list[Callable[[Settings], Check | list[Check]]] = [
-    _python, _java, _spark, _deltalake, _petastorm, _ray, _lightning, _gpu, _mlflow, _prefect,
+    _python,
+    _java,
+    _spark,
+    _deltalake,
+    _petastorm,
+    _ray,
+    _lightning,
+    _gpu,
+    _mlflow,
+    _prefect,
 ]
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import contextvars
 import functools
 import inspect
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from prefect import flow
 from prefect.context import FlowRunContext
@@ -18,7 +19,9 @@ from infra.settings import Settings, load_settings, refuse_unsafe, refuse_unsafe
 F = TypeVar("F", bound=Callable[..., Any])
 
 # The deadline of the flow run this code runs in, with that run's id: run_settings arms it.
-_flow_deadline: contextvars.ContextVar[tuple[Deadline, str] | None] = contextvars.ContextVar("imagelake_flow_deadline", default=None)
+_flow_deadline: contextvars.ContextVar[tuple[Deadline, str] | None] = contextvars.ContextVar(
+    "imagelake_flow_deadline", default=None
+)
 
 
 def imagelake_flow(name: str) -> Callable[[F], F]:
@@ -28,8 +31,14 @@ def imagelake_flow(name: str) -> Callable[[F], F]:
 
     def declare(fn: F) -> F:
         return flow(  # type: ignore[return-value]
-            time_limited(fn), name=name, version=flow_version(fn), log_prints=True, on_running=[watch_worker],
-            on_failure=[release_after_timeout], on_cancellation=[release_compute], on_crashed=[release_compute],
+            time_limited(fn),
+            name=name,
+            version=flow_version(fn),
+            log_prints=True,
+            on_running=[watch_worker],
+            on_failure=[release_after_timeout],
+            on_cancellation=[release_compute],
+            on_crashed=[release_compute],
         )
 
     return declare
@@ -43,7 +52,9 @@ def time_limited(fn: F) -> F:
     def run(*args: Any, **kwargs: Any) -> Any:
         context = FlowRunContext.get()
         with deadline() as scope:
-            token = _flow_deadline.set((scope, str(context.flow_run.id)) if context is not None and context.flow_run else None)
+            token = _flow_deadline.set(
+                (scope, str(context.flow_run.id)) if context is not None and context.flow_run else None
+            )
             try:
                 return fn(*args, **kwargs)
             finally:
@@ -73,7 +84,8 @@ def flow_version(fn: Callable[..., Any]) -> str | None:
 
 
 def run_settings(config_file: str | None, overrides: dict[str, Any] | None, **fixed: Any) -> Settings:
-    """A flow's settings from its `config_file` and `overrides` parameters (then FIXED), checked by check_run_parameters;
+    """A flow's settings from its `config_file` and `overrides` parameters (then FIXED), checked by
+    check_run_parameters;
     the run's time limit, flow_timeout_hours, runs from here."""
     check_run_parameters(config_file, overrides)
     settings = load_settings(config_file, {**(overrides or {}), **fixed})
@@ -85,14 +97,23 @@ def arm_flow_deadline(settings: Settings) -> None:
     """Start the clock of the flow run this runs in: past flow_timeout_hours it is stopped and fails TimedOut."""
     held, context = _flow_deadline.get(), FlowRunContext.get()
     hours = settings.flow_timeout_hours
-    if held is None or context is None or context.flow_run is None or held[1] != str(context.flow_run.id) or hours is None:
+    if (
+        held is None
+        or context is None
+        or context.flow_run is None
+        or held[1] != str(context.flow_run.id)
+        or hours is None
+    ):
         return  # not in an imagelake flow's own run (a test's flow, a plain call), or no limit
     run = context.flow_run
-    held[0].arm(hours * 3600, FlowTimedOut(
-        f"flow run {run.name!r} ({run.id}) of {context.flow.name} ran past flow_timeout_hours={hours:g} and was stopped; its Spark and Ray "
-        "are released as for a cancel. If it was working rather than stuck (on a hung mount, a Spark or Ray job that no longer moves), raise "
-        "flow_timeout_hours in the worker's settings (a run may set at most 24)"
-    ))
+    held[0].arm(
+        hours * 3600,
+        FlowTimedOut(
+            f"flow run {run.name!r} ({run.id}) of {context.flow.name} ran past flow_timeout_hours={hours:g} and was stopped; its Spark and Ray "
+            "are released as for a cancel. If it was working rather than stuck (on a hung mount, a Spark or Ray job that no longer moves), raise "
+            "flow_timeout_hours in the worker's settings (a run may set at most 24)"
+        ),
+    )
 
 
 def check_run_parameters(config_file: str | None, overrides: dict[str, Any] | None) -> None:

@@ -1,4 +1,5 @@
-"""The imagelake pipeline: ingest -> resize -> Delta write -> split -> Petastorm cache (repartitioned) -> train -> promote.
+"""The imagelake pipeline: ingest -> resize -> Delta write -> split -> Petastorm cache (repartitioned) -> train ->
+promote.
 
 Every flow that trains (the pipeline, `retrain`, a backfill) reaches training through one chain,
 `train_and_promote`, from a version of the images table.
@@ -17,10 +18,10 @@ from infra.settings import Settings
 from tasks.cache import cache
 from tasks.ingest import ingest
 from tasks.promote import promote
-from tasks.split import split
 from tasks.resize import resize
-from tasks.retention import retention
 from tasks.results import Resized, TableVersion
+from tasks.retention import retention
+from tasks.split import split
 from tasks.summary import summarize
 from tasks.train import train
 from tasks.write import requeue_by_setting, write
@@ -42,7 +43,9 @@ def train_and_promote(table: TableVersion, settings: Settings, resized: Resized 
 
 
 @imagelake_flow("imagelake-pipeline")
-def pipeline(source: str, config_file: str | None = None, overrides: dict[str, Any] | None = None, refresh: bool = False) -> dict[str, Any]:
+def pipeline(
+    source: str, config_file: str | None = None, overrides: dict[str, Any] | None = None, refresh: bool = False
+) -> dict[str, Any]:
     """Take a folder of labelled images to a registered, tested and (if better) promoted model; `refresh` recomputes every stage."""
     settings = run_settings(config_file, overrides)
     with stage_results(settings, refresh):
@@ -55,7 +58,9 @@ def pipeline(source: str, config_file: str | None = None, overrides: dict[str, A
 
 
 @imagelake_flow("imagelake-retrain")
-def retrain_flow(table_uri: str, table_version: int, config_file: str | None = None, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+def retrain_flow(
+    table_uri: str, table_version: int, config_file: str | None = None, overrides: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """Train and promote again on one pinned Delta table version (what `imagelake retrain` runs)."""
     settings = run_settings(config_file, overrides)
     table = TableVersion(table_uri=table_uri, version=table_version, engine=Table.open(table_uri, settings).engine)
@@ -64,21 +69,45 @@ def retrain_flow(table_uri: str, table_version: int, config_file: str | None = N
 
 
 # The ad-hoc form's settings: their types, defaults, limits and descriptions are Settings' own, so the two cannot drift.
-FORM_SETTINGS = ("image_size", "max_epochs", "batch_size", "num_workers", "model_arch", "promotion_margin", "start_date", "end_date")
+FORM_SETTINGS = (
+    "image_size",
+    "max_epochs",
+    "batch_size",
+    "num_workers",
+    "model_arch",
+    "promotion_margin",
+    "start_date",
+    "end_date",
+)
 
 
 def form_model() -> type[BaseModel]:
     """RunParameters: the source, the form's settings as Settings declares them, a settings file and refresh."""
     fields: dict[str, Any] = {
-        "source": (str, Field(default=".imagelake/demo-digits", min_length=1, description="Folder or URI of images laid out as [date=YYYY-MM-DD/]<label>/<file>")),
+        "source": (
+            str,
+            Field(
+                default=".imagelake/demo-digits",
+                min_length=1,
+                description="Folder or URI of images laid out as [date=YYYY-MM-DD/]<label>/<file>",
+            ),
+        ),
     }
     for name in FORM_SETTINGS:
         declared = Settings.model_fields[name]
         fields[name] = (declared.annotation, declared)
-    fields["config_file"] = (str | None, Field(default=None, description="Settings file on the worker; these fields override it"))
-    fields["refresh"] = (bool, Field(default=False, description="Recompute every stage even where the cache holds a result"))
+    fields["config_file"] = (
+        str | None,
+        Field(default=None, description="Settings file on the worker; these fields override it"),
+    )
+    fields["refresh"] = (
+        bool,
+        Field(default=False, description="Recompute every stage even where the cache holds a result"),
+    )
     model = create_model("RunParameters", __module__=__name__, **fields)
-    model.__doc__ = "What the Prefect UI's form asks for an ad-hoc run: typed, with defaults, validated before any work starts."
+    model.__doc__ = (
+        "What the Prefect UI's form asks for an ad-hoc run: typed, with defaults, validated before any work starts."
+    )
     return model
 
 
@@ -89,5 +118,7 @@ RunParameters = form_model()
 def adhoc(params: RunParameters = RunParameters()) -> dict[str, Any]:  # type: ignore[valid-type]
     """An ad-hoc run from the Prefect UI: the pipeline with the form's values."""
     overrides = params.model_dump(exclude={"source", "config_file", "refresh"}, exclude_none=True, mode="json")
-    check_run_parameters(params.config_file, overrides)  # here: the pipeline below is a subflow run, not a deployment run
+    check_run_parameters(
+        params.config_file, overrides
+    )  # here: the pipeline below is a subflow run, not a deployment run
     return pipeline(source=params.source, config_file=params.config_file, overrides=overrides, refresh=params.refresh)

@@ -11,7 +11,9 @@ from tasks.score import score, score_model
 
 
 @imagelake_flow("imagelake-score")
-def score_flow(model: str, source: str, config_file: str | None = None, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+def score_flow(
+    model: str, source: str, config_file: str | None = None, overrides: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """Answer every image of SOURCE that the model version MODEL (NAME@ALIAS or NAME/VERSION) names has not answered yet."""
     settings = run_settings(config_file, overrides)
     with stage_results(settings):

@@ -65,11 +65,19 @@ class Ports:
     postgres: int = 5450
 
     @classmethod
-    def free(cls) -> "Ports":
+    def free(cls) -> Ports:
         """Ports nothing listens on now (tests run beside a developer's own cluster)."""
         spark, spark_ui, worker_1, worker_2, ray, mlflow, prefect, ray_client, pg = free_ports(9)
-        return cls(spark=spark, spark_ui=spark_ui, spark_workers_ui=(worker_1, worker_2), ray=ray, mlflow=mlflow, prefect=prefect,
-                   ray_client=ray_client, postgres=pg)
+        return cls(
+            spark=spark,
+            spark_ui=spark_ui,
+            spark_workers_ui=(worker_1, worker_2),
+            ray=ray,
+            mlflow=mlflow,
+            prefect=prefect,
+            ray_client=ray_client,
+            postgres=pg,
+        )
 
 
 @dataclass
@@ -119,7 +127,11 @@ class Cluster:
 
     def settings_env(self) -> dict[str, str]:
         """The addresses, as IMAGELAKE_* and PREFECT_* variables (no secrets)."""
-        compute = {"IMAGELAKE_SPARK_MASTER": self.spark_master, "IMAGELAKE_RAY_ADDRESS": self.ray_address} if self.compute else {}
+        compute = (
+            {"IMAGELAKE_SPARK_MASTER": self.spark_master, "IMAGELAKE_RAY_ADDRESS": self.ray_address}
+            if self.compute
+            else {}
+        )
         return {
             **compute,
             "IMAGELAKE_MLFLOW_TRACKING_URI": self.mlflow_url,
@@ -131,7 +143,10 @@ class Cluster:
 
     def credentials(self) -> dict[str, str]:
         """The generated credentials, as the clients read them from the environment."""
-        return read_env_file(self.env_file, only=("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "PREFECT_API_AUTH_STRING", "RAY_AUTH_TOKEN"))
+        return read_env_file(
+            self.env_file,
+            only=("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "PREFECT_API_AUTH_STRING", "RAY_AUTH_TOKEN"),
+        )
 
     def client_env(self) -> dict[str, str]:
         """Everything a client of this cluster needs in its environment (the database's password is not for clients)."""
@@ -140,9 +155,14 @@ class Cluster:
     def database_urls(self, password: str) -> dict[str, str]:
         """The MLflow and Prefect servers' database URLs (they hold the password: servers' environment only)."""
         if self.database == "sqlite":
-            return {"mlflow": f"sqlite:///{Path(self.root) / 'mlflow.db'}", "prefect": f"sqlite+aiosqlite:///{Path(self.root) / 'prefect.db'}"}
-        return {"mlflow": postgres.url(self.ports.postgres, password, "mlflow"),
-                "prefect": postgres.url(self.ports.postgres, password, "prefect", driver="asyncpg")}
+            return {
+                "mlflow": f"sqlite:///{Path(self.root) / 'mlflow.db'}",
+                "prefect": f"sqlite+aiosqlite:///{Path(self.root) / 'prefect.db'}",
+            }
+        return {
+            "mlflow": postgres.url(self.ports.postgres, password, "mlflow"),
+            "prefect": postgres.url(self.ports.postgres, password, "prefect", driver="asyncpg"),
+        }
 
 
 def free_ports(count: int) -> list[int]:
@@ -191,7 +211,9 @@ def load(root: Path = DEFAULT_ROOT) -> Cluster:
     data = json.loads(path.read_text())
     ports = data.pop("ports")
     ports["spark_workers_ui"] = tuple(ports["spark_workers_ui"])
-    return Cluster(ports=Ports(**ports), **{name: value for name, value in data.items() if name in Cluster.__dataclass_fields__})
+    return Cluster(
+        ports=Ports(**ports), **{name: value for name, value in data.items() if name in Cluster.__dataclass_fields__}
+    )
 
 
 def _save(cluster: Cluster) -> None:
@@ -220,13 +242,24 @@ def _base_env(root: Path) -> dict[str, str]:
     return env
 
 
-def _spawn(name: str, args: list[str], root: Path, env: dict[str, str], cluster: Cluster, user: str | None = None) -> subprocess.Popen:
-    """Start one part in a session of its own (recorded: `down` stops the whole session), output in <root>/logs/<name>.log;
+def _spawn(
+    name: str, args: list[str], root: Path, env: dict[str, str], cluster: Cluster, user: str | None = None
+) -> subprocess.Popen:
+    """Start one part in a session of its own (recorded: `down` stops the whole session), output in
+    <root>/logs/<name>.log;
     as USER when one is given (this process being root)."""
     log = root / "logs" / f"{name}.log"
     with log.open("a") as out:
-        process = subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-                                   cwd=root, user=user)
+        process = subprocess.Popen(
+            args,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            cwd=root,
+            user=user,
+        )
     cluster.sessions.append(process.pid)
     _save(cluster)
     return process
@@ -243,7 +276,7 @@ def _wait(what: str, check, timeout: float, root: Path, log: str, process: subpr
         except (OSError, ValueError, KeyError, subprocess.TimeoutExpired):
             pass
         time.sleep(0.5)
-    tail = (root / "logs" / f"{log}.log")
+    tail = root / "logs" / f"{log}.log"
     text = tail.read_text()[-3000:] if tail.exists() else ""
     raise ClusterError(f"{what} did not come up within {timeout:.0f} s; its log is {tail}:\n{text}")
 
@@ -284,15 +317,25 @@ def running(root: Path = DEFAULT_ROOT) -> list:
     for process in psutil.process_iter():
         try:
             # A session id is a pid, which the system reuses: only processes started since the cluster was count.
-            if (process.pid not in found and os.getsid(process.pid) in sessions and process.create_time() >= since - 1
-                    and process.status() != psutil.STATUS_ZOMBIE):
+            if (
+                process.pid not in found
+                and os.getsid(process.pid) in sessions
+                and process.create_time() >= since - 1
+                and process.status() != psutil.STATUS_ZOMBIE
+            ):
                 found[process.pid] = process
         except (OSError, psutil.Error):
             continue
     return list(found.values())
 
 
-def up(root: Path = DEFAULT_ROOT, ports: Ports | None = None, timeout: float = 180, database: str = "postgres", compute: bool = True) -> Cluster:
+def up(
+    root: Path = DEFAULT_ROOT,
+    ports: Ports | None = None,
+    timeout: float = 180,
+    database: str = "postgres",
+    compute: bool = True,
+) -> Cluster:
     """Start every part (without Spark and Ray when not COMPUTE), wait until each answers, write cluster.env; on any
     failure stop what started."""
     if database not in DATABASES:
@@ -303,21 +346,32 @@ def up(root: Path = DEFAULT_ROOT, ports: Ports | None = None, timeout: float = 1
     (root / "logs").mkdir(parents=True, exist_ok=True)
     ports = ports or Ports()
     # Ray's socket paths must stay short (Unix sockets allow ~107 bytes), so its session folder lives in /tmp.
-    cluster = Cluster(root=str(root), ports=ports, ray_temp_dir=tempfile.mkdtemp(prefix="imagelake-ray-"), started_at=time.time(), database=database,
-                      compute=compute)
+    cluster = Cluster(
+        root=str(root),
+        ports=ports,
+        ray_temp_dir=tempfile.mkdtemp(prefix="imagelake-ray-"),
+        started_at=time.time(),
+        database=database,
+        compute=compute,
+    )
     # A cluster started again in the same folder keeps its runs and models, and so its MLflow user and the passwords.
     earlier = read_env_file(cluster.env_file) if cluster.env_file.exists() else {}
-    mlflow_password = (root / "mlflow-auth.db").exists() and earlier.get("MLFLOW_TRACKING_PASSWORD") or secrets.token_urlsafe(24)
+    mlflow_password = (
+        (root / "mlflow-auth.db").exists() and earlier.get("MLFLOW_TRACKING_PASSWORD") or secrets.token_urlsafe(24)
+    )
     database_password = (cluster.postgres_data / "PG_VERSION").exists() and earlier.get(POSTGRES_PASSWORD)
     if database == "postgres" and (cluster.postgres_data / "PG_VERSION").exists() and not database_password:
-        raise ClusterError(f"the PostgreSQL data in {cluster.postgres_data} is from an earlier cluster whose password {cluster.env_file} "
-                           f"no longer holds: remove {root} to start afresh")
+        raise ClusterError(
+            f"the PostgreSQL data in {cluster.postgres_data} is from an earlier cluster whose password {cluster.env_file} "
+            f"no longer holds: remove {root} to start afresh"
+        )
     database_password = database_password or secrets.token_urlsafe(24)
     if database == "postgres":
         postgres.check_reachable(cluster.postgres_data, postgres.service_user())
     _save(cluster)
     prefect_token = secrets.token_urlsafe(24)
-    # Ray's own token authentication: every node, driver and Ray Client must present it (the nodes hold the MLflow password).
+    # Ray's own token authentication: every node, driver and Ray Client must present it (the nodes hold the MLflow
+    # password).
     ray_auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
     write_private(
         cluster.env_file,
@@ -332,7 +386,11 @@ def up(root: Path = DEFAULT_ROOT, ports: Ports | None = None, timeout: float = 1
     try:
         if compute:
             _start_spark(cluster, timeout)
-            _start_ray(cluster, timeout, {"MLFLOW_TRACKING_USERNAME": MLFLOW_USER, "MLFLOW_TRACKING_PASSWORD": mlflow_password, **ray_auth})
+            _start_ray(
+                cluster,
+                timeout,
+                {"MLFLOW_TRACKING_USERNAME": MLFLOW_USER, "MLFLOW_TRACKING_PASSWORD": mlflow_password, **ray_auth},
+            )
         if database == "postgres":
             _start_postgres(cluster, timeout, database_password)
         urls = cluster.database_urls(database_password)
@@ -350,20 +408,64 @@ def _start_spark(cluster: Cluster, timeout: float) -> None:
     root = Path(cluster.root)
     spark_home = Path(pyspark.__file__).parent
     env = _base_env(root)
-    env.update(SPARK_HOME=str(spark_home), JAVA_HOME=str(ensure_java()), SPARK_LOCAL_IP="127.0.0.1", SPARK_LOG_DIR=str(root / "logs"),
-               SPARK_NO_DAEMONIZE="1", PYSPARK_PYTHON=sys.executable)
+    env.update(
+        SPARK_HOME=str(spark_home),
+        JAVA_HOME=str(ensure_java()),
+        SPARK_LOCAL_IP="127.0.0.1",
+        SPARK_LOG_DIR=str(root / "logs"),
+        SPARK_NO_DAEMONIZE="1",
+        PYSPARK_PYTHON=sys.executable,
+    )
     spark_class = str(spark_home / "bin" / "spark-class")
-    master = _spawn("spark-master", [spark_class, "org.apache.spark.deploy.master.Master", "--host", "127.0.0.1",
-                                     "--port", str(cluster.ports.spark), "--webui-port", str(cluster.ports.spark_ui)], root, env, cluster)
+    master = _spawn(
+        "spark-master",
+        [
+            spark_class,
+            "org.apache.spark.deploy.master.Master",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(cluster.ports.spark),
+            "--webui-port",
+            str(cluster.ports.spark_ui),
+        ],
+        root,
+        env,
+        cluster,
+    )
     _wait("the Spark master", lambda: _answers(f"{cluster.spark_ui}/json/"), timeout, root, "spark-master", master)
     for number, ui_port in enumerate(cluster.ports.spark_workers_ui, start=1):
         work = root / f"spark-worker-{number}"
         work.mkdir(exist_ok=True)
-        _spawn(f"spark-worker-{number}", [spark_class, "org.apache.spark.deploy.worker.Worker", cluster.spark_master, "--host", "127.0.0.1",
-                                          "--cores", "1", "--memory", "3g", "--webui-port", str(ui_port), "--work-dir", str(work)], root, env, cluster)
+        _spawn(
+            f"spark-worker-{number}",
+            [
+                spark_class,
+                "org.apache.spark.deploy.worker.Worker",
+                cluster.spark_master,
+                "--host",
+                "127.0.0.1",
+                "--cores",
+                "1",
+                "--memory",
+                "3g",
+                "--webui-port",
+                str(ui_port),
+                "--work-dir",
+                str(work),
+            ],
+            root,
+            env,
+            cluster,
+        )
     workers = cluster.ports.spark_workers_ui
-    _wait(f"{len(workers)} Spark workers", lambda: sum(w["state"] == "ALIVE" for w in http_json(f"{cluster.spark_ui}/json/")["workers"]) == len(workers),
-          timeout, root, "spark-worker-2")
+    _wait(
+        f"{len(workers)} Spark workers",
+        lambda: sum(w["state"] == "ALIVE" for w in http_json(f"{cluster.spark_ui}/json/")["workers"]) == len(workers),
+        timeout,
+        root,
+        "spark-worker-2",
+    )
 
 
 def _start_ray(cluster: Cluster, timeout: float, node_env: dict[str, str]) -> None:
@@ -373,22 +475,58 @@ def _start_ray(cluster: Cluster, timeout: float, node_env: dict[str, str]) -> No
     # as a real cluster's nodes get them from its secret store.
     env.update(node_env)
     env["RAY_USAGE_STATS_ENABLED"] = "0"
-    common = ["--num-cpus", "2", "--num-gpus", "0", "--object-store-memory", str(400 * 1024 * 1024), "--disable-usage-stats"]
+    common = [
+        "--num-cpus",
+        "2",
+        "--num-gpus",
+        "0",
+        "--object-store-memory",
+        str(400 * 1024 * 1024),
+        "--disable-usage-stats",
+    ]
     # `ray start` swaps 127.0.0.1 for the machine's routable address (so that other machines can join) and then
     # listens on every interface. Told that this Ray stays on one machine, the head keeps loopback; the second
     # node is `ray start` too, run so that it keeps the loopback addresses it is given (see ray_start_loopback).
     head_env = {**env, LOOPBACK_RAY: "0"}
-    head = [str(BIN / "ray"), "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(cluster.ports.ray),
-            "--include-dashboard", "false", "--temp-dir", cluster.ray_temp_dir, "--ray-client-server-port", str(cluster.ports.ray_client), *common]
-    node = [sys.executable, "-m", "infra.cluster", "ray-start-loopback", "--address", cluster.ray_address, "--node-ip-address", "127.0.0.1", *common]
+    head = [
+        str(BIN / "ray"),
+        "start",
+        "--head",
+        "--node-ip-address",
+        "127.0.0.1",
+        "--port",
+        str(cluster.ports.ray),
+        "--include-dashboard",
+        "false",
+        "--temp-dir",
+        cluster.ray_temp_dir,
+        "--ray-client-server-port",
+        str(cluster.ports.ray_client),
+        *common,
+    ]
+    node = [
+        sys.executable,
+        "-m",
+        "infra.cluster",
+        "ray-start-loopback",
+        "--address",
+        cluster.ray_address,
+        "--node-ip-address",
+        "127.0.0.1",
+        *common,
+    ]
     for name, args, part_env in (("ray-head", head, head_env), ("ray-node-2", node, env)):
         started = _spawn(name, args, root, part_env, cluster)
         try:
             started.wait(90)
         except subprocess.TimeoutExpired:
-            raise ClusterError(f"`ray start` for {name} did not finish in 90 s; its log is {root / 'logs' / (name + '.log')}") from None
+            raise ClusterError(
+                f"`ray start` for {name} did not finish in 90 s; its log is {root / 'logs' / (name + '.log')}"
+            ) from None
         if started.returncode != 0:
-            raise ClusterError(f"`ray start` for {name} exited {started.returncode}; its log is {root / 'logs' / (name + '.log')}")
+            raise ClusterError(
+                f"`ray start` for {name} exited {started.returncode}; its log is {root / 'logs' / (name + '.log')}"
+            )
     _wait("2 Ray nodes", lambda: len(ray_nodes(cluster)) == 2, timeout, root, "ray-node-2")
 
 
@@ -405,8 +543,10 @@ def ray_start_loopback(args: list[str]) -> int:
 
 def ray_nodes(cluster: Cluster) -> list[str]:
     """The ids of the Ray cluster's live nodes (asked through a short-lived driver)."""
-    code = ("import json, ray; ray.init(address=%r, logging_level='ERROR', log_to_driver=False); "
-            "print(json.dumps([n['NodeID'] for n in ray.nodes() if n['Alive']]))") % cluster.ray_address
+    code = (
+        "import json, ray; ray.init(address=%r, logging_level='ERROR', log_to_driver=False); "
+        "print(json.dumps([n['NodeID'] for n in ray.nodes() if n['Alive']]))"
+    ) % cluster.ray_address
     env = _base_env(Path(cluster.root))
     env.pop(CLUSTER_VARIABLE)
     env[LOOPBACK_RAY] = "0"
@@ -420,8 +560,15 @@ def ray_nodes(cluster: Cluster) -> list[str]:
 def _start_postgres(cluster: Cluster, timeout: float, password: str) -> None:
     """PostgreSQL on 127.0.0.1 with the `imagelake` role, and the `mlflow` and `prefect` databases."""
     root = Path(cluster.root)
-    server = postgres.start(cluster.postgres_data, cluster.ports.postgres, password, postgres.service_user(), root / "logs" / "postgres.log",
-                            {CLUSTER_VARIABLE: str(root)}, timeout)
+    server = postgres.start(
+        cluster.postgres_data,
+        cluster.ports.postgres,
+        password,
+        postgres.service_user(),
+        root / "logs" / "postgres.log",
+        {CLUSTER_VARIABLE: str(root)},
+        timeout,
+    )
     cluster.sessions.append(server.pid)
     _save(cluster)
 
@@ -430,23 +577,52 @@ def _start_mlflow(cluster: Cluster, timeout: float, password: str, database: str
     root = Path(cluster.root)
     admin_password = secrets.token_urlsafe(24)
     config = root / "mlflow-auth.ini"
-    write_private(config, "[mlflow]\ndefault_permission = READ\n" f"database_uri = sqlite:///{root / 'mlflow-auth.db'}\n"
-                   "admin_username = admin\nauthorization_function = mlflow.server.auth:authenticate_request_basic_auth\n"
-                   # A checked password is remembered for a minute by the one server process: otherwise each request
-                   # pays a deliberately slow password hash (0.4 s of a core here). A password changed through the
-                   # server's API counts at once (it has one worker process).
-                   "auth_cache_ttl_seconds = 60\n")
+    write_private(
+        config,
+        "[mlflow]\ndefault_permission = READ\n"
+        f"database_uri = sqlite:///{root / 'mlflow-auth.db'}\n"
+        "admin_username = admin\nauthorization_function = mlflow.server.auth:authenticate_request_basic_auth\n"
+        # A checked password is remembered for a minute by the one server process: otherwise each request
+        # pays a deliberately slow password hash (0.4 s of a core here). A password changed through the
+        # server's API counts at once (it has one worker process).
+        "auth_cache_ttl_seconds = 60\n",
+    )
     env = _base_env(root)
     # The database URL (with its password) through the environment, never the command line that `ps` shows.
-    env.update(MLFLOW_AUTH_CONFIG_PATH=str(config), MLFLOW_AUTH_ADMIN_PASSWORD=admin_password,
-               MLFLOW_FLASK_SERVER_SECRET_KEY=secrets.token_hex(16), MLFLOW_BACKEND_STORE_URI=database)
-    server = _spawn("mlflow", [str(BIN / "mlflow"), "server", "--app-name", "basic-auth", "--host", "127.0.0.1", "--port", str(cluster.ports.mlflow),
-                               "--artifacts-destination", str(root / "mlartifacts"), "--workers", "1"], root, env, cluster)
+    env.update(
+        MLFLOW_AUTH_CONFIG_PATH=str(config),
+        MLFLOW_AUTH_ADMIN_PASSWORD=admin_password,
+        MLFLOW_FLASK_SERVER_SECRET_KEY=secrets.token_hex(16),
+        MLFLOW_BACKEND_STORE_URI=database,
+    )
+    server = _spawn(
+        "mlflow",
+        [
+            str(BIN / "mlflow"),
+            "server",
+            "--app-name",
+            "basic-auth",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(cluster.ports.mlflow),
+            "--artifacts-destination",
+            str(root / "mlartifacts"),
+            "--workers",
+            "1",
+        ],
+        root,
+        env,
+        cluster,
+    )
     _wait("the MLflow server", lambda: _answers(f"{cluster.mlflow_url}/health"), timeout, root, "mlflow", server)
     # The pipeline gets a user of its own; the admin's password is used once, here, and written nowhere.
     try:
-        http_json(f"{cluster.mlflow_url}/api/2.0/mlflow/users/create", auth=("admin", admin_password),
-                  data={"username": MLFLOW_USER, "password": password})
+        http_json(
+            f"{cluster.mlflow_url}/api/2.0/mlflow/users/create",
+            auth=("admin", admin_password),
+            data={"username": MLFLOW_USER, "password": password},
+        )
     except urllib.error.HTTPError as exc:
         # An earlier cluster in this folder made the admin (whose first password alone counts) and the user.
         if exc.code != 401 or not _answers_as(cluster, MLFLOW_USER, password):
@@ -468,10 +644,21 @@ def _start_prefect(cluster: Cluster, timeout: float, auth_string: str, database:
     root = Path(cluster.root)
     env = _base_env(root)
     # A retryable database error (SQLite busy, a lost connection) reaches clients as a bare 503: the log says which.
-    env.update(PREFECT_HOME=str(root / "prefect"), PREFECT_API_DATABASE_CONNECTION_URL=database, PREFECT_API_LOG_RETRYABLE_ERRORS="true",
-               PREFECT_SERVER_API_AUTH_STRING=auth_string, PREFECT_SERVER_ANALYTICS_ENABLED="false",
-               PREFECT_UI_API_URL=f"{cluster.prefect_url}/api")
-    server = _spawn("prefect", [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(cluster.ports.prefect)], root, env, cluster)
+    env.update(
+        PREFECT_HOME=str(root / "prefect"),
+        PREFECT_API_DATABASE_CONNECTION_URL=database,
+        PREFECT_API_LOG_RETRYABLE_ERRORS="true",
+        PREFECT_SERVER_API_AUTH_STRING=auth_string,
+        PREFECT_SERVER_ANALYTICS_ENABLED="false",
+        PREFECT_UI_API_URL=f"{cluster.prefect_url}/api",
+    )
+    server = _spawn(
+        "prefect",
+        [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(cluster.ports.prefect)],
+        root,
+        env,
+        cluster,
+    )
     _wait("the Prefect server", lambda: _answers(f"{cluster.prefect_url}/api/health"), timeout, root, "prefect", server)
 
 
@@ -523,7 +710,11 @@ def status(root: Path = DEFAULT_ROOT) -> dict:
     report: dict = {"processes": len(running(Path(cluster.root)))}
     try:
         master = http_json(f"{cluster.spark_ui}/json/")
-        report["spark"] = {"master": cluster.spark_master, "ui": cluster.spark_ui, "alive_workers": sum(w["state"] == "ALIVE" for w in master["workers"])}
+        report["spark"] = {
+            "master": cluster.spark_master,
+            "ui": cluster.spark_ui,
+            "alive_workers": sum(w["state"] == "ALIVE" for w in master["workers"]),
+        }
     except OSError as exc:
         report["spark"] = f"not answering: {exc}"
     try:
@@ -531,8 +722,11 @@ def status(root: Path = DEFAULT_ROOT) -> dict:
     except (ValueError, subprocess.TimeoutExpired) as exc:
         report["ray"] = f"not answering: {str(exc)[-300:]}"
     if cluster.database == "postgres":
-        report["postgres"] = {"address": f"127.0.0.1:{cluster.ports.postgres}", "data": str(cluster.postgres_data),
-                              "running": postgres.postmaster_pid(cluster.postgres_data) is not None}
+        report["postgres"] = {
+            "address": f"127.0.0.1:{cluster.ports.postgres}",
+            "data": str(cluster.postgres_data),
+            "running": postgres.postmaster_pid(cluster.postgres_data) is not None,
+        }
     report["mlflow"] = {"url": cluster.mlflow_url, "healthy": _answers(f"{cluster.mlflow_url}/health")}
     report["prefect"] = {"url": cluster.prefect_url, "healthy": _answers(f"{cluster.prefect_url}/api/health")}
     report["env_file"] = str(cluster.env_file)
@@ -546,21 +740,35 @@ def main(argv: list[str] | None = None) -> int:
     if argv is None and sys.argv[1:2] == ["ray-start-loopback"]:
         return ray_start_loopback(sys.argv[2:])
     parser.add_argument("command", choices=("up", "down", "status"))
-    parser.add_argument("--root", type=Path, default=DEFAULT_ROOT, help="the cluster's folder (default .imagelake/cluster)")
+    parser.add_argument(
+        "--root", type=Path, default=DEFAULT_ROOT, help="the cluster's folder (default .imagelake/cluster)"
+    )
     parser.add_argument("--free-ports", action="store_true", help="pick free ports instead of the defaults")
-    parser.add_argument("--database", choices=DATABASES, default="postgres",
-                        help="where the MLflow and Prefect servers keep their data (default postgres; sqlite: files in the folder)")
+    parser.add_argument(
+        "--database",
+        choices=DATABASES,
+        default="postgres",
+        help="where the MLflow and Prefect servers keep their data (default postgres; sqlite: files in the folder)",
+    )
     args = parser.parse_args(argv)
     try:
         if args.command == "up":
             cluster = up(args.root, Ports.free() if args.free_ports else None, database=args.database)
             database = f"PostgreSQL 127.0.0.1:{cluster.ports.postgres}" if cluster.database == "postgres" else "SQLite"
-            print(f"Spark master {cluster.spark_master} (UI {cluster.spark_ui}), Ray {cluster.ray_address}, "
-                  f"MLflow {cluster.mlflow_url}, Prefect {cluster.prefect_url}, their database {database}")
-            print(f"addresses and credentials: {cluster.env_file} (load it with: set -a; . {cluster.env_file}; set +a; unset {POSTGRES_PASSWORD})")
+            print(
+                f"Spark master {cluster.spark_master} (UI {cluster.spark_ui}), Ray {cluster.ray_address}, "
+                f"MLflow {cluster.mlflow_url}, Prefect {cluster.prefect_url}, their database {database}"
+            )
+            print(
+                f"addresses and credentials: {cluster.env_file} (load it with: set -a; . {cluster.env_file}; set +a; unset {POSTGRES_PASSWORD})"
+            )
         elif args.command == "down":
             stopped = down(args.root)
-            print(f"stopped {len(stopped)} kinds of process: {', '.join(stopped)}" if stopped else "no cluster process was running")
+            print(
+                f"stopped {len(stopped)} kinds of process: {', '.join(stopped)}"
+                if stopped
+                else "no cluster process was running"
+            )
             left = running(args.root)
             if left:
                 print(f"still running: {[p.pid for p in left]}", file=sys.stderr)

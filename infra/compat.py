@@ -1,4 +1,5 @@
-"""Every use of a library's private API, in one place, each pinned by a test (in tests/test_compat.py unless the table names another).
+"""Every use of a library's private API, in one place, each pinned by a test (in tests/test_compat.py unless the table
+names another).
 
 A library upgrade that changes one of these fails its named test, not a pipeline run. The
 libraries are imported inside the functions: importing this module must not start (or even
@@ -6,23 +7,44 @@ import) Spark, Ray, Petastorm or Prefect (infra/lifecycle.py asks whether pyspar
 
 | library (pinned) | private use | relied on | wrapper | pinning test |
 |---|---|---|---|---|
-| pyspark 3.5.9 | `DataFrame._collect_as_arrow()` | Spark 3.5's only collect straight to Arrow: a list of `pa.RecordBatch`, empty for no rows (`toArrow()` is Spark 4) | `collect_arrow` | `test_collect_arrow_gives_record_batches` |
-| pyspark 3.5.9 | `SparkSession._instantiatedSession` | the process's session whichever thread made it, read without creating one | `instantiated_spark_session` | `test_instantiated_session_is_seen_from_any_thread` |
-| pyspark 3.5.9 | `SparkContext._active_spark_context` | the running context or None, read without creating one (`getOrCreate` would start one) | `active_spark_context` | `test_active_spark_context_is_the_sessions` |
-| pyspark 3.5.9 (py4j) | `spark._jvm....Utils.classForName(name, True, False)` | asks Spark's own class loader (which sees `spark.jars`) for a class; raises when it is missing | `load_jvm_class` | `test_load_jvm_class_finds_spark_and_raises_for_missing` |
-| petastorm 0.12.1 | `Reader._results_queue_reader` | the object whose `read_next(workers_pool, schema, ngram)` turns each worker result into what the reader yields | `replace_petastorm_results_reader` | `test_petastorm_results_reader_can_be_replaced` |
-| ray 2.55.1 | `ray._private.services.resolve_ip_for_localhost` | `ray start` (ray.scripts.scripts) looks it up on the module at call time to swap 127.0.0.1 for a routable address | `keep_ray_loopback` | `test_keep_ray_loopback_keeps_127_0_0_1` |
-| prefect 3.8.8 | `FlowRunContext.model_copy(update={"result_store": ...})` entered as a context manager | a copy of the flow run context, entered, becomes the current one: tasks inside it persist and look up cached results in its result store | `flow_run_context_with_result_storage` | `test_flow_run_context_swap_moves_task_results` |
-| petastorm 0.12.1 | the order `Reader._partition_row_groups` and `ConcurrentVentilator` hand a shard's row groups to the reader's threads | with a seed: all indexes shuffled by `random.Random(seed)`, those equal to the shard modulo the shard count kept, then (shuffle_row_groups) shuffled by `np.random.RandomState(seed)` | `petastorm_ventilation_order` | `tests/test_loader.py::test_ventilation_order_is_petastorms` |
-| Delta protocol / deltalake 1.6.6 layout | `<table>/_delta_log/*.json` commit files read as text | every commit is a JSON-lines file under `_delta_log` naming the data files it adds (and removes) by their relative path | `delta_log_mentions` | `test_delta_log_mentions_every_file_ever_added` |
-| Delta protocol / deltalake 1.6.6 layout | `<table>/_delta_log/<20-digit version>.json`, one JSON object per line, one of them `{"commitInfo": {...}}` | a commit's version is its file's name; delta-rs writes a commit's custom metadata as keys of its `commitInfo`, Spark its `userMetadata` as one | `delta_log_commits` | `test_delta_log_commits_numbered_by_file_name` |
+| pyspark 3.5.9 | `DataFrame._collect_as_arrow()` | Spark 3.5's only collect straight to Arrow: a list of
+`pa.RecordBatch`, empty for no rows (`toArrow()` is Spark 4) | `collect_arrow` |
+`test_collect_arrow_gives_record_batches` |
+| pyspark 3.5.9 | `SparkSession._instantiatedSession` | the process's session whichever thread made it, read without
+creating one | `instantiated_spark_session` | `test_instantiated_session_is_seen_from_any_thread` |
+| pyspark 3.5.9 | `SparkContext._active_spark_context` | the running context or None, read without creating one
+(`getOrCreate` would start one) | `active_spark_context` | `test_active_spark_context_is_the_sessions` |
+| pyspark 3.5.9 (py4j) | `spark._jvm....Utils.classForName(name, True, False)` | asks Spark's own class loader (which
+sees `spark.jars`) for a class; raises when it is missing | `load_jvm_class` |
+`test_load_jvm_class_finds_spark_and_raises_for_missing` |
+| petastorm 0.12.1 | `Reader._results_queue_reader` | the object whose `read_next(workers_pool, schema, ngram)` turns
+each worker result into what the reader yields | `replace_petastorm_results_reader` |
+`test_petastorm_results_reader_can_be_replaced` |
+| ray 2.55.1 | `ray._private.services.resolve_ip_for_localhost` | `ray start` (ray.scripts.scripts) looks it up on the
+module at call time to swap 127.0.0.1 for a routable address | `keep_ray_loopback` |
+`test_keep_ray_loopback_keeps_127_0_0_1` |
+| prefect 3.8.8 | `FlowRunContext.model_copy(update={"result_store": ...})` entered as a context manager | a copy of the
+flow run context, entered, becomes the current one: tasks inside it persist and look up cached results in its result
+store | `flow_run_context_with_result_storage` | `test_flow_run_context_swap_moves_task_results` |
+| petastorm 0.12.1 | the order `Reader._partition_row_groups` and `ConcurrentVentilator` hand a shard's row groups to
+the reader's threads | with a seed: all indexes shuffled by `random.Random(seed)`, those equal to the shard modulo the
+shard count kept, then (shuffle_row_groups) shuffled by `np.random.RandomState(seed)` | `petastorm_ventilation_order` |
+`tests/test_loader.py::test_ventilation_order_is_petastorms` |
+| Delta protocol / deltalake 1.6.6 layout | `<table>/_delta_log/*.json` commit files read as text | every commit is a
+JSON-lines file under `_delta_log` naming the data files it adds (and removes) by their relative path |
+`delta_log_mentions` | `test_delta_log_mentions_every_file_ever_added` |
+| Delta protocol / deltalake 1.6.6 layout | `<table>/_delta_log/<20-digit version>.json`, one JSON object per line, one
+of them `{"commitInfo": {...}}` | a commit's version is its file's name; delta-rs writes a commit's custom metadata as
+keys of its `commitInfo`, Spark its `userMetadata` as one | `delta_log_commits` |
+`test_delta_log_commits_numbered_by_file_name` |
 
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Any, Iterator
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -120,7 +142,8 @@ def delta_log_mentions(table_uri: str, names: list[str]) -> set[str]:
 
 
 def delta_log_commits(table_uri: str) -> Iterator[tuple[int, dict]]:
-    """The table's JSON commits, newest first: each commit's version (its file's name) and its `commitInfo` ({} if it has none).
+    """The table's JSON commits, newest first: each commit's version (its file's name) and its `commitInfo` ({} if it
+    has none).
 
     delta-rs' `DeltaTable.history()` numbers commits by counting back from a latest version it reads
     apart from the commits, so with another writer committing meanwhile its numbers can be out by one.
@@ -132,16 +155,23 @@ def delta_log_commits(table_uri: str) -> Iterator[tuple[int, dict]]:
 
     fs, folder = fsspec.core.url_to_fs(table_uri)
     named = {path.rsplit("/", 1)[-1]: path for path in fs.ls(f"{folder}/_delta_log", detail=False)}
-    versions = sorted((int(name[:-5]) for name in named if name.endswith(".json") and name[:-5].isdigit()), reverse=True)
+    versions = sorted(
+        (int(name[:-5]) for name in named if name.endswith(".json") and name[:-5].isdigit()), reverse=True
+    )
     for version in versions:
         text = fs.cat_file(named[f"{version:020d}.json"]).decode("utf-8")
-        info = next((json.loads(line)["commitInfo"] for line in text.splitlines() if line.startswith('{"commitInfo"')), {})
+        info = next(
+            (json.loads(line)["commitInfo"] for line in text.splitlines() if line.startswith('{"commitInfo"')), {}
+        )
         yield version, info
 
 
-def petastorm_ventilation_order(groups: int, shard: int, shard_count: int, seed: int | None, shuffle: bool) -> list[int]:
+def petastorm_ventilation_order(
+    groups: int, shard: int, shard_count: int, seed: int | None, shuffle: bool
+) -> list[int]:
     """The row groups of one shard in the order Petastorm 0.12.1's reader hands them to its threads (a replay of its
-    private `Reader._partition_row_groups` and `ConcurrentVentilator`, which the loader needs to put arrivals in order)."""
+    private `Reader._partition_row_groups` and `ConcurrentVentilator`, which the loader needs to put arrivals in
+    order)."""
     import random
 
     import numpy as np

@@ -1,6 +1,7 @@
 """Time limits of flow runs and stages: past its deadline, the work is interrupted and fails with an error of its own.
 
-Why not Prefect's `timeout_seconds` (Prefect 3.8, prefect/_internal/concurrency/cancellation.py): the limits are settings,
+Why not Prefect's `timeout_seconds` (Prefect 3.8, prefect/_internal/concurrency/cancellation.py): the limits are
+settings,
 known only once a run has read its config file and overrides, after Prefect has started the flow; only the outermost
 Prefect timeout of the main thread may use SIGALRM, and an inner one (a stage under a flow's) injects its exception
 between two bytecodes, which never ends a call blocked in C (a sleep, a socket read, a lock); and what a SIGALRM handler
@@ -21,7 +22,7 @@ import ctypes
 import signal
 import threading
 import time
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 RESEND_SECONDS = 30.0  # an interrupt that no deadline's scope has seen yet (swallowed on the way) is sent again
 DRAIN_SECONDS = 0.2  # how long a scope that passed its deadline waits for an interrupt still on its way

@@ -8,11 +8,11 @@ import math
 import os
 import random
 import threading
-from contextlib import contextmanager
 import time
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Literal
 
 import fsspec
@@ -65,7 +65,9 @@ def engine_without_spark(settings: Settings) -> Engine | None:
     """The engine `choose_engine` picks where Spark's jars do not matter: delta-rs when the settings name it, or name
     "auto" on an embedded Spark. None where Spark must be asked (delta_writer=spark, or auto on a Spark cluster): the
     answer is the same as Spark's, without the seconds a process takes to start Spark only to be told."""
-    if settings.delta_writer == "delta-rs" or (settings.delta_writer == "auto" and settings.spark_master.startswith("local")):
+    if settings.delta_writer == "delta-rs" or (
+        settings.delta_writer == "auto" and settings.spark_master.startswith("local")
+    ):
         return "delta-rs"
     return None
 
@@ -102,7 +104,9 @@ def append_arrow(table_uri: str, batches: pa.RecordBatchReader | pa.Table) -> in
 
 MERGE_KEY = "t.path = s.path AND t.image_size = s.image_size"
 # Pixels are large unique values: dictionaries and min/max statistics on them only cost time.
-IMAGE_WRITER = WriterProperties(column_properties={"image": ColumnProperties(dictionary_enabled=False, statistics_enabled="NONE")})
+IMAGE_WRITER = WriterProperties(
+    column_properties={"image": ColumnProperties(dictionary_enabled=False, statistics_enabled="NONE")}
+)
 CONFLICT_RETRIES = 8
 
 
@@ -118,11 +122,25 @@ def merge_arrow(table_uri: str, changes: pa.Table) -> int:
         try:
             if not table_exists(table_uri):
                 rows = changes.filter(pc.equal(changes["_action"], "upsert")).drop_columns(["_action"])
-                write_deltalake(table_uri, rows, mode="append", commit_properties=properties, writer_properties=IMAGE_WRITER, storage_options=storage_options(table_uri))
+                write_deltalake(
+                    table_uri,
+                    rows,
+                    mode="append",
+                    commit_properties=properties,
+                    writer_properties=IMAGE_WRITER,
+                    storage_options=storage_options(table_uri),
+                )
             else:
                 (
                     _rs(table_uri)
-                    .merge(changes, MERGE_KEY, source_alias="s", target_alias="t", commit_properties=properties, writer_properties=IMAGE_WRITER)
+                    .merge(
+                        changes,
+                        MERGE_KEY,
+                        source_alias="s",
+                        target_alias="t",
+                        commit_properties=properties,
+                        writer_properties=IMAGE_WRITER,
+                    )
                     .when_matched_update_all(predicate="s._action = 'upsert'", except_cols=["_action"])
                     .when_matched_delete(predicate="s._action = 'delete'")
                     .when_not_matched_insert_all(predicate="s._action = 'upsert'", except_cols=["_action"])
@@ -151,7 +169,12 @@ def commit_files(table_uri: str, schema: pa.Schema, files: list[str]) -> int:
         try:
             if creating:
                 create_table_with_add_actions(
-                    table_uri, DeltaSchema.from_arrow(schema), actions, mode="append", commit_properties=properties, storage_options=storage_options(table_uri)
+                    table_uri,
+                    DeltaSchema.from_arrow(schema),
+                    actions,
+                    mode="append",
+                    commit_properties=properties,
+                    storage_options=storage_options(table_uri),
                 )
             else:
                 # The table's own schema (which holds SCHEMA's columns): columns another writer added stay.
@@ -159,7 +182,8 @@ def commit_files(table_uri: str, schema: pa.Schema, files: list[str]) -> int:
                 table.create_write_transaction(actions, "append", table.schema(), commit_properties=properties)
             return _version_of_write(table_uri, write_id)
         except (CommitFailedError, DeltaError) as exc:
-            # Two first writes race to create the table: the loser (whatever delta-rs calls its error) appends to the winner's.
+            # Two first writes race to create the table: the loser (whatever delta-rs calls its error) appends to the
+            # winner's.
             lost_create = creating and table_exists(table_uri)
             if attempt == CONFLICT_RETRIES - 1 or not (lost_create or _is_conflict(exc)):
                 raise
@@ -173,7 +197,9 @@ def uncommit_files(table_uri: str, files: list[str]) -> int:
     write_id = uuid.uuid4().hex
     table = _rs(table_uri)
     actions = [RemoveAction(name, True, now) for name in files]
-    table.create_write_transaction(actions, "append", table.schema(), commit_properties=CommitProperties(custom_metadata={WRITE_ID_KEY: write_id}))
+    table.create_write_transaction(
+        actions, "append", table.schema(), commit_properties=CommitProperties(custom_metadata={WRITE_ID_KEY: write_id})
+    )
     return _version_of_write(table_uri, write_id)
 
 
@@ -214,7 +240,12 @@ STATS_COLUMNS = ("date", "image_size", "size", "width", "height")
 
 def _is_conflict(exc: Exception) -> bool:
     text = str(exc).lower()
-    return isinstance(exc, CommitFailedError) or "conflict" in text or "version already exists" in text or "already exists" in text
+    return (
+        isinstance(exc, CommitFailedError)
+        or "conflict" in text
+        or "version already exists" in text
+        or "already exists" in text
+    )
 
 
 _spark_commits = threading.Lock()  # userMetadata is a session setting: one Spark commit at a time per process
@@ -232,7 +263,8 @@ def merge_spark(spark: SparkSession, table_uri: str, changes: pa.Table) -> int:
             source.where("_action = 'upsert'").drop("_action").write.format("delta").mode("append").save(table_uri)
         else:
             (
-                SparkDeltaTable.forPath(spark, table_uri).alias("t")
+                SparkDeltaTable.forPath(spark, table_uri)
+                .alias("t")
                 .merge(source.alias("s"), MERGE_KEY)
                 .whenMatchedUpdate(condition="s._action = 'upsert'", set={c: f"s.`{c}`" for c in columns})
                 .whenMatchedDelete(condition="s._action = 'delete'")
@@ -251,7 +283,8 @@ def compact_spark(spark: SparkSession, table_uri: str) -> dict:
 
 
 def vacuum_spark(spark: SparkSession, table_uri: str, retention_hours: float, keep_versions: list[int]) -> list[str]:
-    """Spark's Delta `vacuum`: it has no per-version keep list, so the retention reaches back to the oldest version to keep.
+    """Spark's Delta `vacuum`: it has no per-version keep list, so the retention reaches back to the oldest version to
+    keep.
 
     Like delta-rs' full mode it also deletes files no commit added that are older than the retention.
     Returns the data files it deleted (the folder's Parquet files before minus after).
@@ -265,7 +298,14 @@ def vacuum_spark(spark: SparkSession, table_uri: str, retention_hours: float, ke
             retention_hours = max(retention_hours, (time.time() - oldest.timestamp()) / 3600 + 1)
     before = _data_files(table_uri)
     # Vacuum lists the table folder as one Spark job with this many tasks (10,000 unless set): one per core is plenty.
-    with _spark_commits, _session_conf(spark, "spark.sql.sources.parallelPartitionDiscovery.parallelism", str(spark.sparkContext.defaultParallelism)):
+    with (
+        _spark_commits,
+        _session_conf(
+            spark,
+            "spark.sql.sources.parallelPartitionDiscovery.parallelism",
+            str(spark.sparkContext.defaultParallelism),
+        ),
+    ):
         SparkDeltaTable.forPath(spark, table_uri).vacuum(float(math.ceil(retention_hours)))
     return sorted(before - _data_files(table_uri))
 
@@ -285,9 +325,19 @@ def history_spark(spark: SparkSession, table_uri: str) -> list[dict]:
     """The table's commits through `DeltaTable.history()`, newest first, in `history`'s shape."""
     from delta.tables import DeltaTable as SparkDeltaTable
 
-    rows = SparkDeltaTable.forPath(spark, table_uri).history().select("version", "timestamp", "operation", "userMetadata").collect()
+    rows = (
+        SparkDeltaTable.forPath(spark, table_uri)
+        .history()
+        .select("version", "timestamp", "operation", "userMetadata")
+        .collect()
+    )
     return [
-        {"version": int(r["version"]), "timestamp": r["timestamp"].astimezone(timezone.utc), "operation": r["operation"], "write_id": r["userMetadata"]}
+        {
+            "version": int(r["version"]),
+            "timestamp": r["timestamp"].astimezone(UTC),
+            "operation": r["operation"],
+            "write_id": r["userMetadata"],
+        }
         for r in rows
     ]
 
@@ -302,7 +352,7 @@ def _commit_row(version: int, info: dict) -> dict:
     stamp = info.get("timestamp")
     return {
         "version": version,
-        "timestamp": None if stamp is None else datetime.fromtimestamp(stamp / 1000, timezone.utc),
+        "timestamp": None if stamp is None else datetime.fromtimestamp(stamp / 1000, UTC),
         "operation": info.get("operation"),
         "write_id": _write_id(info),
     }
@@ -315,7 +365,11 @@ def _write_id(info: dict) -> str | None:
 
 def _data_files(table_uri: str) -> set[str]:
     fs, folder = fsspec.core.url_to_fs(table_uri)
-    return {path.removeprefix(folder).lstrip("/") for path in fs.find(folder) if path.endswith(".parquet") and "/_delta_log/" not in path}
+    return {
+        path.removeprefix(folder).lstrip("/")
+        for path in fs.find(folder)
+        if path.endswith(".parquet") and "/_delta_log/" not in path
+    }
 
 
 def _version_of_write(table_uri: str, write_id: str) -> int:
@@ -354,8 +408,10 @@ def version_files(table_uri: str, version: int) -> list[str]:
 
 
 def read_files_arrow(table_uri: str, files: list[str], schema: pa.Schema) -> pa.Table | None:
-    """SCHEMA's columns of these data files (URIs as `version_files` gives them) read by this process's pyarrow, no Spark job;
-    None if one of them is in a form this pyarrow cannot open (delta-rs' merges and compactions store Arrow view types in
+    """SCHEMA's columns of these data files (URIs as `version_files` gives them) read by this process's pyarrow, no
+    Spark job;
+    None if one of them is in a form this pyarrow cannot open (delta-rs' merges and compactions store Arrow view types
+    in
     the Parquet metadata, which pyarrow 14 rejects): the caller then reads them with Spark. Files that lack a column
     (written before it was added) give nulls."""
     fs, _ = fsspec.core.url_to_fs(table_uri)
@@ -376,20 +432,30 @@ def read_files_arrow(table_uri: str, files: list[str], schema: pa.Schema) -> pa.
 
 
 def read_current(
-    spark: SparkSession, table_uri: str, engine: Engine, columns: list[str], where: Column | None = None, version: int | None = None
+    spark: SparkSession,
+    table_uri: str,
+    engine: Engine,
+    columns: list[str],
+    where: Column | None = None,
+    version: int | None = None,
 ) -> pa.Table:
-    """Some columns of the table's current version (or of `version`), as Arrow on the driver (empty if there is no table).
+    """Some columns of the table's current version (or of `version`), as Arrow on the driver (empty if there is no
+    table).
 
     Spark reads the files: delta-rs rewrites (merge, optimize) store Arrow view types in the
     Parquet metadata, which the pyarrow that Petastorm needs (14) cannot open.
     """
     if not table_exists(table_uri):
         return pa.table({name: pa.array([], pa.string()) for name in columns})
-    frame = read_version(spark, table_uri, _rs(table_uri).version() if version is None else version, engine).select(*columns)
+    frame = read_version(spark, table_uri, _rs(table_uri).version() if version is None else version, engine).select(
+        *columns
+    )
     if where is not None:
         frame = frame.where(where)
     batches = collect_arrow(frame)  # Spark 3.5's only Arrow collect (private: see infra/compat.py)
-    return pa.Table.from_batches(batches) if batches else pa.table({name: pa.array([], pa.string()) for name in columns})
+    return (
+        pa.Table.from_batches(batches) if batches else pa.table({name: pa.array([], pa.string()) for name in columns})
+    )
 
 
 def sql_in(column: str, values: list[str]) -> str:
@@ -462,21 +528,24 @@ def table_exists(table_uri: str) -> bool:
 
 @dataclass(frozen=True)
 class Table:
-    """One Delta table and the engine that reads it and merges into it: the one place where delta-rs and Spark's Delta differ.
+    """One Delta table and the engine that reads it and merges into it: the one place where delta-rs and Spark's Delta
+    differ.
 
     With engine "spark", reads go through Spark's Delta source (versionAsOf), merges through `DeltaTable.merge`,
     compaction, vacuum and history through Spark's `DeltaTable`. With "delta-rs", Spark reads the files the delta-rs
     log lists and delta-rs does the rest. Either way, appends of small tables and commits of data files the executors
-    already wrote are delta-rs commits: Spark's Delta has no public API for the latter, and both engines read the result.
+    already wrote are delta-rs commits: Spark's Delta has no public API for the latter, and both engines read the
+    result.
     """
 
     uri: str
-    # The session, or the function that starts it on first use (`open`); None: a table only appended to or maintained here.
+    # The session, or the function that starts it on first use (`open`); None: a table only appended to or maintained
+    # here.
     session: SparkSource | None = None
     engine: Engine = "delta-rs"
 
     @classmethod
-    def open(cls, uri: str, settings: Settings, engine: Engine | None = None) -> "Table":
+    def open(cls, uri: str, settings: Settings, engine: Engine | None = None) -> Table:
         """The table at URI with this process's Spark session, started only when a read or a Spark merge first needs it:
         a run that finds nothing to do starts no Spark. The engine is the settings' choice unless given."""
         session = on_demand(settings)
@@ -505,7 +574,9 @@ class Table:
         present = set(self.columns())
         missing = [field for field in schema if field.name not in present] if present else []
         if missing:
-            _rs(self.uri).alter.add_columns([Field(f.name, DeltaSchema.from_arrow(pa.schema([f])).fields[0].type, nullable=True) for f in missing])
+            _rs(self.uri).alter.add_columns(
+                [Field(f.name, DeltaSchema.from_arrow(pa.schema([f])).fields[0].type, nullable=True) for f in missing]
+            )
         return [f.name for f in missing]
 
     def version(self) -> int | None:
@@ -561,7 +632,9 @@ class Table:
 
     def merge(self, changes: pa.Table) -> int:
         """Upsert and delete rows keyed on (path, image_size) (`_action` column) in one commit; return its version."""
-        return merge_spark(self._reader(), self.uri, changes) if self.engine == "spark" else merge_arrow(self.uri, changes)
+        return (
+            merge_spark(self._reader(), self.uri, changes) if self.engine == "spark" else merge_arrow(self.uri, changes)
+        )
 
     def commit_files(self, schema: pa.Schema, files: list[str]) -> int:
         return commit_files(self.uri, schema, files)
@@ -592,5 +665,9 @@ class Table:
         if self.engine == "spark":
             return vacuum_spark(self._reader(), self.uri, retention_hours, keep_versions)
         return _rs(self.uri).vacuum(
-            retention_hours=math.ceil(retention_hours), dry_run=False, enforce_retention_duration=False, keep_versions=keep_versions, full=True
+            retention_hours=math.ceil(retention_hours),
+            dry_run=False,
+            enforce_retention_duration=False,
+            keep_versions=keep_versions,
+            full=True,
         )

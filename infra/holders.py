@@ -14,9 +14,10 @@ import os
 import re
 import socket
 import uuid
-from datetime import datetime, timezone
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from filelock import FileLock
 
@@ -39,7 +40,7 @@ def holder_now() -> dict[str, Any]:
         "flow_run_id": str(run.id) if run is not None else None,
         "flow_run_name": run.name if run is not None else None,
         "flow_name": context.flow.name if context is not None and context.flow is not None else None,
-        "since": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "since": datetime.now(UTC).isoformat(timespec="seconds"),
     }
 
 
@@ -62,9 +63,13 @@ def busy_message(what: str, timeout: float | None, holder: dict[str, Any] | None
     else:
         cancel = "cancel the run that holds it (the Prefect UI lists the runs in progress)"
     waited = "" if timeout is None else f" after {timeout:g} s"
-    setting = next((f"; {name} sets how long to wait" for prefix, name in WAIT_SETTINGS.items() if what.startswith(prefix)), "")
-    return (f"gave up waiting for the lock on {what}{waited}: {describe(holder)} holds it. "
-            f"Wait for it to end and run again or, if it hangs, {cancel}{setting}")
+    setting = next(
+        (f"; {name} sets how long to wait" for prefix, name in WAIT_SETTINGS.items() if what.startswith(prefix)), ""
+    )
+    return (
+        f"gave up waiting for the lock on {what}{waited}: {describe(holder)} holds it. "
+        f"Wait for it to end and run again or, if it hangs, {cancel}{setting}"
+    )
 
 
 # Locks whose wait is a setting, by the start of what they lock (tasks/cache.py, tasks/train.py).
@@ -118,7 +123,8 @@ def recorded(path: Path) -> Iterator[None]:
 
 @contextlib.contextmanager
 def file_lock(path: Path, what: str, timeout: float | None) -> Iterator[None]:
-    """Hold the file lock PATH (waiting up to TIMEOUT seconds; None: as long as it takes), recorded beside it; a wait that
+    """Hold the file lock PATH (waiting up to TIMEOUT seconds; None: as long as it takes), recorded beside it; a wait
+    that
     gives up raises LockBusy naming the holder."""
     lock = FileLock(str(path), timeout=-1 if timeout is None else timeout)
     record = path.with_suffix(".holder")

@@ -1,4 +1,5 @@
-"""Spark's JVM jars: Delta (delta-spark, delta-storage) and S3A (hadoop-aws and its AWS SDK), fetched once by `make install`.
+"""Spark's JVM jars: Delta (delta-spark, delta-storage) and S3A (hadoop-aws and its AWS SDK), fetched once by `make
+install`.
 
 `python -m infra.jars install` asks `mvn` for the artifacts in JARS (Maven Central, checksums checked by
 Maven), copies them into the environment's jar folder and writes SHA256SUMS there. Spark is then given
@@ -93,7 +94,10 @@ def sha256(path: Path) -> str:
 def _read_sums(path: Path) -> dict[str, str]:
     if not path.is_file():
         return {}
-    return {name.strip(): digest for digest, name in (line.split(None, 1) for line in path.read_text().splitlines() if line.strip())}
+    return {
+        name.strip(): digest
+        for digest, name in (line.split(None, 1) for line in path.read_text().splitlines() if line.strip())
+    }
 
 
 def install(folder: Path, coordinates: tuple[str, ...] = JARS + TEST_JARS) -> int:
@@ -118,7 +122,9 @@ def install(folder: Path, coordinates: tuple[str, ...] = JARS + TEST_JARS) -> in
         )
         if done.returncode != 0 or not (target / file_name(coordinate)).is_file():
             failed.append(coordinate)
-            print(f"jars: mvn could not fetch {coordinate}: {(done.stdout + done.stderr).strip().splitlines()[-1:] or ['no output']}")
+            print(
+                f"jars: mvn could not fetch {coordinate}: {(done.stdout + done.stderr).strip().splitlines()[-1:] or ['no output']}"
+            )
     runtime = [folder / file_name(c) for c in JARS if (folder / file_name(c)).is_file()]
     (folder / SUMS).write_text("".join(f"{sha256(path)}  {path.name}\n" for path in runtime))
     for state in check(folder):
@@ -134,15 +140,21 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m infra.jars", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("install", help="fetch the jars with mvn into the jar folder").add_argument("--folder", type=Path, default=None)
-    sub.add_parser("check", help="list the jars and check their SHA-256").add_argument("--folder", type=Path, default=None)
+    sub.add_parser("install", help="fetch the jars with mvn into the jar folder").add_argument(
+        "--folder", type=Path, default=None
+    )
+    sub.add_parser("check", help="list the jars and check their SHA-256").add_argument(
+        "--folder", type=Path, default=None
+    )
     args = parser.parse_args(argv)
     folder = args.folder or jar_folder()
     if args.command == "install":
         return install(folder)
     states = check(folder)
     for state in states:
-        print(f"{state.coordinate}: {state.path} {'ok' if state.ok else 'missing' if not state.present else 'CHECKSUM MISMATCH'}")
+        print(
+            f"{state.coordinate}: {state.path} {'ok' if state.ok else 'missing' if not state.present else 'CHECKSUM MISMATCH'}"
+        )
     return 0 if all(s.ok for s in states) else 1
 
 

@@ -1,8 +1,10 @@
 """One slot of a Prefect global concurrency limit, held under a lease this process renews, with a fence.
 
-A lease lapses when it is not renewed in time (the Prefect server or the network away for longer than the lease), and the
+A lease lapses when it is not renewed in time (the Prefect server or the network away for longer than the lease), and
+the
 server then gives the slot to the next caller while the first holder may still be working. So what the lock protects
-(an alias move, a commit) is fenced: `HeldLease.check()` renews the lease at once and raises LeaseLost when the server no
+(an alias move, a commit) is fenced: `HeldLease.check()` renews the lease at once and raises LeaseLost when the server
+no
 longer knows it, or when it cannot be renewed and may have lapsed. Only the Prefect client's public methods are used.
 """
 
@@ -68,7 +70,9 @@ class HeldLease:
                     "nothing was changed under it. Run again once the Prefect server answers."
                 ) from exc
         if self.lost is not None:
-            raise LeaseLost(f"the lock {self.name!r} may be held by another run now ({self.lost}); nothing was changed under it")
+            raise LeaseLost(
+                f"the lock {self.name!r} may be held by another run now ({self.lost}); nothing was changed under it"
+            )
 
     def release(self) -> None:
         """Stop renewing and give the slot back (a lease the server dropped already has none to give)."""

@@ -1,4 +1,5 @@
-"""Cancellation and crashes: a flow run's Spark and Ray end with it, an orphaned run ends itself, a silent one is Crashed.
+"""Cancellation and crashes: a flow run's Spark and Ray end with it, an orphaned run ends itself, a silent one is
+Crashed.
 
 How a cancel (UI or API) reaches a run that a process worker started, in Prefect 3.8: the worker's runner sees the
 Cancelling state, sends SIGTERM to the flow-run process's whole process group (Spark's JVM and a local Ray's daemons
@@ -25,7 +26,8 @@ When the flow-run process itself dies at once (SIGKILL, a lost machine), nothing
 heartbeats in a row have not arrived. `make worker` runs `python -m infra.lifecycle` to create it. The deployments
 in prefect.yaml set PREFECT_FLOWS_HEARTBEAT_FREQUENCY=30 in their runs' environment (job variables), so their runs
 beat often enough whatever worker starts them; flows beating at Prefect's default (every 180 s) would be marked
-Crashed while they are fine. Only deployment runs are watched, because `imagelake run` flows beat at that default. Subflow runs carry no
+Crashed while they are fine. Only deployment runs are watched, because `imagelake run` flows beat at that default.
+Subflow runs carry no
 deployment, so after a lost machine the pipeline subflow run stays Running under its Crashed parent.
 """
 
@@ -36,8 +38,9 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 from uuid import UUID
 
 from infra.compat import active_spark_context, instantiated_spark_session
@@ -206,7 +209,12 @@ def release_compute(flow: Any, flow_run: Any, state: Any) -> None:
     reaped = reap(str(flow_run.id))
     logger = flow_run_logger(flow_run, flow)
     if stopped or reaped:
-        logger.warning("%s: stopped %s; ended leftover processes %s", state.name, ", ".join(stopped) or "nothing in-process", reaped or "none")
+        logger.warning(
+            "%s: stopped %s; ended leftover processes %s",
+            state.name,
+            ", ".join(stopped) or "nothing in-process",
+            reaped or "none",
+        )
     for problem in problems:
         logger.warning("%s: could not stop %s (what is left ends with the process)", state.name, problem)
 
@@ -308,7 +316,9 @@ def ensure_crash_detection(heartbeat_seconds: int = HEARTBEAT_SECONDS, missed: i
     from prefect.events.schemas.automations import AutomationCore, EventTrigger, Posture
 
     if heartbeat_seconds < HEARTBEAT_SECONDS:
-        raise ValueError(f"heartbeat_seconds must be at least {HEARTBEAT_SECONDS} (Prefect's minimum), got {heartbeat_seconds}")
+        raise ValueError(
+            f"heartbeat_seconds must be at least {HEARTBEAT_SECONDS} (Prefect's minimum), got {heartbeat_seconds}"
+        )
     if missed < 2:
         raise ValueError(f"missed must be at least 2, or one late heartbeat marks a healthy run Crashed; got {missed}")
     within = timedelta(seconds=heartbeat_seconds * missed)
@@ -331,13 +341,18 @@ def ensure_crash_detection(heartbeat_seconds: int = HEARTBEAT_SECONDS, missed: i
             threshold=1,
             within=within,
         ),
-        actions=[ChangeFlowRunState(state=StateType.CRASHED, message=f"No heartbeat for {within.total_seconds():.0f} s: its process is gone.")],
+        actions=[
+            ChangeFlowRunState(
+                state=StateType.CRASHED,
+                message=f"No heartbeat for {within.total_seconds():.0f} s: its process is gone.",
+            )
+        ],
     )
     with get_client(sync_client=True) as client:
         for existing in client.read_automations_by_name(CRASH_AUTOMATION):
-            same = existing.trigger.model_dump() == automation.trigger.model_dump() and [a.model_dump() for a in existing.actions] == [
-                a.model_dump() for a in automation.actions
-            ]
+            same = existing.trigger.model_dump() == automation.trigger.model_dump() and [
+                a.model_dump() for a in existing.actions
+            ] == [a.model_dump() for a in automation.actions]
             if existing.enabled and same:
                 return existing.id
             client.delete_automation(existing.id)
@@ -349,7 +364,10 @@ def main() -> int:
     raw = os.environ.get("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", str(HEARTBEAT_SECONDS))
     if not raw.isdigit() or int(raw) < HEARTBEAT_SECONDS:
         # Checked before Prefect reads its settings, which would fail on this value with a long traceback.
-        print(f"PREFECT_FLOWS_HEARTBEAT_FREQUENCY must be a whole number of seconds, at least {HEARTBEAT_SECONDS}; got {raw!r}", file=sys.stderr)
+        print(
+            f"PREFECT_FLOWS_HEARTBEAT_FREQUENCY must be a whole number of seconds, at least {HEARTBEAT_SECONDS}; got {raw!r}",
+            file=sys.stderr,
+        )
         return 2
     from prefect.settings import get_current_settings
 
@@ -362,10 +380,15 @@ def main() -> int:
     try:
         automation_id = ensure_crash_detection(heartbeat)
     except httpx.HTTPError as exc:
-        print(f"cannot set up crash detection on {get_current_settings().api.url}: {exc} (is the server up? `make ui`)", file=sys.stderr)
+        print(
+            f"cannot set up crash detection on {get_current_settings().api.url}: {exc} (is the server up? `make ui`)",
+            file=sys.stderr,
+        )
         return 1
-    print(f"crash detection: automation {automation_id} marks deployment runs Crashed after {MISSED_HEARTBEATS * heartbeat} s "
-          f"without a heartbeat (prefect.yaml makes deployment runs beat every {HEARTBEAT_SECONDS} s)")
+    print(
+        f"crash detection: automation {automation_id} marks deployment runs Crashed after {MISSED_HEARTBEATS * heartbeat} s "
+        f"without a heartbeat (prefect.yaml makes deployment runs beat every {HEARTBEAT_SECONDS} s)"
+    )
     return 0
 
 

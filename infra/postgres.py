@@ -29,15 +29,19 @@ class PostgresError(RuntimeError):
 
 def programs() -> Path:
     """The folder with PostgreSQL's server programs: Debian's newest version, else initdb on the PATH."""
-    versions = sorted((path for path in DEBIAN_PROGRAMS.glob("*/bin") if (path / "postgres").exists()),
-                      key=lambda path: int(path.parent.name) if path.parent.name.isdigit() else 0)
+    versions = sorted(
+        (path for path in DEBIAN_PROGRAMS.glob("*/bin") if (path / "postgres").exists()),
+        key=lambda path: int(path.parent.name) if path.parent.name.isdigit() else 0,
+    )
     if versions:
         return versions[-1]
     found = shutil.which("initdb")
     if found and (Path(found).resolve().parent / "postgres").exists():
         return Path(found).resolve().parent
-    raise PostgresError("PostgreSQL's server programs (initdb, postgres) are not installed: run `make postgres` "
-                        "(Debian's postgresql package), or set the database setting back to sqlite")
+    raise PostgresError(
+        "PostgreSQL's server programs (initdb, postgres) are not installed: run `make postgres` "
+        "(Debian's postgresql package), or set the database setting back to sqlite"
+    )
 
 
 def service_user() -> str | None:
@@ -47,8 +51,10 @@ def service_user() -> str | None:
     try:
         pwd.getpwnam(SERVICE_USER)
     except KeyError:
-        raise PostgresError(f"PostgreSQL refuses to run as root and there is no {SERVICE_USER!r} user to run it as: "
-                            "install Debian's postgresql package (`make postgres`), or start the cluster as another user") from None
+        raise PostgresError(
+            f"PostgreSQL refuses to run as root and there is no {SERVICE_USER!r} user to run it as: "
+            "install Debian's postgresql package (`make postgres`), or start the cluster as another user"
+        ) from None
     return SERVICE_USER
 
 
@@ -62,7 +68,8 @@ def check_reachable(data: Path, user: str | None) -> None:
         if info.st_uid != uid and not info.st_mode & 0o001:
             raise PostgresError(
                 f"PostgreSQL runs as the user {user} (it refuses root), which cannot enter {folder} (mode {oct(info.st_mode & 0o777)}) "
-                f"on the way to its data folder {data}: use a folder others can enter (chmod o+x {folder}), or another folder")
+                f"on the way to its data folder {data}: use a folder others can enter (chmod o+x {folder}), or another folder"
+            )
 
 
 def _own(path: Path, user: str | None) -> None:
@@ -86,9 +93,29 @@ def initialise(data: Path, password: str, user: str | None, log: Path) -> bool:
         _own(secret, user)
         with log.open("a") as out:
             done = subprocess.run(
-                [str(programs() / "initdb"), "--pgdata", str(data), "--username", ROLE, "--pwfile", str(secret),
-                 "--auth-host", "scram-sha-256", "--auth-local", "scram-sha-256", "--encoding", "UTF8", "--no-locale"],
-                user=user, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=data, env=server_env(data), timeout=300,
+                [
+                    str(programs() / "initdb"),
+                    "--pgdata",
+                    str(data),
+                    "--username",
+                    ROLE,
+                    "--pwfile",
+                    str(secret),
+                    "--auth-host",
+                    "scram-sha-256",
+                    "--auth-local",
+                    "scram-sha-256",
+                    "--encoding",
+                    "UTF8",
+                    "--no-locale",
+                ],
+                user=user,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                cwd=data,
+                env=server_env(data),
+                timeout=300,
             )
     finally:
         secret.unlink(missing_ok=True)
@@ -105,18 +132,47 @@ def server_env(data: Path) -> dict[str, str]:
 
 def server_command(data: Path, port: int) -> list[str]:
     """The server, on 127.0.0.1:PORT only, no Unix socket, its log on standard error."""
-    return [str(programs() / "postgres"), "-D", str(data), "-p", str(port), "-c", "listen_addresses=127.0.0.1",
-            "-c", "unix_socket_directories=", "-c", "logging_collector=off", "-c", "max_connections=200"]
+    return [
+        str(programs() / "postgres"),
+        "-D",
+        str(data),
+        "-p",
+        str(port),
+        "-c",
+        "listen_addresses=127.0.0.1",
+        "-c",
+        "unix_socket_directories=",
+        "-c",
+        "logging_collector=off",
+        "-c",
+        "max_connections=200",
+    ]
 
 
-def start(data: Path, port: int, password: str, user: str | None, log: Path, env: dict[str, str] | None = None,
-          timeout: float = 60) -> subprocess.Popen:
+def start(
+    data: Path,
+    port: int,
+    password: str,
+    user: str | None,
+    log: Path,
+    env: dict[str, str] | None = None,
+    timeout: float = 60,
+) -> subprocess.Popen:
     """Initialise DATA if it is new, start the server in a session of its own (output to LOG, ENV added to its
-    environment), wait until it answers and create DATABASES. On failure the server is killed and the error names LOG."""
+    environment), wait until it answers and create DATABASES. On failure the server is killed and the error names
+    LOG."""
     initialise(data, password, user, log)
     with log.open("a") as out:
-        server = subprocess.Popen(server_command(data, port), env={**server_env(data), **(env or {})}, stdout=out, stderr=subprocess.STDOUT,
-                                  stdin=subprocess.DEVNULL, start_new_session=True, user=user, cwd=data.parent)
+        server = subprocess.Popen(
+            server_command(data, port),
+            env={**server_env(data), **(env or {})},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            user=user,
+            cwd=data.parent,
+        )
     deadline = time.monotonic() + timeout
     while not answers(port, password):
         if server.poll() is not None or time.monotonic() > deadline:
@@ -125,7 +181,9 @@ def start(data: Path, port: int, password: str, user: str | None, log: Path, env
             except ProcessLookupError:
                 pass
             server.wait()
-            raise PostgresError(f"PostgreSQL did not start on 127.0.0.1:{port} within {timeout:.0f} s; its log is {log}")
+            raise PostgresError(
+                f"PostgreSQL did not start on 127.0.0.1:{port} within {timeout:.0f} s; its log is {log}"
+            )
         time.sleep(0.3)
     create_databases(port, password, DATABASES)
     return server
@@ -134,7 +192,9 @@ def start(data: Path, port: int, password: str, user: str | None, log: Path, env
 def connect(port: int, password: str, database: str = "postgres", timeout: float = 3):
     import psycopg2
 
-    return psycopg2.connect(host="127.0.0.1", port=port, user=ROLE, password=password, dbname=database, connect_timeout=int(max(1, timeout)))
+    return psycopg2.connect(
+        host="127.0.0.1", port=port, user=ROLE, password=password, dbname=database, connect_timeout=int(max(1, timeout))
+    )
 
 
 def answers(port: int, password: str) -> bool:

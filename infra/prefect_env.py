@@ -6,7 +6,7 @@ import contextlib
 import contextvars
 import hashlib
 import re
-from typing import Iterator
+from collections.abc import Iterator
 
 from prefect.context import FlowRunContext
 from prefect.filesystems import LocalFileSystem, RemoteFileSystem, WritableFileSystem
@@ -49,7 +49,9 @@ def stage_results(settings: Settings, refresh: bool = False) -> Iterator[None]:
         raise RuntimeError("stage_results() belongs inside a flow run")
     staged = flow_run_context_with_result_storage(context, result_storage(settings.results_uri))
     # A deployment run gets no say over the worker's Prefect settings: the flow picks the store itself.
-    refresh = refresh or bool(PREFECT_TASKS_REFRESH_CACHE.value())  # the environment's PREFECT_TASKS_REFRESH_CACHE still counts
+    refresh = refresh or bool(
+        PREFECT_TASKS_REFRESH_CACHE.value()
+    )  # the environment's PREFECT_TASKS_REFRESH_CACHE still counts
     with staged, temporary_settings(updates={PREFECT_TASKS_REFRESH_CACHE: refresh}):
         yield
 
@@ -71,7 +73,8 @@ def one_at_a_time(settings: Settings, what: str, timeout: float | None = 600) ->
     """Hold the lock on WHAT: a file lock in the workspace for this machine's runs, and a Prefect global concurrency
     limit of one slot for every run that talks to the same Prefect server, on any host (its lease lapses if the holder
     dies). On Prefect's ephemeral server, which lives on this machine, the file lock is the lock. The holder is written
-    down as it enters (infra/holders.py); a wait of more than TIMEOUT seconds (None: as long as it takes) raises LockBusy,
+    down as it enters (infra/holders.py); a wait of more than TIMEOUT seconds (None: as long as it takes) raises
+    LockBusy,
     a TimeoutError naming the holder and what to do."""
     name = lock_name(what)
     folder = settings.workspace_dir / "locks"
@@ -85,7 +88,8 @@ def one_at_a_time(settings: Settings, what: str, timeout: float | None = 600) ->
 
         with temporary_settings(updates={PREFECT_API_URL: api}):
             ensure_one_slot(name)
-            # A lease renewal that fails once (a busy server) must not end an hours-long training that holds the slot: the
+            # A lease renewal that fails once (a busy server) must not end an hours-long training that holds the slot:
+            # the
             # lease may then lapse and the next holder go on, so what the lock protects is fenced (`fence`).
         with waiting_for(what, timeout, lambda: shared_record(api, name)):
             lease = acquire(api, name, timeout, duration=LEASE_SECONDS)
@@ -129,4 +133,6 @@ def ensure_one_slot(limit: str) -> None:
                 pass
             return
     if found.limit != 1 or not found.active:
-        raise RuntimeError(f"Prefect's global concurrency limit {limit!r} must be active with 1 slot; it has {found.limit} (active: {found.active})")
+        raise RuntimeError(
+            f"Prefect's global concurrency limit {limit!r} must be active with 1 slot; it has {found.limit} (active: {found.active})"
+        )

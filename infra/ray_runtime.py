@@ -27,7 +27,12 @@ def connect_ray(settings: Settings) -> dict[str, float]:
         else:
             # Logical CPUs: enough for every training worker even on a 2-core machine.
             cpus = max(os.cpu_count() or 1, int(settings.num_workers * settings.cpus_per_worker) + 1)
-            ray.init(num_cpus=cpus, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=settings.ray_log_to_driver)
+            ray.init(
+                num_cpus=cpus,
+                include_dashboard=False,
+                _node_ip_address="127.0.0.1",
+                log_to_driver=settings.ray_log_to_driver,
+            )
         exit_on_cancel()  # ray.init() took SIGTERM over: a cancelled run must not end as Crashed
     return ray.cluster_resources()
 
@@ -41,6 +46,10 @@ def join_ray(address: str, log_to_driver: bool) -> None:
             return
         except ConnectionError as exc:  # ConnectionAbortedError: "Starting Ray client server failed"
             if attempt == attempts:
-                raise ConnectionError(f"could not join the Ray cluster at {address} after {attempts} attempts: {exc}") from exc
-            logging.getLogger("imagelake").warning("joining Ray at %s failed (%s); trying again (%d of %d)", address, exc, attempt + 1, attempts)
+                raise ConnectionError(
+                    f"could not join the Ray cluster at {address} after {attempts} attempts: {exc}"
+                ) from exc
+            logging.getLogger("imagelake").warning(
+                "joining Ray at %s failed (%s); trying again (%d of %d)", address, exc, attempt + 1, attempts
+            )
             time.sleep(2.0 * attempt)

@@ -60,18 +60,86 @@ def read_config_file(path: Path) -> dict[str, Any]:
 # importing torchvision, and the Prefect UI's form offers them as a list.
 MODEL_ARCHS = (
     "small_cnn",
-    "alexnet", "convnext_base", "convnext_large", "convnext_small", "convnext_tiny", "densenet121", "densenet161",
-    "densenet169", "densenet201", "efficientnet_b0", "efficientnet_b1", "efficientnet_b2", "efficientnet_b3",
-    "efficientnet_b4", "efficientnet_b5", "efficientnet_b6", "efficientnet_b7", "efficientnet_v2_l",
-    "efficientnet_v2_m", "efficientnet_v2_s", "googlenet", "inception_v3", "maxvit_t", "mnasnet0_5", "mnasnet0_75",
-    "mnasnet1_0", "mnasnet1_3", "mobilenet_v2", "mobilenet_v3_large", "mobilenet_v3_small", "regnet_x_16gf",
-    "regnet_x_1_6gf", "regnet_x_32gf", "regnet_x_3_2gf", "regnet_x_400mf", "regnet_x_800mf", "regnet_x_8gf",
-    "regnet_y_128gf", "regnet_y_16gf", "regnet_y_1_6gf", "regnet_y_32gf", "regnet_y_3_2gf", "regnet_y_400mf",
-    "regnet_y_800mf", "regnet_y_8gf", "resnet101", "resnet152", "resnet18", "resnet34", "resnet50",
-    "resnext101_32x8d", "resnext101_64x4d", "resnext50_32x4d", "shufflenet_v2_x0_5", "shufflenet_v2_x1_0",
-    "shufflenet_v2_x1_5", "shufflenet_v2_x2_0", "squeezenet1_0", "squeezenet1_1", "swin_b", "swin_s", "swin_t",
-    "swin_v2_b", "swin_v2_s", "swin_v2_t", "vgg11", "vgg11_bn", "vgg13", "vgg13_bn", "vgg16", "vgg16_bn", "vgg19",
-    "vgg19_bn", "vit_b_16", "vit_b_32", "vit_h_14", "vit_l_16", "vit_l_32", "wide_resnet101_2", "wide_resnet50_2",
+    "alexnet",
+    "convnext_base",
+    "convnext_large",
+    "convnext_small",
+    "convnext_tiny",
+    "densenet121",
+    "densenet161",
+    "densenet169",
+    "densenet201",
+    "efficientnet_b0",
+    "efficientnet_b1",
+    "efficientnet_b2",
+    "efficientnet_b3",
+    "efficientnet_b4",
+    "efficientnet_b5",
+    "efficientnet_b6",
+    "efficientnet_b7",
+    "efficientnet_v2_l",
+    "efficientnet_v2_m",
+    "efficientnet_v2_s",
+    "googlenet",
+    "inception_v3",
+    "maxvit_t",
+    "mnasnet0_5",
+    "mnasnet0_75",
+    "mnasnet1_0",
+    "mnasnet1_3",
+    "mobilenet_v2",
+    "mobilenet_v3_large",
+    "mobilenet_v3_small",
+    "regnet_x_16gf",
+    "regnet_x_1_6gf",
+    "regnet_x_32gf",
+    "regnet_x_3_2gf",
+    "regnet_x_400mf",
+    "regnet_x_800mf",
+    "regnet_x_8gf",
+    "regnet_y_128gf",
+    "regnet_y_16gf",
+    "regnet_y_1_6gf",
+    "regnet_y_32gf",
+    "regnet_y_3_2gf",
+    "regnet_y_400mf",
+    "regnet_y_800mf",
+    "regnet_y_8gf",
+    "resnet101",
+    "resnet152",
+    "resnet18",
+    "resnet34",
+    "resnet50",
+    "resnext101_32x8d",
+    "resnext101_64x4d",
+    "resnext50_32x4d",
+    "shufflenet_v2_x0_5",
+    "shufflenet_v2_x1_0",
+    "shufflenet_v2_x1_5",
+    "shufflenet_v2_x2_0",
+    "squeezenet1_0",
+    "squeezenet1_1",
+    "swin_b",
+    "swin_s",
+    "swin_t",
+    "swin_v2_b",
+    "swin_v2_s",
+    "swin_v2_t",
+    "vgg11",
+    "vgg11_bn",
+    "vgg13",
+    "vgg13_bn",
+    "vgg16",
+    "vgg16_bn",
+    "vgg19",
+    "vgg19_bn",
+    "vit_b_16",
+    "vit_b_32",
+    "vit_h_14",
+    "vit_l_16",
+    "vit_l_32",
+    "wide_resnet101_2",
+    "wide_resnet50_2",
 )
 
 
@@ -86,9 +154,16 @@ class Settings(BaseSettings):
     # Spark and Delta.
     spark_master: str = "local[*]"
     spark_driver_memory: str = "4g"
-    spark_log_level: Literal["ALL", "DEBUG", "INFO", "WARN", "ERROR", "FATAL", "OFF"] = Field(default="ERROR", description="Spark's own log level")
-    spark_jars: list[str] = Field(default_factory=list, description="Extra jars for Spark, e.g. Delta's, as local paths")
-    spark_conf: dict[str, str] = Field(default_factory=dict, description="Extra Spark properties, applied last (e.g. spark.kubernetes.*, spark.executor.*)")
+    spark_log_level: Literal["ALL", "DEBUG", "INFO", "WARN", "ERROR", "FATAL", "OFF"] = Field(
+        default="ERROR", description="Spark's own log level"
+    )
+    spark_jars: list[str] = Field(
+        default_factory=list, description="Extra jars for Spark, e.g. Delta's, as local paths"
+    )
+    spark_conf: dict[str, str] = Field(
+        default_factory=dict,
+        description="Extra Spark properties, applied last (e.g. spark.kubernetes.*, spark.executor.*)",
+    )
     delta_writer: Literal["auto", "delta-rs", "spark"] = Field(
         default="auto",
         description="Delta engine for reads, merges and maintenance: auto is delta-rs on an embedded Spark and Spark's Delta on a Spark cluster with Delta's jars",
@@ -108,25 +183,37 @@ class Settings(BaseSettings):
     end_date: date | None = Field(default=None, description="Only source files of dates on or before this one")
     retire_deleted: bool = Field(default=False, description="Remove rows whose source file is gone")
     manifest_roots: list[str] = Field(
-        default_factory=list, description="Folders or URIs besides a manifest CSV's own folder whose files its rows may name"
+        default_factory=list,
+        description="Folders or URIs besides a manifest CSV's own folder whose files its rows may name",
     )
     max_file_bytes: int = Field(default=50 * 1024 * 1024, ge=1, description="Larger files are quarantined")
     read_attempts: int = Field(
-        default=3, ge=1, description="Reads of a source file before it is left for the next run (a read error is never quarantined)"
+        default=3,
+        ge=1,
+        description="Reads of a source file before it is left for the next run (a read error is never quarantined)",
     )
     requeue_reasons: list[str] = Field(
-        default_factory=list, description="Quarantine reasons whose files every run sends back through (as `imagelake requeue --reason` does once)"
+        default_factory=list,
+        description="Quarantine reasons whose files every run sends back through (as `imagelake requeue --reason` does once)",
     )
-    max_image_pixels: int = Field(default=64_000_000, ge=1, description="Larger images are quarantined as decompression bombs")
+    max_image_pixels: int = Field(
+        default=64_000_000, ge=1, description="Larger images are quarantined as decompression bombs"
+    )
     max_decode_seconds: float = Field(
-        default=30.0, gt=0, description="A file whose decoding goes on longer is quarantined as decode_timeout (checked as the decoder reads the file)"
+        default=30.0,
+        gt=0,
+        description="A file whose decoding goes on longer is quarantined as decode_timeout (checked as the decoder reads the file)",
     )
-    max_bad_fraction: float = Field(default=0.2, ge=0, le=1, description="A run with more bad files fails and writes nothing")
+    max_bad_fraction: float = Field(
+        default=0.2, ge=0, le=1, description="A run with more bad files fails and writes nothing"
+    )
     max_retire_fraction: float = Field(
         default=0.5, ge=0, le=1, description="A run that would retire more of any date's rows fails and writes nothing"
     )
     decode_in_driver_up_to: int = Field(
-        default=1000, ge=0, description="A run with at most this many files to decode decodes them in the driver, without Spark's Python workers (0: always on the executors)"
+        default=1000,
+        ge=0,
+        description="A run with at most this many files to decode decodes them in the driver, without Spark's Python workers (0: always on the executors)",
     )
     quarantine_table_name: str = "quarantine"
     vacuum_retention_hours: float = Field(default=168, ge=0, description="Keep files of table versions this recent")
@@ -139,18 +226,25 @@ class Settings(BaseSettings):
     staging_root: str | None = Field(default=None, description="Folder or URI for files handed between stages")
 
     # Training.
-    ray_address: str | None = Field(default=None, description="Ray cluster to join (host:port, ray://host:port or auto); none starts Ray here")
-    ray_placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
-        default="PACK", description="How Ray places training workers: PACK fills a node's GPUs first, SPREAD uses more machines"
+    ray_address: str | None = Field(
+        default=None, description="Ray cluster to join (host:port, ray://host:port or auto); none starts Ray here"
     )
-    ray_storage_root: str | None = Field(default=None, description="Folder where Ray Train keeps checkpoints; shared by every node (default: workspace/ray_results)")
+    ray_placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        default="PACK",
+        description="How Ray places training workers: PACK fills a node's GPUs first, SPREAD uses more machines",
+    )
+    ray_storage_root: str | None = Field(
+        default=None,
+        description="Folder where Ray Train keeps checkpoints; shared by every node (default: workspace/ray_results)",
+    )
     num_workers: int = Field(default=2, ge=1, description="Ray Train workers")
     use_gpu: bool = False
     cpus_per_worker: float = Field(default=1, gt=0)
     gpus_per_worker: float = Field(default=1, gt=0, description="With use_gpu")
     max_failures: int = Field(default=1, ge=-1, description="Worker failures a training run survives (-1: no limit)")
     ray_log_to_driver: bool = Field(
-        default=False, description="Show Ray workers' own output on the console too (it is always in Ray's session logs); progress lines come from the driver"
+        default=False,
+        description="Show Ray workers' own output on the console too (it is always in Ray's session logs); progress lines come from the driver",
     )
     model_arch: Literal[MODEL_ARCHS] = Field(  # type: ignore[valid-type]
         default="small_cnn",
@@ -160,40 +254,66 @@ class Settings(BaseSettings):
         default=None,
         description="Weights to start from: none, imagenet (the architecture's best torchvision weights, from torchvision's cache in TORCH_HOME or downloaded into it), a torchvision weights name (IMAGENET1K_V1, ResNet50_Weights.IMAGENET1K_V2), or the path or URI of a state dict",
     )
-    freeze_backbone: bool = Field(default=False, description="Train only the classification head (a linear probe of the pretrained features)")
-    backbone_lr_factor: float = Field(default=0.1, gt=0, le=1, description="With pretrained weights, the backbone's learning rate as a fraction of the new head's")
+    freeze_backbone: bool = Field(
+        default=False, description="Train only the classification head (a linear probe of the pretrained features)"
+    )
+    backbone_lr_factor: float = Field(
+        default=0.1,
+        gt=0,
+        le=1,
+        description="With pretrained weights, the backbone's learning rate as a fraction of the new head's",
+    )
     augment: Literal["none", "light", "standard"] = Field(
         default="light",
         description="Training images, drawn per image and epoch: light is a random crop of 60-100% of the area; standard a crop of 25-100% and colour jitter",
     )
-    augment_flip: bool = Field(default=False, description="Also mirror half the training images (for photos; a mirrored digit, letter or sign is another glyph)")
+    augment_flip: bool = Field(
+        default=False,
+        description="Also mirror half the training images (for photos; a mirrored digit, letter or sign is another glyph)",
+    )
     label_smoothing: float = Field(default=0.1, ge=0, lt=1, description="Label smoothing of the training loss")
     class_weights: Literal["none", "balanced"] = Field(
-        default="none", description="balanced weighs each label's training loss by the inverse of its share of the train split (for imbalanced tables)"
+        default="none",
+        description="balanced weighs each label's training loss by the inverse of its share of the train split (for imbalanced tables)",
     )
     warm_start: bool = Field(
         default=False,
         description="Start from the champion's weights when it was trained for the same labels (same order), image size, resize mode and model_arch; else from scratch",
     )
-    max_epochs: int = Field(default=30, ge=1, description="Most epochs of one training run (early stopping on val_loss usually ends it sooner)")
-    max_train_minutes: float | None = Field(default=None, gt=0, description="Training stops after this long, at the end of an epoch, and keeps its best checkpoint")
+    max_epochs: int = Field(
+        default=30,
+        ge=1,
+        description="Most epochs of one training run (early stopping on val_loss usually ends it sooner)",
+    )
+    max_train_minutes: float | None = Field(
+        default=None,
+        gt=0,
+        description="Training stops after this long, at the end of an epoch, and keeps its best checkpoint",
+    )
     batch_size: int = Field(default=32, ge=1, description="Per worker")
     base_lr: float = Field(default=1e-3, gt=0, description="Learning rate of one worker; scaled with num_workers")
-    lr_scaling: Literal["linear", "sqrt", "none"] = Field(default="linear", description="How the learning rate grows with the workers")
+    lr_scaling: Literal["linear", "sqrt", "none"] = Field(
+        default="linear", description="How the learning rate grows with the workers"
+    )
     early_stopping_patience: int | None = Field(
-        default=None, ge=0, description="Epochs without a better val_loss before training stops (default: half of max_epochs, at least 3)"
+        default=None,
+        ge=0,
+        description="Epochs without a better val_loss before training stops (default: half of max_epochs, at least 3)",
     )
     early_stopping_min_delta: float = Field(default=0.0, ge=0)
     early_stopping_threshold: float | None = Field(default=None, description="Stop once val_loss is below this")
     compile: bool | None = Field(
-        default=None, description="torch.compile the model for training steps; default: on with a GPU (faster for every model measured), off on CPU"
+        default=None,
+        description="torch.compile the model for training steps; default: on with a GPU (faster for every model measured), off on CPU",
     )
     compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = Field(
         default="default", description="torch.compile's mode when compiling (reduce-overhead adds CUDA graphs)"
     )
     loader_workers: int = Field(default=2, ge=1, description="Petastorm reader threads per training worker")
     loader_processes: int | None = Field(
-        default=None, ge=0, le=16,
+        default=None,
+        ge=0,
+        le=16,
         description="Processes that make each training worker's batches (frees the worker's interpreter for the GPU; more feed faster models); 0: in its threads; default: 1 with a GPU, 0 on CPU",
     )
     shuffle_buffer_batches: int = Field(default=4, ge=1, description="Rows shuffled across row groups, in batches")
@@ -208,49 +328,84 @@ class Settings(BaseSettings):
     mlflow_experiment: str = "imagelake"
     mlflow_ui_url: str = Field(default="http://127.0.0.1:5000", description="MLflow UI that Prefect artifacts link to")
     model_name: str = "imagelake-classifier"
-    promotion_metric: Literal["accuracy", "macro_f1", "loss"] = Field(default="accuracy", description="What the promotion gate compares")
-    promotion_margin: float = Field(default=0.0, ge=0, description="How much a candidate must beat the champion by on promotion_metric")
+    promotion_metric: Literal["accuracy", "macro_f1", "loss"] = Field(
+        default="accuracy", description="What the promotion gate compares"
+    )
+    promotion_margin: float = Field(
+        default=0.0, ge=0, description="How much a candidate must beat the champion by on promotion_metric"
+    )
     min_margin_over_baseline: float | None = Field(
-        default=None, ge=-1, le=1,
+        default=None,
+        ge=-1,
+        le=1,
         description="A candidate whose test accuracy is not this much above its run's plain baseline (logistic regression on 32 px thumbnails) stays challenger; unset: the margin is shown, not enforced",
     )
-    allow_pickle_models: bool = Field(default=False, description="Load registered models stored by pickling (unsafe for untrusted sources)")
+    allow_pickle_models: bool = Field(
+        default=False, description="Load registered models stored by pickling (unsafe for untrusted sources)"
+    )
     history_table_name: str = Field(default="registry_history", description="Delta table of every alias move")
-    predictions_table_name: str = Field(default="predictions", description="Delta table of what `imagelake score` answered, one row per image content and model version")
-    score_top_k: int = Field(default=3, ge=1, description="Labels with their probabilities that `imagelake score` keeps per image")
+    predictions_table_name: str = Field(
+        default="predictions",
+        description="Delta table of what `imagelake score` answered, one row per image content and model version",
+    )
+    score_top_k: int = Field(
+        default=3, ge=1, description="Labels with their probabilities that `imagelake score` keeps per image"
+    )
 
     # Orchestration.
     prefect_api_url: str | None = None
-    results_root: str | None = Field(default=None, description="Folder or URI where stage results are cached (default: workspace/prefect-results)")
+    results_root: str | None = Field(
+        default=None, description="Folder or URI where stage results are cached (default: workspace/prefect-results)"
+    )
     workspace_retention_hours: float = Field(
-        default=168, ge=0,
+        default=168,
+        ge=0,
         description="After each run, remove staging files, cached stage results and training checkpoints unchanged for this long (keep it above the longest run)",
     )
 
     # Time limits: a hung mount or a stuck Spark or Ray job fails its run (TimedOut, its Spark and Ray released) instead
     # of holding up every queued run behind it. Each is generous for its stage; none enters a cache key. none: no limit.
     flow_timeout_hours: float | None = Field(
-        default=24, gt=0, description="A flow run still going after this long fails TimedOut (a run may set at most 24: nightly runs go one at a time)"
+        default=24,
+        gt=0,
+        description="A flow run still going after this long fails TimedOut (a run may set at most 24: nightly runs go one at a time)",
     )
     stage_timeout_minutes: float | None = Field(
-        default=360, gt=0, description="Time limit of each stage without one of its own (split, summary, retention, requeue, maintenance, scoring)"
+        default=360,
+        gt=0,
+        description="Time limit of each stage without one of its own (split, summary, retention, requeue, maintenance, scoring)",
     )
-    ingest_timeout_minutes: float | None = Field(default=240, gt=0, description="Time limit of the ingest stage (listing millions of source files)")
-    resize_timeout_minutes: float | None = Field(default=480, gt=0, description="Time limit of the resize stage (decoding millions of images)")
-    write_timeout_minutes: float | None = Field(default=180, gt=0, description="Time limit of the write stage (the Delta merge)")
+    ingest_timeout_minutes: float | None = Field(
+        default=240, gt=0, description="Time limit of the ingest stage (listing millions of source files)"
+    )
+    resize_timeout_minutes: float | None = Field(
+        default=480, gt=0, description="Time limit of the resize stage (decoding millions of images)"
+    )
+    write_timeout_minutes: float | None = Field(
+        default=180, gt=0, description="Time limit of the write stage (the Delta merge)"
+    )
     cache_timeout_minutes: float | None = Field(
-        default=360, gt=0, description="Time limit of the cache stage, its wait for another run caching the same line included"
+        default=360,
+        gt=0,
+        description="Time limit of the cache stage, its wait for another run caching the same line included",
     )
     train_timeout_minutes: float | None = Field(
-        default=720, gt=0,
+        default=720,
+        gt=0,
         description="Time limit of the train stage, its wait for another run training the same Ray run included (keep it above max_train_minutes)",
     )
-    promote_timeout_minutes: float | None = Field(default=60, gt=0, description="Time limit of the promote stage (test predictions, the gate)")
+    promote_timeout_minutes: float | None = Field(
+        default=60, gt=0, description="Time limit of the promote stage (test predictions, the gate)"
+    )
     cache_lock_wait_minutes: float | None = Field(
-        default=180, gt=0, description="How long the cache stage waits for another run caching the same line before it fails naming that run"
+        default=180,
+        gt=0,
+        description="How long the cache stage waits for another run caching the same line before it fails naming that run",
     )
     train_lock_wait_minutes: float | None = Field(
-        default=360, gt=0, description="How long the train stage waits for another run training the same Ray run before it fails naming that run"
+        default=360,
+        gt=0,
+        description="How long the train stage waits for another run training the same Ray run before it fails naming that run",
     )
 
     @model_validator(mode="before")
@@ -271,7 +426,7 @@ class Settings(BaseSettings):
         return None if isinstance(value, str) and value.strip().lower() in ("", "none") else value
 
     @model_validator(mode="after")
-    def _no_credentials_in_addresses(self) -> "Settings":
+    def _no_credentials_in_addresses(self) -> Settings:
         values = [(name, getattr(self, name)) for name in type(self).model_fields]
         values += [(f"spark_jars[{i}]", jar) for i, jar in enumerate(self.spark_jars)]
         values += [(f"spark_conf {key}", value) for key, value in self.spark_conf.items()]
@@ -291,7 +446,7 @@ class Settings(BaseSettings):
         return self
 
     @model_validator(mode="after")
-    def _check_fractions(self) -> "Settings":
+    def _check_fractions(self) -> Settings:
         if self.val_fraction + self.test_fraction >= 0.9:
             raise ValueError("val_fraction + test_fraction must leave at least 10% of the images for training")
         if self.start_date and self.end_date and self.start_date > self.end_date:
@@ -299,8 +454,9 @@ class Settings(BaseSettings):
         return self
 
     @model_validator(mode="after")
-    def _lock_waits_end_first(self) -> "Settings":
-        # A wait that outlasts its stage's limit would end as that limit, and the error would not name who holds the lock.
+    def _lock_waits_end_first(self) -> Settings:
+        # A wait that outlasts its stage's limit would end as that limit, and the error would not name who holds the
+        # lock.
         for stage in ("cache", "train"):
             wait, limit = getattr(self, f"{stage}_lock_wait_minutes"), getattr(self, f"{stage}_timeout_minutes")
             if limit is not None and (wait is None or wait >= limit):
@@ -330,7 +486,9 @@ class Settings(BaseSettings):
     @property
     def patience(self) -> int:
         """Early stopping's patience: set, or half the epochs (the learning rate decays over all of them)."""
-        return self.early_stopping_patience if self.early_stopping_patience is not None else max(3, self.max_epochs // 2)
+        return (
+            self.early_stopping_patience if self.early_stopping_patience is not None else max(3, self.max_epochs // 2)
+        )
 
     # Derived locations: all under the workspace unless set.
     @property
@@ -400,7 +558,9 @@ def _has_password(uri: str) -> bool:
         return False
 
 
-_SECRET_KEY = re.compile(r"secret|password|passwd|token|account\.key|access\.key|(^|\.)sas(\.|$)|credential", re.IGNORECASE)
+_SECRET_KEY = re.compile(
+    r"secret|password|passwd|token|account\.key|access\.key|(^|\.)sas(\.|$)|credential", re.IGNORECASE
+)
 # Keys that name where a secret comes from, not the secret itself (a provider class, a file, a path).
 _SECRET_SOURCE = re.compile(r"(provider|file|path|type|class|endpoint|url|uri)$", re.IGNORECASE)
 
@@ -413,38 +573,119 @@ def _names_a_secret(key: str) -> bool:
 # What a run started from a deployment (the UI's form, a schedule, the API) may set: what it ingests, how it trains,
 # splits and promotes, and how much of the worker's cluster it asks for. Nothing here names a host, a folder, a table
 # or a file, so a run can neither send the worker's credentials elsewhere, nor load someone else's pickles, nor write
-# or delete where the worker does not. A new field of Settings goes here or in REFUSED_FROM_RUNS (tests/test_settings.py).
-ALLOWED_FROM_RUNS = frozenset({
-    # What is ingested.
-    "image_size", "resize_mode", "image_extensions", "start_date", "end_date", "requeue_reasons", "max_file_bytes", "read_attempts",
-    "max_image_pixels", "max_decode_seconds", "max_bad_fraction", "max_retire_fraction", "decode_in_driver_up_to",
-    # Split and cache.
-    "val_fraction", "test_fraction", "partitions_per_worker",
-    # How it trains, and on how much of the worker's cluster.
-    "ray_placement_strategy", "num_workers", "use_gpu", "cpus_per_worker", "gpus_per_worker", "max_failures", "ray_log_to_driver",
-    "model_arch", "pretrained", "freeze_backbone", "backbone_lr_factor", "augment", "augment_flip", "label_smoothing", "class_weights",
-    "warm_start", "max_epochs", "max_train_minutes", "batch_size", "base_lr", "lr_scaling", "early_stopping_patience",
-    "early_stopping_min_delta", "early_stopping_threshold", "compile", "compile_mode", "loader_workers", "loader_processes",
-    "shuffle_buffer_batches", "bf16", "channels_last", "pin_memory", "seed",
-    # How the gate promotes, what scoring keeps, how much maintenance keeps (within RUN_LIMITS), how much Spark says.
-    "promotion_metric", "promotion_margin", "min_margin_over_baseline", "score_top_k",
-    "vacuum_retention_hours", "workspace_retention_hours", "spark_log_level",
-    # Time limits: a run may shorten its own (a failed run is its own loss); the flow's limit caps the rest (RUN_LIMITS).
-    "flow_timeout_hours", "stage_timeout_minutes", "ingest_timeout_minutes", "resize_timeout_minutes", "write_timeout_minutes",
-    "cache_timeout_minutes", "train_timeout_minutes", "promote_timeout_minutes", "cache_lock_wait_minutes", "train_lock_wait_minutes",
-})
+# or delete where the worker does not. A new field of Settings goes here or in REFUSED_FROM_RUNS
+# (tests/test_settings.py).
+ALLOWED_FROM_RUNS = frozenset(
+    {
+        # What is ingested.
+        "image_size",
+        "resize_mode",
+        "image_extensions",
+        "start_date",
+        "end_date",
+        "requeue_reasons",
+        "max_file_bytes",
+        "read_attempts",
+        "max_image_pixels",
+        "max_decode_seconds",
+        "max_bad_fraction",
+        "max_retire_fraction",
+        "decode_in_driver_up_to",
+        # Split and cache.
+        "val_fraction",
+        "test_fraction",
+        "partitions_per_worker",
+        # How it trains, and on how much of the worker's cluster.
+        "ray_placement_strategy",
+        "num_workers",
+        "use_gpu",
+        "cpus_per_worker",
+        "gpus_per_worker",
+        "max_failures",
+        "ray_log_to_driver",
+        "model_arch",
+        "pretrained",
+        "freeze_backbone",
+        "backbone_lr_factor",
+        "augment",
+        "augment_flip",
+        "label_smoothing",
+        "class_weights",
+        "warm_start",
+        "max_epochs",
+        "max_train_minutes",
+        "batch_size",
+        "base_lr",
+        "lr_scaling",
+        "early_stopping_patience",
+        "early_stopping_min_delta",
+        "early_stopping_threshold",
+        "compile",
+        "compile_mode",
+        "loader_workers",
+        "loader_processes",
+        "shuffle_buffer_batches",
+        "bf16",
+        "channels_last",
+        "pin_memory",
+        "seed",
+        # How the gate promotes, what scoring keeps, how much maintenance keeps (within RUN_LIMITS), how much Spark
+        # says.
+        "promotion_metric",
+        "promotion_margin",
+        "min_margin_over_baseline",
+        "score_top_k",
+        "vacuum_retention_hours",
+        "workspace_retention_hours",
+        "spark_log_level",
+        # Time limits: a run may shorten its own (a failed run is its own loss); the flow's limit caps the rest
+        # (RUN_LIMITS).
+        "flow_timeout_hours",
+        "stage_timeout_minutes",
+        "ingest_timeout_minutes",
+        "resize_timeout_minutes",
+        "write_timeout_minutes",
+        "cache_timeout_minutes",
+        "train_timeout_minutes",
+        "promote_timeout_minutes",
+        "cache_lock_wait_minutes",
+        "train_lock_wait_minutes",
+    }
+)
 
 # Only from the worker's config file or IMAGELAKE_* environment: where its clusters, stores, tables, folders and
 # registered model are (a run pointed elsewhere would send the worker's credentials to another host, unpickle Ray
 # Client's or Prefect's results from it, or write, retire and vacuum someone else's data), what code Spark loads, and
 # the policies that remove data (retire_deleted) or load pickles (allow_pickle_models).
-REFUSED_FROM_RUNS = frozenset({
-    "workspace", "table_root", "table_name", "quarantine_table_name", "history_table_name", "predictions_table_name",
-    "cache_root", "staging_root", "ray_storage_root", "results_root", "manifest_roots",
-    "spark_master", "spark_driver_memory", "spark_jars", "spark_conf", "delta_writer", "ray_address",
-    "mlflow_tracking_uri", "mlflow_registry_uri", "mlflow_experiment", "mlflow_ui_url", "model_name", "prefect_api_url",
-    "retire_deleted", "allow_pickle_models",
-})
+REFUSED_FROM_RUNS = frozenset(
+    {
+        "workspace",
+        "table_root",
+        "table_name",
+        "quarantine_table_name",
+        "history_table_name",
+        "predictions_table_name",
+        "cache_root",
+        "staging_root",
+        "ray_storage_root",
+        "results_root",
+        "manifest_roots",
+        "spark_master",
+        "spark_driver_memory",
+        "spark_jars",
+        "spark_conf",
+        "delta_writer",
+        "ray_address",
+        "mlflow_tracking_uri",
+        "mlflow_registry_uri",
+        "mlflow_experiment",
+        "mlflow_ui_url",
+        "model_name",
+        "prefect_api_url",
+        "retire_deleted",
+        "allow_pickle_models",
+    }
+)
 
 # What a model version recorded may never bring back into a retraining (tasks/registry.py:retrain_overrides).
 UNSAFE_FROM_RUNS = tuple(sorted(REFUSED_FROM_RUNS))
@@ -479,7 +720,9 @@ def _is_weights_name(value: Any) -> bool:
     if value is None:
         return True
     # Exactly as Settings._no_weights and tasks/worker/model.py read them: anything else is taken for a file.
-    return isinstance(value, str) and (value.strip().lower() in ("", "none") or value == "imagenet" or bool(_WEIGHTS_NAME.match(value)))
+    return isinstance(value, str) and (
+        value.strip().lower() in ("", "none") or value == "imagenet" or bool(_WEIGHTS_NAME.match(value))
+    )
 
 
 def _within_limit(name: str, value: Any) -> bool:
@@ -512,7 +755,11 @@ def refuse_unsafe(overrides: dict[str, Any] | None, where: str) -> dict[str, Any
     path or URL, where the worker's IMAGELAKE_ALLOW_FROM_RUNS does not open that setting to runs."""
     opened = {name.strip() for name in os.environ.get(ALLOW_FROM_RUNS_VARIABLE, "").split(",") if name.strip()}
     given = sorted((overrides or {}).items())
-    reasons = {name: refusal(name, value) for name, value in given if name not in opened and _RENAMED.get(name, name) not in opened}
+    reasons = {
+        name: refusal(name, value)
+        for name, value in given
+        if name not in opened and _RENAMED.get(name, name) not in opened
+    }
     refused = {name: reason for name, reason in reasons.items() if reason}
     if refused:
         raise SettingsError(
@@ -529,14 +776,17 @@ CODE_ROOT = Path(__file__).resolve().parents[1]
 
 
 def refuse_unsafe_file(config_file: str | Path | None, where: str) -> None:
-    """Refuse a settings file named by WHERE (a run's parameters) that sets what refuse_unsafe refuses, unless it lies in
+    """Refuse a settings file named by WHERE (a run's parameters) that sets what refuse_unsafe refuses, unless it lies
+    in
     CODE_ROOT (infra/clusters/*.yaml: part of the deployment) or IMAGELAKE_ALLOW_FROM_RUNS allows those settings."""
     if not config_file:
         return
     path = Path(config_file)
     if path.resolve().is_relative_to(CODE_ROOT):  # a relative path against the working folder, `..` and links followed
         return
-    refuse_unsafe(read_config_file(path), f"the settings file {path}, named by {where} and outside the code folder {CODE_ROOT}")
+    refuse_unsafe(
+        read_config_file(path), f"the settings file {path}, named by {where} and outside the code folder {CODE_ROOT}"
+    )
 
 
 def load_settings(config_file: str | Path | None = None, overrides: dict[str, Any] | None = None) -> Settings:

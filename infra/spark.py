@@ -7,8 +7,9 @@ import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Union
+from typing import Union
 
 from pyspark.sql import SparkSession
 
@@ -42,7 +43,8 @@ def spark_started_by() -> str | None:
 
 def spark_asks() -> dict[str, int]:
     """How many times each stage ("-": code outside a stage) asked for this process's SparkSession. The first ask of a
-    process starts Spark, which costs seconds whatever the data: a stage that can answer without a Spark job must not ask."""
+    process starts Spark, which costs seconds whatever the data: a stage that can answer without a Spark job must not
+    ask."""
     with _lock:
         return dict(_asked)
 
@@ -146,7 +148,11 @@ def on_loopback(master: str) -> bool:
 
     if master.startswith("local"):
         return True
-    hosts = [urlsplit(f"spark://{part}").hostname for part in master.removeprefix("spark://").split(",")] if master.startswith("spark://") else []
+    hosts = (
+        [urlsplit(f"spark://{part}").hostname for part in master.removeprefix("spark://").split(",")]
+        if master.startswith("spark://")
+        else []
+    )
     return bool(hosts) and all(host in ("127.0.0.1", "localhost") for host in hosts)
 
 

@@ -36,8 +36,20 @@ def experiment_id(client: MlflowClient, settings: Settings) -> str:
 def git_commit() -> str:
     """The commit of the code that runs, or 'unknown' outside a git checkout."""
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, cwd=Path(__file__).resolve().parent)
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            cwd=Path(__file__).resolve().parent,
+        )
     except (OSError, subprocess.SubprocessError):
         return "unknown"
-    dirty = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True, timeout=10, cwd=Path(__file__).resolve().parent).stdout.strip()
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain"],
+        capture_output=True,
+        text=True,
+        timeout=10,
+        cwd=Path(__file__).resolve().parent,
+    ).stdout.strip()
     return (out.stdout.strip() + ("-dirty" if dirty else "")) if out.returncode == 0 else "unknown"

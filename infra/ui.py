@@ -1,4 +1,5 @@
-"""The Prefect and MLflow UIs of one machine (`make ui`), on SQLite files in the workspace or on a PostgreSQL of their own.
+"""The Prefect and MLflow UIs of one machine (`make ui`), on SQLite files in the workspace or on a PostgreSQL of their
+own.
 
     python -m infra.ui --workspace .imagelake --database sqlite     # the default: files in the workspace
     python -m infra.ui --workspace .imagelake --database postgres   # PostgreSQL, its data in <workspace>/ui/postgres
@@ -36,9 +37,15 @@ def ui_secrets(folder: Path, database: str) -> dict[str, str]:
     env_file = folder / "ui.env"
     found = read_env_file(env_file) if env_file.exists() else {}
     if database == "postgres" and (folder / "postgres" / "PG_VERSION").exists() and not found.get(PASSWORD):
-        raise postgres.PostgresError(f"the PostgreSQL data in {folder / 'postgres'} has no password in {env_file}: remove {folder / 'postgres'} to start afresh")
+        raise postgres.PostgresError(
+            f"the PostgreSQL data in {folder / 'postgres'} has no password in {env_file}: remove {folder / 'postgres'} to start afresh"
+        )
     wanted = [AUTH_STRING] + ([PASSWORD] if database == "postgres" else [])
-    made = {name: (f"{USER}:" if name == AUTH_STRING else "") + secrets.token_urlsafe(24) for name in wanted if not found.get(name)}
+    made = {
+        name: (f"{USER}:" if name == AUTH_STRING else "") + secrets.token_urlsafe(24)
+        for name in wanted
+        if not found.get(name)
+    }
     if made:
         values = {**found, **made}
         header = f"# The secrets of `make ui`'s servers (generated; keep them private). A client loads them with\n# set -a; . {env_file}; set +a\n"
@@ -46,28 +53,40 @@ def ui_secrets(folder: Path, database: str) -> dict[str, str]:
     return {**found, **made}
 
 
-def database_urls(workspace: Path, database: str, port: int, password: str | None) -> tuple[dict[str, str], subprocess.Popen | None]:
+def database_urls(
+    workspace: Path, database: str, port: int, password: str | None
+) -> tuple[dict[str, str], subprocess.Popen | None]:
     """The MLflow and Prefect servers' database URLs; with PostgreSQL, the server started for them."""
     if database == "sqlite":
         # Prefect's server keeps its own default (a SQLite file in its home folder, as `prefect server start` does).
         return {"mlflow": f"sqlite:///{workspace / 'mlflow.db'}"}, None
     folder = workspace / "ui"
     server = postgres.start(folder / "postgres", port, password, postgres.service_user(), folder / "postgres.log")
-    return {"mlflow": postgres.url(port, password, "mlflow"), "prefect": postgres.url(port, password, "prefect", driver="asyncpg")}, server
+    return {
+        "mlflow": postgres.url(port, password, "mlflow"),
+        "prefect": postgres.url(port, password, "prefect", driver="asyncpg"),
+    }, server
 
 
 def prefect_server_env(env: dict[str, str], auth_string: str, port: int) -> dict[str, str]:
     """The Prefect server's environment: its API behind the auth string, with CSRF checks, and CORS for its own UI only."""
     origin = f"http://127.0.0.1:{port}"
-    return {**env, "PREFECT_SERVER_API_AUTH_STRING": auth_string, "PREFECT_SERVER_CSRF_PROTECTION_ENABLED": "true",
-            "PREFECT_SERVER_CORS_ALLOWED_ORIGINS": origin, "PREFECT_UI_API_URL": f"{origin}/api"}
+    return {
+        **env,
+        "PREFECT_SERVER_API_AUTH_STRING": auth_string,
+        "PREFECT_SERVER_CSRF_PROTECTION_ENABLED": "true",
+        "PREFECT_SERVER_CORS_ALLOWED_ORIGINS": origin,
+        "PREFECT_UI_API_URL": f"{origin}/api",
+    }
 
 
 def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
-def serve(workspace: Path, database: str, prefect_port: int = 4200, mlflow_port: int = 5000, postgres_port: int = 5440) -> int:
+def serve(
+    workspace: Path, database: str, prefect_port: int = 4200, mlflow_port: int = 5000, postgres_port: int = 5440
+) -> int:
     workspace = workspace.resolve()
     workspace.mkdir(parents=True, exist_ok=True)
     found = ui_secrets(workspace / "ui", database)
@@ -80,9 +99,25 @@ def serve(workspace: Path, database: str, prefect_port: int = 4200, mlflow_port:
     mlflow_env = {**env, "MLFLOW_BACKEND_STORE_URI": urls["mlflow"]}
     mlflow_origin = f"http://127.0.0.1:{mlflow_port}"
     servers = [
-        subprocess.Popen([str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(prefect_port)], env=prefect_env),
-        subprocess.Popen([str(BIN / "mlflow"), "ui", "--host", "127.0.0.1", "--port", str(mlflow_port), "--cors-allowed-origins", mlflow_origin,
-                          "--default-artifact-root", str(workspace / "mlartifacts")], env=mlflow_env),
+        subprocess.Popen(
+            [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(prefect_port)],
+            env=prefect_env,
+        ),
+        subprocess.Popen(
+            [
+                str(BIN / "mlflow"),
+                "ui",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(mlflow_port),
+                "--cors-allowed-origins",
+                mlflow_origin,
+                "--default-artifact-root",
+                str(workspace / "mlartifacts"),
+            ],
+            env=mlflow_env,
+        ),
     ]
     signal.signal(signal.SIGTERM, _interrupt)
     try:

@@ -16,7 +16,6 @@ import pyarrow.parquet as pq
 import torch
 import torch.nn.functional as F
 
-from tasks.rules.promotion import BASELINE
 from tasks.worker.loader import pixel_rows, split_files
 
 THUMBNAIL = 32
@@ -55,7 +54,9 @@ def thumbnails(uri: str, image_size: int, rows: int, limit: int, seed: int) -> t
     return np.concatenate(images).astype(np.float32), np.concatenate(labels)
 
 
-def fit_baseline(train_uri: str, test_uri: str, image_size: int, counts: dict[str, int], seed: int, limit: int = MAX_ROWS) -> Baseline | None:
+def fit_baseline(
+    train_uri: str, test_uri: str, image_size: int, counts: dict[str, int], seed: int, limit: int = MAX_ROWS
+) -> Baseline | None:
     """The baseline's test accuracy, or None where it cannot be fitted (fewer than two labels among the training rows,
     or no test rows)."""
     from sklearn.linear_model import LogisticRegression

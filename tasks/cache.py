@@ -31,8 +31,8 @@ from infra.settings import Settings
 from infra.spark import SparkSource, on_demand, session_of
 from tasks.ingest import modified_seconds
 from tasks.progress import stage_logger
-from tasks.rules.splits import SPLITS
 from tasks.results import CachedSplits, SplitPlan
+from tasks.rules.splits import SPLITS
 from tasks.stage import stage
 from tasks.table import DRIVER_BYTES, ImageTable, splits_of
 
@@ -45,7 +45,16 @@ ROW_KEY = ("sha256", "label")
 
 def line_key(plan: SplitPlan, image_size: int, seed: int) -> str:
     """Everything a cache line's bytes depend on besides the table version, hashed."""
-    parts = [plan.table_uri, image_size, plan.num_partitions, plan.val_fraction, plan.test_fraction, plan.labels, seed, LAYOUT]
+    parts = [
+        plan.table_uri,
+        image_size,
+        plan.num_partitions,
+        plan.val_fraction,
+        plan.test_fraction,
+        plan.labels,
+        seed,
+        LAYOUT,
+    ]
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:20]
 
 
@@ -81,7 +90,11 @@ class CacheLine:
         if not self.fs.exists(self.root):
             return []
         names = [path.rsplit("/", 1)[-1] for path in self.fs.ls(self.root, detail=False)]
-        return sorted(int(name[len("test-v") : -len(".json")]) for name in names if name.startswith("test-v") and name.endswith(".json"))
+        return sorted(
+            int(name[len("test-v") : -len(".json")])
+            for name in names
+            if name.startswith("test-v") and name.endswith(".json")
+        )
 
     def read(self, version: int) -> dict[str, Any]:
         """The manifest of every split of VERSION: files (relative to the line), generation and the CachedSplits it made."""
@@ -89,11 +102,18 @@ class CacheLine:
 
     def cached(self, version: int, reused: bool) -> CachedSplits:
         """The CachedSplits a version's manifest records (what the cache stage returned for it)."""
-        return CachedSplits.model_validate({**json.loads(self.fs.cat_file(self.manifest("test", version)))["cached"], "reused": reused})
+        return CachedSplits.model_validate(
+            {**json.loads(self.fs.cat_file(self.manifest("test", version)))["cached"], "reused": reused}
+        )
 
     def write(self, version: int, files: dict[str, list[str]], generation: int, cached: CachedSplits) -> None:
         for split in SPLITS:  # test last: its manifest's presence means the version is complete
-            record = {"files": sorted(files[split]), "generation": generation, "cached": cached.model_dump(mode="json"), "rows": cached.counts[split]}
+            record = {
+                "files": sorted(files[split]),
+                "generation": generation,
+                "cached": cached.model_dump(mode="json"),
+                "rows": cached.counts[split],
+            }
             aside = f"{self.manifest(split, version)}.{uuid.uuid4().hex}"
             self.fs.pipe_file(aside, json.dumps(record, indent=1).encode())
             self.fs.mv(aside, self.manifest(split, version))
@@ -103,7 +123,11 @@ class CacheLine:
 
     def files_in(self, folder: str) -> list[str]:
         found = self.fs.find(f"{self.root}/{folder}")
-        return sorted(p[len(self.root) + 1 :] for p in found if p.endswith(".parquet") and not p.rsplit("/", 1)[-1].startswith(("_", ".")))
+        return sorted(
+            p[len(self.root) + 1 :]
+            for p in found
+            if p.endswith(".parquet") and not p.rsplit("/", 1)[-1].startswith(("_", "."))
+        )
 
     def problem(self, version: int) -> str | None:
         """What is wrong with a cached version's files (one gone, or other rows than its manifest records); None if nothing."""
@@ -132,13 +156,18 @@ def nearest(versions: list[int], version: int) -> int | None:
 
 def version_rows(spark: SparkSource, plan: SplitPlan, image_size: int, files: list[str] | None = None) -> DataFrame:
     """The version's rows (those FILES hold, if given) as the cache stores them (image, label index, sha256) with their split."""
-    frame = ImageTable.of_version(spark, plan, image_size).with_split(plan.version, plan.val_fraction, plan.test_fraction, files)
+    frame = ImageTable.of_version(spark, plan, image_size).with_split(
+        plan.version, plan.val_fraction, plan.test_fraction, files
+    )
     index_of = F.create_map(*[F.lit(item) for index, label in enumerate(plan.labels) for item in (label, index)])
     return frame.select("image", index_of[F.col("label")].cast("long").alias("label"), "sha256", "split")
 
 
-def cache_splits(spark: SparkSource, plan: SplitPlan, image_size: int, cache_root: str, seed: int = 42, lock: str | None = None) -> CachedSplits:
-    """The cache of every split of the plan's version: reused if cached, grown from the nearest cached version, or written
+def cache_splits(
+    spark: SparkSource, plan: SplitPlan, image_size: int, cache_root: str, seed: int = 42, lock: str | None = None
+) -> CachedSplits:
+    """The cache of every split of the plan's version: reused if cached, grown from the nearest cached version, or
+    written
     whole. The manifest that commits it is written under LOCK's fence (infra/prefect_env.py:fence), if given. SPARK may
     be a function that starts the session: a reuse, or a growth the driver makes alone, never calls it."""
     key = line_key(plan, image_size, seed)
@@ -159,7 +188,13 @@ def cache_splits(spark: SparkSource, plan: SplitPlan, image_size: int, cache_roo
         rows, files = version_rows(spark, plan, image_size), {}
         for split in SPLITS:
             folder = line.generation_folder(split, generation)
-            write_split(rows.where(F.col("split") == split).drop("split"), f"{line.uri}/{folder}", plan.num_partitions, seed, generation)
+            write_split(
+                rows.where(F.col("split") == split).drop("split"),
+                f"{line.uri}/{folder}",
+                plan.num_partitions,
+                seed,
+                generation,
+            )
             files[split] = line.files_in(folder)
         grown = files, generation, False
     files, generation, same_rows = grown
@@ -168,9 +203,18 @@ def cache_splits(spark: SparkSource, plan: SplitPlan, image_size: int, cache_roo
         cached = line.cached(base, reused=True)
     else:
         cached = CachedSplits(
-            table_uri=plan.table_uri, table_version=plan.version, cache_dir=line.fs.unstrip_protocol(line.root), key=f"{key}-v{plan.version}",
-            splits={split: line.fs.unstrip_protocol(line.manifest(split, plan.version)) for split in SPLITS}, counts=plan.counts, labels=plan.labels,
-            image_size=image_size, num_partitions=plan.num_partitions, reused=False, label_counts=plan.label_counts, quarantined=plan.quarantined,
+            table_uri=plan.table_uri,
+            table_version=plan.version,
+            cache_dir=line.fs.unstrip_protocol(line.root),
+            key=f"{key}-v{plan.version}",
+            splits={split: line.fs.unstrip_protocol(line.manifest(split, plan.version)) for split in SPLITS},
+            counts=plan.counts,
+            labels=plan.labels,
+            image_size=image_size,
+            num_partitions=plan.num_partitions,
+            reused=False,
+            label_counts=plan.label_counts,
+            quarantined=plan.quarantined,
         )
     if lock is not None:
         fence(lock)  # the line's lock lapsed: another run may be writing this version's manifest; commit nothing
@@ -178,9 +222,13 @@ def cache_splits(spark: SparkSource, plan: SplitPlan, image_size: int, cache_roo
     return cached.model_copy(update={"reused": same_rows, "quarantined": plan.quarantined})
 
 
-def row_changes(spark: SparkSource, line: CacheLine, manifests: dict[str, Any], plan: SplitPlan, image_size: int) -> pa.Table:
-    """Keys (sha256, label) of the rows the version has and the base's cache lacks (`split` and the `data_file` that holds
-    each) and of those the cache holds and the version lost (the cache `file` that holds each): one join of keys, no pixels,
+def row_changes(
+    spark: SparkSource, line: CacheLine, manifests: dict[str, Any], plan: SplitPlan, image_size: int
+) -> pa.Table:
+    """Keys (sha256, label) of the rows the version has and the base's cache lacks (`split` and the `data_file` that
+    holds
+    each) and of those the cache holds and the version lost (the cache `file` that holds each): one join of keys, no
+    pixels,
     and only the differences reach the driver."""
     old_files = [f"{line.uri}/{name}" for split in SPLITS for name in manifests[split]["files"]]
     now = version_rows(spark, plan, image_size).select(*ROW_KEY, "split", F.input_file_name().alias("data_file"))
@@ -191,12 +239,26 @@ def row_changes(spark: SparkSource, line: CacheLine, manifests: dict[str, Any], 
     differences = now.join(old, list(ROW_KEY), "full_outer").where(F.col("file").isNull() | F.col("split").isNull())
     batches = collect_arrow(differences)
     if not batches:
-        return pa.table({"sha256": pa.array([], pa.string()), "label": pa.array([], pa.int64()), "split": pa.array([], pa.string()),
-                         "data_file": pa.array([], pa.string()), "file": pa.array([], pa.string())})
+        return pa.table(
+            {
+                "sha256": pa.array([], pa.string()),
+                "label": pa.array([], pa.int64()),
+                "split": pa.array([], pa.string()),
+                "data_file": pa.array([], pa.string()),
+                "file": pa.array([], pa.string()),
+            }
+        )
     return pa.Table.from_batches(batches)
 
 
-CACHE_SCHEMA = pa.schema([("image", pa.binary()), ("label", pa.int64()), ("sha256", pa.string()), pa.field("position", pa.int64(), nullable=False)])
+CACHE_SCHEMA = pa.schema(
+    [
+        ("image", pa.binary()),
+        ("label", pa.int64()),
+        ("sha256", pa.string()),
+        pa.field("position", pa.int64(), nullable=False),
+    ]
+)
 
 
 def row_key(sha256: pa.ChunkedArray | pa.Array, label: pa.ChunkedArray | pa.Array) -> pa.ChunkedArray | pa.Array:
@@ -209,8 +271,11 @@ def label_index(plan: SplitPlan, labels: pa.ChunkedArray | pa.Array) -> pa.Array
     return pc.fill_null(pc.index_in(labels, pa.array(plan.labels, pa.string())), -1).cast(pa.int64())
 
 
-def log_changes(table: ImageTable, line: CacheLine, manifests: dict[str, Any], base: int, plan: SplitPlan) -> pa.Table | None:
-    """`row_changes` from the Delta log instead of a join (`ImageTable.rows_between`): keys of the rows in the data files
+def log_changes(
+    table: ImageTable, line: CacheLine, manifests: dict[str, Any], base: int, plan: SplitPlan
+) -> pa.Table | None:
+    """`row_changes` from the Delta log instead of a join (`ImageTable.rows_between`): keys of the rows in the data
+    files
     the plan's version has and BASE lacks, less those in the files BASE has and it lacks, and the reverse (a rewritten
     file's unchanged rows cancel out); no Spark job, no unchanged file read. None where that cannot be had (then the
     join runs)."""
@@ -221,9 +286,13 @@ def log_changes(table: ImageTable, line: CacheLine, manifests: dict[str, Any], b
     added_keys, removed_keys = row_key(added["sha256"], added["label"]), row_key(removed["sha256"], removed["label"])
     added = added.filter(pc.invert(pc.is_in(added_keys, removed_keys)))
     gone = removed.filter(pc.invert(pc.is_in(removed_keys, added_keys)))
-    added = added.append_column("split", splits_of(added["sha256"], plan.val_fraction, plan.test_fraction)).append_column("file", pa.nulls(added.num_rows, pa.string()))
+    added = added.append_column(
+        "split", splits_of(added["sha256"], plan.val_fraction, plan.test_fraction)
+    ).append_column("file", pa.nulls(added.num_rows, pa.string()))
     lost = cache_files_holding(line, manifests, gone, plan)
-    lost = lost.append_column("split", pa.nulls(lost.num_rows, pa.string())).append_column("data_file", pa.nulls(lost.num_rows, pa.string()))
+    lost = lost.append_column("split", pa.nulls(lost.num_rows, pa.string())).append_column(
+        "data_file", pa.nulls(lost.num_rows, pa.string())
+    )
     columns = ["sha256", "label", "split", "data_file", "file"]
     return pa.concat_tables([added.select(columns), lost.select(columns)])
 
@@ -239,13 +308,24 @@ def cache_files_holding(line: CacheLine, manifests: dict[str, Any], rows: pa.Tab
                 keys = pq.read_table(handle, columns=list(ROW_KEY))
             here = keys.filter(pc.is_in(row_key(keys["sha256"], keys["label"]), wanted))
             found.append(here.append_column("file", pa.array([name] * here.num_rows, pa.string())))
-    return pa.concat_tables(found) if found else pa.table({"sha256": pa.array([], pa.string()), "label": pa.array([], pa.int64()), "file": pa.array([], pa.string())})
+    return (
+        pa.concat_tables(found)
+        if found
+        else pa.table(
+            {"sha256": pa.array([], pa.string()), "label": pa.array([], pa.int64()), "file": pa.array([], pa.string())}
+        )
+    )
 
 
 def new_rows_arrow(table: ImageTable, plan: SplitPlan, added: pa.Table) -> pa.Table | None:
     """The cache's columns (image, label index, sha256) and split of the ADDED rows, read by pyarrow from the data files
     that hold them (their `data_file`)."""
-    read = table.images.read_files_arrow(pc.unique(added["data_file"]).to_pylist(), pa.schema([("image", pa.binary()), ("label", pa.string()), ("sha256", pa.string()), ("image_size", pa.int32())]))
+    read = table.images.read_files_arrow(
+        pc.unique(added["data_file"]).to_pylist(),
+        pa.schema(
+            [("image", pa.binary()), ("label", pa.string()), ("sha256", pa.string()), ("image_size", pa.int32())]
+        ),
+    )
     if read is None:
         return None
     read = read.filter(pc.equal(read["image_size"], table.image_size))
@@ -270,14 +350,19 @@ def write_split_arrow(rows: pa.Table, fs: Any, folder: str, partitions: int, see
             continue
         chunk = rows.take(pa.array(mine, pa.int64())).select(["image", "label", "sha256"])
         start = (generation << GENERATION_BITS) + (part << 33)
-        chunk = chunk.append_column("position", pa.array(range(start, start + chunk.num_rows), pa.int64())).cast(CACHE_SCHEMA)
+        chunk = chunk.append_column("position", pa.array(range(start, start + chunk.num_rows), pa.int64())).cast(
+            CACHE_SCHEMA
+        )
         per_row = max(1, chunk.nbytes // max(1, chunk.num_rows))
         with fs.open(f"{folder}/part-{part:05d}-{run}.parquet", "wb") as out:
             pq.write_table(chunk, out, row_group_size=max(1, (8 * 1024 * 1024) // per_row))
 
 
-def grow(spark: SparkSource, line: CacheLine, base: int, plan: SplitPlan, image_size: int, seed: int) -> tuple[dict[str, list[str]], int, bool] | None:
-    """Files for the plan's version made from BASE's: its new rows in a new generation (read from the data files that hold
+def grow(
+    spark: SparkSource, line: CacheLine, base: int, plan: SplitPlan, image_size: int, seed: int
+) -> tuple[dict[str, list[str]], int, bool] | None:
+    """Files for the plan's version made from BASE's: its new rows in a new generation (read from the data files that
+    hold
     them alone), files that hold rows it lost rewritten without them. None if the result would not hold exactly the
     plan's rows (then it is written whole).
 
@@ -304,11 +389,26 @@ def grow(spark: SparkSource, line: CacheLine, base: int, plan: SplitPlan, image_
         new_rows = pc.sum(pc.equal(added["split"], split)).as_py() or 0
         if new_rows:  # first: Spark's overwrite empties the generation's folder
             folder = line.generation_folder(split, generation)
-            partitions = max(1, min(plan.num_partitions, math.ceil(plan.num_partitions * new_rows / max(1, plan.counts[split]))))
+            partitions = max(
+                1, min(plan.num_partitions, math.ceil(plan.num_partitions * new_rows / max(1, plan.counts[split])))
+            )
             if isinstance(fresh, pa.Table):
-                write_split_arrow(fresh.filter(pc.equal(fresh["split"], split)), line.fs, f"{line.root}/{folder}", partitions, seed, generation)
+                write_split_arrow(
+                    fresh.filter(pc.equal(fresh["split"], split)),
+                    line.fs,
+                    f"{line.root}/{folder}",
+                    partitions,
+                    seed,
+                    generation,
+                )
             else:
-                write_split(fresh.where(F.col("split") == split).drop("split"), f"{line.uri}/{folder}", partitions, seed, generation)
+                write_split(
+                    fresh.where(F.col("split") == split).drop("split"),
+                    f"{line.uri}/{folder}",
+                    partitions,
+                    seed,
+                    generation,
+                )
             keep += line.files_in(folder)
         if lost.num_rows:
             keep = rewrite_without(line, split, generation, keep, lost)
@@ -331,7 +431,9 @@ def rewrite_without(line: CacheLine, split: str, generation: int, old_files: lis
             continue
         with line.fs.open(f"{line.root}/{name}", "rb") as handle:
             table = pq.read_table(handle)
-        kept = table.filter(pc.invert(pc.is_in(row_key(table["sha256"], table["label"]), row_key(here["sha256"], here["label"]))))
+        kept = table.filter(
+            pc.invert(pc.is_in(row_key(table["sha256"], table["label"]), row_key(here["sha256"], here["label"])))
+        )
         if kept.num_rows:
             target = f"{prefix}-{name.rsplit('/', 1)[-1]}"
             line.fs.makedirs(f"{line.root}/{target.rsplit('/', 1)[0]}", exist_ok=True)
@@ -341,7 +443,9 @@ def rewrite_without(line: CacheLine, split: str, generation: int, old_files: lis
     return keep
 
 
-def clean_cache(cache_root: str, keep_versions: dict[str, list[int]], retention_hours: float, now: float | None = None) -> dict[str, int]:
+def clean_cache(
+    cache_root: str, keep_versions: dict[str, list[int]], retention_hours: float, now: float | None = None
+) -> dict[str, int]:
     """Remove manifests and files that no kept version needs, in every cache line under CACHE_ROOT.
 
     Kept: each line's newest version, the versions in KEEP_VERSIONS (by table URI: what registered models were
@@ -373,7 +477,11 @@ def clean_cache(cache_root: str, keep_versions: dict[str, list[int]], retention_
                 removed["manifests"] += 1
         for path, info in fs.find(f"{line.root}/data", detail=True).items():
             name = path[len(line.root) + 1 :]
-            if name.endswith(".parquet") and name not in needed and now - modified_seconds(info) >= retention_hours * 3600:
+            if (
+                name.endswith(".parquet")
+                and name not in needed
+                and now - modified_seconds(info) >= retention_hours * 3600
+            ):
                 folder, base = path.rsplit("/", 1)
                 fs.rm(path)
                 if fs.exists(f"{folder}/.{base}.crc"):  # the checksum Hadoop's local file system writes beside it
@@ -398,20 +506,28 @@ def cached_files(cached: CachedSplits) -> list[str]:
 
 def damaged_split(cached: CachedSplits) -> str | None:
     """Why a cache result whose files are all there is no result: what CacheLine.problem finds in its version (a split
-    whose files hold other rows than the plan counted, a part file rewritten or cut short). The stage then writes it again."""
+    whose files hold other rows than the plan counted, a part file rewritten or cut short). The stage then writes it
+    again."""
     return CacheLine(cached.cache_dir).problem(cached.table_version)
 
 
 def cache_one_at_a_time(spark: SparkSource, plan: SplitPlan, settings: Settings) -> CachedSplits:
     """cache_splits under the lock of its cache line. Two runs caching one line at once (the nightly run and an ad-hoc
     one) would write the same generation's folder and each list the other's files in its manifest: the second waits,
-    then reuses (or grows from) what the first wrote. It waits cache_lock_wait_minutes at most, then fails naming the first."""
+    then reuses (or grows from) what the first wrote. It waits cache_lock_wait_minutes at most, then fails naming the
+    first."""
     lock = f"cache-{line_key(plan, settings.image_size, settings.seed)}"
     with one_at_a_time(settings, lock, timeout=settings.lock_wait_seconds("cache")):
         return cache_splits(spark, plan, settings.image_size, settings.cache_uri, settings.seed, lock)
 
 
-@stage("cache", settings=("image_size", "cache_uri", "seed"), code=("tasks.table",), needs=cached_files, unfinished=damaged_split)
+@stage(
+    "cache",
+    settings=("image_size", "cache_uri", "seed"),
+    code=("tasks.table",),
+    needs=cached_files,
+    unfinished=damaged_split,
+)
 def cache(plan: SplitPlan, settings: Settings) -> CachedSplits:
     """Prefect stage: materialise (or reuse, or grow) the Petastorm cache of every split."""
     return cache_one_at_a_time(on_demand(settings), plan, settings)

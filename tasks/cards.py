@@ -36,7 +36,17 @@ def per_class_metrics(matrix: np.ndarray, names: list[str]) -> list[dict[str, An
         precision = hits / predicted if predicted else 0.0
         recall = hits / actual if actual else 0.0
         f1 = 2 * precision * recall / (precision + recall) if precision + recall else 0.0
-        rows.append({"label": name, "precision": precision, "recall": recall, "f1": f1, "support": actual, "predicted": predicted, "correct": hits})
+        rows.append(
+            {
+                "label": name,
+                "precision": precision,
+                "recall": recall,
+                "f1": f1,
+                "support": actual,
+                "predicted": predicted,
+                "correct": hits,
+            }
+        )
     return rows
 
 
@@ -53,11 +63,16 @@ def metric_keys(names: list[str], limit: int = 200) -> list[str]:
 def per_class_table(rows: list[dict[str, Any]]) -> str:
     """The per-class metrics as a markdown table."""
     lines = ["| label | precision | recall | F1 | support |", "|---|---|---|---|---|"]
-    lines += [f"| {markdown_text(r['label'])} | {r['precision']:.3f} | {r['recall']:.3f} | {r['f1']:.3f} | {r['support']} |" for r in rows]
+    lines += [
+        f"| {markdown_text(r['label'])} | {r['precision']:.3f} | {r['recall']:.3f} | {r['f1']:.3f} | {r['support']} |"
+        for r in rows
+    ]
     return "\n".join(lines)
 
 
-def dataset_card(table_uri: str, version: int, image_size: int, label_counts: dict[str, dict[str, int]], quarantined: dict[str, int]) -> dict[str, Any]:
+def dataset_card(
+    table_uri: str, version: int, image_size: int, label_counts: dict[str, dict[str, int]], quarantined: dict[str, int]
+) -> dict[str, Any]:
     """The card's facts: images per label in each split (class balance), and quarantined files by reason."""
     labels = sorted({label for counts in label_counts.values() for label in counts})
     splits = {split: {label: counts.get(label, 0) for label in labels} for split, counts in label_counts.items()}
@@ -65,14 +80,22 @@ def dataset_card(table_uri: str, version: int, image_size: int, label_counts: di
     largest = max((sum(splits[s][label] for s in splits) for label in labels), default=0)
     smallest = min((sum(splits[s][label] for s in splits) for label in labels), default=0)
     return {
-        "table": table_uri, "version": version, "image_size": image_size, "labels": labels, "images_per_label": splits,
-        "images_per_split": totals, "imbalance": round(largest / smallest, 3) if smallest else None, "quarantined": dict(sorted(quarantined.items())),
+        "table": table_uri,
+        "version": version,
+        "image_size": image_size,
+        "labels": labels,
+        "images_per_label": splits,
+        "images_per_split": totals,
+        "imbalance": round(largest / smallest, 3) if smallest else None,
+        "quarantined": dict(sorted(quarantined.items())),
     }
 
 
 def dataset_card_of(cached: Any) -> dict[str, Any]:
     """The dataset card of a cached table version (a CachedSplits: its table, version, size and counts)."""
-    return dataset_card(cached.table_uri, cached.table_version, cached.image_size, cached.label_counts, cached.quarantined)
+    return dataset_card(
+        cached.table_uri, cached.table_version, cached.image_size, cached.label_counts, cached.quarantined
+    )
 
 
 def dataset_card_markdown(card: dict[str, Any], samples_link: str | None = None) -> str:
@@ -80,13 +103,23 @@ def dataset_card_markdown(card: dict[str, Any], samples_link: str | None = None)
     splits = list(card["images_per_label"])
     head = "| label | " + " | ".join(splits) + " | all |\n|---|" + "---|" * (len(splits) + 1)
     rows = [
-        f"| {markdown_text(label)} | " + " | ".join(str(card["images_per_label"][s][label]) for s in splits) + f" | {sum(card['images_per_label'][s][label] for s in splits)} |"
+        f"| {markdown_text(label)} | "
+        + " | ".join(str(card["images_per_label"][s][label]) for s in splits)
+        + f" | {sum(card['images_per_label'][s][label] for s in splits)} |"
         for label in card["labels"]
     ]
-    rows.append("| **all** | " + " | ".join(str(card["images_per_split"][s]) for s in splits) + f" | {sum(card['images_per_split'].values())} |")
+    rows.append(
+        "| **all** | "
+        + " | ".join(str(card["images_per_split"][s]) for s in splits)
+        + f" | {sum(card['images_per_split'].values())} |"
+    )
     quarantine = "\n".join(f"| {reason} | {count} |" for reason, count in card["quarantined"].items()) or "| none | 0 |"
     imbalance = f"largest class / smallest class: {card['imbalance']}" if card["imbalance"] else "a class has no images"
-    samples = f"\n\nSample images per label, as stored ({card['image_size']} px): [samples.png]({samples_link})" if samples_link else ""
+    samples = (
+        f"\n\nSample images per label, as stored ({card['image_size']} px): [samples.png]({samples_link})"
+        if samples_link
+        else ""
+    )
     return (
         f"## Dataset card\n\nDelta table `{card['table']}` version {card['version']}, {card['image_size']} px images.\n\n"
         f"### Images per label and split\n\n{head}\n" + "\n".join(rows) + f"\n\n{imbalance}\n\n"
@@ -119,8 +152,15 @@ def sample_grid(samples: dict[str, np.ndarray]) -> Figure:
 
 
 def model_card(
-    model_name: str, version: str, data: dict[str, Any], params: dict[str, str], metrics: dict[str, float], per_class: list[dict[str, Any]],
-    decision: str, alias: str, baseline: float | None = None,
+    model_name: str,
+    version: str,
+    data: dict[str, Any],
+    params: dict[str, str],
+    metrics: dict[str, float],
+    per_class: list[dict[str, Any]],
+    decision: str,
+    alias: str,
+    baseline: float | None = None,
 ) -> str:
     """The registered version's description: its data, how it was trained, how it scored (and by how much it beats its
     run's plain baseline), and the promotion decision."""

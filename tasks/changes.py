@@ -12,9 +12,9 @@ import hashlib
 import itertools
 import json
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import date
-from typing import Iterator
 
 import fsspec
 import pyarrow as pa
@@ -26,7 +26,7 @@ from pyspark.sql.pandas.types import from_arrow_schema
 
 from infra.compat import collect_arrow
 from tasks.ingest import LISTING_BATCH, canonical_uri, is_manifest, save_listing, write_manifest
-from tasks.results import ListingDiff, Listed
+from tasks.results import Listed, ListingDiff
 from tasks.rules.listing import Scope
 from tasks.rules.schemas import CHANGES_SCHEMA, LISTING_SCHEMA
 from tasks.table import ImageTable
@@ -37,7 +37,15 @@ def state_key(table: ImageTable, scope: Scope, retire_deleted: bool, source: str
     a diff retires only its source's rows, so one source's diff (or the listing the tables were last in step with)
     says nothing of another's, even where both list the same files."""
     quarantine = table.quarantine.uri if table.quarantine is not None else None
-    parts = [table.uri, quarantine, table.image_size, str(scope.start), str(scope.end), retire_deleted, canonical_uri(source)]
+    parts = [
+        table.uri,
+        quarantine,
+        table.image_size,
+        str(scope.start),
+        str(scope.end),
+        retire_deleted,
+        canonical_uri(source),
+    ]
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:32]
 
 
@@ -120,7 +128,9 @@ def table_versions(table: ImageTable) -> tuple[int | None, int | None]:
     return table.images.version(), table.quarantine.version() if table.quarantine is not None else None
 
 
-def mark_in_sync(folder: str, basis: str, versions: tuple[int | None, int | None], key: str = "", listing_uri: str = "") -> None:
+def mark_in_sync(
+    folder: str, basis: str, versions: tuple[int | None, int | None], key: str = "", listing_uri: str = ""
+) -> None:
     """Write the marker; with the diff's KEY and the listing, also record the listing as the last one in step with
     the tables at VERSIONS (the next run with the same inputs then diffs its listing against that one)."""
     fs, path = fsspec.core.url_to_fs(in_sync_marker(folder, basis, versions))
@@ -140,7 +150,9 @@ def last_in_sync(folder: str, key: str, versions: tuple[int | None, int | None])
     if not fs.exists(path):
         return None
     record = json.loads(fs.cat_file(path))
-    if tuple(record["versions"]) != tuple(versions) or not fsspec.core.url_to_fs(record["listing"])[0].exists(record["listing"]):
+    if tuple(record["versions"]) != tuple(versions) or not fsspec.core.url_to_fs(record["listing"])[0].exists(
+        record["listing"]
+    ):
         return None
     return record["listing"]
 
@@ -163,12 +175,26 @@ def listing_changes(before: pa.Table, now: pa.Table, retire: bool) -> pa.Table:
     todo = todo.select(LISTING_SCHEMA.names).append_column("known_sha256", pa.nulls(todo.num_rows, pa.string()))
     todo = todo.append_column(LISTED_BEFORE, pc.is_in(todo["path"], before["path"].combine_chunks()))
     if retire:
-        gone = before.select(["path"]).join(now.select(["path"]), "path", join_type="left anti").column("path").combine_chunks()
+        gone = (
+            before.select(["path"])
+            .join(now.select(["path"]), "path", join_type="left anti")
+            .column("path")
+            .combine_chunks()
+        )
         n = len(gone)
         deleted = pa.table(
-            {"path": gone, "label": pa.array(["-"] * n, pa.string()), "date": pa.nulls(n, pa.date32()), "size": pa.array([0] * n, pa.int64()),
-             "mtime": pa.array([0.0] * n, pa.float64()), "stamp": pa.nulls(n, pa.string()), "issue": pa.nulls(n, pa.string()),
-             "action": pa.array(["delete"] * n, pa.string()), "known_sha256": pa.nulls(n, pa.string()), LISTED_BEFORE: pa.array([True] * n)}
+            {
+                "path": gone,
+                "label": pa.array(["-"] * n, pa.string()),
+                "date": pa.nulls(n, pa.date32()),
+                "size": pa.array([0] * n, pa.int64()),
+                "mtime": pa.array([0.0] * n, pa.float64()),
+                "stamp": pa.nulls(n, pa.string()),
+                "issue": pa.nulls(n, pa.string()),
+                "action": pa.array(["delete"] * n, pa.string()),
+                "known_sha256": pa.nulls(n, pa.string()),
+                LISTED_BEFORE: pa.array([True] * n),
+            }
         )
         todo = pa.concat_tables([todo.cast(LISTING_CHANGES), deleted.cast(LISTING_CHANGES)])
     return todo.cast(LISTING_CHANGES)
@@ -178,7 +204,9 @@ def with_known_hashes(table: ImageTable, todo: pa.Table, version: int | None) ->
     """A diff of two listings as the table diff gives it: with the table's content hash for each upserted path that
     the earlier listing had (a file rewritten in place, or only touched, whose bytes may be what the table holds),
     from a semi-join on those paths alone (none: no query)."""
-    listed = todo.filter(pc.and_(pc.equal(todo["action"], "upsert"), todo[LISTED_BEFORE])).column("path").combine_chunks()
+    listed = (
+        todo.filter(pc.and_(pc.equal(todo["action"], "upsert"), todo[LISTED_BEFORE])).column("path").combine_chunks()
+    )
     todo = todo.drop_columns([LISTED_BEFORE])
     if not len(listed) or version is None:
         return todo
@@ -186,7 +214,9 @@ def with_known_hashes(table: ImageTable, todo: pa.Table, version: int | None) ->
     if not held.num_rows:
         return todo
     where = pc.index_in(todo["path"], held["path"])
-    return todo.set_column(todo.schema.get_field_index("known_sha256"), "known_sha256", pc.take(held["sha256"], where).cast(pa.string()))
+    return todo.set_column(
+        todo.schema.get_field_index("known_sha256"), "known_sha256", pc.take(held["sha256"], where).cast(pa.string())
+    )
 
 
 class NotInPathOrder(ValueError):
@@ -199,7 +229,11 @@ def listing_batches(uri: str, columns: list[str], rows: int) -> Iterator[pa.Tabl
     with fsspec.open(uri, "rb") as handle:
         for batch in pq.ParquetFile(handle).iter_batches(batch_size=rows, columns=columns):
             paths = batch.column(0)
-            if len(paths) > 1 and not pc.all(pc.less(paths[:-1], paths[1:])).as_py() or (last is not None and len(paths) and not paths[0].as_py() > last):
+            if (
+                len(paths) > 1
+                and not pc.all(pc.less(paths[:-1], paths[1:])).as_py()
+                or (last is not None and len(paths) and not paths[0].as_py() > last)
+            ):
                 raise NotInPathOrder(uri)
             if len(paths):
                 last = paths[-1].as_py()
@@ -210,7 +244,11 @@ def merged_listing_changes(before_uri: str, now_uri: str, retire: bool, rows: in
     """listing_changes of two listings in path order, by a merge: the driver holds ROWS entries of the new listing
     and the earlier one's entries in the same range of paths, never a whole listing."""
     keys = ["path", "size", "mtime", "stamp"]
-    earlier, window, parts = listing_batches(before_uri, keys, rows), pa.Table.from_pylist([], schema=LISTING_SCHEMA).select(keys), []
+    earlier, window, parts = (
+        listing_batches(before_uri, keys, rows),
+        pa.Table.from_pylist([], schema=LISTING_SCHEMA).select(keys),
+        [],
+    )
     for batch in listing_batches(now_uri, LISTING_SCHEMA.names, rows):
         last = batch.column("path")[-1].as_py()
         while window.num_rows == 0 or window.column("path")[-1].as_py() <= last:
@@ -221,7 +259,9 @@ def merged_listing_changes(before_uri: str, now_uri: str, retire: bool, rows: in
         inside = pc.less_equal(window["path"], last)
         parts.append(listing_changes(window.filter(inside), batch, retire))
         window = window.filter(pc.invert(inside))
-    for rest in itertools.chain([window], earlier):  # past the new listing's last path: gone (read to the end, for the order check)
+    for rest in itertools.chain(
+        [window], earlier
+    ):  # past the new listing's last path: gone (read to the end, for the order check)
         if retire and rest.num_rows:
             parts.append(listing_changes(rest, LISTING_SCHEMA.empty_table(), retire))
     return pa.concat_tables(parts) if parts else LISTING_CHANGES.empty_table()
@@ -249,13 +289,23 @@ def _known(frame: DataFrame, columns: list[str], with_sha: bool) -> DataFrame:
     """path and the k_ columns the diff compares (stamp null where the table predates stamps)."""
     stamp = F.col("stamp") if "stamp" in columns else F.lit(None).cast("string")
     sha = F.col("sha256") if with_sha else F.lit(None).cast("string")
-    return frame.select("path", F.col("size").alias("k_size"), F.col("mtime").alias("k_mtime"), stamp.alias("k_stamp"), sha.alias("k_sha256"))
+    return frame.select(
+        "path",
+        F.col("size").alias("k_size"),
+        F.col("mtime").alias("k_mtime"),
+        stamp.alias("k_stamp"),
+        sha.alias("k_sha256"),
+    )
 
 
 def known_frame(table: ImageTable, version: int | None) -> DataFrame | None:
     """Each known path's size, mtime, stamp and (for the table's rows) content hash: the table's rows at this size,
     then the quarantine's rows for other paths (but those requeued). None: neither table exists yet."""
-    images = _known(table.images.frame(version).where(table.this_size()), table.images.columns(), True) if version is not None else None
+    images = (
+        _known(table.images.frame(version).where(table.this_size()), table.images.columns(), True)
+        if version is not None
+        else None
+    )
     if table.quarantine is None or not table.quarantine.exists():
         return images
     quarantine, columns = table.quarantine.frame(), table.quarantine.columns()
@@ -270,12 +320,20 @@ def known_frame(table: ImageTable, version: int | None) -> DataFrame | None:
 def is_changed(listing: DataFrame) -> Column:
     """tasks.rules.listing.is_changed as a Spark column: no known row, another size or mtime, or another stamp."""
     other_stamp = F.col("k_stamp").isNotNull() & ~F.col("k_stamp").eqNullSafe(listing["stamp"])
-    return F.col("k_size").isNull() | (F.col("k_size") != listing["size"]) | (F.col("k_mtime") != listing["mtime"]) | other_stamp
+    return (
+        F.col("k_size").isNull()
+        | (F.col("k_size") != listing["size"])
+        | (F.col("k_mtime") != listing["mtime"])
+        | other_stamp
+    )
 
 
-def changed_entries(table: ImageTable, listing: DataFrame, version: int | None, retire_in: Column | None, owner: Owner | None = None) -> DataFrame:
+def changed_entries(
+    table: ImageTable, listing: DataFrame, version: int | None, retire_in: Column | None, owner: Owner | None = None
+) -> DataFrame:
     """Listed entries that are new or changed (with the table's content hash for their path, if any), then `delete`
-    entries for OWNER's table rows whose file is gone (of the rows RETIRE_IN selects; None for either: retire nothing)."""
+    entries for OWNER's table rows whose file is gone (of the rows RETIRE_IN selects; None for either: retire
+    nothing)."""
     known = known_frame(table, version)
     if known is None:
         return listing.withColumn("known_sha256", F.lit(None).cast("string"))
@@ -285,9 +343,15 @@ def changed_entries(table: ImageTable, listing: DataFrame, version: int | None, 
         return todo
     present = owner.rows(table.images.frame(version).where(table.this_size() & retire_in).select("path"))
     gone = present.join(listing.select("path"), "path", "left_anti").select(
-        "path", F.lit("-").alias("label"), F.lit(None).cast("date").alias("date"), F.lit(0).cast("long").alias("size"),
-        F.lit(0.0).alias("mtime"), F.lit(None).cast("string").alias("stamp"), F.lit(None).cast("string").alias("issue"),
-        F.lit("delete").alias("action"), F.lit(None).cast("string").alias("known_sha256"),
+        "path",
+        F.lit("-").alias("label"),
+        F.lit(None).cast("date").alias("date"),
+        F.lit(0).cast("long").alias("size"),
+        F.lit(0.0).alias("mtime"),
+        F.lit(None).cast("string").alias("stamp"),
+        F.lit(None).cast("string").alias("issue"),
+        F.lit("delete").alias("action"),
+        F.lit(None).cast("string").alias("known_sha256"),
     )
     return todo.unionByName(gone)
 
@@ -303,7 +367,13 @@ def dates_of(scope: Scope) -> Column:
 
 
 def changes_to_make(
-    table: ImageTable, listed: Listed, scope: Scope, retire_deleted: bool, staging_dir: str, version: int | None, before: str | None
+    table: ImageTable,
+    listed: Listed,
+    scope: Scope,
+    retire_deleted: bool,
+    staging_dir: str,
+    version: int | None,
+    before: str | None,
 ) -> pa.Table:
     """The listing's changes to the tables, the images table at VERSION: against BEFORE, the listing they were last in
     step with, where there is one; else against the tables' rows, by Spark."""
@@ -317,11 +387,15 @@ def changes_to_make(
     listing = table.spark.read.schema(from_arrow_schema(LISTING_SCHEMA)).parquet(listed.manifest_uri)
     # A date-limited run replaces exactly its source's rows of its dates: its files gone from those dates are retired.
     retire_in = dates_of(scope) if dated else (F.lit(True) if retire_deleted else None)
-    batches = collect_arrow(changed_entries(table, listing, version, retire_in, owner))  # only what changed reaches the driver
+    batches = collect_arrow(
+        changed_entries(table, listing, version, retire_in, owner)
+    )  # only what changed reaches the driver
     return pa.Table.from_batches(batches).cast(CHANGES_SCHEMA) if batches else CHANGES_SCHEMA.empty_table()
 
 
-def diff_against_table(table: ImageTable, listed: Listed, scope: Scope, retire_deleted: bool, staging_dir: str) -> ListingDiff:
+def diff_against_table(
+    table: ImageTable, listed: Listed, scope: Scope, retire_deleted: bool, staging_dir: str
+) -> ListingDiff:
     """Keep what is new or changed in a listing since the tables' current versions (at its image size), and stage that list."""
     basis, versions = diff_basis(listed, table, scope, retire_deleted), table_versions(table)
     key = state_key(table, scope, retire_deleted, listed.source_uri)
@@ -371,7 +445,9 @@ def date_counts(table: ImageTable, listed: Listed, scope: Scope, staging_dir: st
     count(listing, "files")
     count(changed_entries(table, listing, version, None), "new_or_changed")
     if version is not None:
-        present = owner_of(listed, staging_dir).rows(table.images.frame(version).where(table.this_size() & dates_of(scope)).select("path", "date"))
+        present = owner_of(listed, staging_dir).rows(
+            table.images.frame(version).where(table.this_size() & dates_of(scope)).select("path", "date")
+        )
         count(present, "rows")
         count(present.join(listing.select("path"), "path", "left_anti"), "gone")
     return counts

@@ -1,4 +1,5 @@
-"""Ingest: list the source (a folder tree or a manifest CSV, through fsspec) and keep the listing in staging, named by its
+"""Ingest: list the source (a folder tree or a manifest CSV, through fsspec) and keep the listing in staging, named by
+its
 fingerprint. Which files count, and with which label, date and problem, is decided by tasks/rules/listing.py.
 
 The ingest stage only lists: what is new or changed depends on the image size, so the resize stage diffs the listing
@@ -14,17 +15,28 @@ import os
 import posixpath
 import stat
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import fsspec
-from fsspec.implementations.local import LocalFileSystem
 import pyarrow as pa
 import pyarrow.parquet as pq
+from fsspec.implementations.local import LocalFileSystem
 
 from infra.settings import Settings
 from tasks.results import Listed
-from tasks.rules.listing import DATE_FOLDER, Scope, SourceError, add_to_fingerprint, change_stamp, file_entry, listing_fingerprint, parse_day, scope_of
+from tasks.rules.listing import (
+    DATE_FOLDER,
+    Scope,
+    SourceError,
+    add_to_fingerprint,
+    change_stamp,
+    file_entry,
+    listing_fingerprint,
+    parse_day,
+    scope_of,
+)
 from tasks.rules.schemas import LISTING_SCHEMA
 from tasks.stage import stage
 
@@ -62,7 +74,16 @@ def _folder_entry(fs: Any, root: str, path: str, info: dict[str, Any], scope: Sc
         issue = "unreadable"
     size, mtime = int(info.get("size") or 0), modified_seconds(info)
     stamp = stamp_of(fs, path, info) if issue is None else None
-    return file_entry(fs.unstrip_protocol(path), label_folders[-1] if label_folders else None, day, size, mtime, issue, scope.max_file_bytes, stamp)
+    return file_entry(
+        fs.unstrip_protocol(path),
+        label_folders[-1] if label_folders else None,
+        day,
+        size,
+        mtime,
+        issue,
+        scope.max_file_bytes,
+        stamp,
+    )
 
 
 def modified_seconds(info: dict[str, Any]) -> float:
@@ -106,7 +127,9 @@ def walk_files(fs: Any, folder: str) -> Iterator[tuple[str, dict[str, Any]]]:
 def lists_by_scandir(fs: Any) -> bool:
     """Whether FS is the plain local file system, whose folders can be read a name at a time. A subclass that lists
     or describes files its own way (a mount wrapper, a test's unreadable folder) is asked through its ls and info."""
-    return isinstance(fs, LocalFileSystem) and type(fs).ls is LocalFileSystem.ls and type(fs).info is LocalFileSystem.info
+    return (
+        isinstance(fs, LocalFileSystem) and type(fs).ls is LocalFileSystem.ls and type(fs).info is LocalFileSystem.info
+    )
 
 
 def incomplete(fs: Any, folder: str, exc: OSError) -> ListingIncomplete:
@@ -174,7 +197,13 @@ def local_info(path: str) -> dict[str, Any]:
         except OSError:
             size = 0
     kind = "directory" if stat.S_ISDIR(out.st_mode) else "file" if stat.S_ISREG(out.st_mode) else "other"
-    info = {"name": path, "size": size, "type": kind, "created": getattr(out, "st_birthtime", out.st_ctime), "islink": link}
+    info = {
+        "name": path,
+        "size": size,
+        "type": kind,
+        "created": getattr(out, "st_birthtime", out.st_ctime),
+        "islink": link,
+    }
     info.update((field, getattr(out, f"st_{field}")) for field in ("mode", "uid", "gid", "mtime", "ino", "nlink"))
     if link:
         info["destination"] = os.readlink(path)
@@ -229,7 +258,9 @@ def manifest_entries(uri: str, base: str, fs: Any, rows: csv.DictReader, scope: 
             continue
         size, mtime = int(info.get("size") or 0), modified_seconds(info)
         stamp = stamp_of(file_fs, file_path, info)
-        yield file_entry(file_fs.unstrip_protocol(file_path), row["label"], day, size, mtime, None, scope.max_file_bytes, stamp)
+        yield file_entry(
+            file_fs.unstrip_protocol(file_path), row["label"], day, size, mtime, None, scope.max_file_bytes, stamp
+        )
 
 
 def escapes_by_link(fs: Any, path: str, roots: list[str]) -> bool:
@@ -238,7 +269,9 @@ def escapes_by_link(fs: Any, path: str, roots: list[str]) -> bool:
     if not isinstance(fs, LocalFileSystem):
         return False
     real = "file://" + os.path.realpath(path)
-    local_roots = ["file://" + os.path.realpath(fsspec.core.url_to_fs(root)[1]) for root in roots if root.startswith("file://")]
+    local_roots = [
+        "file://" + os.path.realpath(fsspec.core.url_to_fs(root)[1]) for root in roots if root.startswith("file://")
+    ]
     return not any(is_within(real, root) for root in local_roots)
 
 
@@ -287,14 +320,18 @@ def save_listing(uri: str, scope: Scope, staging_dir: str) -> Listed:
                 listed += len(batch)
         if not listed:
             where = f" dated {scope.start or '...'} to {scope.end or '...'}" if (scope.start or scope.end) else ""
-            raise SourceError(f"no image files ({', '.join(scope.extensions)}){where} under {uri}: lay images out as [date=YYYY-MM-DD/]<label>/<file>")
+            raise SourceError(
+                f"no image files ({', '.join(scope.extensions)}){where} under {uri}: lay images out as [date=YYYY-MM-DD/]<label>/<file>"
+            )
         fingerprint = digest.hexdigest()
         manifest = f"{folder}/listing-{fingerprint[:20]}.parquet"
         fs.mv(aside, manifest)
     finally:
         if fs.exists(aside):
             fs.rm(aside)
-    return Listed(manifest_uri=fs.unstrip_protocol(manifest), source_uri=uri, listed=listed, listing_fingerprint=fingerprint)
+    return Listed(
+        manifest_uri=fs.unstrip_protocol(manifest), source_uri=uri, listed=listed, listing_fingerprint=fingerprint
+    )
 
 
 def write_manifest(entries: list[dict[str, Any]] | pa.Table, manifest: str) -> str:
@@ -302,7 +339,9 @@ def write_manifest(entries: list[dict[str, Any]] | pa.Table, manifest: str) -> s
     fs, path = fsspec.core.url_to_fs(manifest)
     fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
     with fs.open(path, "wb") as out:
-        pq.write_table(entries if isinstance(entries, pa.Table) else pa.Table.from_pylist(entries, schema=LISTING_SCHEMA), out)
+        pq.write_table(
+            entries if isinstance(entries, pa.Table) else pa.Table.from_pylist(entries, schema=LISTING_SCHEMA), out
+        )
     return manifest
 
 
@@ -323,9 +362,16 @@ def source_listing(inputs: dict[str, Any]) -> dict[str, str]:
     return {"source listing": listed.listing_fingerprint}
 
 
-@stage("ingest", settings=("image_extensions", "start_date", "end_date", "max_file_bytes", "manifest_roots", "staging_uri"), facts=source_listing, code=("tasks.rules.listing", "tasks.rules.schemas"),
-       needs=lambda listed: [listed.manifest_uri])
+@stage(
+    "ingest",
+    settings=("image_extensions", "start_date", "end_date", "max_file_bytes", "manifest_roots", "staging_uri"),
+    facts=source_listing,
+    code=("tasks.rules.listing", "tasks.rules.schemas"),
+    needs=lambda listed: [listed.manifest_uri],
+)
 def ingest(source: str, settings: Settings) -> Listed:
     """Prefect stage: list the source (what changed since the table is resize's to find, at its image size)."""
     uri, scope = source_uri(source), scope_of(settings)
-    return _saved_for_key.pop((uri, scope, settings.staging_uri), None) or save_listing(uri, scope, settings.staging_uri)
+    return _saved_for_key.pop((uri, scope, settings.staging_uri), None) or save_listing(
+        uri, scope, settings.staging_uri
+    )

@@ -36,7 +36,11 @@ def protected_versions(client: MlflowClient, model_name: str, table_uri: str) ->
             f"{model_name!r} were trained on, so nothing was compacted, vacuumed or removed: {exc}"
         ) from exc
     return sorted(
-        {int(v.tags["delta_version"]) for v in versions if v.tags.get("delta_table") == table_uri and v.tags.get("delta_version", "").isdigit()}
+        {
+            int(v.tags["delta_version"])
+            for v in versions
+            if v.tags.get("delta_table") == table_uri and v.tags.get("delta_version", "").isdigit()
+        }
     )
 
 
@@ -48,7 +52,12 @@ def maintain_table(table: Table, retention_hours: float, keep_versions: list[int
     compacted = table.compact()
     removed = table.vacuum(retention_hours, keep_versions)
     return {
-        "table": table_uri, "engine": table.engine, **compacted, "files_vacuumed": len(removed), "kept_versions": keep_versions, "version": table.version()
+        "table": table_uri,
+        "engine": table.engine,
+        **compacted,
+        "files_vacuumed": len(removed),
+        "kept_versions": keep_versions,
+        "version": table.version(),
     }
 
 

@@ -1,12 +1,13 @@
-"""Inference with a torch model: one batching loop (`logits_of`) behind evaluation, prediction and labelling image files.
+"""Inference with a torch model: one batching loop (`logits_of`) behind evaluation, prediction and labelling image
+files.
 
 No registry here: callers load the model (see tasks.serving for registered models).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 import numpy as np
 import torch
@@ -19,10 +20,17 @@ from tasks.rules.images import ImageDecodeError, resize_image
 @torch.no_grad()
 def logits_of(model: torch.nn.Module, images: np.ndarray, batch_size: int = 256) -> torch.Tensor:
     """The model's float logits (N, classes) for (N, H, W, 3) uint8 images, run `batch_size` images at a time."""
-    return torch.cat([model(torch.from_numpy(images[start : start + batch_size].copy())).float() for start in range(0, len(images), batch_size)])
+    return torch.cat(
+        [
+            model(torch.from_numpy(images[start : start + batch_size].copy())).float()
+            for start in range(0, len(images), batch_size)
+        ]
+    )
 
 
-def evaluate(model: torch.nn.Module, images: np.ndarray, labels: np.ndarray, classes: int, batch_size: int = 256) -> dict[str, float]:
+def evaluate(
+    model: torch.nn.Module, images: np.ndarray, labels: np.ndarray, classes: int, batch_size: int = 256
+) -> dict[str, float]:
     """Accuracy, macro-F1 and mean cross-entropy of a model on one split."""
     logits = logits_of(model, images, batch_size)
     target = torch.from_numpy(labels.astype(np.int64))
@@ -48,20 +56,33 @@ def predict(model: torch.nn.Module, images: np.ndarray, batch_size: int = 256) -
 
 
 def label_files(
-    model: torch.nn.Module, labels: list[str], source: Path, size: int, mode: str, extensions: Iterable[str], max_pixels: int, batch_size: int = 64
+    model: torch.nn.Module,
+    labels: list[str],
+    source: Path,
+    size: int,
+    mode: str,
+    extensions: Iterable[str],
+    max_pixels: int,
+    batch_size: int = 64,
 ) -> list[dict]:
     """Label and probability for every image under `source`, decoded and resized (`size`, `mode`) as the model's training data was."""
 
     if not source.exists():
         raise FileNotFoundError(f"--source {source} does not exist: give an image file or a folder of images")
     suffixes = tuple(e.lower() for e in extensions)
-    files = [source] if source.is_file() else sorted(p for p in source.rglob("*") if p.is_file() and p.suffix.lower() in suffixes)
+    files = (
+        [source]
+        if source.is_file()
+        else sorted(p for p in source.rglob("*") if p.is_file() and p.suffix.lower() in suffixes)
+    )
     results: list[dict] = []
     batch: list[tuple[Path, np.ndarray]] = []
 
     def flush() -> None:
         if batch:
-            probabilities = torch.softmax(logits_of(model, np.stack([pixels for _, pixels in batch]), batch_size), dim=1).numpy()
+            probabilities = torch.softmax(
+                logits_of(model, np.stack([pixels for _, pixels in batch]), batch_size), dim=1
+            ).numpy()
             for (path, _), answer in zip(batch, answers(probabilities, labels, 1)):
                 results.append({"path": str(path), "label": answer["label"], "probability": answer["probability"]})
             batch.clear()

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from types import TracebackType
-from typing import Callable
 
 REPORT_SECONDS = 15.0  # at most four lines a minute per stage
 
@@ -24,18 +24,26 @@ def stage_logger() -> logging.Logger | logging.LoggerAdapter:
 class Every:
     """Calls `report` every `seconds` while the block runs (not at its start, and not after it ends)."""
 
-    def __init__(self, report: Callable[[], None], logger: logging.Logger | logging.LoggerAdapter, seconds: float = REPORT_SECONDS) -> None:
+    def __init__(
+        self,
+        report: Callable[[], None],
+        logger: logging.Logger | logging.LoggerAdapter,
+        seconds: float = REPORT_SECONDS,
+    ) -> None:
         self.report, self.logger, self.seconds = report, logger, seconds
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="imagelake-progress", daemon=True)
 
-    def __enter__(self) -> "Every":
+    def __enter__(self) -> Every:
         self._thread.start()
         return self
 
-    def __exit__(self, kind: type[BaseException] | None, value: BaseException | None, traceback: TracebackType | None) -> None:
+    def __exit__(
+        self, kind: type[BaseException] | None, value: BaseException | None, traceback: TracebackType | None
+    ) -> None:
         self._stop.set()
-        # A report stuck in a slow call (a tracking server's retries) must not hold up the stage; the thread is a daemon.
+        # A report stuck in a slow call (a tracking server's retries) must not hold up the stage; the thread is a
+        # daemon.
         self._thread.join(timeout=5)
 
     def _run(self) -> None:

@@ -21,8 +21,6 @@ from infra.delta import Table
 from infra.settings import Settings
 from infra.tracking import git_commit, mlflow_client, run_url
 from tasks.cards import confusion_matrix, metric_keys, model_card, per_class_metrics, per_class_table
-from tasks.worker.loader import pixel_rows, split_files
-from tasks.worker.model import ImageClassifier, ImageModel
 from tasks.predict import predict
 from tasks.registry import TestRowsAt, gate, registry_lock, served_model
 from tasks.resize_executor import DecodeRules, read_with_retries
@@ -32,6 +30,8 @@ from tasks.rules.promotion import CHALLENGER, CHAMPION, Decision, decision_markd
 from tasks.rules.warm_start import labels_tag
 from tasks.stage import stage
 from tasks.table import matching
+from tasks.worker.loader import pixel_rows, split_files
+from tasks.worker.model import ImageClassifier, ImageModel
 
 
 def load_trained_model(checkpoint_path: str) -> ImageModel:
@@ -72,14 +72,24 @@ def test_rows_at(settings: Settings, cached: CachedSplits) -> TestRowsAt:
     def decode(size: int, mode: str) -> np.ndarray:
         hashes = split_hashes(cached.splits["test"])
         table = Table.open(cached.table_uri, settings)
-        found = matching(table, {"sha256": pa.array(hashes, pa.string())}, ["sha256", "path"], F.col("image_size") == cached.image_size, cached.table_version)
+        found = matching(
+            table,
+            {"sha256": pa.array(hashes, pa.string())},
+            ["sha256", "path"],
+            F.col("image_size") == cached.image_size,
+            cached.table_version,
+        )
         path_of: dict[str, str] = {}
-        for sha256, path in sorted(zip(found.column("sha256").to_pylist(), found.column("path").to_pylist()), reverse=True):
+        for sha256, path in sorted(
+            zip(found.column("sha256").to_pylist(), found.column("path").to_pylist()), reverse=True
+        ):
             path_of[sha256] = path  # the first path in order, where one content lies at several
         out = np.empty((len(hashes), size, size, 3), dtype=np.uint8)
         for row, sha256 in enumerate(hashes):
             if sha256 not in path_of:
-                raise LookupError(f"test row {sha256[:12]} is not in {cached.table_uri} v{cached.table_version} at {cached.image_size} px")
+                raise LookupError(
+                    f"test row {sha256[:12]} is not in {cached.table_uri} v{cached.table_version} at {cached.image_size} px"
+                )
             data, _ = read_with_retries(path_of[sha256], settings.read_attempts, DecodeRules.read_backoff)
             if hashlib.sha256(data).hexdigest() != sha256:
                 raise ValueError(f"{path_of[sha256]} has changed since table version {cached.table_version}")
@@ -133,7 +143,11 @@ def promote_model(
         "image_size": str(cached.image_size),
         "resize_mode": settings.resize_mode,
         "split_settings": json.dumps(
-            {"val_fraction": settings.val_fraction, "test_fraction": settings.test_fraction, "partitions_per_worker": settings.partitions_per_worker}
+            {
+                "val_fraction": settings.val_fraction,
+                "test_fraction": settings.test_fraction,
+                "partitions_per_worker": settings.partitions_per_worker,
+            }
         ),
     }
     # A training run is registered once: a retried stage, or a second flow run that got the same training's result,
@@ -147,7 +161,15 @@ def promote_model(
                 # again in a new interpreter. Logged before the per-class metrics: MLflow links each of the run's
                 # metrics to the model, a request each.
                 with tempfile.TemporaryDirectory(prefix="imagelake-model-") as folder:
-                    served = served_model(Path(folder), model, cached.labels, cached.image_size, settings.resize_mode, settings.max_image_pixels, images[:2])
+                    served = served_model(
+                        Path(folder),
+                        model,
+                        cached.labels,
+                        cached.image_size,
+                        settings.resize_mode,
+                        settings.max_image_pixels,
+                        images[:2],
+                    )
                     info = mlflow.pyfunc.log_model(name="model", **served)
             # The lineage lands with the version, in one request: no version is ever seen without it.
             version = str(mlflow.register_model(info.model_uri, settings.model_name, tags=tags).version)
@@ -155,21 +177,57 @@ def promote_model(
             for key, value in tags.items():
                 client.set_model_version_tag(settings.model_name, version, key, value)
     decision, metrics, champion_version = gate(
-        client, settings, settings.model_name, version, images, labels, len(cached.labels), flow_run_id, baseline=trained.baseline_accuracy,
-        names=cached.labels, rows_at=test_rows_at(settings, cached),
+        client,
+        settings,
+        settings.model_name,
+        version,
+        images,
+        labels,
+        len(cached.labels),
+        flow_run_id,
+        baseline=trained.baseline_accuracy,
+        names=cached.labels,
+        rows_at=test_rows_at(settings, cached),
     )
     with mlflow.start_run(run_id=trained.mlflow_run_id):
         mlflow.log_figure(confusion_figure(matrix, cached.labels), "confusion_matrix.png")
-        mlflow.log_dict({"labels": cached.labels, "confusion_matrix": matrix.tolist(), "per_class": per_class}, "test_per_class.json")
-        mlflow.log_metrics({
-            **{f"test_{key}": value for key, value in metrics.items()},
-            **{f"test_{name}_{key}": row[name] for row, key in zip(per_class, metric_keys(cached.labels)) for name in ("precision", "recall", "f1")},
-        })
+        mlflow.log_dict(
+            {"labels": cached.labels, "confusion_matrix": matrix.tolist(), "per_class": per_class},
+            "test_per_class.json",
+        )
+        mlflow.log_metrics(
+            {
+                **{f"test_{key}": value for key, value in metrics.items()},
+                **{
+                    f"test_{name}_{key}": row[name]
+                    for row, key in zip(per_class, metric_keys(cached.labels))
+                    for name in ("precision", "recall", "f1")
+                },
+            }
+        )
     alias = CHAMPION if decision.promote else CHALLENGER
-    data = {"table": cached.table_uri, "version": cached.table_version, "image_size": cached.image_size, "counts": cached.counts, "labels": cached.labels}
-    card = model_card(settings.model_name, version, data, params, metrics, per_class, decision.reason, alias, trained.baseline_accuracy)
+    data = {
+        "table": cached.table_uri,
+        "version": cached.table_version,
+        "image_size": cached.image_size,
+        "counts": cached.counts,
+        "labels": cached.labels,
+    }
+    card = model_card(
+        settings.model_name,
+        version,
+        data,
+        params,
+        metrics,
+        per_class,
+        decision.reason,
+        alias,
+        trained.baseline_accuracy,
+    )
     # MLflow's SQL stores keep 5,000 characters of a description: a card of many classes is cut there.
-    client.update_model_version(settings.model_name, version, description=card if len(card) <= 5000 else card[:4980] + "\n\n(cut)")
+    client.update_model_version(
+        settings.model_name, version, description=card if len(card) <= 5000 else card[:4980] + "\n\n(cut)"
+    )
     promoted = Promoted(
         model_name=settings.model_name,
         model_version=version,
@@ -186,18 +244,39 @@ def promote_model(
 @stage(
     "promote",
     settings=(
-        "model_name", "promotion_metric", "promotion_margin", "min_margin_over_baseline", "allow_pickle_models", "tracking_uri", "mlflow_registry_uri", "history_uri",
-        "resize_mode", "max_image_pixels", "read_attempts", "val_fraction", "test_fraction", "partitions_per_worker",
+        "model_name",
+        "promotion_metric",
+        "promotion_margin",
+        "min_margin_over_baseline",
+        "allow_pickle_models",
+        "tracking_uri",
+        "mlflow_registry_uri",
+        "history_uri",
+        "resize_mode",
+        "max_image_pixels",
+        "read_attempts",
+        "val_fraction",
+        "test_fraction",
+        "partitions_per_worker",
     ),
     code=(
-        "tasks.predict", "tasks.registry", "tasks.served_model", "tasks.rules.promotion", "tasks.rules.images", "tasks.rules.answers", "tasks.cards",
-        "tasks.resize_executor", "tasks.table",
+        "tasks.predict",
+        "tasks.registry",
+        "tasks.served_model",
+        "tasks.rules.promotion",
+        "tasks.rules.images",
+        "tasks.rules.answers",
+        "tasks.cards",
+        "tasks.resize_executor",
+        "tasks.table",
     ),
     retries=1,
 )
 def promote(trained: Trained, cached: CachedSplits, settings: Settings) -> Promoted:
     """Prefect stage: registry promotion through the quality gate, with the decision as a markdown artifact."""
-    promoted, decision, champion_version, per_class = promote_model(trained, cached, settings, str(flow_run.id) if flow_run.id else None)
+    promoted, decision, champion_version, per_class = promote_model(
+        trained, cached, settings, str(flow_run.id) if flow_run.id else None
+    )
     link = run_url(mlflow_client(settings), settings, trained.mlflow_run_id)
     markdown = decision_markdown(promoted.model_name, promoted.model_version, decision, champion_version, link)
     markdown += f"\n### Per class on the test split\n\n{per_class_table(per_class)}\n\nConfusion matrix: [confusion_matrix.png]({link}/artifacts/confusion_matrix.png)\n"

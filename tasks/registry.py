@@ -9,10 +9,11 @@ import os
 import shutil
 import threading
 import uuid
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Callable, Iterator, NamedTuple
+from typing import NamedTuple
 
 import mlflow
 import numpy as np
@@ -27,16 +28,16 @@ from mlflow.models import ModelSignature
 from mlflow.types.schema import Array, ColSpec, Object, ParamSchema, ParamSpec, Property, Schema
 from PIL import Image
 
+import tasks.rules.answers as answer_rules
+import tasks.rules.images as image_rules
 from infra.delta import Table
 from infra.prefect_env import fence, one_at_a_time
 from infra.settings import UNSAFE_FROM_RUNS, Settings
-from tasks.rules.schemas import HISTORY_SCHEMA
-from tasks.rules.training import PARAM_SETTINGS
 from tasks.predict import evaluate
 from tasks.rules.promotion import CHALLENGER, CHAMPION, PREVIOUS, Decision, decide_promotion, held_by_baseline
+from tasks.rules.schemas import HISTORY_SCHEMA
+from tasks.rules.training import PARAM_SETTINGS
 from tasks.rules.warm_start import Champion, labels_change, labels_of_tag, shape_from_tags
-import tasks.rules.answers as answer_rules
-import tasks.rules.images as image_rules
 
 SERVED_MODEL = Path(__file__).with_name("served_model.py")  # the pyfunc MLflow runs (a model "from code")
 PROGRAM_FILE, META_FILE = "model.pt2", "meta.json"
@@ -59,7 +60,9 @@ def model_files(client: MlflowClient, name: str, version: str) -> Path:
     try:
         source = client.get_model_version_download_uri(name, str(version))
     except MlflowException as exc:
-        raise RegistryError(f"model {name!r} has no version {version!r}: see `imagelake lineage` or the MLflow UI for its versions") from exc
+        raise RegistryError(
+            f"model {name!r} has no version {version!r}: see `imagelake lineage` or the MLflow UI for its versions"
+        ) from exc
     return Path(mlflow.artifacts.download_artifacts(artifact_uri=source))
 
 
@@ -68,17 +71,31 @@ def load_registered_model(client: MlflowClient, name: str, version: str, allow_p
     return load_model_folder(model_files(client, name, version), name, version, allow_pickle)
 
 
-def served_model(folder: Path, model: torch.nn.Module, labels: list[str], image_size: int, resize_mode: str, max_pixels: int | None,
-                 examples: np.ndarray) -> dict:
+def served_model(
+    folder: Path,
+    model: torch.nn.Module,
+    labels: list[str],
+    image_size: int,
+    resize_mode: str,
+    max_pixels: int | None,
+    examples: np.ndarray,
+) -> dict:
     """The arguments of `mlflow.pyfunc.log_model` (or `save_model`) for `model` as a self-contained pyfunc: the
     torch.export program and a JSON file of its labels and sizes (written under `folder`), tasks/served_model.py as
     the code MLflow runs, and the decoding rules it imports. `examples`: two or more (N, size, size, 3) uint8 images,
     to trace the program with a batch dimension of any size and to make the logged input example."""
     folder.mkdir(parents=True, exist_ok=True)
     batch = torch.export.Dim.AUTO
-    exported = torch.export.export(model.eval(), (torch.from_numpy(np.ascontiguousarray(examples)),), dynamic_shapes=({0: batch},))
+    exported = torch.export.export(
+        model.eval(), (torch.from_numpy(np.ascontiguousarray(examples)),), dynamic_shapes=({0: batch},)
+    )
     torch.export.save(exported, str(folder / PROGRAM_FILE))
-    meta = {"labels": list(labels), "image_size": image_size, "resize_mode": resize_mode, "max_image_pixels": max_pixels}
+    meta = {
+        "labels": list(labels),
+        "image_size": image_size,
+        "resize_mode": resize_mode,
+        "max_image_pixels": max_pixels,
+    }
     (folder / META_FILE).write_text(json.dumps(meta, ensure_ascii=False, indent=1), encoding="utf-8")
     # The rules travel as the package path the served code imports (tasks.rules.*), with nothing else of tasks.
     code = folder / "code" / "tasks"
@@ -92,12 +109,23 @@ def served_model(folder: Path, model: torch.nn.Module, labels: list[str], image_
     top = Array(Object([Property("label", "string"), Property("probability", "double")]))
     signature = ModelSignature(
         inputs=Schema([ColSpec("binary", "image")]),
-        outputs=Schema([ColSpec("string", "label", required=False), ColSpec("double", "probability", required=False), ColSpec(top, "top_k"),
-                        ColSpec("string", "error", required=False)]),
+        outputs=Schema(
+            [
+                ColSpec("string", "label", required=False),
+                ColSpec("double", "probability", required=False),
+                ColSpec(top, "top_k"),
+                ColSpec("string", "error", required=False),
+            ]
+        ),
         params=ParamSchema([ParamSpec("top_k", "long", 3)]),
     )
-    requirements = [f"mlflow=={mlflow.__version__}", f"torch=={torch.__version__.split('+')[0]}", f"numpy=={np.__version__}",
-                    f"pandas=={pd.__version__}", f"pillow=={PIL.__version__}"]
+    requirements = [
+        f"mlflow=={mlflow.__version__}",
+        f"torch=={torch.__version__.split('+')[0]}",
+        f"numpy=={np.__version__}",
+        f"pandas=={pd.__version__}",
+        f"pillow=={PIL.__version__}",
+    ]
     return {
         "python_model": str(SERVED_MODEL),
         "artifacts": {PROGRAM: str(folder / PROGRAM_FILE), META: str(folder / META_FILE)},
@@ -152,7 +180,9 @@ class ChampionUnreachable(RuntimeError):
 
 def is_gone(exc: BaseException) -> bool:
     """Whether an error says a version or its files do not exist (as opposed to a store that did not answer)."""
-    return isinstance(exc, (RegistryError, FileNotFoundError)) or (isinstance(exc, MlflowException) and exc.error_code == "RESOURCE_DOES_NOT_EXIST")
+    return isinstance(exc, (RegistryError, FileNotFoundError)) or (
+        isinstance(exc, MlflowException) and exc.error_code == "RESOURCE_DOES_NOT_EXIST"
+    )
 
 
 class ChampionCheck(NamedTuple):
@@ -174,8 +204,15 @@ def out_of_memory(exc: BaseException) -> bool:
 
 
 def champion_metric(
-    client: MlflowClient, settings: Settings, name: str, version: str, images: np.ndarray, labels: np.ndarray, classes: int,
-    names: list[str] | None = None, rows_at: TestRowsAt | None = None,
+    client: MlflowClient,
+    settings: Settings,
+    name: str,
+    version: str,
+    images: np.ndarray,
+    labels: np.ndarray,
+    classes: int,
+    names: list[str] | None = None,
+    rows_at: TestRowsAt | None = None,
 ) -> ChampionCheck:
     """The champion's value of the gate's metric on the candidate's test rows, decoded at the champion's own image size
     and resize mode. Proven unusable (may be replaced): its version or files are gone, its files are not a model, or it
@@ -198,23 +235,40 @@ def champion_metric(
         theirs = model_labels(folder, tags)
     except Exception as exc:  # noqa: BLE001 - sorted below: only a file that is no model is proven unusable
         if isinstance(exc, UnsafeModel) or out_of_memory(exc):
-            return ChampionCheck(None, uncompared=f"{where} could not be loaded here: {type(exc).__name__}: {exc}"[:400])
+            return ChampionCheck(
+                None, uncompared=f"{where} could not be loaded here: {type(exc).__name__}: {exc}"[:400]
+            )
         return ChampionCheck(None, unusable=f"{where}: {type(exc).__name__}: {exc}"[:300])
     if names is not None and theirs and list(theirs) != list(names):
-        return ChampionCheck(None, unusable=f"{where} is a model for other labels ({labels_change(tuple(theirs), tuple(names))})")
+        return ChampionCheck(
+            None, unusable=f"{where} is a model for other labels ({labels_change(tuple(theirs), tuple(names))})"
+        )
     inputs, shape = images, shape_from_tags(tags)
-    if shape is not None and images.ndim == 4 and (shape.image_size, shape.resize_mode) != (images.shape[1], settings.resize_mode):
+    if (
+        shape is not None
+        and images.ndim == 4
+        and (shape.image_size, shape.resize_mode) != (images.shape[1], settings.resize_mode)
+    ):
         own = f"{shape.image_size} px ({shape.resize_mode})"
         if rows_at is None:
-            return ChampionCheck(None, uncompared=f"{where} takes {own} images and the test rows are not at hand at that size")
+            return ChampionCheck(
+                None, uncompared=f"{where} takes {own} images and the test rows are not at hand at that size"
+            )
         try:
             inputs = rows_at(shape.image_size, shape.resize_mode)
         except Exception as exc:  # noqa: BLE001 - a file gone or changed since: no fair comparison, the champion stays
-            return ChampionCheck(None, uncompared=f"{where} takes {own} images; the test rows could not be decoded at that size: {type(exc).__name__}: {exc}"[:400])
+            return ChampionCheck(
+                None,
+                uncompared=f"{where} takes {own} images; the test rows could not be decoded at that size: {type(exc).__name__}: {exc}"[
+                    :400
+                ],
+            )
     try:
         return ChampionCheck(evaluate(model, inputs, labels, classes)[settings.promotion_metric])
     except Exception as exc:  # noqa: BLE001 - the champion loaded and is for these labels: whatever failed now is no proof against it
-        return ChampionCheck(None, uncompared=f"{where} could not be evaluated on the test split: {type(exc).__name__}: {exc}"[:400])
+        return ChampionCheck(
+            None, uncompared=f"{where} could not be evaluated on the test split: {type(exc).__name__}: {exc}"[:400]
+        )
 
 
 def alias_version(client: MlflowClient, name: str, alias: str) -> str | None:
@@ -244,7 +298,9 @@ def champion_of(client: MlflowClient, name: str) -> Champion | None:
     return Champion(version, shape_from_tags(client.get_model_version(name, version).tags))
 
 
-def champion_state_dict(client: MlflowClient, name: str, version: str, allow_pickle: bool = False) -> dict[str, torch.Tensor]:
+def champion_state_dict(
+    client: MlflowClient, name: str, version: str, allow_pickle: bool = False
+) -> dict[str, torch.Tensor]:
     """A registered version's weights, named as ImageModel names them (torch.export keeps the module's names)."""
     model = load_registered_model(client, name, version, allow_pickle)
     return {key: tensor.detach().clone() for key, tensor in model.state_dict().items()}
@@ -266,7 +322,7 @@ def lock_of(name: str) -> str:
 def record(settings: Settings, rows: list[dict]) -> None:
     """Append alias moves to the history table (a Delta table beside the images table)."""
     if rows:
-        now = datetime.now(timezone.utc)
+        now = datetime.now(UTC)
         full = [{"who": who(), "at": now, "flow_run_id": None, "move_id": None, **row} for row in rows]
         table = Table(settings.history_uri)
         if table.exists():
@@ -305,12 +361,21 @@ def history(spark, settings: Settings, name: str) -> list[dict]:
     return sorted(rows, key=lambda row: row["at"])
 
 
-# A registered model's tag that holds an alias move begun and not yet finished: the next move under the lock finishes it.
+# A registered model's tag that holds an alias move begun and not yet finished: the next move under the lock finishes
+# it.
 PENDING_MOVE = "imagelake.pending_move"
 
 
-def move_aliases(client: MlflowClient, settings: Settings, name: str, targets: dict[str, str], action: str, reasons: dict[str, str],
-                 flow_run_id: str | None = None, drop: str | None = None) -> None:
+def move_aliases(
+    client: MlflowClient,
+    settings: Settings,
+    name: str,
+    targets: dict[str, str],
+    action: str,
+    reasons: dict[str, str],
+    flow_run_id: str | None = None,
+    drop: str | None = None,
+) -> None:
     """Point each alias of TARGETS at its version, drop the alias DROP where it points at a version being moved, and
     record a history row for each alias that moves, all or nothing: the move is written down first (a tag on the
     registered model), then carried out, then crossed off. A crash in between leaves the tag, and the next move
@@ -320,9 +385,24 @@ def move_aliases(client: MlflowClient, settings: Settings, name: str, targets: d
     for alias, version in targets.items():
         before = alias_version(client, name, alias)
         if before != str(version):
-            rows.append({"model": name, "alias": alias, "from_version": before, "to_version": str(version), "action": action,
-                         "reason": reasons[alias][:1000], "flow_run_id": flow_run_id, "move_id": move_id})
-    move = {"id": move_id, "targets": {alias: str(version) for alias, version in targets.items()}, "drop": drop, "rows": rows}
+            rows.append(
+                {
+                    "model": name,
+                    "alias": alias,
+                    "from_version": before,
+                    "to_version": str(version),
+                    "action": action,
+                    "reason": reasons[alias][:1000],
+                    "flow_run_id": flow_run_id,
+                    "move_id": move_id,
+                }
+            )
+    move = {
+        "id": move_id,
+        "targets": {alias: str(version) for alias, version in targets.items()},
+        "drop": drop,
+        "rows": rows,
+    }
     fence(lock_of(name))  # the lock's lease lapsed: another holder may be deciding; write nothing down
     client.set_registered_model_tag(name, PENDING_MOVE, json.dumps(move))
     carry_out(client, settings, name, move)
@@ -356,7 +436,15 @@ def finish_pending_move(client: MlflowClient, settings: Settings, name: str) -> 
     return bool(pending)
 
 
-def crown(client: MlflowClient, settings: Settings, name: str, version: str, action: str, reason: str, flow_run_id: str | None = None) -> None:
+def crown(
+    client: MlflowClient,
+    settings: Settings,
+    name: str,
+    version: str,
+    action: str,
+    reason: str,
+    flow_run_id: str | None = None,
+) -> None:
     """Make `version` the champion; the one it replaces becomes previous-champion. Caller holds the registry lock."""
     old = alias_version(client, name, CHAMPION)
     targets, reasons = {CHAMPION: str(version)}, {CHAMPION: reason}
@@ -366,10 +454,20 @@ def crown(client: MlflowClient, settings: Settings, name: str, version: str, act
 
 
 def gate(
-    client: MlflowClient, settings: Settings, name: str, version: str, images: np.ndarray, labels: np.ndarray, classes: int, flow_run_id: str | None = None,
-    baseline: float | None = None, names: list[str] | None = None, rows_at: TestRowsAt | None = None,
+    client: MlflowClient,
+    settings: Settings,
+    name: str,
+    version: str,
+    images: np.ndarray,
+    labels: np.ndarray,
+    classes: int,
+    flow_run_id: str | None = None,
+    baseline: float | None = None,
+    names: list[str] | None = None,
+    rows_at: TestRowsAt | None = None,
 ) -> tuple[Decision, dict[str, float], str | None]:
-    """Evaluate candidate and champion on the same split, decide, tag the candidate and move aliases, all under the lock.
+    """Evaluate candidate and champion on the same split, decide, tag the candidate and move aliases, all under the
+    lock.
 
     The champion is read inside the lock, just before the aliases move (compare-and-set): two
     promotions finishing together are decided one after the other, each against the champion
@@ -378,19 +476,27 @@ def gate(
     not a model, or one for other labels: NAMES) is replaced without a comparison; one that cannot be
     compared stays champion, the candidate becomes challenger; one that cannot be fetched now stops the gate.
     """
-    candidate = evaluate(load_registered_model(client, name, version, settings.allow_pickle_models), images, labels, classes)
+    candidate = evaluate(
+        load_registered_model(client, name, version, settings.allow_pickle_models), images, labels, classes
+    )
     metric = settings.promotion_metric
     with registry_lock(settings, name):
         finish_pending_move(client, settings, name)
         champion_version = alias_version(client, name, CHAMPION)
         if champion_version == str(version):  # a second flow run that got the same training's result: nothing to decide
             reason = f"v{version} is the champion already (its gate ran in an earlier flow run)"
-            return Decision(True, reason, metric, candidate[metric], candidate[metric], settings.promotion_margin), candidate, champion_version
+            return (
+                Decision(True, reason, metric, candidate[metric], candidate[metric], settings.promotion_margin),
+                candidate,
+                champion_version,
+            )
         check = ChampionCheck(None)
         if champion_version is not None:
             check = champion_metric(client, settings, name, champion_version, images, labels, classes, names, rows_at)
         held = held_by_baseline(metric, candidate, baseline, settings.min_margin_over_baseline)
-        decision = held or decide_promotion(metric, candidate[metric], check.value, settings.promotion_margin, check.unusable, check.uncompared)
+        decision = held or decide_promotion(
+            metric, candidate[metric], check.value, settings.promotion_margin, check.unusable, check.uncompared
+        )
         champion_value = check.value
         tags = {
             "promotion_decision": "promoted" if decision.promote else "not promoted",
@@ -408,7 +514,9 @@ def gate(
         if decision.promote:
             crown(client, settings, name, version, "gate", decision.reason, flow_run_id)
         else:
-            move_aliases(client, settings, name, {CHALLENGER: str(version)}, "gate", {CHALLENGER: decision.reason}, flow_run_id)
+            move_aliases(
+                client, settings, name, {CHALLENGER: str(version)}, "gate", {CHALLENGER: decision.reason}, flow_run_id
+            )
     return decision, candidate, champion_version
 
 
@@ -436,8 +544,18 @@ def force_promote(client: MlflowClient, settings: Settings, name: str, version: 
 
 
 LINEAGE_KEYS = (
-    "delta_table", "delta_version", "cache_key", "split_counts", "split_settings", "training_params", "git_commit",
-    "prefect_flow_run_id", "mlflow_run_id", "labels", "image_size", "resize_mode",
+    "delta_table",
+    "delta_version",
+    "cache_key",
+    "split_counts",
+    "split_settings",
+    "training_params",
+    "git_commit",
+    "prefect_flow_run_id",
+    "mlflow_run_id",
+    "labels",
+    "image_size",
+    "resize_mode",
 )
 
 
@@ -481,7 +599,9 @@ def resolve(client: MlflowClient, reference: str) -> tuple[str, str]:
         name, alias = reference.rsplit("@", 1)
         version = alias_version(client, name, alias)
         if version is None:
-            raise RegistryError(f"model {name!r} has no alias {alias!r} (aliases: champion, challenger, previous-champion)")
+            raise RegistryError(
+                f"model {name!r} has no alias {alias!r} (aliases: champion, challenger, previous-champion)"
+            )
         return name, version
     if "/" in reference:
         name, version = reference.rsplit("/", 1)

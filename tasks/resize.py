@@ -1,4 +1,5 @@
-"""Resize: find what is new or changed at this image size, then decode it on the Spark executors (tasks/resize_executor.py)
+"""Resize: find what is new or changed at this image size, then decode it on the Spark executors
+(tasks/resize_executor.py)
 in balanced tasks, with a progress line from the driver; pixels go into uncommitted data files, the rest to staging."""
 
 from __future__ import annotations
@@ -6,8 +7,9 @@ from __future__ import annotations
 import math
 import time
 import uuid
-from datetime import datetime, timezone
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from datetime import UTC, datetime
+from typing import Any
 
 import fsspec
 import pyarrow.parquet as pq
@@ -18,8 +20,16 @@ from infra.delta import Table
 from infra.settings import Settings
 from tasks.changes import diff_against_table
 from tasks.progress import Every, rate_line, stage_logger
-from tasks.resize_executor import PROGRESS_FOLDER, PROGRESS_SECONDS, READ_RETRIES, SUMMARY_SCHEMA, DecodeRules, files_done, process_partition
-from tasks.results import ListingDiff, Listed, Resized, left_unread
+from tasks.resize_executor import (
+    PROGRESS_FOLDER,
+    PROGRESS_SECONDS,
+    READ_RETRIES,
+    SUMMARY_SCHEMA,
+    DecodeRules,
+    files_done,
+    process_partition,
+)
+from tasks.results import Listed, ListingDiff, Resized, left_unread
 from tasks.rules.listing import scope_of
 from tasks.rules.partitions import ROWS_PER_DECODE_TASK, balanced_partitions
 from tasks.rules.schemas import CHANGES_SCHEMA
@@ -28,9 +38,15 @@ from tasks.table import ImageTable
 
 
 def resize_images(
-    table: ImageTable, ingested: ListingDiff, rules: DecodeRules, staging_uri: str, progress_seconds: float = PROGRESS_SECONDS, in_driver_up_to: int = 0
+    table: ImageTable,
+    ingested: ListingDiff,
+    rules: DecodeRules,
+    staging_uri: str,
+    progress_seconds: float = PROGRESS_SECONDS,
+    in_driver_up_to: int = 0,
 ) -> Resized:
-    """Decode and resize every new or changed file on the executors: pixels into uncommitted table files, the rest to staging.
+    """Decode and resize every new or changed file on the executors: pixels into uncommitted table files, the rest to
+    staging.
 
     A file whose content is what the table already holds for its path is not decoded again. Each task writes how
     many files it has done every `progress_seconds` for the driver's progress line. Nothing to do asks for no Spark
@@ -41,17 +57,26 @@ def resize_images(
     fs, folder = fsspec.core.url_to_fs(staging_uri)
     if fs.exists(folder):
         fs.rm(folder, recursive=True)
-    fs.makedirs(f"{folder}/{PROGRESS_FOLDER}", exist_ok=True)  # local folders must exist before the executors write into them
+    fs.makedirs(
+        f"{folder}/{PROGRESS_FOLDER}", exist_ok=True
+    )  # local folders must exist before the executors write into them
     # Only what changed is listed here: the driver reads it, so Spark itself never needs access to the staging store.
     with fsspec.open(ingested.manifest_uri, "rb") as handle:
         listed = pq.read_table(handle)
     counts: dict[tuple[str, str | None], tuple[int, str]] = {}
     if 0 < listed.num_rows <= in_driver_up_to:
         batches = iter(listed.to_batches())
-        summary = with_progress(listed.num_rows, staging_uri, lambda: [
-            row for batch in process_partition(batches, rules, staging_uri, table_uri, datetime.now(timezone.utc), progress_seconds, partition=0)
-            for row in batch.to_pylist()
-        ])
+        summary = with_progress(
+            listed.num_rows,
+            staging_uri,
+            lambda: [
+                row
+                for batch in process_partition(
+                    batches, rules, staging_uri, table_uri, datetime.now(UTC), progress_seconds, partition=0
+                )
+                for row in batch.to_pylist()
+            ],
+        )
         counts = count_by_status(summary)
     elif listed.num_rows:
         counts = decode_on_executors(table.spark, listed.to_pylist(), rules, staging_uri, table_uri, progress_seconds)
@@ -72,7 +97,9 @@ def resize_images(
         known=by_status.get("known", 0),
         retired=by_status.get("delete", 0),
         quarantined={reason: n for (status, reason), (n, _) in counts.items() if status == "quarantined"},
-        examples={reason: example for (status, reason), (_, example) in counts.items() if status in ("quarantined", "unread")},
+        examples={
+            reason: example for (status, reason), (_, example) in counts.items() if status in ("quarantined", "unread")
+        },
         unread={reason: n for (status, reason), (n, _) in counts.items() if status == "unread"},
         read_retries=by_status.get(READ_RETRIES, 0),
         content_fingerprint=ingested.content_fingerprint,
@@ -85,24 +112,37 @@ def resize_images(
 
 
 def decode_on_executors(
-    spark: SparkSession, listed: list[dict], rules: DecodeRules, staging_uri: str, table_uri: str, progress_seconds: float
+    spark: SparkSession,
+    listed: list[dict],
+    rules: DecodeRules,
+    staging_uri: str,
+    table_uri: str,
+    progress_seconds: float,
 ) -> dict[tuple[str, str | None], tuple[int, str]]:
     """Run process_partition over the listed entries in balanced tasks; files per (status, reason), with an example path."""
     # One task per core, more for a long list; each gets a fair share of the bytes to decode.
     cores = spark.sparkContext.defaultParallelism
     groups = balanced_partitions(listed, cores * max(1, math.ceil(len(listed) / (cores * ROWS_PER_DECODE_TASK))))
     names = CHANGES_SCHEMA.names
-    rows = spark.sparkContext.parallelize(groups, max(1, len(groups))).flatMap(lambda group: [tuple(r[n] for n in names) for r in group])
+    rows = spark.sparkContext.parallelize(groups, max(1, len(groups))).flatMap(
+        lambda group: [tuple(r[n] for n in names) for r in group]
+    )
     frame = spark.createDataFrame(rows, schema=from_arrow_schema(CHANGES_SCHEMA))
-    ingested_at = datetime.now(timezone.utc)
-    summary = frame.mapInArrow(lambda batches: process_partition(batches, rules, staging_uri, table_uri, ingested_at, progress_seconds), SUMMARY_SCHEMA)
+    ingested_at = datetime.now(UTC)
+    summary = frame.mapInArrow(
+        lambda batches: process_partition(batches, rules, staging_uri, table_uri, ingested_at, progress_seconds),
+        SUMMARY_SCHEMA,
+    )
     return count_by_status(row.asDict() for row in with_progress(len(listed), staging_uri, summary.collect))
 
 
 def with_progress(total: int, staging_uri: str, decode: Callable[[], list]) -> list:
     """Run DECODE with the driver's progress line every few seconds (from the decoders' progress files), and a last one."""
     logger, started = stage_logger(), time.monotonic()
-    with Every(lambda: logger.info(rate_line("resize", files_done(staging_uri), total, time.monotonic() - started, "files")), logger):
+    with Every(
+        lambda: logger.info(rate_line("resize", files_done(staging_uri), total, time.monotonic() - started, "files")),
+        logger,
+    ):
         rows = decode()
     logger.info(rate_line("resize", total, total, time.monotonic() - started, "files"))
     return rows
@@ -120,35 +160,69 @@ def count_by_status(rows: Iterable[dict]) -> dict[tuple[str, str | None], tuple[
 def tables_now(inputs: dict[str, Any]) -> dict[str, str]:
     """Cache key part for resize: the versions of the tables the diff reads, so new commits are a miss."""
     settings: Settings = inputs["settings"]
-    return {"table version": str(Table(settings.table_uri).version()), "table version (quarantine)": str(Table(settings.quarantine_uri).version())}
+    return {
+        "table version": str(Table(settings.table_uri).version()),
+        "table version (quarantine)": str(Table(settings.quarantine_uri).version()),
+    }
 
 
 def staged_for_write(resized: Resized) -> list[str]:
     """What a resize result names that its write reads: the staging folder of its bookkeeping rows, when it staged any."""
-    return [resized.staging_uri] if resized.decoded or resized.known or resized.retired or resized.bad or resized.unread_files else []
+    return (
+        [resized.staging_uri]
+        if resized.decoded or resized.known or resized.retired or resized.bad or resized.unread_files
+        else []
+    )
 
 
 @stage(
     "resize",
     # max_bad_fraction and max_retire_fraction too: a write that refused took back the files this stage wrote.
     settings=(
-        "image_size", "resize_mode", "max_file_bytes", "max_image_pixels", "max_decode_seconds", "read_attempts", "max_bad_fraction", "max_retire_fraction", "retire_deleted", "start_date", "end_date",
-        "table_uri", "quarantine_uri", "staging_uri",
+        "image_size",
+        "resize_mode",
+        "max_file_bytes",
+        "max_image_pixels",
+        "max_decode_seconds",
+        "read_attempts",
+        "max_bad_fraction",
+        "max_retire_fraction",
+        "retire_deleted",
+        "start_date",
+        "end_date",
+        "table_uri",
+        "quarantine_uri",
+        "staging_uri",
     ),
     facts=tables_now,
     needs=staged_for_write,
     unfinished=left_unread,
-    code=("tasks.changes", "tasks.table", "tasks.resize_executor", "tasks.rules.listing", "tasks.rules.images", "tasks.rules.schemas", "tasks.rules.partitions"),
+    code=(
+        "tasks.changes",
+        "tasks.table",
+        "tasks.resize_executor",
+        "tasks.rules.listing",
+        "tasks.rules.images",
+        "tasks.rules.schemas",
+        "tasks.rules.partitions",
+    ),
 )
 def resize(listed: Listed, settings: Settings) -> Resized:
     """Prefect stage: find what is new or changed at this image size, then read, hash and resize it."""
     table = ImageTable.of(settings)
     ingested = diff_against_table(table, listed, scope_of(settings), settings.retire_deleted, settings.staging_uri)
     rules = DecodeRules(
-        settings.image_size, settings.resize_mode, settings.max_file_bytes, settings.max_image_pixels, settings.read_attempts,
+        settings.image_size,
+        settings.resize_mode,
+        settings.max_file_bytes,
+        settings.max_image_pixels,
+        settings.read_attempts,
         max_seconds=settings.max_decode_seconds,
     )
-    # A folder of this run's own: an identical run started at the same time must not wipe the rows this one's write reads.
+    # A folder of this run's own: an identical run started at the same time must not wipe the rows this one's write
+    # reads.
     folder = f"resize-{ingested.content_fingerprint[:16]}-{settings.image_size}-{settings.resize_mode}-{uuid.uuid4().hex[:12]}"
     # Spark's Python workers take seconds to start; the driver decodes a short list in a fraction of that.
-    return resize_images(table, ingested, rules, f"{settings.staging_uri}/{folder}", in_driver_up_to=settings.decode_in_driver_up_to)
+    return resize_images(
+        table, ingested, rules, f"{settings.staging_uri}/{folder}", in_driver_up_to=settings.decode_in_driver_up_to
+    )

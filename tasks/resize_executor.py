@@ -7,9 +7,10 @@ import hashlib
 import time
 import uuid
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Iterator, Self
+from typing import Self
 
 import fsspec
 import numpy as np
@@ -76,7 +77,15 @@ def process_file(row: dict, rules: DecodeRules) -> tuple[dict, bytes | None]:
     so the next run reads it again. A file gone since the listing is unread too. Only content is quarantined.
     """
     out = {
-        **row, "sha256": None, "width": None, "height": None, "status": "new", "reason": None, "detail": None, "data_file": None, "read_retries": 0,
+        **row,
+        "sha256": None,
+        "width": None,
+        "height": None,
+        "status": "new",
+        "reason": None,
+        "detail": None,
+        "data_file": None,
+        "read_retries": 0,
     }
     if row["action"] == "delete":
         return {**out, "status": "delete"}, None
@@ -85,12 +94,23 @@ def process_file(row: dict, rules: DecodeRules) -> tuple[dict, bytes | None]:
     try:
         data, out["read_retries"] = read_with_retries(row["path"], rules.read_attempts, rules.read_backoff)
     except ReadFailed as exc:
-        return {**out, "status": "unread", "reason": "read_error", "detail": str(exc), "read_retries": exc.attempts}, None
+        return {
+            **out,
+            "status": "unread",
+            "reason": "read_error",
+            "detail": str(exc),
+            "read_retries": exc.attempts,
+        }, None
     except FileNotFoundError as exc:
         return {**out, "status": "unread", "reason": "gone", "detail": f"{type(exc).__name__}: {exc}"}, None
     out["sha256"] = hashlib.sha256(data).hexdigest()
     if len(data) > rules.max_file_bytes:
-        return {**out, "status": "quarantined", "reason": "file_too_large", "detail": f"{len(data)} bytes > max_file_bytes"}, None
+        return {
+            **out,
+            "status": "quarantined",
+            "reason": "file_too_large",
+            "detail": f"{len(data)} bytes > max_file_bytes",
+        }, None
     if out["sha256"] == row.get("known_sha256"):
         return {**out, "status": "known"}, None
     try:
@@ -108,12 +128,17 @@ def binary_column(values: list[bytes]) -> pa.Array:
     """A binary Arrow array over one joined buffer: the pixels are copied once, not once per value."""
     offsets = np.zeros(len(values) + 1, dtype=np.int32)
     np.cumsum([len(v) for v in values], out=offsets[1:])
-    return pa.Array.from_buffers(pa.binary(), len(values), [None, pa.py_buffer(offsets), pa.py_buffer(b"".join(values))])
+    return pa.Array.from_buffers(
+        pa.binary(), len(values), [None, pa.py_buffer(offsets), pa.py_buffer(b"".join(values))]
+    )
 
 
 def image_rows(staged: list[dict], pixels: list[bytes], image_size: int, ingested_at: datetime) -> pa.Table:
     """The table's rows for newly decoded files."""
-    columns = {name: pa.array([row[name] for row in staged], IMAGE_TABLE_SCHEMA.field(name).type) for name in STAGED_IMAGE_COLUMNS}
+    columns = {
+        name: pa.array([row[name] for row in staged], IMAGE_TABLE_SCHEMA.field(name).type)
+        for name in STAGED_IMAGE_COLUMNS
+    }
     columns["image_size"] = pa.array([image_size] * len(staged), pa.int32())
     columns["image"] = binary_column(pixels)
     columns["ingested_at"] = pa.array([ingested_at] * len(staged), pa.timestamp("us", tz="UTC"))
@@ -156,8 +181,11 @@ class ImageFileWriter:
             small = [n for n in IMAGE_TABLE_SCHEMA.names if n != "image"]
             # Raw pixels hardly compress and are never filtered on: no compression, dictionary or statistics.
             self.writer = pq.ParquetWriter(
-                self.handle, IMAGE_TABLE_SCHEMA, compression={n: ("none" if n == "image" else "snappy") for n in IMAGE_TABLE_SCHEMA.names},
-                use_dictionary=small, write_statistics=small,
+                self.handle,
+                IMAGE_TABLE_SCHEMA,
+                compression={n: ("none" if n == "image" else "snappy") for n in IMAGE_TABLE_SCHEMA.names},
+                use_dictionary=small,
+                write_statistics=small,
             )
         self.writer.write_table(image_rows(self.rows, self.pixels, self.image_size, self.ingested_at))
         self.rows, self.pixels = [], []
@@ -186,10 +214,16 @@ def files_done(folder_uri: str) -> int:
 
 
 def process_partition(
-    batches: Iterator[pa.RecordBatch], rules: DecodeRules, staging_uri: str, table_uri: str, ingested_at: datetime,
-    progress_seconds: float = PROGRESS_SECONDS, partition: int | None = None,
+    batches: Iterator[pa.RecordBatch],
+    rules: DecodeRules,
+    staging_uri: str,
+    table_uri: str,
+    ingested_at: datetime,
+    progress_seconds: float = PROGRESS_SECONDS,
+    partition: int | None = None,
 ) -> Iterator[pa.RecordBatch]:
-    """mapInArrow body: read, hash and (unless the table holds that content for its path) decode every listed file of one partition.
+    """mapInArrow body: read, hash and (unless the table holds that content for its path) decode every listed file of
+    one partition.
 
     New images are written here, in the table's own schema, as one Parquet data file in the
     table's folder; the write stage commits that file to the Delta log (or, if the run replaces
@@ -216,7 +250,10 @@ def process_partition(
                     report_progress(fs, f"{folder}/{PROGRESS_FOLDER}/{partition:05d}", len(staged))
                     reported = time.monotonic()
     # Under a temporary name, then renamed: a retried task replaces its partition's file.
-    final, temporary = f"{folder}/part-{partition:05d}.parquet", f"{folder}/.part-{partition:05d}-{uuid.uuid4().hex}.tmp"
+    final, temporary = (
+        f"{folder}/part-{partition:05d}.parquet",
+        f"{folder}/.part-{partition:05d}-{uuid.uuid4().hex}.tmp",
+    )
     with fs.open(temporary, "wb") as out:
         pq.write_table(pa.Table.from_pylist(staged, schema=STAGED_ARROW_SCHEMA), out)
     fs.mv(temporary, final)
@@ -226,6 +263,11 @@ def process_partition(
         if row["read_retries"]:
             counts.setdefault((READ_RETRIES, None), [0, row["path"]])[0] += row["read_retries"]
     yield pa.RecordBatch.from_pylist(
-        [{"status": status, "reason": reason, "files": n, "example": example} for (status, reason), (n, example) in counts.items()],
-        schema=pa.schema([("status", pa.string()), ("reason", pa.string()), ("files", pa.int64()), ("example", pa.string())]),
+        [
+            {"status": status, "reason": reason, "files": n, "example": example}
+            for (status, reason), (n, example) in counts.items()
+        ],
+        schema=pa.schema(
+            [("status", pa.string()), ("reason", pa.string()), ("files", pa.int64()), ("example", pa.string())]
+        ),
     )

@@ -41,7 +41,9 @@ class Resized(BaseModel):
     retired: int
     quarantined: dict[str, int]
     examples: dict[str, str] = Field(default_factory=dict, exclude=True)
-    unread: dict[str, int] = Field(default_factory=dict, exclude=True)  # reason -> files no read could get: the next run reads them
+    unread: dict[str, int] = Field(
+        default_factory=dict, exclude=True
+    )  # reason -> files no read could get: the next run reads them
     read_retries: int = Field(default=0, exclude=True)  # reads that failed and were tried again
     content_fingerprint: str
     # What the diff read: a write that leaves the tables in step with it marks the next versions so (tasks/changes.py).
@@ -60,7 +62,7 @@ class Resized(BaseModel):
         return sum(self.unread.values())
 
 
-def left_unread(result: "Resized | Written") -> str | None:
+def left_unread(result: Resized | Written) -> str | None:
     """Why a resize or write result is not reused: files it could not read, which the next run reads again."""
     unread = result.unread_files if isinstance(result, Resized) else result.unread
     return f"{unread} file(s) could not be read then; read again" if unread else None
@@ -80,7 +82,9 @@ class Written(TableVersion):
     rows: int = Field(exclude=True)
     retired: int = Field(default=0, exclude=True)
     quarantined: int = Field(default=0, exclude=True)
-    unread: int = Field(default=0, exclude=True)  # files the resize stage could not read: this version lacks them, the next run reads them
+    unread: int = Field(
+        default=0, exclude=True
+    )  # files the resize stage could not read: this version lacks them, the next run reads them
 
 
 class SplitPlan(TableVersion):
@@ -92,7 +96,9 @@ class SplitPlan(TableVersion):
     val_fraction: float
     test_fraction: float
     label_counts: dict[str, dict[str, int]] = {}  # split -> label -> images
-    quarantined: dict[str, int] = {}  # reason -> files in the quarantine table now (the cache stage re-keys, its files are reused)
+    quarantined: dict[
+        str, int
+    ] = {}  # reason -> files in the quarantine table now (the cache stage re-keys, its files are reused)
 
 
 class CachedSplits(BaseModel):

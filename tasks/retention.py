@@ -17,8 +17,8 @@ import fsspec
 from prefect.cache_policies import NO_CACHE
 
 from infra.settings import Settings
-from tasks.ingest import modified_seconds
 from tasks.changes import IN_SYNC
+from tasks.ingest import modified_seconds
 from tasks.progress import stage_logger
 from tasks.split import SPLIT_COUNTS, record_version
 from tasks.stage import stage
@@ -87,14 +87,20 @@ def prune_staging(uri: str, cutoff: float) -> list[str]:
     in_sync = f"{root}/{IN_SYNC}"
     kept = listings_in_use(fs, in_sync)
     ours = [
-        e for e in entries(fs, root)
-        if e["name"] not in kept and name_of(e["name"]).startswith(STAGING_FILES if e["type"] == "file" else STAGING_FOLDERS)
+        e
+        for e in entries(fs, root)
+        if e["name"] not in kept
+        and name_of(e["name"]).startswith(STAGING_FILES if e["type"] == "file" else STAGING_FOLDERS)
     ]
     markers = [e for e in entries(fs, in_sync) if e["type"] == "file" and not name_of(e["name"]).startswith("last-")]
     removed = old_entries(fs, ours, cutoff) + old_entries(fs, markers, cutoff)
     for folder in entries(fs, f"{root}/{SPLIT_COUNTS}"):
         records = sorted(
-            (e for e in entries(fs, folder["name"]) if e["type"] == "file" and record_version(name_of(e["name"])) is not None),
+            (
+                e
+                for e in entries(fs, folder["name"])
+                if e["type"] == "file" and record_version(name_of(e["name"])) is not None
+            ),
             key=lambda e: record_version(name_of(e["name"])),
         )
         removed += old_entries(fs, records[:-1], cutoff)  # the newest carries the counts forward

@@ -9,8 +9,9 @@ import math
 import re
 import time
 import uuid
-from datetime import datetime, timezone
-from typing import Any, Iterator
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from typing import Any
 
 import fsspec
 import pyarrow as pa
@@ -49,7 +50,9 @@ def table_source(source: str) -> tuple[str, int | None] | None:
     if table_exists(uri):
         return uri, version
     if match:
-        raise ScoreSourceError(f"--source {source}: {uri} is not a Delta table, so it has no version {version}; give a table's folder@VERSION, or a folder of images")
+        raise ScoreSourceError(
+            f"--source {source}: {uri} is not a Delta table, so it has no version {version}; give a table's folder@VERSION, or a folder of images"
+        )
     return None
 
 
@@ -85,32 +88,61 @@ def score_images(source: str, model: str, settings: Settings) -> dict[str, Any]:
         uri, table_version = table
         images = Table(uri, spark)
         table_version = images.version() if table_version is None else table_version
-        frame = images.frame(table_version).where(F.col("image_size") == meta["image_size"]).select("path", "sha256", "image")
+        frame = (
+            images.frame(table_version)
+            .where(F.col("image_size") == meta["image_size"])
+            .select("path", "sha256", "image")
+        )
         size, where = meta["image_size"], f"{uri}@{table_version}"
         total = frame.count()
         if not total:
-            raise ScoreSourceError(f"--source {source}: version {table_version} holds no images at the model's size {size}; score the source folder instead")
+            raise ScoreSourceError(
+                f"--source {source}: version {table_version} holds no images at the model's size {size}; score the source folder instead"
+            )
     else:
         uri, table_version, size = source_uri(source), None, None
         files = [path for path, _ in image_files(uri, settings.image_extensions)]
         if not files:
-            raise ScoreSourceError(f"--source {source} holds no image files ({', '.join(settings.image_extensions)}): give a folder or prefix of images, or a Delta table")
-        frame = spark.createDataFrame([(path, None, None) for path in files], "path string, sha256 string, image binary")
+            raise ScoreSourceError(
+                f"--source {source} holds no image files ({', '.join(settings.image_extensions)}): give a folder or prefix of images, or a Delta table"
+            )
+        frame = spark.createDataFrame(
+            [(path, None, None) for path in files], "path string, sha256 string, image binary"
+        )
         where, total = uri, len(files)
     job = ScoreJob(
-        f"models:/{name}/{version}", settings.tracking_uri, settings.mlflow_registry_uri, size, known, settings.score_top_k,
-        read_attempts=settings.read_attempts, progress=f"{settings.staging_uri}/score-{uuid.uuid4().hex[:12]}",
+        f"models:/{name}/{version}",
+        settings.tracking_uri,
+        settings.mlflow_registry_uri,
+        size,
+        known,
+        settings.score_top_k,
+        read_attempts=settings.read_attempts,
+        progress=f"{settings.staging_uri}/score-{uuid.uuid4().hex[:12]}",
     )
     answered = answer_on_executors(spark, frame, total, job)
     rows = unique_content(answered)
-    scored_at = datetime.now(timezone.utc)
-    constants = {"model_name": name, "model_version": int(version), "source": where, "source_version": table_version, "scored_at": scored_at}
+    scored_at = datetime.now(UTC)
+    constants = {
+        "model_name": name,
+        "model_version": int(version),
+        "source": where,
+        "source_version": table_version,
+        "scored_at": scored_at,
+    }
     for column, value in constants.items():
-        rows = rows.append_column(PREDICTIONS_SCHEMA.field(column), pa.array([value] * rows.num_rows, PREDICTIONS_SCHEMA.field(column).type))
+        rows = rows.append_column(
+            PREDICTIONS_SCHEMA.field(column), pa.array([value] * rows.num_rows, PREDICTIONS_SCHEMA.field(column).type)
+        )
     committed = Table(settings.predictions_uri).append(rows) if rows.num_rows else None
     return {
-        "model": f"{name}/{version}", "source": where, "images": total, "answered": rows.num_rows, "errors": rows.num_rows - pc.count(rows.column("label")).as_py(),
-        "predictions_uri": settings.predictions_uri, "predictions_version": committed,
+        "model": f"{name}/{version}",
+        "source": where,
+        "images": total,
+        "answered": rows.num_rows,
+        "errors": rows.num_rows - pc.count(rows.column("label")).as_py(),
+        "predictions_uri": settings.predictions_uri,
+        "predictions_version": committed,
     }
 
 
@@ -119,7 +151,9 @@ def served_meta(client: Any, name: str, version: str) -> dict[str, Any]:
     folder = model_files(client, name, version)
     found = served_files(folder)
     if found is None:
-        raise ScoreSourceError(f"{name} version {version} was registered before models answered image bytes: register it again (imagelake retrain) to score with it")
+        raise ScoreSourceError(
+            f"{name} version {version} was registered before models answered image bytes: register it again (imagelake retrain) to score with it"
+        )
     return json.loads(found[1].read_text())
 
 
@@ -130,10 +164,17 @@ def answer_on_executors(spark: SparkSession, frame: Any, total: int, job: ScoreJ
     fs.makedirs(f"{folder}/{PROGRESS_FOLDER}", exist_ok=True)
     cores = spark.sparkContext.defaultParallelism
     tasks = max(1, min(total, cores * max(1, math.ceil(total / (cores * ROWS_PER_SCORE_TASK)))))
-    answered = frame.repartition(tasks).mapInArrow(lambda batches: score_partition(batches, job), from_arrow_schema(ANSWERED_SCHEMA))
+    answered = frame.repartition(tasks).mapInArrow(
+        lambda batches: score_partition(batches, job), from_arrow_schema(ANSWERED_SCHEMA)
+    )
     logger, started = stage_logger(), time.monotonic()
     try:
-        with Every(lambda: logger.info(rate_line("score", files_done(job.progress), total, time.monotonic() - started, "images")), logger):
+        with Every(
+            lambda: logger.info(
+                rate_line("score", files_done(job.progress), total, time.monotonic() - started, "images")
+            ),
+            logger,
+        ):
             rows = [row.asDict(recursive=True) for row in answered.collect()]
     finally:
         fs.rm(folder, recursive=True)
@@ -162,8 +203,14 @@ def source_state(inputs: dict[str, Any]) -> dict[str, str]:
             state = f"table {table[0]}@{table[1] if table[1] is not None else Table(table[0]).version()}"
         else:
             files = image_files(source_uri(inputs["source"]), settings.image_extensions)
-            state = hash_objects([(path, info.get("size"), info.get("mtime") or info.get("LastModified")) for path, info in files])
-    except (ScoreSourceError, OSError, ValueError):  # the stage itself raises it, where the run reports a stage's failure
+            state = hash_objects(
+                [(path, info.get("size"), info.get("mtime") or info.get("LastModified")) for path, info in files]
+            )
+    except (
+        ScoreSourceError,
+        OSError,
+        ValueError,
+    ):  # the stage itself raises it, where the run reports a stage's failure
         state = "unreadable"
     return {"source": str(state)}
 
@@ -175,9 +222,22 @@ def score_model(model: str, settings: Settings) -> str:
     return f"{name}/{version}"
 
 
-@stage("score", settings=("image_extensions", "score_top_k", "read_attempts", "predictions_uri", "tracking_uri"), facts=source_state,
-       needs=lambda scored: [f"{scored['predictions_uri']}/_delta_log"] if scored["predictions_version"] is not None else [],
-       code=("tasks.score_executor", "tasks.resize_executor", "tasks.served_model", "tasks.rules.images", "tasks.rules.answers", "tasks.rules.schemas"))
+@stage(
+    "score",
+    settings=("image_extensions", "score_top_k", "read_attempts", "predictions_uri", "tracking_uri"),
+    facts=source_state,
+    needs=lambda scored: (
+        [f"{scored['predictions_uri']}/_delta_log"] if scored["predictions_version"] is not None else []
+    ),
+    code=(
+        "tasks.score_executor",
+        "tasks.resize_executor",
+        "tasks.served_model",
+        "tasks.rules.images",
+        "tasks.rules.answers",
+        "tasks.rules.schemas",
+    ),
+)
 def score(source: str, model: str, settings: Settings) -> dict[str, Any]:
     """Prefect stage: answer what is new in SOURCE to the model version MODEL (NAME/VERSION) into the predictions table."""
     return score_images(source, model, settings)

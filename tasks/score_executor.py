@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import fsspec
 import numpy as np
@@ -17,7 +18,9 @@ from pyspark import TaskContext
 from tasks.resize_executor import PROGRESS_FOLDER, PROGRESS_SECONDS, ReadFailed, read_with_retries, report_progress
 from tasks.rules.schemas import ANSWERED_SCHEMA
 
-_models: dict[tuple[str, str | None, str], Any] = {}  # (tracking, registry, model URI) -> the loaded pyfunc, for the worker process's life
+_models: dict[
+    tuple[str, str | None, str], Any
+] = {}  # (tracking, registry, model URI) -> the loaded pyfunc, for the worker process's life
 
 
 @dataclass(frozen=True)
@@ -44,7 +47,8 @@ def loaded_model(job: ScoreJob) -> Any:
         import mlflow
         import torch
 
-        # One Spark task per core it was given: torch's threads would otherwise contend with the other tasks' for the cores.
+        # One Spark task per core it was given: torch's threads would otherwise contend with the other tasks' for the
+        # cores.
         context = TaskContext.get()
         torch.set_num_threads(max(1, context.cpus() if context is not None else 1))
         mlflow.set_tracking_uri(job.tracking_uri)
@@ -62,15 +66,26 @@ def answer_rows(job: ScoreJob, items: list[tuple[str, str, Any]]) -> list[dict]:
     if job.image_size is None:
         answers = model.predict(pd.DataFrame({"image": [image for _, _, image in items]}), params=params)
     else:  # decoded already, as the table stores them: (N, size, size, 3) uint8
-        pixels = np.stack([np.frombuffer(image, dtype=np.uint8).reshape(job.image_size, job.image_size, 3) for _, _, image in items])
+        pixels = np.stack(
+            [np.frombuffer(image, dtype=np.uint8).reshape(job.image_size, job.image_size, 3) for _, _, image in items]
+        )
         answers = model.unwrap_python_model().predict(None, pixels, params=params)
     return [
-        {"path": path, "sha256": sha, "label": answer["label"], "probability": answer["probability"], "top_k": answer["top_k"] or [], "error": answer["error"]}
+        {
+            "path": path,
+            "sha256": sha,
+            "label": answer["label"],
+            "probability": answer["probability"],
+            "top_k": answer["top_k"] or [],
+            "error": answer["error"],
+        }
         for (path, sha, _), answer in zip(items, answers.to_dict("records"))
     ]
 
 
-def score_partition(batches: Iterator[pa.RecordBatch], job: ScoreJob, partition: int | None = None) -> Iterator[pa.RecordBatch]:
+def score_partition(
+    batches: Iterator[pa.RecordBatch], job: ScoreJob, partition: int | None = None
+) -> Iterator[pa.RecordBatch]:
     """mapInArrow's function: rows of (path, sha256, image) in, predictions rows out. A folder's rows come with neither
     image nor sha256: the file is read here. Content this model version answered before is skipped; a file that
     cannot be read in all its attempts is left out (no row), so a later run tries it again."""

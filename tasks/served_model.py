@@ -22,14 +22,22 @@ from mlflow.protos.databricks_pb2 import BAD_REQUEST
 from tasks.rules.answers import answers, image_bytes
 from tasks.rules.images import resize_image
 
-PROGRAM, META = "program", "meta"  # the model's artifacts (tasks/registry.py names them): the program, its labels and sizes
+PROGRAM, META = (
+    "program",
+    "meta",
+)  # the model's artifacts (tasks/registry.py names them): the program, its labels and sizes
 IMAGE = "image"  # the input column
 TOP_K = 3  # the default of the top_k parameter
 
 
 def table(rows: list[dict]) -> pd.DataFrame:
     """The answer's columns; a bad row's probability stays None (JSON null), where pandas would make it NaN (not JSON)."""
-    return pd.DataFrame({column: pd.Series([row[column] for row in rows], dtype=object) for column in ("label", "probability", "top_k", "error")})
+    return pd.DataFrame(
+        {
+            column: pd.Series([row[column] for row in rows], dtype=object)
+            for column in ("label", "probability", "top_k", "error")
+        }
+    )
 
 
 class ImageClassifierModel(mlflow.pyfunc.PythonModel):
@@ -40,7 +48,11 @@ class ImageClassifierModel(mlflow.pyfunc.PythonModel):
     def load_context(self, context) -> None:
         meta = json.loads(Path(context.artifacts[META]).read_text())
         self.labels: list[str] = meta["labels"]
-        self.image_size, self.resize_mode, self.max_pixels = int(meta["image_size"]), meta["resize_mode"], meta.get("max_image_pixels")
+        self.image_size, self.resize_mode, self.max_pixels = (
+            int(meta["image_size"]),
+            meta["resize_mode"],
+            meta.get("max_image_pixels"),
+        )
         self.network = torch.export.load(context.artifacts[PROGRAM]).module()
 
     def predict(self, context, model_input, params: dict | None = None) -> pd.DataFrame:
@@ -48,7 +60,9 @@ class ImageClassifierModel(mlflow.pyfunc.PythonModel):
         if top_k < 1:
             raise MlflowException(f"top_k must be at least 1, got {top_k}", error_code=BAD_REQUEST)
         top_k = min(top_k, len(self.labels))
-        if isinstance(model_input, np.ndarray):  # images already decoded: (N, size, size, 3) uint8, as the table stores them
+        if isinstance(
+            model_input, np.ndarray
+        ):  # images already decoded: (N, size, size, 3) uint8, as the table stores them
             return table(self._answer(model_input, top_k))
         frame = model_input if isinstance(model_input, pd.DataFrame) else pd.DataFrame(model_input)
         if IMAGE not in frame.columns or frame.empty:
@@ -74,7 +88,12 @@ class ImageClassifierModel(mlflow.pyfunc.PythonModel):
 
     @torch.no_grad()
     def _answer(self, images: np.ndarray, top_k: int, batch_size: int = 64) -> list[dict]:
-        logits = torch.cat([self.network(torch.from_numpy(np.ascontiguousarray(images[i : i + batch_size]))).float() for i in range(0, len(images), batch_size)])
+        logits = torch.cat(
+            [
+                self.network(torch.from_numpy(np.ascontiguousarray(images[i : i + batch_size]))).float()
+                for i in range(0, len(images), batch_size)
+            ]
+        )
         return answers(torch.softmax(logits, dim=1).numpy(), self.labels, top_k)
 
 

@@ -21,7 +21,8 @@ def plan_splits(spark: SparkSource, written: TableVersion, settings: Settings) -
     """Count each split and the labels at the written version; fail early if a split or label set is unusable.
 
     The counts of an earlier version planned with the same fractions (recorded in staging) are brought forward by the
-    rows of the data files that changed since (`ImageTable.rows_between`, no Spark job); otherwise one Spark query counts.
+    rows of the data files that changed since (`ImageTable.rows_between`, no Spark job); otherwise one Spark query
+    counts.
     SPARK may be a function that starts the session: only that query calls it."""
     table = ImageTable.of_version(spark, written, settings.image_size, settings.quarantine_uri)
     records = PlanRecords(settings, written)
@@ -61,7 +62,17 @@ class PlanRecords:
     def __init__(self, settings: Settings, written: TableVersion) -> None:
         self.val_fraction, self.test_fraction = settings.val_fraction, settings.test_fraction
         # Keyed by the table's id too: a table made anew at the same place does not carry on from the old one's counts.
-        key = hashlib.sha256(json.dumps([written.table_uri, Table(written.table_uri).table_id(), settings.image_size, self.val_fraction, self.test_fraction]).encode()).hexdigest()[:20]
+        key = hashlib.sha256(
+            json.dumps(
+                [
+                    written.table_uri,
+                    Table(written.table_uri).table_id(),
+                    settings.image_size,
+                    self.val_fraction,
+                    self.test_fraction,
+                ]
+            ).encode()
+        ).hexdigest()[:20]
         self.fs, self.folder = fsspec.core.url_to_fs(f"{settings.staging_uri.rstrip('/')}/{SPLIT_COUNTS}/{key}")
 
     def versions(self) -> list[int]:
@@ -77,7 +88,8 @@ class PlanRecords:
         self.fs.mv(aside, f"{self.folder}/v{version}.json")
 
     def carried_forward(self, table: ImageTable, version: int) -> dict[str, dict[str, int]] | None:
-        """VERSION's counts from the latest recorded version before it and the rows of the files that changed since; None
+        """VERSION's counts from the latest recorded version before it and the rows of the files that changed since;
+        None
         if there is none, or the change cannot be read without Spark or its new files hold more than DRIVER_BYTES."""
         earlier = [v for v in self.versions() if v <= version]
         if not earlier:
@@ -90,7 +102,9 @@ class PlanRecords:
         if between is None:
             return None
         for side, sign in zip(between, (1, -1)):
-            for split, label in zip(splits_of(side["sha256"], self.val_fraction, self.test_fraction).to_pylist(), side["label"].to_pylist()):
+            for split, label in zip(
+                splits_of(side["sha256"], self.val_fraction, self.test_fraction).to_pylist(), side["label"].to_pylist()
+            ):
                 by_label = counts.setdefault(split, {})
                 by_label[label] = by_label.get(label, 0) + sign
         if any(n < 0 for by_label in counts.values() for n in by_label.values()):
@@ -103,7 +117,12 @@ def quarantine_now(inputs: dict) -> dict[str, str]:
     return {"table version (quarantine)": str(Table(inputs["settings"].quarantine_uri).version())}
 
 
-@stage("split", settings=("image_size", "val_fraction", "test_fraction", "partitions_per_worker", "num_workers"), facts=quarantine_now, code=("tasks.rules.splits",))
+@stage(
+    "split",
+    settings=("image_size", "val_fraction", "test_fraction", "partitions_per_worker", "num_workers"),
+    facts=quarantine_now,
+    code=("tasks.rules.splits",),
+)
 def split(table: TableVersion, settings: Settings) -> SplitPlan:
     """Prefect stage: plan the split and the partition count of one table version."""
     return plan_splits(on_demand(settings), table, settings)

@@ -1,4 +1,5 @@
-"""What every stage's Prefect task shares: retries with backoff, a time limit, and a cache key that says what it is made of.
+"""What every stage's Prefect task shares: retries with backoff, a time limit, and a cache key that says what it is made
+of.
 
 A stage's key is built from named parts: the code of the module that does the work, each upstream
 result (which carries the Delta table version it read or wrote), the settings that change the
@@ -19,9 +20,10 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 import fsspec
 from PIL import Image, UnidentifiedImageError
@@ -61,7 +63,9 @@ def code_digest(*modules: str) -> str:
     return hash_objects([module_source(name) for name in modules], raise_on_failure=True)
 
 
-def key_parts(fn: Callable[..., Any], inputs: dict[str, Any], settings_fields: tuple[str, ...], code: tuple[str, ...] = ()) -> dict[str, str]:
+def key_parts(
+    fn: Callable[..., Any], inputs: dict[str, Any], settings_fields: tuple[str, ...], code: tuple[str, ...] = ()
+) -> dict[str, str]:
     """The named parts of a stage's cache key (values are short digests or the settings' own values)."""
     parts = {"code": code_digest(fn.__module__, *code)}
     settings = inputs.get("settings")
@@ -87,7 +91,11 @@ def explain(previous: dict[str, Any] | None, key: str, parts: dict[str, str], re
     changed = []
     for name in sorted(set(parts) | set(old)):
         if parts.get(name) != old.get(name):
-            detail = f" {old.get(name)} -> {parts.get(name)}" if name.startswith(("setting", "table", "warm start", "cached result")) else ""
+            detail = (
+                f" {old.get(name)} -> {parts.get(name)}"
+                if name.startswith(("setting", "table", "warm start", "cached result"))
+                else ""
+            )
             changed.append(f"{name} changed{detail}")
     return "; ".join(changed)
 
@@ -104,9 +112,13 @@ class StageKey(CachePolicy):
     facts: Callable[[dict[str, Any]], dict[str, str]] | None = field(default=None, repr=False)
     code: tuple[str, ...] = ()  # modules besides the task's own whose code the stage runs
     needs: Callable[[Any], list[str]] | None = field(default=None, repr=False)  # files a result of the stage names
-    unfinished: Callable[[Any], str | None] | None = field(default=None, repr=False)  # why a result of the stage is not to be reused
+    unfinished: Callable[[Any], str | None] | None = field(
+        default=None, repr=False
+    )  # why a result of the stage is not to be reused
 
-    def compute_key(self, task_ctx: Any, inputs: dict[str, Any], flow_parameters: dict[str, Any], **kwargs: Any) -> str | None:
+    def compute_key(
+        self, task_ctx: Any, inputs: dict[str, Any], flow_parameters: dict[str, Any], **kwargs: Any
+    ) -> str | None:
         if not task_ctx:
             return None
         parts = key_parts(task_ctx.task.fn, inputs, self.settings_fields, self.code)
@@ -124,11 +136,23 @@ class StageKey(CachePolicy):
             why = not_reusable(store, key, self.needs, self.unfinished) if links < MAX_LINKS else None
         settings = inputs.get("settings")
         if settings is not None:
-            note_key(settings.results_uri, self.stage, key, parts, str(task_ctx.task_run.flow_run_id), bool(PREFECT_TASKS_REFRESH_CACHE.value()))
+            note_key(
+                settings.results_uri,
+                self.stage,
+                key,
+                parts,
+                str(task_ctx.task_run.flow_run_id),
+                bool(PREFECT_TASKS_REFRESH_CACHE.value()),
+            )
         return key
 
 
-def not_reusable(store: Any, key: str, needs: Callable[[Any], list[str]] | None, unfinished: Callable[[Any], str | None] | None = None) -> str | None:
+def not_reusable(
+    store: Any,
+    key: str,
+    needs: Callable[[Any], list[str]] | None,
+    unfinished: Callable[[Any], str | None] | None = None,
+) -> str | None:
     """Why the result cached under KEY may not be reused, or None (no such result, or nothing against it): the first
     file or folder it names (NEEDS says which) that is gone (a cleaned disk, a moved workspace, a vacuum), or what
     UNFINISHED says the run that made it left for the next one."""
@@ -195,8 +219,10 @@ def timeout_setting(stage: str) -> str:
 
 
 def interruptible(fn: F) -> F:
-    """FN as a stage's Prefect task runs it: past the stage's or its flow's deadline, what the interrupt leaves comes out
-    as that deadline's error (infra/deadline.py), which Prefect records as TimedOut rather than as a crash or a result."""
+    """FN as a stage's Prefect task runs it: past the stage's or its flow's deadline, what the interrupt leaves comes
+    out
+    as that deadline's error (infra/deadline.py), which Prefect records as TimedOut rather than as a crash or a
+    result."""
 
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> Any:
@@ -241,7 +267,9 @@ class Stage(Task):
         state = super().__call__(*args, return_state=True, **kwargs)
         seconds = time.perf_counter() - start
         note_outcome(str(context.flow_run.id), self.name, state.name, seconds)
-        ended = {"Cached": "from the cache", "Completed": "done", "TimedOut": "timed out"}.get(state.name, state.name.lower())
+        ended = {"Cached": "from the cache", "Completed": "done", "TimedOut": "timed out"}.get(
+            state.name, state.name.lower()
+        )
         logger.info(f"{self.name}: {ended} in {seconds:.1f} s")
         return state if return_state else state.result()
 
@@ -249,15 +277,24 @@ class Stage(Task):
 # Bad input, bad settings and programming errors fail the same way every time: retrying only delays the message.
 # Pillow's errors about an image's bytes are an OSError and a bare Exception, but the same bytes fail the same way.
 PERMANENT_ERRORS: tuple[type[BaseException], ...] = (
-    PermanentError, ValueError, TypeError, KeyError, FileNotFoundError, UnidentifiedImageError, Image.DecompressionBombError,
+    PermanentError,
+    ValueError,
+    TypeError,
+    KeyError,
+    FileNotFoundError,
+    UnidentifiedImageError,
+    Image.DecompressionBombError,
 )
-# Arrow's own S3 client reports a key that is not there as a plain OSError, where a local file or s3fs raise FileNotFoundError.
+# Arrow's own S3 client reports a key that is not there as a plain OSError, where a local file or s3fs raise
+# FileNotFoundError.
 NOT_FOUND_ON_S3 = ("AWS Error NO_SUCH_KEY", "AWS Error RESOURCE_NOT_FOUND")
 
 
 def permanent_itself(error: BaseException) -> bool:
     """Whether ERROR, not counting what it wraps, is one no retry can mend."""
-    return isinstance(error, PERMANENT_ERRORS) or (isinstance(error, OSError) and any(mark in str(error) for mark in NOT_FOUND_ON_S3))
+    return isinstance(error, PERMANENT_ERRORS) or (
+        isinstance(error, OSError) and any(mark in str(error) for mark in NOT_FOUND_ON_S3)
+    )
 
 
 def is_permanent(error: BaseException | None) -> bool:
@@ -302,10 +339,12 @@ def stage(
     fails TimedOut past the time limit its settings give it (`timeout_setting`: never retried).
 
     `settings` names the settings fields that change the stage's output; `facts` adds key parts read at call time;
-    `code` names other modules whose code the stage runs; `needs` gives the files and folders a result of the stage names,
+    `code` names other modules whose code the stage runs; `needs` gives the files and folders a result of the stage
+    names,
     so that a cached result whose files are gone is a miss; `unfinished` says why a result is not to be reused (work
     it left for the next run), or None.
     """
+
     def declare(fn: F) -> F:
         return Stage(  # type: ignore[return-value]
             fn=interruptible(fn),
@@ -314,7 +353,10 @@ def stage(
             retry_delay_seconds=exponential_backoff(backoff_factor=backoff),
             retry_jitter_factor=0.5,
             retry_condition_fn=retry_transient_only,
-            cache_policy=cache_policy or StageKey(stage=name, settings_fields=settings, facts=facts, code=code, needs=needs, unfinished=unfinished),
+            cache_policy=cache_policy
+            or StageKey(
+                stage=name, settings_fields=settings, facts=facts, code=code, needs=needs, unfinished=unfinished
+            ),
             persist_result=True,
             log_prints=True,
         )

@@ -50,7 +50,8 @@ class ImageTable:
     image_size: int
 
     def __post_init__(self) -> None:
-        # A table another writer gave deletion vectors or column mapping: refused before anything is read or written, saying what to do.
+        # A table another writer gave deletion vectors or column mapping: refused before anything is read or written,
+        # saying what to do.
         for table in (self.images, self.quarantine):
             if table is not None:
                 check_plain_files(table.uri)
@@ -62,13 +63,27 @@ class ImageTable:
         return cls(images, Table(settings.quarantine_uri, images.session, images.engine), settings.image_size)
 
     @classmethod
-    def at(cls, spark: SparkSource, table_uri: str, image_size: int, engine: Engine = "delta-rs", quarantine_uri: str | None = None) -> ImageTable:
-        """The table at TABLE_URI (and quarantine, if given) read with ENGINE, for callers that hold their own Spark session
+    def at(
+        cls,
+        spark: SparkSource,
+        table_uri: str,
+        image_size: int,
+        engine: Engine = "delta-rs",
+        quarantine_uri: str | None = None,
+    ) -> ImageTable:
+        """The table at TABLE_URI (and quarantine, if given) read with ENGINE, for callers that hold their own Spark
+        session
         (or a function that starts it on first use: `infra.spark.on_demand`)."""
-        return cls(Table(table_uri, spark, engine), Table(quarantine_uri, spark, engine) if quarantine_uri else None, image_size)
+        return cls(
+            Table(table_uri, spark, engine),
+            Table(quarantine_uri, spark, engine) if quarantine_uri else None,
+            image_size,
+        )
 
     @classmethod
-    def of_version(cls, spark: SparkSource, table: TableVersion, image_size: int, quarantine_uri: str | None = None) -> ImageTable:
+    def of_version(
+        cls, spark: SparkSource, table: TableVersion, image_size: int, quarantine_uri: str | None = None
+    ) -> ImageTable:
         """The table a TableVersion names, read with the engine it was written with."""
         return cls.at(spark, table.table_uri, image_size, table.engine, quarantine_uri)  # type: ignore[arg-type]
 
@@ -89,7 +104,8 @@ class ImageTable:
         return F.col("image_size") == self.image_size
 
     def rows_matching(self, keys: dict[str, pa.Array], columns: list[str], version: int | None = None) -> pa.Table:
-        """Columns of this size's rows (at VERSION, default current) whose value in any column of KEYS is one of its values.
+        """Columns of this size's rows (at VERSION, default current) whose value in any column of KEYS is one of its
+        values.
 
         A semi-join against the given values (which come from one run, so they are few): only the matching rows are
         kept, never the table's keys. Up to DRIVER_SCAN_ROWS rows, the driver scans the key columns one data file at a
@@ -105,7 +121,9 @@ class ImageTable:
         if rows is None or rows > DRIVER_SCAN_ROWS:
             return None
         wanted = wanted_keys(keys)
-        schema = pa.schema([IMAGE_TABLE_SCHEMA.field(name) for name in dict.fromkeys([*columns, *wanted, "image_size"])])
+        schema = pa.schema(
+            [IMAGE_TABLE_SCHEMA.field(name) for name in dict.fromkeys([*columns, *wanted, "image_size"])]
+        )
         parts = [schema.empty_table().select(columns)]
         for uri in self.images.files(version) if wanted else []:
             data = self.images.read_files_arrow([uri], schema)
@@ -127,7 +145,9 @@ class ImageTable:
         counted = self.images.frame(version).where(self.this_size() & where).groupBy("date").count().collect()
         return {row["date"]: row["count"] for row in counted}
 
-    def rows_between(self, base: int, version: int, columns: list[str], max_bytes: int | None = None) -> tuple[pa.Table, pa.Table] | None:
+    def rows_between(
+        self, base: int, version: int, columns: list[str], max_bytes: int | None = None
+    ) -> tuple[pa.Table, pa.Table] | None:
         """COLUMNS (with `data_file`, the file's URI) of this size's rows in the data files VERSION has and BASE lacks,
         and in those BASE has and VERSION lacks: what changed between two versions, from the Delta log's file lists,
         read by pyarrow with no Spark job and no unchanged file opened. A rewritten file is on both sides, so rows it
@@ -156,9 +176,15 @@ class ImageTable:
             sides.append(pa.concat_tables([empty, *parts]))
         return sides[0], sides[1]
 
-    def with_split(self, version: int, val_fraction: float, test_fraction: float, files: list[str] | None = None) -> DataFrame:
+    def with_split(
+        self, version: int, val_fraction: float, test_fraction: float, files: list[str] | None = None
+    ) -> DataFrame:
         """The table at VERSION, rows of this image size (of FILES only, if given), with a `split` column."""
-        return self.images.frame(version, files).where(self.this_size()).withColumn("split", split_column(val_fraction, test_fraction))
+        return (
+            self.images.frame(version, files)
+            .where(self.this_size())
+            .withColumn("split", split_column(val_fraction, test_fraction))
+        )
 
     def quarantined_by_reason(self) -> dict[str, int]:
         """Files in the quarantine table now, by reason (those requeued, which the next run reads again, apart)."""
@@ -168,7 +194,9 @@ class ImageTable:
         schema = pa.schema([("reason", pa.string()), ("requeued_at", pa.timestamp("us", tz="UTC"))])
         rows = self.quarantine.read_files_arrow(self.quarantine.files(version), schema)  # no Spark job
         if rows is None:
-            rows = self.quarantine.read([name for name in schema.names if name in self.quarantine.columns()], version=version)
+            rows = self.quarantine.read(
+                [name for name in schema.names if name in self.quarantine.columns()], version=version
+            )
         held = rows.filter(pc.is_null(rows["requeued_at"])) if "requeued_at" in rows.column_names else rows
         return dict(sorted(Counter(held.column("reason").to_pylist()).items()))
 
@@ -186,7 +214,9 @@ def wanted_keys(keys: dict[str, pa.Array]) -> dict[str, pa.Array]:
     return {column: pc.unique(values.drop_null()) for column, values in keys.items() if len(values.drop_null())}
 
 
-def matching(table: Table, keys: dict[str, pa.Array], columns: list[str], where: Column | None = None, version: int | None = None) -> pa.Table:
+def matching(
+    table: Table, keys: dict[str, pa.Array], columns: list[str], where: Column | None = None, version: int | None = None
+) -> pa.Table:
     """COLUMNS of TABLE's rows (those WHERE selects) whose value in a column of KEYS is one of that column's values
     (each matching row once, as often as the table holds it)."""
     empty = pa.table({name: pa.array([], pa.string()) for name in columns})
@@ -200,7 +230,9 @@ def matching(table: Table, keys: dict[str, pa.Array], columns: list[str], where:
     for column, values in wanted.items():
         known = F.col(column).isin(values.to_pylist()) if len(values) <= INLINE_KEYS else None
         if known is None:  # many keys: a broadcast semi-join marks the rows
-            marks = table.spark.createDataFrame(pa.table({column: values}).to_pandas()).withColumn(f"_hit_{column}", F.lit(True))
+            marks = table.spark.createDataFrame(pa.table({column: values}).to_pandas()).withColumn(
+                f"_hit_{column}", F.lit(True)
+            )
             frame = frame.join(F.broadcast(marks), column, "left")
             known = F.col(f"_hit_{column}").isNotNull()
         hit = known if hit is None else hit | known

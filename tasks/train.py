@@ -9,11 +9,11 @@ import os
 import re
 import time
 import uuid
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import fsspec
 import torch
-
 from matplotlib.figure import Figure
 from mlflow import MlflowClient
 from mlflow.entities import Metric, Param
@@ -30,15 +30,21 @@ from infra.settings import Settings
 from infra.tracking import experiment_id, mlflow_client, run_url
 from tasks.baseline import fit_baseline
 from tasks.cards import dataset_card_markdown, dataset_card_of, sample_grid
-from tasks.worker.loader import check_split, label_samples
 from tasks.progress import Every, stage_logger
 from tasks.registry import champion_of, champion_state_dict
+from tasks.results import CachedSplits, Trained
 from tasks.rules.promotion import BASELINE
 from tasks.rules.training import TRAINING_SETTINGS, logged_params, scaled_learning_rate
 from tasks.rules.warm_start import WarmStart, WeightsShape, decide_warm_start
-from tasks.results import CachedSplits, Trained
 from tasks.stage import code_digest, stage
-from tasks.worker.train_loop import FIT_SECONDS, WORKER_NODES_TAG, LightningMismatch, ray_lightning_problem, train_loop_per_worker
+from tasks.worker.loader import check_split, label_samples
+from tasks.worker.train_loop import (
+    FIT_SECONDS,
+    WORKER_NODES_TAG,
+    LightningMismatch,
+    ray_lightning_problem,
+    train_loop_per_worker,
+)
 
 
 def run_name(cached: CachedSplits, settings: Settings, fresh: str | None = None, warm_from: str | None = None) -> str:
@@ -47,8 +53,21 @@ def run_name(cached: CachedSplits, settings: Settings, fresh: str | None = None,
     `fresh` (a refreshed flow run's id) makes a new run: a refresh trains from scratch, its retries resume it.
     `warm_from` (the champion version a warm start begins from) makes a new run when the champion changes.
     """
-    code = code_digest(__name__, "tasks.worker.train_loop", "tasks.worker.model", "tasks.worker.augment", "tasks.worker.loader", "infra.compat")
-    parts = [cached.key, *(getattr(settings, f) for f in TRAINING_SETTINGS), code, fresh, *([warm_from] if warm_from else [])]
+    code = code_digest(
+        __name__,
+        "tasks.worker.train_loop",
+        "tasks.worker.model",
+        "tasks.worker.augment",
+        "tasks.worker.loader",
+        "infra.compat",
+    )
+    parts = [
+        cached.key,
+        *(getattr(settings, f) for f in TRAINING_SETTINGS),
+        code,
+        fresh,
+        *([warm_from] if warm_from else []),
+    ]
     digest = hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:12]
     return f"train-{cached.key}-{digest}"
 
@@ -85,7 +104,14 @@ def staged_champion_weights(client: MlflowClient, settings: Settings, version: s
     return uri
 
 
-def training_config(cached: CachedSplits, settings: Settings, tracking_uri: str, run_id: str, name: str, warm_start_weights: str | None = None) -> dict:
+def training_config(
+    cached: CachedSplits,
+    settings: Settings,
+    tracking_uri: str,
+    run_id: str,
+    name: str,
+    warm_start_weights: str | None = None,
+) -> dict:
     """Everything a worker needs, as plain values; `warm_start_weights` is a state dict file the model starts from."""
     return {
         "train_uri": cached.splits["train"],
@@ -152,7 +178,9 @@ def storage_uri(filesystem, path: str) -> str:
     return path if kind == "local" else f"{kind}://{path}"
 
 
-def fit(cached: CachedSplits, settings: Settings, client: MlflowClient, run_id: str, name: str, warm: WarmStart) -> Trained:
+def fit(
+    cached: CachedSplits, settings: Settings, client: MlflowClient, run_id: str, name: str, warm: WarmStart
+) -> Trained:
     """Run the TorchTrainer and return the best checkpoint by validation loss."""
     weights = staged_champion_weights(client, settings, warm.version) if warm.version else None
     config = training_config(cached, settings, client.tracking_uri, run_id, name, weights)
@@ -163,12 +191,17 @@ def fit(cached: CachedSplits, settings: Settings, client: MlflowClient, run_id: 
         name=name,
         storage_path=settings.ray_storage_path,
         failure_config=FailureConfig(max_failures=settings.max_failures),
-        checkpoint_config=CheckpointConfig(num_to_keep=2, checkpoint_score_attribute="val_loss", checkpoint_score_order="min"),
+        checkpoint_config=CheckpointConfig(
+            num_to_keep=2, checkpoint_score_attribute="val_loss", checkpoint_score_order="min"
+        ),
     )
     scaling = ScalingConfig(
         num_workers=settings.num_workers,
         use_gpu=settings.use_gpu,
-        resources_per_worker={"CPU": settings.cpus_per_worker, **({"GPU": settings.gpus_per_worker} if settings.use_gpu else {})},
+        resources_per_worker={
+            "CPU": settings.cpus_per_worker,
+            **({"GPU": settings.gpus_per_worker} if settings.use_gpu else {}),
+        },
         placement_strategy=settings.ray_placement_strategy,
     )
     problem = ray_lightning_problem()
@@ -176,16 +209,28 @@ def fit(cached: CachedSplits, settings: Settings, client: MlflowClient, run_id: 
         raise LightningMismatch(problem)
     # Ray Train resumes a run whose (storage_path, name) already holds checkpoints: a retried task, or a
     # re-run after a crash, continues from the interrupted run's latest checkpoint instead of starting over.
-    trainer = TorchTrainer(train_loop_per_worker, train_loop_config=config, scaling_config=scaling, run_config=run_config)
+    trainer = TorchTrainer(
+        train_loop_per_worker, train_loop_config=config, scaling_config=scaling, run_config=run_config
+    )
     return trained_of(trainer.fit(), settings, client, run_id, name, config["learning_rate"], warm)
 
 
-def trained_of(result: Result, settings: Settings, client: MlflowClient, run_id: str, name: str, learning_rate: float, warm: WarmStart) -> Trained:
+def trained_of(
+    result: Result,
+    settings: Settings,
+    client: MlflowClient,
+    run_id: str,
+    name: str,
+    learning_rate: float,
+    warm: WarmStart,
+) -> Trained:
     """A Ray Train result as the stage's result: its best checkpoint by validation loss, and what rank 0 logged."""
     checkpoint, metrics = min(result.best_checkpoints, key=lambda pair: pair[1]["val_loss"])
     recorded = client.get_run(run_id).data  # what rank 0 logged: its Ray node ids and its fit time
     return Trained(
-        checkpoint_path=storage_uri(checkpoint.filesystem, os.path.join(checkpoint.path, RayTrainReportCallback.CHECKPOINT_NAME)),
+        checkpoint_path=storage_uri(
+            checkpoint.filesystem, os.path.join(checkpoint.path, RayTrainReportCallback.CHECKPOINT_NAME)
+        ),
         ray_run_path=storage_uri(result.filesystem, result.path),
         mlflow_run_id=run_id,
         num_workers=settings.num_workers,
@@ -202,18 +247,26 @@ def trained_of(result: Result, settings: Settings, client: MlflowClient, run_id:
 
 
 def finished_training(client: MlflowClient, settings: Settings, name: str, warm: WarmStart) -> Trained | None:
-    """The result of Ray run NAME if a run with the same key has finished it (its MLflow run FINISHED, its best checkpoint
+    """The result of Ray run NAME if a run with the same key has finished it (its MLflow run FINISHED, its best
+    checkpoint
     still there), else None."""
     found = client.search_runs(
-        [experiment_id(client, settings)], filter_string=f"tags.ray_run = '{name}' and attributes.status = 'FINISHED'",
-        order_by=["attributes.start_time DESC"], max_results=1,
+        [experiment_id(client, settings)],
+        filter_string=f"tags.ray_run = '{name}' and attributes.status = 'FINISHED'",
+        order_by=["attributes.start_time DESC"],
+        max_results=1,
     )
     if not found:
         return None
     try:
         trained = trained_of(
-            Result.from_path(f"{settings.ray_storage_path}/{name}"), settings, client, found[0].info.run_id, name,
-            float(found[0].data.params["learning_rate"]), warm,
+            Result.from_path(f"{settings.ray_storage_path}/{name}"),
+            settings,
+            client,
+            found[0].info.run_id,
+            name,
+            float(found[0].data.params["learning_rate"]),
+            warm,
         )
     except (OSError, ValueError, KeyError, RuntimeError):  # its folder or checkpoints are gone: train again
         return None
@@ -224,11 +277,15 @@ def finished_training(client: MlflowClient, settings: Settings, name: str, warm:
 def training_run(client: MlflowClient, settings: Settings, cached: CachedSplits, name: str) -> str:
     """The MLflow run of Ray run NAME: an unfinished one (a retry resumes both), else a new one."""
     experiment = experiment_id(client, settings)
-    for run in client.search_runs([experiment], filter_string=f"tags.ray_run = '{name}'", order_by=["attributes.start_time DESC"], max_results=5):
+    for run in client.search_runs(
+        [experiment], filter_string=f"tags.ray_run = '{name}'", order_by=["attributes.start_time DESC"], max_results=5
+    ):
         if run.info.status != "FINISHED":
             client.update_run(run.info.run_id, status="RUNNING")
             return run.info.run_id
-    return client.create_run(experiment, run_name=f"train-{cached.key}", tags={"cache_key": cached.key, "ray_run": name}).info.run_id
+    return client.create_run(
+        experiment, run_name=f"train-{cached.key}", tags={"cache_key": cached.key, "ray_run": name}
+    ).info.run_id
 
 
 def learning_curves(client: MlflowClient, run_id: str) -> Figure:
@@ -258,8 +315,13 @@ class EpochReport:
         resumed = self.client.get_run(self.run_id).data.tags.get("resumed_after_epoch")
         if resumed is not None and not self.resume_shown:
             self.resume_shown = True
-            out.append(f"train: resumes after epoch {int(resumed) + 1} of {self.max_epochs} from the interrupted run's checkpoint")
-        history = {name: {m.step: m.value for m in self.client.get_metric_history(self.run_id, name)} for name in ("train_loss", "val_loss", "val_acc")}
+            out.append(
+                f"train: resumes after epoch {int(resumed) + 1} of {self.max_epochs} from the interrupted run's checkpoint"
+            )
+        history = {
+            name: {m.step: m.value for m in self.client.get_metric_history(self.run_id, name)}
+            for name in ("train_loss", "val_loss", "val_acc")
+        }
         for epoch in sorted(set(history["val_acc"]) - self.shown):
             if all(epoch in values for values in history.values()):
                 self.shown.add(epoch)
@@ -279,7 +341,11 @@ def log_dataset_card(client: MlflowClient, run_id: str, cached: CachedSplits) ->
     card = dataset_card_of(cached)
     client.log_dict(run_id, card, "dataset/card.json")
     client.log_text(run_id, dataset_card_markdown(card, "samples.png"), "dataset/card.md")
-    client.log_figure(run_id, sample_grid(label_samples(cached.splits["train"], cached.image_size, cached.labels)), "dataset/samples.png")
+    client.log_figure(
+        run_id,
+        sample_grid(label_samples(cached.splits["train"], cached.image_size, cached.labels)),
+        "dataset/samples.png",
+    )
     return card
 
 
@@ -292,15 +358,26 @@ def log_baseline(client: MlflowClient, run_id: str, cached: CachedSplits, settin
         return
     found = fit_baseline(cached.splits["train"], cached.splits["test"], cached.image_size, cached.counts, settings.seed)
     if found is None:
-        stage_logger().info("train: no baseline: the train split holds fewer than two labels, or the test split is empty")
+        stage_logger().info(
+            "train: no baseline: the train split holds fewer than two labels, or the test split is empty"
+        )
         return
-    client.log_batch(run_id, metrics=[Metric(BASELINE_METRIC, found.accuracy, int(time.time() * 1000), 0)], params=[
-        Param("baseline", BASELINE), Param("baseline_rows", f"{found.train_rows} train, {found.test_rows} test"),
-    ])
-    stage_logger().info(f"train: baseline ({BASELINE}, {found.train_rows} training rows): test accuracy {found.accuracy:.3f} in {found.seconds:.1f} s")
+    client.log_batch(
+        run_id,
+        metrics=[Metric(BASELINE_METRIC, found.accuracy, int(time.time() * 1000), 0)],
+        params=[
+            Param("baseline", BASELINE),
+            Param("baseline_rows", f"{found.train_rows} train, {found.test_rows} test"),
+        ],
+    )
+    stage_logger().info(
+        f"train: baseline ({BASELINE}, {found.train_rows} training rows): test accuracy {found.accuracy:.3f} in {found.seconds:.1f} s"
+    )
 
 
-def train_model(cached: CachedSplits, settings: Settings, fresh: str | None = None, on_start: Callable[[str], None] | None = None) -> Trained:
+def train_model(
+    cached: CachedSplits, settings: Settings, fresh: str | None = None, on_start: Callable[[str], None] | None = None
+) -> Trained:
     """One MLflow run per training: created here (or resumed), filled by rank 0, closed with the outcome.
 
     `on_start` gets the MLflow run id as soon as the run exists, before any worker starts.
@@ -313,24 +390,38 @@ def train_model(cached: CachedSplits, settings: Settings, fresh: str | None = No
     name = run_name(cached, settings, fresh, warm.version)
     logger = stage_logger()
     # Two runs of one key at once (a nightly run and an ad-hoc one on the same data) would train into one Ray run and
-    # one MLflow run: one trains, and the other waits and takes its result (or, after train_lock_wait_minutes, fails naming the first).
+    # one MLflow run: one trains, and the other waits and takes its result (or, after train_lock_wait_minutes, fails
+    # naming the first).
     with one_at_a_time(settings, f"train-{name}", timeout=settings.lock_wait_seconds("train")):
         done = finished_training(client, settings, name, warm)
         if done is not None:
-            logger.info(f"train: Ray run {name} was trained by another run of the same data, settings and code: its result is used")
+            logger.info(
+                f"train: Ray run {name} was trained by another run of the same data, settings and code: its result is used"
+            )
             return done
         return train_in(cached, settings, client, name, warm, on_start)
 
 
 def train_in(
-    cached: CachedSplits, settings: Settings, client: MlflowClient, name: str, warm: WarmStart, on_start: Callable[[str], None] | None
+    cached: CachedSplits,
+    settings: Settings,
+    client: MlflowClient,
+    name: str,
+    warm: WarmStart,
+    on_start: Callable[[str], None] | None,
 ) -> Trained:
     """Train as Ray run NAME (resuming it, and its MLflow run, where an earlier attempt left them unfinished)."""
     logger = stage_logger()
     run_id = training_run(client, settings, cached, name)
-    logger.info(f"train: MLflow run {run_url(client, settings, run_id)} ({settings.num_workers} Ray worker(s), up to {settings.max_epochs} epochs)")
+    logger.info(
+        f"train: MLflow run {run_url(client, settings, run_id)} ({settings.num_workers} Ray worker(s), up to {settings.max_epochs} epochs)"
+    )
     if settings.warm_start:
-        logger.info(f"train: warm start from {settings.model_name} v{warm.version} ({warm.reason})" if warm.version else f"train: warm_start is on, but trains from scratch: {warm.reason}")
+        logger.info(
+            f"train: warm start from {settings.model_name} v{warm.version} ({warm.reason})"
+            if warm.version
+            else f"train: warm_start is on, but trains from scratch: {warm.reason}"
+        )
     report = EpochReport(client, run_id, settings.max_epochs)
     try:
         if on_start is not None:
@@ -349,16 +440,25 @@ def train_in(
 
 
 @stage(
-    "train", settings=TRAINING_SETTINGS, facts=warm_start_key, code=("tasks.rules.training", "tasks.rules.warm_start", "tasks.baseline"), retries=1,
+    "train",
+    settings=TRAINING_SETTINGS,
+    facts=warm_start_key,
+    code=("tasks.rules.training", "tasks.rules.warm_start", "tasks.baseline"),
+    retries=1,
     needs=lambda trained: [trained.checkpoint_path],
 )
 def train(cached: CachedSplits, settings: Settings) -> Trained:
     """Prefect stage: distributed training on Ray, linked from the flow run to its MLflow run."""
+
     # A refresh trains from scratch: the flow run's id gives it a Ray run of its own (its retries resume that one).
     def link(run_id: str) -> None:
         create_link_artifact(
-            run_url(mlflow_client(settings), settings, run_id), link_text=f"MLflow run {run_id}", key="imagelake-mlflow-run",
+            run_url(mlflow_client(settings), settings, run_id),
+            link_text=f"MLflow run {run_id}",
+            key="imagelake-mlflow-run",
             description=f"Training run (tracking store {settings.tracking_uri}), linked when training starts",
         )
 
-    return train_model(cached, settings, fresh=str(flow_run.id) if PREFECT_TASKS_REFRESH_CACHE.value() else None, on_start=link)
+    return train_model(
+        cached, settings, fresh=str(flow_run.id) if PREFECT_TASKS_REFRESH_CACHE.value() else None, on_start=link
+    )

@@ -10,12 +10,11 @@ commit no reader sees the files, after it the rows are there and are skipped.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
-from typing import Callable
+from datetime import UTC, datetime
 
 import fsspec
-
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
@@ -25,11 +24,11 @@ from prefect.cache_policies import NO_CACHE
 from infra.delta import Table, sql_in
 from infra.errors import PermanentError
 from infra.settings import Settings
-from tasks.rules.schemas import IMAGE_TABLE_SCHEMA, STAGED_ARROW_SCHEMA
+from tasks.changes import mark_in_sync
 from tasks.results import Resized, Written, left_unread
 from tasks.rules.bad_files import TooManyBadFiles, TooManyRetired, check_bad_fraction, check_retire_fraction
+from tasks.rules.schemas import IMAGE_TABLE_SCHEMA, STAGED_ARROW_SCHEMA
 from tasks.stage import stage
-from tasks.changes import mark_in_sync
 from tasks.table import ImageTable, matching
 
 
@@ -72,7 +71,9 @@ class Changes:
     deletes: list[str]  # paths whose rows go
     replaces: bool  # whether any upsert replaces a row already in the table
     whole_files: bool  # whether every row of the run's data files is written
-    moved: list[str] = field(default_factory=list)  # of DELETES, the paths whose content moved to another path: not lost
+    moved: list[str] = field(
+        default_factory=list
+    )  # of DELETES, the paths whose content moved to another path: not lost
 
     @property
     def empty(self) -> bool:
@@ -86,7 +87,8 @@ class Changes:
 def plan_changes(table: ImageTable, resized: Resized) -> Changes:
     """Rows to upsert (new content at a path) and to delete (path gone), minus what the table already says.
 
-    Only the table's rows that share a path or a content hash with this run's are read: a semi-join, never the whole table.
+    Only the table's rows that share a path or a content hash with this run's are read: a semi-join, never the whole
+    table.
     """
     staged = staged_rows(resized)
     version = table.images.version()
@@ -95,14 +97,18 @@ def plan_changes(table: ImageTable, resized: Resized) -> Changes:
     if not upserts.num_rows and not len(deletes):
         return Changes(version, upserts, [], False, True)
     paths = pa.concat_arrays([upserts["path"].combine_chunks(), deletes.combine_chunks()])
-    present = table.rows_matching({"path": paths, "sha256": upserts["sha256"].combine_chunks()}, ["path", "sha256"], version)
+    present = table.rows_matching(
+        {"path": paths, "sha256": upserts["sha256"].combine_chunks()}, ["path", "sha256"], version
+    )
     whole, moved_from = True, []
     if upserts.num_rows:
         # Content the table holds (at any path) is never added again, unless no path that holds it holds it still: then
         # it moved (a relabel, a renamed folder), and its row moves to the new path. When one run sees the same new
         # content twice, the first path wins.
         moved, moved_from = moved_content(present, upserts, deletes)
-        fresh = pc.or_(pc.invert(pc.is_in(upserts["sha256"], present.column("sha256"))), pc.is_in(upserts["sha256"], moved))
+        fresh = pc.or_(
+            pc.invert(pc.is_in(upserts["sha256"], present.column("sha256"))), pc.is_in(upserts["sha256"], moved)
+        )
         first = upserts.select(["sha256", "path"]).group_by("sha256").aggregate([("path", "min")]).column("path_min")
         keep = pc.and_(fresh, pc.is_in(upserts["path"], first))
         if not pc.all(keep).as_py():
@@ -137,7 +143,9 @@ def moved_content(present: pa.Table, upserts: pa.Table, deletes: pa.ChunkedArray
         return path in still_there
 
     moved = [sha for sha, paths in holders.items() if not any(holds(path, sha) for path in paths)]
-    return pa.array(moved, pa.string()), sorted(path for sha in moved for path in holders[sha] if path not in new_content)
+    return pa.array(moved, pa.string()), sorted(
+        path for sha in moved for path in holders[sha] if path not in new_content
+    )
 
 
 def existing(paths: list[str]) -> set[str]:
@@ -166,12 +174,19 @@ def image_changes(resized: Resized, table_uri: str, changes: Changes) -> pa.Tabl
     upserts = pa.concat_tables(parts) if parts else IMAGE_TABLE_SCHEMA.empty_table()
     upserts = upserts.append_column("_action", pa.array(["upsert"] * upserts.num_rows, pa.string()))
     gone = pa.Table.from_pylist(
-        [{"path": path, "image_size": resized.image_size, "_action": "delete"} for path in changes.deletes], schema=upserts.schema
+        [{"path": path, "image_size": resized.image_size, "_action": "delete"} for path in changes.deletes],
+        schema=upserts.schema,
     )
     return pa.concat_tables([upserts, gone])
 
 
-QUARANTINE_EXTRA = pa.schema([("stage", pa.string()), ("quarantined_at", pa.timestamp("us", tz="UTC")), ("requeued_at", pa.timestamp("us", tz="UTC"))])
+QUARANTINE_EXTRA = pa.schema(
+    [
+        ("stage", pa.string()),
+        ("quarantined_at", pa.timestamp("us", tz="UTC")),
+        ("requeued_at", pa.timestamp("us", tz="UTC")),
+    ]
+)
 
 
 def bad_key(rows: pa.Table) -> pa.ChunkedArray:
@@ -192,30 +207,41 @@ def quarantine_rows(table: ImageTable, resized: Resized) -> Quarantine:
     """The run's bad files, minus those already quarantined for the same content and reason (a requeued file that is
     still bad is quarantined again, in place of its requeued row)."""
     bad = staged_rows(resized).to_table(
-        columns=["path", "size", "mtime", "stamp", "sha256", "reason", "detail", "issue"], filter=pc.field("status") == "quarantined"
+        columns=["path", "size", "mtime", "stamp", "sha256", "reason", "detail", "issue"],
+        filter=pc.field("status") == "quarantined",
     )
-    now = datetime.now(timezone.utc)
+    now = datetime.now(UTC)
     # Problems seen in the listing carry an `issue`; the rest were found while reading or decoding.
     bad = bad.append_column("stage", pc.if_else(pc.is_null(bad["issue"]), "resize", "ingest")).drop_columns(["issue"])
-    bad = bad.append_column("quarantined_at", pa.array([now] * bad.num_rows, QUARANTINE_EXTRA.field("quarantined_at").type))
+    bad = bad.append_column(
+        "quarantined_at", pa.array([now] * bad.num_rows, QUARANTINE_EXTRA.field("quarantined_at").type)
+    )
     bad = bad.append_column("requeued_at", pa.nulls(bad.num_rows, QUARANTINE_EXTRA.field("requeued_at").type))
     if not bad.num_rows or not table.quarantine.exists():
         return Quarantine(bad, 0, [])
     requeued = "requeued_at" in table.quarantine.columns()
-    seen = matching(table.quarantine, {"path": bad["path"].combine_chunks()}, ["path", "sha256", "reason", *(["requeued_at"] if requeued else [])])
+    seen = matching(
+        table.quarantine,
+        {"path": bad["path"].combine_chunks()},
+        ["path", "sha256", "reason", *(["requeued_at"] if requeued else [])],
+    )
     waiting = seen.filter(pc.is_valid(seen["requeued_at"])) if requeued and seen.num_rows else seen.slice(0, 0)
     live = seen.filter(pc.is_null(seen["requeued_at"])) if requeued and seen.num_rows else seen
     fresh = bad.filter(pc.invert(pc.is_in(bad_key(bad), bad_key(live))))
     known = pc.sum(pc.is_in(bad_key(bad), bad_key(seen))).as_py() or 0
     replaced = pc.is_in(waiting["path"], fresh["path"]) if waiting.num_rows else pa.array([], pa.bool_())
-    return Quarantine(fresh, known, sorted(set(waiting.filter(replaced)["path"].to_pylist())) if waiting.num_rows else [])
+    return Quarantine(
+        fresh, known, sorted(set(waiting.filter(replaced)["path"].to_pylist())) if waiting.num_rows else []
+    )
 
 
 def land_quarantine(table: ImageTable, quarantine: Quarantine) -> int:
     """Append the run's new quarantine rows (and drop the requeued rows they replace); return the commits made."""
     commits = 0
     if quarantine.requeued:
-        commits += int(table.quarantine.delete_where(f"requeued_at IS NOT NULL AND {sql_in('path', quarantine.requeued)}") > 0)
+        commits += int(
+            table.quarantine.delete_where(f"requeued_at IS NOT NULL AND {sql_in('path', quarantine.requeued)}") > 0
+        )
     if quarantine.rows.num_rows:
         table.quarantine.add_columns(quarantine.rows.schema)  # a quarantine from before requeue_at gets it first
         table.quarantine.append(quarantine.rows)
@@ -232,7 +258,9 @@ def requeue(table: ImageTable, reasons: list[str] | None = None) -> dict[str, in
     chosen = {reason: n for reason, n in held.items() if reasons is None or reason in reasons}
     if chosen:
         table.quarantine.add_columns(QUARANTINE_EXTRA)
-        table.quarantine.update_where(f"requeued_at IS NULL AND {sql_in('reason', sorted(chosen))}", {"requeued_at": datetime.now(timezone.utc)})
+        table.quarantine.update_where(
+            f"requeued_at IS NULL AND {sql_in('reason', sorted(chosen))}", {"requeued_at": datetime.now(UTC)}
+        )
     return chosen
 
 
@@ -250,7 +278,9 @@ def reached(phase: str) -> None:
         on_phase(phase)
 
 
-def write_images(table: ImageTable, resized: Resized, max_bad_fraction: float, max_retire_fraction: float = 1.0) -> Written:
+def write_images(
+    table: ImageTable, resized: Resized, max_bad_fraction: float, max_retire_fraction: float = 1.0
+) -> Written:
     """Check the bad share, then land the images and append the quarantine; return the images table's version.
 
     A run that only adds rows commits the data files its executors wrote, as they are. A run
@@ -276,18 +306,29 @@ def write_images(table: ImageTable, resized: Resized, max_bad_fraction: float, m
         discard_run_files(resized)
         raise
     if changes.empty and not table.images.exists():
-        raise TooManyBadFiles(f"no image could be written to {table_uri}: no file of this run is a usable image ({resized.quarantined})")
+        raise TooManyBadFiles(
+            f"no image could be written to {table_uri}: no file of this run is a usable image ({resized.quarantined})"
+        )
     quarantine_before = table.quarantine.version()
     reached("planned")
     commits = land_quarantine(table, bad)
     reached("quarantine-committed")
     added, removed = changes.upserts.num_rows, len(changes.deletes)
-    before, expected = (changes.read_version, quarantine_before), (changes.read_version, next_version(quarantine_before, commits))
+    before, expected = (
+        (changes.read_version, quarantine_before),
+        (changes.read_version, next_version(quarantine_before, commits)),
+    )
     if changes.empty:
         remove_uncommitted(table_uri, run_files(resized))
         mark_if_in_step(table, resized, before, expected)
         return Written(
-            table_uri=table_uri, version=table.images.version(), engine=engine, rows=0, retired=0, quarantined=bad.rows.num_rows, unread=resized.unread_files,
+            table_uri=table_uri,
+            version=table.images.version(),
+            engine=engine,
+            rows=0,
+            retired=0,
+            quarantined=bad.rows.num_rows,
+            unread=resized.unread_files,
         )
     require_files(table_uri, changes.files)
     table.images.add_columns(IMAGE_TABLE_SCHEMA)  # a table from before a column was added gets it first
@@ -300,7 +341,15 @@ def write_images(table: ImageTable, resized: Resized, max_bad_fraction: float, m
         remove_uncommitted(table_uri, changes.files)
     reached("images-committed")
     mark_if_in_step(table, resized, before, (next_version(changes.read_version, 1), expected[1]))
-    return Written(table_uri=table_uri, version=version, engine=engine, rows=added, retired=removed, quarantined=bad.rows.num_rows, unread=resized.unread_files)
+    return Written(
+        table_uri=table_uri,
+        version=version,
+        engine=engine,
+        rows=added,
+        retired=removed,
+        quarantined=bad.rows.num_rows,
+        unread=resized.unread_files,
+    )
 
 
 def check_retired_share(table: ImageTable, changes: Changes, max_retire_fraction: float) -> None:
@@ -320,11 +369,18 @@ def next_version(version: int | None, commits: int) -> int | None:
     return (-1 if version is None else version) + commits if commits else version
 
 
-def mark_if_in_step(table: ImageTable, resized: Resized, before: tuple[int | None, int | None], expected: tuple[int | None, int | None]) -> None:
+def mark_if_in_step(
+    table: ImageTable, resized: Resized, before: tuple[int | None, int | None], expected: tuple[int | None, int | None]
+) -> None:
     """Say the tables now hold everything the run's listing brings, if nobody else wrote between the diff and now:
     the tables were at the versions the diff read, and are now exactly our commits further on. A run that could not
     read some files is not in step: the next run must find them again."""
-    if not resized.basis or not resized.in_sync_folder or before != tuple(resized.versions_seen) or resized.unread_files:
+    if (
+        not resized.basis
+        or not resized.in_sync_folder
+        or before != tuple(resized.versions_seen)
+        or resized.unread_files
+    ):
         return
     if (table.images.version(), table.quarantine.version()) == expected:
         mark_in_sync(resized.in_sync_folder, resized.basis, expected, resized.state_key, resized.listing_uri)
@@ -362,14 +418,19 @@ def remove_uncommitted(table_uri: str, files: list[str]) -> None:
     """Delete data files the resize stage wrote that no table version references (no reader ever saw them)."""
     fs, folder = fsspec.core.url_to_fs(table_uri)
     present = [name for name in files if fs.exists(f"{folder}/{name}")]
-    # A file that any version references stays (for time travel) until vacuum: a re-run must not delete what a commit made.
+    # A file that any version references stays (for time travel) until vacuum: a re-run must not delete what a commit
+    # made.
     for name in set(present) - Table(table_uri).ever_committed(present):
         fs.rm(f"{folder}/{name}")
 
 
 def run_files(resized: Resized) -> list[str]:
     """Every data file the resize stage wrote for this run."""
-    names = staged_rows(resized).to_table(columns=["data_file"], filter=pc.is_valid(pc.field("data_file"))).column("data_file")
+    names = (
+        staged_rows(resized)
+        .to_table(columns=["data_file"], filter=pc.is_valid(pc.field("data_file")))
+        .column("data_file")
+    )
     return sorted(set(names.to_pylist()))
 
 
@@ -388,8 +449,10 @@ def requeue_by_setting(settings: Settings) -> dict[str, int]:
 
 
 @stage(
-    "write", settings=("table_uri", "quarantine_uri", "max_bad_fraction", "max_retire_fraction", "delta_writer"),
-    code=("tasks.rules.schemas", "tasks.rules.bad_files", "tasks.table"), unfinished=left_unread,
+    "write",
+    settings=("table_uri", "quarantine_uri", "max_bad_fraction", "max_retire_fraction", "delta_writer"),
+    code=("tasks.rules.schemas", "tasks.rules.bad_files", "tasks.table"),
+    unfinished=left_unread,
 )
 def write(resized: Resized, settings: Settings) -> Written:
     """Prefect stage: merge into the Delta table with the engine that can run here."""

@@ -13,8 +13,8 @@ import pytest
 # Before Prefect is imported: the test server must not try to send telemetry.
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
-from infra.settings import Settings, load_settings
 from flows.demo_data import write_digits
+from infra.settings import Settings, load_settings
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -112,7 +112,18 @@ def cli_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 ENGINES = ("delta-rs", "spark")
 # A test that uses one of these starts Spark, Ray or a server (directly or through a fixture built on them).
-STARTING_FIXTURES = {"spark", "s3", "lake", "prefect_api", "digits_cached", "cached", "registry", "deployed", "cluster_run", "load_root"}
+STARTING_FIXTURES = {
+    "spark",
+    "s3",
+    "lake",
+    "prefect_api",
+    "digits_cached",
+    "cached",
+    "registry",
+    "deployed",
+    "cluster_run",
+    "load_root",
+}
 # These run flows or training in the test's own process: Spark (with the S3 settings) and Ray start first, the same
 # way whichever test of the session comes first.
 IN_PROCESS_PIPELINE = {"prefect_api", "digits_cached", "cached"}
@@ -120,19 +131,27 @@ RAY_TEST_CPUS = 4  # logical CPUs of the session's Ray: enough for the largest t
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption("--shuffle", metavar="SEED", default=None,
-                     help="run the test files, and the tests in each, in an order shuffled by SEED (an integer, or 'random')")
+    parser.addoption(
+        "--shuffle",
+        metavar="SEED",
+        default=None,
+        help="run the test files, and the tests in each, in an order shuffled by SEED (an integer, or 'random')",
+    )
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     """`engine`: both Delta engines for a test marked both_engines (the engine changes what it checks), else delta-rs."""
     if "engine" in metafunc.fixturenames:
-        metafunc.parametrize("engine", ENGINES if metafunc.definition.get_closest_marker("both_engines") else ENGINES[:1])
+        metafunc.parametrize(
+            "engine", ENGINES if metafunc.definition.get_closest_marker("both_engines") else ENGINES[:1]
+        )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
-        if STARTING_FIXTURES & set(item.fixturenames) or any(item.get_closest_marker(m) for m in ("slow", "cluster", "load", "browser", "alone")):
+        if STARTING_FIXTURES & set(item.fixturenames) or any(
+            item.get_closest_marker(m) for m in ("slow", "cluster", "load", "browser", "alone")
+        ):
             item.add_marker(pytest.mark.starts)
     # Held to the quick tier's promise when it runs on its own: in a session with tests that start things, a server
     # or Ray can start a process of its own while a quick test runs.
@@ -151,7 +170,9 @@ def pytest_configure(config: pytest.Config) -> None:
     seed = config.getoption("--shuffle")
     if seed is not None:
         given = getattr(config, "workerinput", {}).get("shuffle_seed")
-        config.stash[SHUFFLE_SEED] = int(given) if given is not None else random.randrange(1 << 30) if seed == "random" else int(seed)
+        config.stash[SHUFFLE_SEED] = (
+            int(given) if given is not None else random.randrange(1 << 30) if seed == "random" else int(seed)
+        )
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -174,7 +195,9 @@ def shuffled(items: list[pytest.Item], rng: random.Random) -> list[pytest.Item]:
     for name in order:
         tests = files[name]
         rng.shuffle(tests)
-        out += [t for t in tests if not t.get_closest_marker("ends_fixture")] + [t for t in tests if t.get_closest_marker("ends_fixture")]
+        out += [t for t in tests if not t.get_closest_marker("ends_fixture")] + [
+            t for t in tests if t.get_closest_marker("ends_fixture")
+        ]
     return out
 
 
@@ -218,8 +241,11 @@ def _tier(request: pytest.FixtureRequest):
         yield
         left = sorted(_started_here() - before)
         if left:
-            pytest.fail(f"{item.nodeid} started {', '.join(left)}: mark it `starts` (or use a fixture that does) so that "
-                        "`make test-quick` stays free of Spark, Ray and servers", pytrace=False)
+            pytest.fail(
+                f"{item.nodeid} started {', '.join(left)}: mark it `starts` (or use a fixture that does) so that "
+                "`make test-quick` stays free of Spark, Ray and servers",
+                pytrace=False,
+            )
         return
     if IN_PROCESS_PIPELINE & set(item.fixturenames):
         request.getfixturevalue("spark")

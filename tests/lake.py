@@ -11,9 +11,9 @@ from fsspec.implementations.local import LocalFileSystem
 from infra.delta import Table, read_version
 from tasks.changes import ingest_listing
 from tasks.ingest import source_uri
-from tasks.rules.listing import Scope
 from tasks.resize import resize_images
 from tasks.resize_executor import DecodeRules
+from tasks.rules.listing import Scope
 from tasks.table import ImageTable
 from tasks.write import write_images
 
@@ -49,13 +49,21 @@ class Lake:
         self.runs = 0
 
     def run(
-        self, source: Path | str, scope: Scope = SCOPE, rules: DecodeRules = RULES, retire: bool = False, max_bad: float = 0.5, in_driver_up_to: int = 0,
+        self,
+        source: Path | str,
+        scope: Scope = SCOPE,
+        rules: DecodeRules = RULES,
+        retire: bool = False,
+        max_bad: float = 0.5,
+        in_driver_up_to: int = 0,
         max_retire: float = 1.0,
     ):
         self.runs += 1
         table = ImageTable.at(self.spark, self.table, rules.size, self.engine, self.quarantine)
         ingested = ingest_listing(table, source_uri(str(source)), scope, retire, f"{self.root}/staging")
-        resized = resize_images(table, ingested, rules, f"{self.root}/staging/resized-{self.runs}", in_driver_up_to=in_driver_up_to)
+        resized = resize_images(
+            table, ingested, rules, f"{self.root}/staging/resized-{self.runs}", in_driver_up_to=in_driver_up_to
+        )
         written = write_images(table, resized, max_bad, max_retire)
         return ingested, resized, written
 
@@ -77,7 +85,9 @@ class Lake:
         return {Path(p).name: r for p, r, keep in zip(data["path"], data["reason"], held) if keep}
 
 
-def copy_digits(digits_dir: Path, target: Path, labels=("0", "1", "2", "3"), per_label: int = 10, skip: int = 0) -> None:
+def copy_digits(
+    digits_dir: Path, target: Path, labels=("0", "1", "2", "3"), per_label: int = 10, skip: int = 0
+) -> None:
     for label in labels:
         (target / label).mkdir(parents=True, exist_ok=True)
         for png in sorted((digits_dir / label).glob("*.png"))[skip : skip + per_label]:

@@ -42,10 +42,12 @@ class S3Server:
             "AWS_DEFAULT_REGION": "us-east-1",
         }
 
-    def start(self) -> "S3Server":
+    def start(self) -> S3Server:
         jar = test_jar(TEST_JARS[0])
         if jar is None:
-            raise RuntimeError(f"S3Proxy's jar ({TEST_JARS[0]}) is not installed: run `make install` (it fetches it with mvn)")
+            raise RuntimeError(
+                f"S3Proxy's jar ({TEST_JARS[0]}) is not installed: run `make install` (it fetches it with mvn)"
+            )
         java = ensure_java() / "bin" / "java"
         self.root.mkdir(parents=True, exist_ok=True)
         properties = self.root / "s3proxy.properties"
@@ -65,7 +67,9 @@ class S3Server:
         )
         self.process = subprocess.Popen(
             [str(java), "-Xmx1g", "-jar", str(jar), "--properties", str(properties)],
-            stdout=self.log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
+            stdout=self.log.open("w"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
@@ -87,7 +91,11 @@ class S3Server:
         import botocore.session
 
         client = botocore.session.get_session().create_client(
-            "s3", endpoint_url=self.endpoint, aws_access_key_id=self.key, aws_secret_access_key=self.secret, region_name="us-east-1"
+            "s3",
+            endpoint_url=self.endpoint,
+            aws_access_key_id=self.key,
+            aws_secret_access_key=self.secret,
+            region_name="us-east-1",
         )
         client.create_bucket(Bucket=name)
 
@@ -95,7 +103,9 @@ class S3Server:
         """An s3fs client for this server."""
         import s3fs
 
-        return s3fs.S3FileSystem(key=self.key, secret=self.secret, client_kwargs={"endpoint_url": self.endpoint, "region_name": "us-east-1"})
+        return s3fs.S3FileSystem(
+            key=self.key, secret=self.secret, client_kwargs={"endpoint_url": self.endpoint, "region_name": "us-east-1"}
+        )
 
 
 SLOW_DOWN = (

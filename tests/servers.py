@@ -1,4 +1,5 @@
-"""Real servers for tests: a `prefect server start` (SQLite) and process workers, on 127.0.0.1 only, stopped by the tests;
+"""Real servers for tests: a `prefect server start` (SQLite) and process workers, on 127.0.0.1 only, stopped by the
+tests;
 the requests the Prefect UI sends (also used by bench/load.py)."""
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ def wait_http(url: str, timeout: float, process: subprocess.Popen | None = None,
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process is not None and process.poll() is not None:
-            raise RuntimeError(f"{process.args[0]} exited {process.returncode} before {url} answered:\n{log.read_text()[-4000:] if log else ''}")
+            raise RuntimeError(
+                f"{process.args[0]} exited {process.returncode} before {url} answered:\n{log.read_text()[-4000:] if log else ''}"
+            )
         try:
             with urllib.request.urlopen(url, timeout=2) as response:
                 if response.status == 200:
@@ -80,25 +83,38 @@ class PrefectServer:
         env.update(extra or {})
         return env
 
-    def start(self, timeout: float = 120) -> "PrefectServer":
+    def start(self, timeout: float = 120) -> PrefectServer:
         self.root.mkdir(parents=True, exist_ok=True)
         env = self.env()
         env.pop("PREFECT_API_URL")  # the server itself must not think it is a client of another
         with self.log.open("w") as out:
             self.process = subprocess.Popen(
                 [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(self.port)],
-                env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
             )
         wait_http(f"{self.api_url}/health", timeout, self.process, self.log)
         return self
 
-    def prefect(self, *args: str, timeout: float = 300, extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    def prefect(
+        self, *args: str, timeout: float = 300, extra_env: dict[str, str] | None = None
+    ) -> subprocess.CompletedProcess:
         """Run a `prefect` CLI command against this server from the repository root; fail with its output."""
         done = subprocess.run(
-            [str(BIN / "prefect"), "--no-prompt", *args], cwd=REPO, env=self.env(extra_env), capture_output=True, text=True,
-            timeout=timeout, stdin=subprocess.DEVNULL,
+            [str(BIN / "prefect"), "--no-prompt", *args],
+            cwd=REPO,
+            env=self.env(extra_env),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            stdin=subprocess.DEVNULL,
         )
-        assert done.returncode == 0, f"prefect {' '.join(args)} exited {done.returncode}:\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
+        assert done.returncode == 0, (
+            f"prefect {' '.join(args)} exited {done.returncode}:\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
+        )
         return done
 
     def start_worker(self, pool: str, log: Path, extra_env: dict[str, str] | None = None) -> subprocess.Popen:
@@ -107,8 +123,12 @@ class PrefectServer:
         with log.open("w") as out:
             worker = subprocess.Popen(
                 [str(BIN / "prefect"), "worker", "start", "--pool", pool, "--type", "process"],
-                cwd=REPO, env=self.env({"IMAGELAKE_HOME": str(REPO), **(extra_env or {})}), stdout=out, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, start_new_session=True,
+                cwd=REPO,
+                env=self.env({"IMAGELAKE_HOME": str(REPO), **(extra_env or {})}),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
             )
         self.workers.append(worker)
         return worker
@@ -130,14 +150,33 @@ class MlflowServer:
         self.url = f"http://127.0.0.1:{self.port}"
         self.process: subprocess.Popen | None = None
 
-    def start(self) -> "MlflowServer":
+    def start(self) -> MlflowServer:
         self.root.mkdir(parents=True, exist_ok=True)
-        store = ["--artifacts-only"] if self.artifacts_only else ["--backend-store-uri", f"sqlite:///{self.root / 'mlflow.db'}"]
+        store = (
+            ["--artifacts-only"]
+            if self.artifacts_only
+            else ["--backend-store-uri", f"sqlite:///{self.root / 'mlflow.db'}"]
+        )
         log = self.root / "mlflow.log"
         self.process = subprocess.Popen(
-            [str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(self.port), "--workers", "1",
-             "--artifacts-destination", str(self.root / "artifacts"), *store],
-            stdout=log.open("a"), stderr=subprocess.STDOUT, start_new_session=True, env=cli_env(), cwd=self.root,
+            [
+                str(BIN / "mlflow"),
+                "server",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--workers",
+                "1",
+                "--artifacts-destination",
+                str(self.root / "artifacts"),
+                *store,
+            ],
+            stdout=log.open("a"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=cli_env(),
+            cwd=self.root,
         )
         wait_http(f"{self.url}/health", 120, self.process, log)
         return self
@@ -153,10 +192,21 @@ def custom_run_body(deployment: dict, parameters: dict, name: str) -> dict:
     return {
         "name": name,
         "work_queue_name": deployment["work_queue_name"],
-        "empirical_policy": {"resuming": False, "max_retries": 0, "retry_delay_seconds": 0, "retries": 0, "retry_delay": 0},
+        "empirical_policy": {
+            "resuming": False,
+            "max_retries": 0,
+            "retry_delay_seconds": 0,
+            "retries": 0,
+            "retry_delay": 0,
+        },
         "state": {
             "type": "SCHEDULED",
-            "state_details": {"pause_reschedule": False, "deferred": False, "untrackable_result": False, "scheduled_time": None},
+            "state_details": {
+                "pause_reschedule": False,
+                "deferred": False,
+                "untrackable_result": False,
+                "scheduled_time": None,
+            },
             "message": "",
         },
         "tags": [],

@@ -18,7 +18,9 @@ from tests.lake import LostMount, copy_digits
 pytestmark = pytest.mark.slow
 
 
-def test_backfill_plans_runs_each_date_and_does_no_work_twice(spark, prefect_api: str, digits_dir: Path, tmp_path: Path, monkeypatch) -> None:
+def test_backfill_plans_runs_each_date_and_does_no_work_twice(
+    spark, prefect_api: str, digits_dir: Path, tmp_path: Path, monkeypatch
+) -> None:
     source = tmp_path / "landing"
     copy_digits(digits_dir, source / "date=2024-03-01", labels=("0", "1", "2"), per_label=12)
     # Other images than the first date's: content already in the table is not added again under another path.
@@ -26,12 +28,25 @@ def test_backfill_plans_runs_each_date_and_does_no_work_twice(spark, prefect_api
     (source / "date=2024-03-03" / "0").mkdir(parents=True)
     for i in range(3):
         (source / "date=2024-03-03" / "0" / f"junk{i}.png").write_text("not an image")
-    overrides = {"workspace": str(tmp_path / "ws"), "image_size": 24, "max_epochs": 1, "num_workers": 1, "batch_size": 8, "model_name": "backfill"}
+    overrides = {
+        "workspace": str(tmp_path / "ws"),
+        "image_size": 24,
+        "max_epochs": 1,
+        "num_workers": 1,
+        "batch_size": 8,
+        "model_name": "backfill",
+    }
     # The local file system through a wrapper that can lose a folder (tests/lake.py:LostMount); nothing is lost yet.
-    span = dict(source=f"lostmount://{source}", start_date=date(2024, 3, 1), end_date=date(2024, 3, 5), overrides=overrides)
+    span = dict(
+        source=f"lostmount://{source}", start_date=date(2024, 3, 1), end_date=date(2024, 3, 5), overrides=overrides
+    )
 
     planned = backfill(**span, dry_run=True)
-    assert [(p["date"], p["status"]) for p in planned["plan"]] == [("2024-03-01", "missing"), ("2024-03-02", "missing"), ("2024-03-03", "missing")]
+    assert [(p["date"], p["status"]) for p in planned["plan"]] == [
+        ("2024-03-01", "missing"),
+        ("2024-03-02", "missing"),
+        ("2024-03-03", "missing"),
+    ]
     table = tmp_path / "ws" / "tables" / "images"
     assert not (table / "_delta_log").exists(), "a dry run writes nothing"
 
@@ -55,7 +70,10 @@ def test_backfill_plans_runs_each_date_and_does_no_work_twice(spark, prefect_api
     monkeypatch.setattr(LostMount, "lost", "date=2024-03-02/1")
     with pytest.raises(ListingIncomplete, match=r"could not list lostmount://.*date=2024-03-02/1 \(PermissionError"):
         backfill(**span)
-    assert DeltaTable(str(table)).version() == version and read_version(spark, str(table), version, "delta-rs").count() == 72
+    assert (
+        DeltaTable(str(table)).version() == version
+        and read_version(spark, str(table), version, "delta-rs").count() == 72
+    )
     assert len(client.search_model_versions("name='backfill'")) == 1
 
 
@@ -76,13 +94,28 @@ def test_the_cli_plans_a_backfill_and_refuses_a_reversed_range(digits_dir: Path,
     copy_digits(digits_dir, source / "date=2024-03-01", labels=("0", "1"), per_label=4)
     copy_digits(digits_dir, source / "date=2024-03-03", labels=("0", "1"), per_label=4)
     command = [str(BIN / "imagelake"), "backfill", "--source", str(source), "--set", f"workspace={tmp_path / 'ws'}"]
-    done = subprocess.run([*command, "2024-03-01", "2024-03-04", "--dry-run", "--json"], cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [*command, "2024-03-01", "2024-03-04", "--dry-run", "--json"],
+        cwd=REPO,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    assert result["dry_run"] and [(p["date"], p["status"], p["files"]) for p in result["plan"]] == [("2024-03-01", "missing", 8), ("2024-03-03", "missing", 8)]
+    assert result["dry_run"] and [(p["date"], p["status"], p["files"]) for p in result["plan"]] == [
+        ("2024-03-01", "missing", 8),
+        ("2024-03-03", "missing", 8),
+    ]
     assert "2024-03-03  missing" in done.stdout
     assert not (tmp_path / "ws" / "tables" / "images").exists(), "a dry run writes nothing"
-    reversed_range = subprocess.run([*command, "2024-03-04", "2024-03-01"], cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=600)
-    assert reversed_range.returncode == 2 and "start_date 2024-03-04 is after end_date 2024-03-01: swap them" in reversed_range.stderr
+    reversed_range = subprocess.run(
+        [*command, "2024-03-04", "2024-03-01"], cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=600
+    )
+    assert (
+        reversed_range.returncode == 2
+        and "start_date 2024-03-04 is after end_date 2024-03-01: swap them" in reversed_range.stderr
+    )
     version = subprocess.run([str(BIN / "imagelake"), "--version"], capture_output=True, text=True, timeout=60)
     assert version.returncode == 0 and version.stdout.startswith("imagelake ")

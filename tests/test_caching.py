@@ -31,8 +31,16 @@ def test_explain_names_what_changed() -> None:
 def test_store_uris_enter_the_key_as_digests_only() -> None:
     settings = load_settings(overrides={"mlflow_tracking_uri": "postgresql://ml-pipeline@db.internal/mlflow"})
     parts = key_parts(pipeline.fn, {"settings": settings}, ("tracking_uri", "image_size"))
-    assert "ml-pipeline" not in str(parts) and "db.internal" not in str(parts) and parts["setting tracking_uri"].startswith("digest ")
-    other = key_parts(pipeline.fn, {"settings": load_settings(overrides={"mlflow_tracking_uri": "postgresql://ml-pipeline@db2.internal/mlflow"})}, ("tracking_uri",))
+    assert (
+        "ml-pipeline" not in str(parts)
+        and "db.internal" not in str(parts)
+        and parts["setting tracking_uri"].startswith("digest ")
+    )
+    other = key_parts(
+        pipeline.fn,
+        {"settings": load_settings(overrides={"mlflow_tracking_uri": "postgresql://ml-pipeline@db2.internal/mlflow"})},
+        ("tracking_uri",),
+    )
     assert other["setting tracking_uri"] != parts["setting tracking_uri"], "a new store is still a miss"
 
 
@@ -60,9 +68,17 @@ def test_every_stage_s_code_key_reads_its_modules_imported_or_not(monkeypatch: p
 
 def test_cache_report_says_hit_or_miss_and_why() -> None:
     states = {"ingest": "Cached", "resize": "Completed", "write": "Completed", "summarize": "Running"}
-    reasons = {"ingest": "same code, inputs and settings as the last run", "resize": "table version changed None -> 0", "write": "same code, inputs and settings as the last run"}
+    reasons = {
+        "ingest": "same code, inputs and settings as the last run",
+        "resize": "table version changed None -> 0",
+        "write": "same code, inputs and settings as the last run",
+    }
     report = cache_report(states, reasons)
-    assert [(row["stage"], row["cache"]) for row in report] == [("ingest", "hit"), ("resize", "miss"), ("write", "miss")]
+    assert [(row["stage"], row["cache"]) for row in report] == [
+        ("ingest", "hit"),
+        ("resize", "miss"),
+        ("write", "miss"),
+    ]
     assert report[1]["why"] == "table version changed None -> 0"
     assert "left no result" in report[2]["why"]
 
@@ -102,24 +118,34 @@ def run(source: Path, overrides: dict, **kwargs) -> tuple[dict, dict[str, str]]:
 
 def asked_for_spark_since(before: dict[str, int]) -> dict[str, int]:
     """The stages that asked for the process's SparkSession since BEFORE (`spark_asks()`), with how often. The test
-    process shares one session, so a stage that asks gets it at once: what a run's own process would start is the asking."""
+    process shares one session, so a stage that asks gets it at once: what a run's own process would start is the
+    asking."""
     return {stage: n - before.get(stage, 0) for stage, n in spark_asks().items() if n > before.get(stage, 0)}
 
 
 @pytest.mark.slow
-def test_same_data_hits_new_file_reruns_from_ingest_new_size_from_resize(prefect_api: str, digits_dir: Path, tmp_path: Path) -> None:
+def test_same_data_hits_new_file_reruns_from_ingest_new_size_from_resize(
+    prefect_api: str, digits_dir: Path, tmp_path: Path
+) -> None:
     source = tmp_path / "src"
     copy_digits(digits_dir, source, labels=("0", "1", "2", "3", "4"), per_label=12)
     results = tmp_path / "results"
     overrides = {
-        "workspace": str(tmp_path / "ws"), "results_root": str(results), "image_size": 16, "max_epochs": 1, "num_workers": 1,
-        "batch_size": 16, "model_name": "digits-cache",
+        "workspace": str(tmp_path / "ws"),
+        "results_root": str(results),
+        "image_size": 16,
+        "max_epochs": 1,
+        "num_workers": 1,
+        "batch_size": 16,
+        "model_name": "digits-cache",
     }
 
     first, missed = run(source, overrides)
     assert sorted(missed) == sorted(ALL) and first["cache_hits"] == []
     assert all(why == "no earlier run of this stage in these results" for why in missed.values())
-    assert (results / "cache-keys" / "train.json").is_file() and len(list(results.iterdir())) > len(ALL), "results persist where configured"
+    assert (results / "cache-keys" / "train.json").is_file() and len(list(results.iterdir())) > len(ALL), (
+        "results persist where configured"
+    )
 
     # The run that follows a first write: the listing is the same, but the table moved to v0, so resize checks again
     # (decoding nothing); everything downstream of the unchanged table version is served from the cache.
@@ -130,7 +156,11 @@ def test_same_data_hits_new_file_reruns_from_ingest_new_size_from_resize(prefect
     # run in a process of its own (a scheduled run) starts none.
     assert asked_for_spark_since(asked) == {}
     assert missed["resize"] == "table version changed None -> 0"
-    assert (second["files_decoded"], second["delta_version"], second["model_version"]) == (0, first["delta_version"], first["model_version"])
+    assert (second["files_decoded"], second["delta_version"], second["model_version"]) == (
+        0,
+        first["delta_version"],
+        first["model_version"],
+    )
 
     # Same data again, with a setting that changes no stage's output: every stage is a hit.
     third, missed = run(source, {**overrides, "spark_log_level": "WARN"})
@@ -140,7 +170,10 @@ def test_same_data_hits_new_file_reruns_from_ingest_new_size_from_resize(prefect
     # A part file of the cached train split cut short, then one deleted (a cleaned disk): the cache stage's result is
     # no result, the report says why, and the split is written again whole; training never sees the partial split.
     damaged = third
-    for damage, why in ((cut_short, r"the cached train split .* holds \d+ rows where its table version has \d+"), (Path.unlink, r"needs file://.*\.parquet, which is gone")):
+    for damage, why in (
+        (cut_short, r"the cached train split .* holds \d+ rows where its table version has \d+"),
+        (Path.unlink, r"needs file://.*\.parquet, which is gone"),
+    ):
         damage(part_files(damaged, "train")[0])
         damaged, missed = run(source, overrides)
         assert re.search(f"cached result changed .* -> {why}", missed["cache"]), damaged["cache"]
@@ -162,13 +195,20 @@ def test_same_data_hits_new_file_reruns_from_ingest_new_size_from_resize(prefect
     assert "setting image_size changed 16 -> 20" in missed["resize"]
     assert fifth["files_decoded"] == fourth["rows"]
     # The gate compared the 20 px candidate with the 16 px champion on the test rows decoded again at 16 px.
-    assert re.search(r"(beats|does not beat) champion \d\.\d{4}", fifth["promotion_decision"]), fifth["promotion_decision"]
+    assert re.search(r"(beats|does not beat) champion \d\.\d{4}", fifth["promotion_decision"]), fifth[
+        "promotion_decision"
+    ]
 
     # refresh: every stage recomputes though the cache holds all of them.
     sixth, missed = run(source, {**overrides, "image_size": 20}, refresh=True)
-    assert sixth["cache_hits"] == [] and set(missed.values()) == {"refresh requested: recomputed whatever the cache holds"}
+    assert sixth["cache_hits"] == [] and set(missed.values()) == {
+        "refresh requested: recomputed whatever the cache holds"
+    }
     # Training really ran again, from scratch: a new Ray run and MLflow run, not a resume of the cached one.
-    assert sixth["mlflow_run_id"] != fifth["mlflow_run_id"] and Path(sixth["checkpoint"]).parent.parent != Path(fifth["checkpoint"]).parent.parent
+    assert (
+        sixth["mlflow_run_id"] != fifth["mlflow_run_id"]
+        and Path(sixth["checkpoint"]).parent.parent != Path(fifth["checkpoint"]).parent.parent
+    )
 
     # Batch scoring with the champion these runs registered (`imagelake score`'s flow): the alias resolved at each run,
     # the score stage a hit while the source has not changed, a miss that answers only a new file, and a miss again
@@ -184,12 +224,20 @@ def test_same_data_hits_new_file_reruns_from_ingest_new_size_from_resize(prefect
         return state.result(), outcomes["score"]
 
     scored, outcome = score(landing)
-    assert scored["model"].startswith("digits-cache/") and (scored["answered"], scored["cached"], outcome) == (6, False, "Completed")
+    assert scored["model"].startswith("digits-cache/") and (scored["answered"], scored["cached"], outcome) == (
+        6,
+        False,
+        "Completed",
+    )
     again, outcome = score(landing)
     assert (again["answered"], again["predictions_version"], again["cached"], outcome) == (0, None, True, "Cached")
     shutil.copy(sorted((digits_dir / "9").glob("*.png"))[0], landing / "new.png")
     grown, outcome = score(landing)
-    assert (grown["answered"], grown["predictions_version"], outcome) == (1, scored["predictions_version"] + 1, "Completed")
+    assert (grown["answered"], grown["predictions_version"], outcome) == (
+        1,
+        scored["predictions_version"] + 1,
+        "Completed",
+    )
     shutil.rmtree(grown["predictions_uri"])
     anew, outcome = score(landing)
     assert (anew["answered"], outcome) == (7, "Completed")

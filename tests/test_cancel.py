@@ -34,7 +34,13 @@ from prefect.client.schemas.objects import FlowRun, StateType
 from prefect.settings import PREFECT_API_URL, temporary_settings
 from prefect.states import State
 
-from infra.lifecycle import CRASH_AUTOMATION, HEARTBEAT_SECONDS, MISSED_HEARTBEATS, ensure_crash_detection, processes_with
+from infra.lifecycle import (
+    CRASH_AUTOMATION,
+    HEARTBEAT_SECONDS,
+    MISSED_HEARTBEATS,
+    ensure_crash_detection,
+    processes_with,
+)
 from tests.servers import WORKER_GRACE, PrefectServer, stop_group
 
 pytestmark = [pytest.mark.slow, pytest.mark.alone, pytest.mark.xdist_group("alone-cancel")]
@@ -94,7 +100,10 @@ class Worker:
 
 def _is_hook_runner(process: psutil.Process) -> bool:
     try:
-        return any(part.endswith("_workspace_runtime_bootstrap.py") for part in process.cmdline()) and "hook" in process.cmdline()
+        return (
+            any(part.endswith("_workspace_runtime_bootstrap.py") for part in process.cmdline())
+            and "hook" in process.cmdline()
+        )
     except psutil.Error:
         return False
 
@@ -112,19 +121,27 @@ class Deployed:
         marker = uuid.uuid4().hex
         workspace = workspace or self.root / f"ws-{name}"
         log = self.root / f"worker-{name}-{marker[:6]}.log"
-        env = {"IMAGELAKE_WORKSPACE": str(workspace), MARKER: marker, "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": str(HEARTBEAT_SECONDS)}
+        env = {
+            "IMAGELAKE_WORKSPACE": str(workspace),
+            MARKER: marker,
+            "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": str(HEARTBEAT_SECONDS),
+        }
         env["IMAGELAKE_DECODE_IN_DRIVER_UP_TO"] = "0"  # resize on Spark's Python workers, which the tests watch for
         return Worker(self.server.start_worker(POOL, log, env), marker, workspace, log)
 
     def submit(self, **params: object) -> FlowRun:
         deployment = self.client.read_deployment_by_name("imagelake-adhoc/adhoc")
-        return self.client.create_flow_run_from_deployment(deployment.id, parameters={"params": {"source": str(self.source), **params}})
+        return self.client.create_flow_run_from_deployment(
+            deployment.id, parameters={"params": {"source": str(self.source), **params}}
+        )
 
     def state(self, flow_run_id: uuid.UUID) -> State:
         return self.client.read_flow_run(flow_run_id).state
 
     def subflow(self, flow_run_id: uuid.UUID) -> FlowRun | None:
-        runs = self.client.read_flow_runs(flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[flow_run_id])))
+        runs = self.client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[flow_run_id]))
+        )
         return runs[0] if runs else None
 
     def task_states(self, flow_run_id: uuid.UUID) -> dict[str, str]:
@@ -139,14 +156,19 @@ class Deployed:
         """The items of the pipeline's run-summary artifact (a markdown table)."""
         subflow = self.subflow(flow_run_id)
         found = self.client.read_artifacts(
-            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["imagelake-run-summary"]), flow_run_id=ArtifactFilterFlowRunId(any_=[subflow.id]))
+            artifact_filter=ArtifactFilter(
+                key=ArtifactFilterKey(any_=["imagelake-run-summary"]),
+                flow_run_id=ArtifactFilterFlowRunId(any_=[subflow.id]),
+            )
         )
         assert len(found) == 1, found
         return dict(re.findall(r"^\| (\w+) \| (.*?) \|$", found[0].data, flags=re.MULTILINE))
 
     def wait_final(self, flow_run_id: uuid.UUID, timeout: float, worker: Worker | None = None) -> State:
         try:
-            return wait_for("a final state", lambda: (s := self.state(flow_run_id)).is_final() and s, timeout, interval=1)
+            return wait_for(
+                "a final state", lambda: (s := self.state(flow_run_id)).is_final() and s, timeout, interval=1
+            )
         except AssertionError as exc:
             raise AssertionError(f"{exc}; now {self.state(flow_run_id)!r}\n{_tail(worker)}") from None
 
@@ -212,7 +234,9 @@ def _cmdline(process: psutil.Process) -> list[str]:
 
 
 @pytest.mark.parametrize("stage", ["resize", "train"])
-def test_a_cancel_stops_spark_and_ray_within_30_s_and_the_run_ends_cancelled(deployed: Deployed, workers: list[Worker], stage: str) -> None:
+def test_a_cancel_stops_spark_and_ray_within_30_s_and_the_run_ends_cancelled(
+    deployed: Deployed, workers: list[Worker], stage: str
+) -> None:
     worker = deployed.start_worker(f"cancel-{stage}")
     workers.append(worker)
     flow_run = deployed.submit(**LONG_RUN)
@@ -235,18 +259,24 @@ def test_a_cancel_stops_spark_and_ray_within_30_s_and_the_run_ends_cancelled(dep
 
     final = deployed.wait_final(flow_run.id, timeout=90, worker=worker)
     cancelled_after = time.monotonic() - started
-    print(f"\ncancel during {stage}: {len(before)} processes gone after {stopped_after:.1f} s, run {final.name} after {cancelled_after:.1f} s")
+    print(
+        f"\ncancel during {stage}: {len(before)} processes gone after {stopped_after:.1f} s, run {final.name} after {cancelled_after:.1f} s"
+    )
     assert final.is_cancelled(), f"{final!r}\n{_tail(worker)}"
     assert not worker.run_processes(), describe(worker.run_processes())
     # The pipeline subflow: cancelled in-process during Spark work, by the server's cleanup after a cancel during Ray's.
     subflow = deployed.subflow(flow_run.id)
-    sub_state = wait_for("the subflow cancelled", lambda: (s := deployed.state(subflow.id)).is_final() and s, timeout=90, interval=1)
+    sub_state = wait_for(
+        "the subflow cancelled", lambda: (s := deployed.state(subflow.id)).is_final() and s, timeout=90, interval=1
+    )
     print(f"subflow {sub_state.name} after {time.monotonic() - started:.1f} s")
     assert sub_state.is_cancelled(), repr(sub_state)
     assert worker.process.poll() is None, "the worker itself keeps running"
 
 
-def test_a_run_whose_worker_is_killed_ends_crashed_and_a_rerun_resumes_from_the_cached_stages(deployed: Deployed, workers: list[Worker]) -> None:
+def test_a_run_whose_worker_is_killed_ends_crashed_and_a_rerun_resumes_from_the_cached_stages(
+    deployed: Deployed, workers: list[Worker]
+) -> None:
     params = {"image_size": 32, "max_epochs": 6, "batch_size": 16}
     worker = deployed.start_worker("killed")
     workers.append(worker)
@@ -254,7 +284,13 @@ def test_a_run_whose_worker_is_killed_ends_crashed_and_a_rerun_resumes_from_the_
     wait_until_stage_runs(deployed, worker, flow_run, "train")
     ray_results = worker.workspace / "ray_results"
     # Registered by Ray Train (its snapshot names it), not just a folder being written: only that one is resumed from.
-    wait_for("a first checkpoint", lambda: list(ray_results.glob("*/checkpoint_*")) and list(ray_results.glob("*/checkpoint_manager_snapshot.json")), timeout=120)
+    wait_for(
+        "a first checkpoint",
+        lambda: (
+            list(ray_results.glob("*/checkpoint_*")) and list(ray_results.glob("*/checkpoint_manager_snapshot.json"))
+        ),
+        timeout=120,
+    )
     engine = [p for p in worker.run_processes() if "prefect.engine" in _cmdline(p)]
     assert engine, describe(worker.run_processes())
 
@@ -264,7 +300,9 @@ def test_a_run_whose_worker_is_killed_ends_crashed_and_a_rerun_resumes_from_the_
     final = deployed.wait_final(flow_run.id, timeout=60, worker=worker)
     crashed_after = time.monotonic() - started
     wait_for("the run's processes gone", lambda: not marked(worker.marker), timeout=STOP_BOUND)
-    print(f"\nworker killed: run {final.name} ({final.message}) after {crashed_after:.1f} s; processes gone after {time.monotonic() - started:.1f} s")
+    print(
+        f"\nworker killed: run {final.name} ({final.message}) after {crashed_after:.1f} s; processes gone after {time.monotonic() - started:.1f} s"
+    )
     assert final.is_crashed(), repr(final)
 
     again = deployed.start_worker("rerun", workspace=worker.workspace)
@@ -288,27 +326,39 @@ def test_a_run_whose_worker_is_killed_ends_crashed_and_a_rerun_resumes_from_the_
     store = f"sqlite:///{worker.workspace / 'mlflow.db'}"
     tracking = MlflowClient(store, store)
     trainings = tracking.search_runs([e.experiment_id for e in tracking.search_experiments()])
-    assert [run.info.run_id for run in trainings] == [summary["mlflow_run_id"]], "one MLflow run: the killed training, resumed"
+    assert [run.info.run_id for run in trainings] == [summary["mlflow_run_id"]], (
+        "one MLflow run: the killed training, resumed"
+    )
 
 
-def test_a_run_whose_worker_and_process_vanish_is_marked_crashed_by_the_heartbeat_automation(deployed: Deployed, workers: list[Worker]) -> None:
+def test_a_run_whose_worker_and_process_vanish_is_marked_crashed_by_the_heartbeat_automation(
+    deployed: Deployed, workers: list[Worker]
+) -> None:
     worker = deployed.start_worker("vanished")
     workers.append(worker)
     flow_run = deployed.submit(**LONG_RUN)
     wait_until_stage_runs(deployed, worker, flow_run, "resize")
     engine = [p for p in worker.run_processes() if "prefect.engine" in _cmdline(p)]
     assert len(engine) == 1, describe(worker.run_processes())
-    assert engine[0].environ().get("PREFECT_FLOWS_HEARTBEAT_FREQUENCY") == str(HEARTBEAT_SECONDS), "the run beats as often as the automation expects"
+    assert engine[0].environ().get("PREFECT_FLOWS_HEARTBEAT_FREQUENCY") == str(HEARTBEAT_SECONDS), (
+        "the run beats as often as the automation expects"
+    )
 
     started = time.monotonic()
     os.killpg(worker.process.pid, signal.SIGKILL)
     engine[0].kill()  # as if the machine went: nothing is left to report the run's end
     worker.process.wait(10)
-    wait_for("Spark's JVM and daemons gone with the flow-run process", lambda: not marked(worker.marker), timeout=STOP_BOUND)
+    wait_for(
+        "Spark's JVM and daemons gone with the flow-run process", lambda: not marked(worker.marker), timeout=STOP_BOUND
+    )
     gone_after = time.monotonic() - started
-    bound = HEARTBEAT_SECONDS * (MISSED_HEARTBEATS + 1) + 30  # the last beat may be a period old, and the trigger is checked every few s
+    bound = (
+        HEARTBEAT_SECONDS * (MISSED_HEARTBEATS + 1) + 30
+    )  # the last beat may be a period old, and the trigger is checked every few s
     final = deployed.wait_final(flow_run.id, timeout=bound)
-    print(f"\nworker and flow-run process killed: processes gone after {gone_after:.1f} s, run {final.name} after {time.monotonic() - started:.1f} s")
+    print(
+        f"\nworker and flow-run process killed: processes gone after {gone_after:.1f} s, run {final.name} after {time.monotonic() - started:.1f} s"
+    )
     assert final.is_crashed(), repr(final)
     assert "heartbeat" in (final.message or ""), final.message
 

@@ -13,12 +13,21 @@ import pyarrow.parquet as pq
 import pytest
 
 from tasks.cache import cache_splits
-from tasks.cards import confusion_matrix, dataset_card, dataset_card_markdown, metric_keys, model_card, per_class_metrics, per_class_table, sample_grid
+from tasks.cards import (
+    confusion_matrix,
+    dataset_card,
+    dataset_card_markdown,
+    metric_keys,
+    model_card,
+    per_class_metrics,
+    per_class_table,
+    sample_grid,
+)
+from tasks.progress import Every, rate_line
+from tasks.resize_executor import PROGRESS_FOLDER, files_done
+from tasks.split import plan_splits
 from tasks.worker.loader import label_samples, split_files
 from tasks.worker.model import warmup_cosine
-from tasks.progress import Every, rate_line
-from tasks.split import plan_splits
-from tasks.resize_executor import PROGRESS_FOLDER, files_done
 from tests.lake import Lake, copy_digits
 
 
@@ -41,7 +50,15 @@ def test_per_class_metrics_add_up_to_the_confusion_matrix(seed: int) -> None:
 
 def test_per_class_metrics_of_a_class_never_seen_or_predicted_are_zero_not_errors() -> None:
     rows = per_class_metrics(np.array([[3, 0, 0], [1, 2, 0], [0, 0, 0]]), ["x", "y", "z"])
-    assert rows[2] == {"label": "z", "precision": 0.0, "recall": 0.0, "f1": 0.0, "support": 0, "predicted": 0, "correct": 0}
+    assert rows[2] == {
+        "label": "z",
+        "precision": 0.0,
+        "recall": 0.0,
+        "f1": 0.0,
+        "support": 0,
+        "predicted": 0,
+        "correct": 0,
+    }
     with pytest.raises(ValueError, match="does not fit 2 class names"):
         per_class_metrics(np.zeros((3, 3), dtype=int), ["x", "y"])
     keys = metric_keys(["cat/dog:1 (b)", "chat noir", "chat:noir", "chat?noir", "x" * 300, "Straße"])
@@ -53,7 +70,7 @@ def test_label_text_reaches_the_cards_markdown_escaped() -> None:
     """A label is any folder name: in a card's tables it stays one cell, and it opens no HTML, link or emphasis."""
     from tasks.summary import summary_markdown
 
-    label = 'a|b <img src=x onerror=alert(1)> *x* [y](z)\nnext'
+    label = "a|b <img src=x onerror=alert(1)> *x* [y](z)\nnext"
     per_class = per_class_table([{"label": label, "precision": 1.0, "recall": 1.0, "f1": 1.0, "support": 3}])
     card = dataset_card_markdown(dataset_card("t", 0, 8, {"train": {label: 2}, "val": {label: 1}}, {}))
     summary = summary_markdown({"mlflow_run_id": "r", "labels": [label]}, "link")
@@ -65,7 +82,9 @@ def test_label_text_reaches_the_cards_markdown_escaped() -> None:
 
 
 def test_dataset_card_counts_and_markdown() -> None:
-    card = dataset_card("/t/images", 3, 32, {"train": {"a": 8, "b": 4}, "val": {"a": 1}, "test": {"b": 2}}, {"not_an_image": 2})
+    card = dataset_card(
+        "/t/images", 3, 32, {"train": {"a": 8, "b": 4}, "val": {"a": 1}, "test": {"b": 2}}, {"not_an_image": 2}
+    )
     assert card["images_per_label"] == {"train": {"a": 8, "b": 4}, "val": {"a": 1, "b": 0}, "test": {"a": 0, "b": 2}}
     assert card["images_per_split"] == {"train": 12, "val": 1, "test": 2} and card["imbalance"] == round(9 / 6, 3)
     text = dataset_card_markdown(card, "http://mlflow/samples.png")
@@ -80,9 +99,25 @@ def test_the_sample_grid_of_many_labels_shows_the_first_forty() -> None:
 
 def test_model_card_names_data_settings_metrics_and_decision() -> None:
     rows = per_class_metrics(np.array([[5, 1], [0, 4]]), ["cat", "dog"])
-    data = {"table": "/t/images", "version": 7, "image_size": 64, "counts": {"train": 80, "val": 10, "test": 10}, "labels": ["cat", "dog"]}
-    card = model_card("m", "3", data, {"max_epochs": "8", "seed": "42"}, {"accuracy": 0.9}, rows, "no champion yet", "champion")
-    for expected in ("# m v3", "version 7", '"test": 10', "| max_epochs | 8 |", "| accuracy | 0.9000 |", "| cat | 1.000 | 0.833 |", "**champion**: no champion yet"):
+    data = {
+        "table": "/t/images",
+        "version": 7,
+        "image_size": 64,
+        "counts": {"train": 80, "val": 10, "test": 10},
+        "labels": ["cat", "dog"],
+    }
+    card = model_card(
+        "m", "3", data, {"max_epochs": "8", "seed": "42"}, {"accuracy": 0.9}, rows, "no champion yet", "champion"
+    )
+    for expected in (
+        "# m v3",
+        "version 7",
+        '"test": 10',
+        "| max_epochs | 8 |",
+        "| accuracy | 0.9000 |",
+        "| cat | 1.000 | 0.833 |",
+        "**champion**: no champion yet",
+    ):
         assert expected in card
 
 
@@ -110,16 +145,24 @@ def test_progress_reports_while_the_block_runs_and_never_after(tmp_path: Path) -
     assert rate_line("resize", 42, 84, 2.0, "files") == "resize: 42 of 84 files (50%), 21 files/s"
 
 
-def test_the_dataset_card_counts_match_the_table_and_the_samples_are_its_pixels(spark, lake: Lake, digits_dir: Path, tmp_path: Path, settings) -> None:
+def test_the_dataset_card_counts_match_the_table_and_the_samples_are_its_pixels(
+    spark, lake: Lake, digits_dir: Path, tmp_path: Path, settings
+) -> None:
     copy_digits(digits_dir, tmp_path / "src", labels=("0", "1", "2"), per_label=12)
     _, _, written = lake.run(tmp_path / "src")
-    plan = plan_splits(spark, written, settings.model_copy(update={"image_size": 24, "val_fraction": 0.2, "test_fraction": 0.2}))
+    plan = plan_splits(
+        spark, written, settings.model_copy(update={"image_size": 24, "val_fraction": 0.2, "test_fraction": 0.2})
+    )
     cached = cache_splits(spark, plan, 24, str(tmp_path / "cache"))
     card = dataset_card(cached.table_uri, cached.table_version, 24, cached.label_counts, cached.quarantined)
     for split, uri in cached.splits.items():
         labels = pq.read_table(split_files(uri)[1], columns=["label"]).column("label").to_numpy()
-        assert card["images_per_label"][split] == {name: int((labels == i).sum()) for i, name in enumerate(cached.labels)}
+        assert card["images_per_label"][split] == {
+            name: int((labels == i).sum()) for i, name in enumerate(cached.labels)
+        }
     assert sum(card["images_per_split"].values()) == len(lake.rows()) == 36
     samples = label_samples(cached.splits["train"], 24, cached.labels, per_label=3)
-    assert set(samples) == {"0", "1", "2"} and all(s.shape[1:] == (24, 24, 3) and 1 <= len(s) <= 3 for s in samples.values())
+    assert set(samples) == {"0", "1", "2"} and all(
+        s.shape[1:] == (24, 24, 3) and 1 <= len(s) <= 3 for s in samples.values()
+    )
     assert sample_grid(samples).get_axes(), "a figure with the grid"

@@ -15,9 +15,9 @@ from pathlib import Path
 import fsspec
 import numpy as np
 import pyarrow as pa
+import pytest
 from deltalake import write_deltalake
 from PIL import Image
-import pytest
 
 from infra.delta import Table
 from tasks.ingest import list_source
@@ -35,7 +35,9 @@ def noise_png(seed: int, side: int = 20) -> bytes:
     return fsspec.filesystem("memory").cat(f"/noise-{seed}.png")
 
 
-def test_a_local_file_rewritten_with_the_same_size_and_mtime_is_replaced(lake: Lake, digits_dir: Path, tmp_path: Path) -> None:
+def test_a_local_file_rewritten_with_the_same_size_and_mtime_is_replaced(
+    lake: Lake, digits_dir: Path, tmp_path: Path
+) -> None:
     source = tmp_path / "src"
     copy_digits(digits_dir, source, labels=("0", "1"), per_label=5)
     first, second = noise_png(1), noise_png(2)
@@ -97,7 +99,9 @@ def test_a_store_without_stamps_is_diffed_on_content_hashes() -> None:
 
 
 @pytest.mark.both_engines
-def test_a_table_from_before_stamps_gains_the_column_without_reading_everything_again(spark, digits_dir: Path, tmp_path: Path, engine: str) -> None:
+def test_a_table_from_before_stamps_gains_the_column_without_reading_everything_again(
+    spark, digits_dir: Path, tmp_path: Path, engine: str
+) -> None:
     source = tmp_path / "src"
     copy_digits(digits_dir, source, labels=("0", "1"), per_label=5)
     built = Lake(spark, tmp_path / "built", engine)
@@ -116,5 +120,8 @@ def test_a_table_from_before_stamps_gains_the_column_without_reading_everything_
     table = Table(old.table, spark, engine)
     assert "stamp" in table.columns()
     stamps = dict(zip(*table.read(["path", "stamp"]).to_pydict().values()))
-    assert stamps[f"file://{changed}"].startswith("ctime:") and stamps[f"file://{source}/0/{sorted(os.listdir(source / '0'))[0]}"] is None
+    assert (
+        stamps[f"file://{changed}"].startswith("ctime:")
+        and stamps[f"file://{source}/0/{sorted(os.listdir(source / '0'))[0]}"] is None
+    )
     assert len(old.rows()) == 11 and old.run(source)[0].candidates == 0

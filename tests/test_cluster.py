@@ -47,7 +47,9 @@ class ClusterRun:
 
     def mlflow(self, path: str, **query: str) -> dict:
         params = "&".join(f"{key}={quote(str(value))}" for key, value in query.items())
-        return local_cluster.http_json(f"{self.cluster.mlflow_url}/api/2.0/mlflow/{path}?{params}", auth=self.mlflow_auth)
+        return local_cluster.http_json(
+            f"{self.cluster.mlflow_url}/api/2.0/mlflow/{path}?{params}", auth=self.mlflow_auth
+        )
 
     def prefect(self) -> httpx.Client:
         user, token = self.credentials["PREFECT_API_AUTH_STRING"].split(":", 1)
@@ -59,7 +61,11 @@ class ClusterRun:
 
     @property
     def secrets(self) -> list[str]:
-        return [self.credentials["MLFLOW_TRACKING_PASSWORD"], self.credentials["PREFECT_API_AUTH_STRING"].split(":", 1)[1], self.database_password]
+        return [
+            self.credentials["MLFLOW_TRACKING_PASSWORD"],
+            self.credentials["PREFECT_API_AUTH_STRING"].split(":", 1)[1],
+            self.database_password,
+        ]
 
 
 @pytest.fixture(scope="module")
@@ -73,9 +79,29 @@ def cluster_run(tmp_path_factory: pytest.TempPathFactory, digits_dir: Path):
     try:
         env = cli_env(started.client_env())
         done = subprocess.run(
-            [str(BIN / "imagelake"), "run", "--config", str(REPO / "infra" / "clusters" / "local.yaml"), "--source", str(digits_dir),
-             "--set", f"workspace={workspace}", "--set", "image_size=16", "--set", "max_epochs=2", "--set", "batch_size=16", "--json"],
-            cwd=REPO, env=env, capture_output=True, text=True, timeout=900, stdin=subprocess.DEVNULL,
+            [
+                str(BIN / "imagelake"),
+                "run",
+                "--config",
+                str(REPO / "infra" / "clusters" / "local.yaml"),
+                "--source",
+                str(digits_dir),
+                "--set",
+                f"workspace={workspace}",
+                "--set",
+                "image_size=16",
+                "--set",
+                "max_epochs=2",
+                "--set",
+                "batch_size=16",
+                "--json",
+            ],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=900,
+            stdin=subprocess.DEVNULL,
         )
         output = done.stdout + done.stderr
         assert done.returncode == 0, f"imagelake run on the cluster exited {done.returncode}:\n{output[-6000:]}"
@@ -96,10 +122,20 @@ def test_every_part_of_the_cluster_listens_on_loopback_only(cluster_run: Cluster
             sockets = process.net_connections(kind="inet")
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
-        listening += [(process.name(), sock.laddr.ip, sock.laddr.port) for sock in sockets if sock.status == psutil.CONN_LISTEN]
+        listening += [
+            (process.name(), sock.laddr.ip, sock.laddr.port) for sock in sockets if sock.status == psutil.CONN_LISTEN
+        ]
     ports = {port for _, _, port in listening}
     ours = cluster_run.cluster.ports
-    assert {ours.spark, ours.spark_ui, *ours.spark_workers_ui, ours.ray, ours.mlflow, ours.prefect, ours.postgres} <= ports, listening
+    assert {
+        ours.spark,
+        ours.spark_ui,
+        *ours.spark_workers_ui,
+        ours.ray,
+        ours.mlflow,
+        ours.prefect,
+        ours.postgres,
+    } <= ports, listening
     exposed = [entry for entry in listening if entry[1] not in LOOPBACK]
     assert not exposed, f"listening beyond loopback: {exposed}"
 
@@ -111,11 +147,15 @@ def test_the_spark_stages_ran_as_an_application_of_the_standalone_master(cluster
     apps = {app["id"]: app for app in master["activeapps"] + master["completedapps"]}
     assert application["id"] in apps, f"{application['id']} not among {list(apps)}"
     assert apps[application["id"]]["name"] == "imagelake"
-    assert cluster_run.summary["delta_engine"] == "spark", "the cluster reads and merges with Spark's Delta (infra/clusters/local.yaml)"
+    assert cluster_run.summary["delta_engine"] == "spark", (
+        "the cluster reads and merges with Spark's Delta (infra/clusters/local.yaml)"
+    )
     # Both workers launched executors for it: each keeps a work folder per application.
     for number in (1, 2):
         work = Path(cluster_run.cluster.root) / f"spark-worker-{number}"
-        assert (work / application["id"]).is_dir(), f"worker {number} ran no executor of {application['id']}: {list(work.iterdir())}"
+        assert (work / application["id"]).is_dir(), (
+            f"worker {number} ran no executor of {application['id']}: {list(work.iterdir())}"
+        )
 
 
 def test_ray_train_placed_its_workers_on_both_ray_nodes(cluster_run: ClusterRun) -> None:
@@ -130,16 +170,31 @@ def test_ray_train_placed_its_workers_on_both_ray_nodes(cluster_run: ClusterRun)
 
 
 def test_a_driver_outside_the_ray_cluster_joins_through_ray_client(cluster_run: ClusterRun) -> None:
-    # The form infra/clusters/kubernetes.yaml gives ray_address (ray://, KubeRay's head service): a task runs on the cluster.
-    code = ("import json, ray; from infra.settings import load_settings; from infra.ray_runtime import connect_ray; "
-            "connect_ray(load_settings(None, {'ray_address': %r})); "
-            "print(json.dumps([ray.get(ray.remote(lambda: ray.get_runtime_context().get_node_id()).remote()), len(ray.nodes())]))")
+    # The form infra/clusters/kubernetes.yaml gives ray_address (ray://, KubeRay's head service): a task runs on the
+    # cluster.
+    code = (
+        "import json, ray; from infra.settings import load_settings; from infra.ray_runtime import connect_ray; "
+        "connect_ray(load_settings(None, {'ray_address': %r})); "
+        "print(json.dumps([ray.get(ray.remote(lambda: ray.get_runtime_context().get_node_id()).remote()), len(ray.nodes())]))"
+    )
     token = local_cluster.read_env_file(cluster_run.cluster.env_file, only=local_cluster.RAY_AUTH)
-    refused = subprocess.run([sys.executable, "-c", code % cluster_run.cluster.ray_client_address], cwd=REPO, env=cli_env(), capture_output=True,
-                             text=True, timeout=300)
+    refused = subprocess.run(
+        [sys.executable, "-c", code % cluster_run.cluster.ray_client_address],
+        cwd=REPO,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert refused.returncode != 0, "Ray refuses a driver without the cluster's token"
-    done = subprocess.run([sys.executable, "-c", code % cluster_run.cluster.ray_client_address], cwd=REPO, env=cli_env(token), capture_output=True,
-                          text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", code % cluster_run.cluster.ray_client_address],
+        cwd=REPO,
+        env=cli_env(token),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:] + ray_client_logs(cluster_run.cluster)
     node, count = json.loads(done.stdout.strip().splitlines()[-1])
     assert count == 2 and node in local_cluster.ray_nodes(cluster_run.cluster)
@@ -157,14 +212,18 @@ def test_the_run_and_the_model_version_are_on_the_mlflow_server_behind_basic_aut
     assert run["info"]["status"] == "FINISHED"
     metrics = {metric["key"] for metric in run["data"]["metrics"]}
     assert {"val_loss", "val_acc", "train_loss"} <= metrics, metrics
-    version = cluster_run.mlflow("model-versions/get", name=summary["model_name"], version=summary["model_version"])["model_version"]
+    version = cluster_run.mlflow("model-versions/get", name=summary["model_name"], version=summary["model_version"])[
+        "model_version"
+    ]
     assert version["status"] == "READY"
     # The model's files went through the server's artifact proxy into its artifacts folder.
     assert any((Path(cluster_run.cluster.root) / "mlartifacts").rglob("MLmodel"))
     assert summary["mlflow_run_url"].startswith(cluster_run.cluster.mlflow_url)
     # Without the credentials the server refuses.
     with pytest.raises(urllib.error.HTTPError) as refused:
-        local_cluster.http_json(f"{cluster_run.cluster.mlflow_url}/api/2.0/mlflow/runs/get?run_id={summary['mlflow_run_id']}")
+        local_cluster.http_json(
+            f"{cluster_run.cluster.mlflow_url}/api/2.0/mlflow/runs/get?run_id={summary['mlflow_run_id']}"
+        )
     assert refused.value.code == 401
 
 
@@ -186,18 +245,24 @@ def test_the_mlflow_and_prefect_servers_keep_their_records_in_postgresql(cluster
     from infra import postgres
 
     root, port = Path(cluster_run.cluster.root), cluster_run.cluster.ports.postgres
-    with psycopg2.connect(host="127.0.0.1", port=port, user=postgres.ROLE, password=cluster_run.database_password, dbname="mlflow") as db:
+    with psycopg2.connect(
+        host="127.0.0.1", port=port, user=postgres.ROLE, password=cluster_run.database_password, dbname="mlflow"
+    ) as db:
         with db.cursor() as cursor:
             cursor.execute("SELECT status FROM runs WHERE run_uuid = %s", (cluster_run.summary["mlflow_run_id"],))
             assert cursor.fetchall() == [("FINISHED",)]
             cursor.execute("SELECT count(*) FROM model_versions WHERE name = %s", (cluster_run.summary["model_name"],))
             assert cursor.fetchone()[0] >= 1
-    with psycopg2.connect(host="127.0.0.1", port=port, user=postgres.ROLE, password=cluster_run.database_password, dbname="prefect") as db:
+    with psycopg2.connect(
+        host="127.0.0.1", port=port, user=postgres.ROLE, password=cluster_run.database_password, dbname="prefect"
+    ) as db:
         with db.cursor() as cursor:
             cursor.execute("SELECT state_type FROM flow_run WHERE id = %s", (cluster_run.summary["flow_run_id"],))
             assert cursor.fetchall() == [("COMPLETED",)]
     # No SQLite file beside them; the data folder is the cluster's; a wrong password is refused.
-    assert sorted(path.name for path in root.glob("*.db")) == ["mlflow-auth.db"], "only the MLflow server's users stay in SQLite"
+    assert sorted(path.name for path in root.glob("*.db")) == ["mlflow-auth.db"], (
+        "only the MLflow server's users stay in SQLite"
+    )
     assert (root / "postgres" / "PG_VERSION").exists()
     with pytest.raises(psycopg2.OperationalError, match="password authentication failed"):
         psycopg2.connect(host="127.0.0.1", port=port, user=postgres.ROLE, password="not-the-password", dbname="mlflow")
@@ -241,14 +306,17 @@ def test_no_credential_appears_in_parameters_artifacts_tags_or_logs(cluster_run:
     assert runs and len(texts["Prefect logs"]) > 1000
     experiments = cluster_run.mlflow("experiments/search", max_results=100)["experiments"]
     found = local_cluster.http_json(
-        f"{cluster_run.cluster.mlflow_url}/api/2.0/mlflow/runs/search", auth=cluster_run.mlflow_auth,
+        f"{cluster_run.cluster.mlflow_url}/api/2.0/mlflow/runs/search",
+        auth=cluster_run.mlflow_auth,
         data={"experiment_ids": [e["experiment_id"] for e in experiments], "max_results": 100},
     )
     texts["MLflow runs (params, tags, metrics)"] = json.dumps(found["runs"])
     texts["MLflow model versions"] = json.dumps(cluster_run.mlflow("model-versions/search", max_results=100))
     assert "ray_worker_nodes" in texts["MLflow runs (params, tags, metrics)"]
     # Every command line of the cluster's processes (what `ps` shows anyone on the machine).
-    texts["command lines"] = "\n".join(" ".join(process.cmdline()) for process in local_cluster.running(root) if _alive(process))
+    texts["command lines"] = "\n".join(
+        " ".join(process.cmdline()) for process in local_cluster.running(root) if _alive(process)
+    )
     folders = [root, cluster_run.workspace, Path(cluster_run.cluster.ray_temp_dir)]
     env_file = cluster_run.cluster.env_file
     for secret in cluster_run.secrets:
@@ -269,7 +337,9 @@ def _alive(process: psutil.Process) -> bool:
 
 
 @pytest.mark.ends_fixture
-def test_cluster_down_leaves_no_process_behind_and_a_start_again_in_its_folder_keeps_its_runs_and_its_mlflow_user(cluster_run: ClusterRun) -> None:
+def test_cluster_down_leaves_no_process_behind_and_a_start_again_in_its_folder_keeps_its_runs_and_its_mlflow_user(
+    cluster_run: ClusterRun,
+) -> None:
     root = Path(cluster_run.cluster.root)
     assert len(local_cluster.running(root)) >= 10
     stopped = local_cluster.down(root)
@@ -278,7 +348,11 @@ def test_cluster_down_leaves_no_process_behind_and_a_start_again_in_its_folder_k
     assert "database system is shut down" in (root / "logs" / "postgres.log").read_text()
     time.sleep(1)
     assert local_cluster.running(root) == []
-    ray_leftovers = [p for p in psutil.process_iter(["cmdline"]) if cluster_run.cluster.ray_temp_dir in " ".join(p.info["cmdline"] or [])]
+    ray_leftovers = [
+        p
+        for p in psutil.process_iter(["cmdline"])
+        if cluster_run.cluster.ray_temp_dir in " ".join(p.info["cmdline"] or [])
+    ]
     assert not ray_leftovers, ray_leftovers
     with pytest.raises(OSError):
         local_cluster.http_json(f"{cluster_run.cluster.spark_ui}/json/", timeout=2)
@@ -291,17 +365,23 @@ def test_cluster_down_leaves_no_process_behind_and_a_start_again_in_its_folder_k
         assert credentials["MLFLOW_TRACKING_PASSWORD"] == cluster_run.credentials["MLFLOW_TRACKING_PASSWORD"]
         assert local_cluster.read_env_file(again.env_file)[local_cluster.POSTGRES_PASSWORD] == database_password
         auth = (credentials["MLFLOW_TRACKING_USERNAME"], credentials["MLFLOW_TRACKING_PASSWORD"])
-        run = local_cluster.http_json(f"{again.mlflow_url}/api/2.0/mlflow/runs/get?run_id={cluster_run.summary['mlflow_run_id']}", auth=auth)
+        run = local_cluster.http_json(
+            f"{again.mlflow_url}/api/2.0/mlflow/runs/get?run_id={cluster_run.summary['mlflow_run_id']}", auth=auth
+        )
         assert run["run"]["info"]["status"] == "FINISHED"
         user, token = credentials["PREFECT_API_AUTH_STRING"].split(":", 1)
-        flow_run = httpx.get(f"{again.prefect_url}/api/flow_runs/{cluster_run.summary['flow_run_id']}", auth=(user, token), timeout=30)
+        flow_run = httpx.get(
+            f"{again.prefect_url}/api/flow_runs/{cluster_run.summary['flow_run_id']}", auth=(user, token), timeout=30
+        )
         assert flow_run.json()["state_type"] == "COMPLETED"
     finally:
         local_cluster.down(root)
     assert local_cluster.running(root) == []
 
 
-def http_status(url: str, method: str = "GET", headers: dict | None = None, body: bytes | None = None) -> tuple[int, dict[str, str], bytes]:
+def http_status(
+    url: str, method: str = "GET", headers: dict | None = None, body: bytes | None = None
+) -> tuple[int, dict[str, str], bytes]:
     """An HTTP request's status, headers (lower-case names) and body, error statuses included."""
     import urllib.error
     import urllib.request
@@ -315,24 +395,40 @@ def http_status(url: str, method: str = "GET", headers: dict | None = None, body
 
 
 def check_ui_api_is_closed(prefect: str, auth_string: str, mlflow: str) -> None:
-    """`make ui`'s Prefect API answers only with its auth string, takes state changes only with a CSRF token, and answers
+    """`make ui`'s Prefect API answers only with its auth string, takes state changes only with a CSRF token, and
+    answers
     CORS requests from its own origin only; its MLflow server refuses requests from another origin."""
     import base64
 
     basic = {"Authorization": "Basic " + base64.b64encode(auth_string.encode()).decode()}
     json_body = {"Content-Type": "application/json"}
     assert http_status(f"{prefect}/api/admin/version")[0] == 401, "no auth string, no answer"
-    assert http_status(f"{prefect}/api/admin/version", headers={"Authorization": "Basic " + base64.b64encode(b"imagelake:guess").decode()})[0] == 401
+    assert (
+        http_status(
+            f"{prefect}/api/admin/version",
+            headers={"Authorization": "Basic " + base64.b64encode(b"imagelake:guess").decode()},
+        )[0]
+        == 401
+    )
     assert http_status(f"{prefect}/api/admin/version", headers=basic)[0] == 200
-    assert http_status(f"{prefect}/api/flows/filter", "POST", {**basic, **json_body}, b"{}")[0] == 403, "a state change needs a CSRF token"
+    assert http_status(f"{prefect}/api/flows/filter", "POST", {**basic, **json_body}, b"{}")[0] == 403, (
+        "a state change needs a CSRF token"
+    )
     status, _, token = http_status(f"{prefect}/api/csrf-token?client=ui-test", headers=basic)
     assert status == 200
     csrf = {"Prefect-Csrf-Token": json.loads(token)["token"], "Prefect-Csrf-Client": "ui-test"}
     assert http_status(f"{prefect}/api/flows/filter", "POST", {**basic, **json_body, **csrf}, b"{}")[0] == 200
     for origin, allowed in ((prefect, True), ("http://pages.example", False)):
-        _, headers, _ = http_status(f"{prefect}/api/flows/filter", "OPTIONS", {"Origin": origin, "Access-Control-Request-Method": "POST"})
+        _, headers, _ = http_status(
+            f"{prefect}/api/flows/filter", "OPTIONS", {"Origin": origin, "Access-Control-Request-Method": "POST"}
+        )
         assert (headers.get("access-control-allow-origin") == origin) is allowed, (origin, headers)
-    refused = http_status(f"{mlflow}/api/2.0/mlflow/experiments/create", "POST", {**json_body, "Origin": "http://pages.example"}, b'{"name": "x"}')
+    refused = http_status(
+        f"{mlflow}/api/2.0/mlflow/experiments/create",
+        "POST",
+        {**json_body, "Origin": "http://pages.example"},
+        b'{"name": "x"}',
+    )
     assert refused[0] == 403, refused
 
 
@@ -347,27 +443,53 @@ def test_the_ui_servers_on_postgresql_keep_their_records_there_and_stop_with_it(
     workspace = Path(tempfile.mkdtemp(prefix="imagelake-ui-"))
     os.chmod(workspace, 0o711)
     prefect_port, mlflow_port, database_port = local_cluster.free_ports(3)
-    args = ["--workspace", str(workspace), "--database", "postgres", "--prefect-port", str(prefect_port), "--mlflow-port", str(mlflow_port),
-            "--postgres-port", str(database_port)]
+    args = [
+        "--workspace",
+        str(workspace),
+        "--database",
+        "postgres",
+        "--prefect-port",
+        str(prefect_port),
+        "--mlflow-port",
+        str(mlflow_port),
+        "--postgres-port",
+        str(database_port),
+    ]
     env = {name: value for name, value in cli_env().items() if not name.startswith(("PREFECT_", "MLFLOW_"))}
     env["PREFECT_HOME"] = str(workspace / "prefect-home")
     with (workspace / "ui.log").open("w") as log:
-        served = subprocess.Popen([sys.executable, "-m", "infra.ui", *args], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        served = subprocess.Popen(
+            [sys.executable, "-m", "infra.ui", *args],
+            cwd=REPO,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     try:
         deadline = time.monotonic() + 180
-        while not all(local_cluster._answers(url) for url in (f"http://127.0.0.1:{prefect_port}/api/health", f"http://127.0.0.1:{mlflow_port}/health")):
+        while not all(
+            local_cluster._answers(url)
+            for url in (f"http://127.0.0.1:{prefect_port}/api/health", f"http://127.0.0.1:{mlflow_port}/health")
+        ):
             assert served.poll() is None and time.monotonic() < deadline, (workspace / "ui.log").read_text()[-3000:]
             time.sleep(1)
-        made = local_cluster.http_json(f"http://127.0.0.1:{mlflow_port}/api/2.0/mlflow/experiments/create", data={"name": "kept-in-postgres"})
+        made = local_cluster.http_json(
+            f"http://127.0.0.1:{mlflow_port}/api/2.0/mlflow/experiments/create", data={"name": "kept-in-postgres"}
+        )
         secrets_found = local_cluster.read_env_file(workspace / "ui" / "ui.env")
         password, auth_string = secrets_found[ui.PASSWORD], secrets_found[ui.AUTH_STRING]
         assert oct((workspace / "ui" / "ui.env").stat().st_mode & 0o777) == "0o600"
         check_ui_api_is_closed(f"http://127.0.0.1:{prefect_port}", auth_string, f"http://127.0.0.1:{mlflow_port}")
-        with psycopg2.connect(host="127.0.0.1", port=database_port, user=postgres.ROLE, password=password, dbname="mlflow") as db:
+        with psycopg2.connect(
+            host="127.0.0.1", port=database_port, user=postgres.ROLE, password=password, dbname="mlflow"
+        ) as db:
             with db.cursor() as cursor:
                 cursor.execute("SELECT name FROM experiments WHERE experiment_id = %s", (int(made["experiment_id"]),))
                 assert cursor.fetchall() == [("kept-in-postgres",)]
-        with psycopg2.connect(host="127.0.0.1", port=database_port, user=postgres.ROLE, password=password, dbname="prefect") as db:
+        with psycopg2.connect(
+            host="127.0.0.1", port=database_port, user=postgres.ROLE, password=password, dbname="prefect"
+        ) as db:
             with db.cursor() as cursor:
                 cursor.execute("SELECT count(*) FROM alembic_version")
                 assert cursor.fetchone()[0] == 1, "the Prefect server made its tables in PostgreSQL"

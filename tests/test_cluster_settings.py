@@ -44,7 +44,9 @@ def test_there_is_a_settings_file_for_each_cluster_the_docs_cover() -> None:
 def test_each_cluster_settings_file_is_valid_and_names_no_secret(path: Path) -> None:
     settings = load(path)
     text = path.read_text()
-    assert not SECRET_WORDS.search(text), f"{path.name} seems to hold a credential: {SECRET_WORDS.search(text).group(0)}"
+    assert not SECRET_WORDS.search(text), (
+        f"{path.name} seems to hold a credential: {SECRET_WORDS.search(text).group(0)}"
+    )
     # Every key is a real setting (extra keys are refused by the model; this checks the file's own spelling too).
     assert set(yaml.safe_load(text)) <= set(Settings.model_fields)
     # At least as many cache partitions as training workers (Petastorm shards per worker).
@@ -77,7 +79,9 @@ def test_the_databricks_file_uses_databricks_delta_tracking_and_unity_catalog() 
     assert settings.mlflow_tracking_uri == "databricks" and settings.mlflow_registry_uri == "databricks-uc"
     assert len(settings.model_name.split(".")) == 3 and settings.mlflow_experiment.startswith("/")
     assert settings.ray_address == "auto"
-    assert all(path.startswith("/Volumes/") for path in (settings.table_uri, settings.cache_uri, settings.ray_storage_path))
+    assert all(
+        path.startswith("/Volumes/") for path in (settings.table_uri, settings.cache_uri, settings.ray_storage_path)
+    )
 
 
 def test_the_kubernetes_file_runs_spark_on_kubernetes_with_object_storage_tables() -> None:
@@ -109,7 +113,9 @@ def test_the_kubernetes_deployments_point_at_real_flows_with_valid_parameters() 
             parameters.update(start_date=date(2026, 1, 1), end_date=date(2026, 1, 2))
         flow.validate_parameters(parameters)
         # The image holds the repository at /opt/imagelake: entrypoints and config_file are relative to it.
-        assert {"prefect.deployments.steps.set_working_directory": {"directory": "/opt/imagelake"}} in deployment.get("pull", spec.get("pull", []))
+        assert {"prefect.deployments.steps.set_working_directory": {"directory": "/opt/imagelake"}} in deployment.get(
+            "pull", spec.get("pull", [])
+        )
         pool = deployment["work_pool"]
         assert pool["name"] == "imagelake-kubernetes" and pool["job_variables"]["image"]
 
@@ -123,7 +129,10 @@ def test_the_kubernetes_deployments_point_at_real_flows_with_valid_parameters() 
         ({"spark_conf": {"spark.hadoop.fs.s3a.secret.key": "hunter2"}}, "spark.hadoop.fs.s3a.secret.key"),
         ({"spark_conf": {"spark.hadoop.fs.azure.account.key.lake.dfs.core.windows.net": "hunter2"}}, "account.key"),
         ({"spark_conf": {"spark.kubernetes.authenticate.oauthToken": "hunter2"}}, "oauthToken"),
-        ({"spark_conf": {"spark.hadoop.fs.s3a.endpoint": "https://minio:hunter2@minio.local"}}, "spark.hadoop.fs.s3a.endpoint"),
+        (
+            {"spark_conf": {"spark.hadoop.fs.s3a.endpoint": "https://minio:hunter2@minio.local"}},
+            "spark.hadoop.fs.s3a.endpoint",
+        ),
         ({"spark_jars": ["https://user:hunter2@repo.example.com/delta.jar"]}, "spark_jars[0]"),
     ],
 )
@@ -145,5 +154,13 @@ def test_a_user_name_alone_and_where_a_secret_comes_from_are_allowed() -> None:
 
 
 def test_spark_masters_on_loopback_are_told_apart_from_remote_ones() -> None:
-    assert on_loopback("local[2]") and on_loopback("spark://127.0.0.1:7077") and on_loopback("spark://localhost:7077,127.0.0.1:7078")
-    assert not on_loopback("spark://10.0.0.5:7077") and not on_loopback("k8s://https://kubernetes.default.svc:443") and not on_loopback("yarn")
+    assert (
+        on_loopback("local[2]")
+        and on_loopback("spark://127.0.0.1:7077")
+        and on_loopback("spark://localhost:7077,127.0.0.1:7078")
+    )
+    assert (
+        not on_loopback("spark://10.0.0.5:7077")
+        and not on_loopback("k8s://https://kubernetes.default.svc:443")
+        and not on_loopback("yarn")
+    )

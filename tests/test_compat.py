@@ -11,7 +11,6 @@ import pytest
 
 from infra import compat
 
-
 # --- pyspark ---------------------------------------------------------------------------------
 
 
@@ -21,7 +20,9 @@ def test_collect_arrow_gives_record_batches(spark) -> None:
     assert batches and all(isinstance(batch, pa.RecordBatch) for batch in batches)
     table = pa.Table.from_batches(batches)
     assert table.column_names == ["id", "name"] and sorted(table.column("id").to_pylist()) == [0, 1, 2, 3, 4]
-    assert not compat.collect_arrow(frame.where("id < 0")), "no rows: an empty (falsy) result, which read_current relies on"
+    assert not compat.collect_arrow(frame.where("id < 0")), (
+        "no rows: an empty (falsy) result, which read_current relies on"
+    )
 
 
 def test_instantiated_session_is_seen_from_any_thread(spark) -> None:
@@ -117,7 +118,9 @@ def test_flow_run_context_swap_moves_task_results(prefect_api: str, tmp_path: Pa
         return value, swapped, FlowRunContext.get() is outer
 
     assert staged() == (42, True, True)
-    assert (storage / "compat-pinned-key").exists(), "the task's result (with its metadata) went to the swapped-in storage"
+    assert (storage / "compat-pinned-key").exists(), (
+        "the task's result (with its metadata) went to the swapped-in storage"
+    )
     assert staged()[0] == 42
     assert calls == [1], "the second flow run found the cached result in that storage"
 
@@ -146,13 +149,28 @@ def test_delta_log_commits_numbered_by_file_name(spark, tmp_path: Path) -> None:
     from deltalake import CommitProperties, DeltaTable, write_deltalake
 
     uri = str(tmp_path / "table")
-    write_deltalake(uri, pa.table({"x": [1]}), commit_properties=CommitProperties(custom_metadata={"imagelake.test": "rs-0"}))
-    write_deltalake(uri, pa.table({"x": [2]}), mode="append", commit_properties=CommitProperties(custom_metadata={"imagelake.test": "rs-1"}))
-    spark.createDataFrame([(3,)], "x long").write.format("delta").option("userMetadata", "spark-2").mode("append").save(uri)
-    assert sorted(p.name for p in (tmp_path / "table" / "_delta_log").glob("*.json")) == [f"{v:020d}.json" for v in range(3)]
+    write_deltalake(
+        uri, pa.table({"x": [1]}), commit_properties=CommitProperties(custom_metadata={"imagelake.test": "rs-0"})
+    )
+    write_deltalake(
+        uri,
+        pa.table({"x": [2]}),
+        mode="append",
+        commit_properties=CommitProperties(custom_metadata={"imagelake.test": "rs-1"}),
+    )
+    spark.createDataFrame([(3,)], "x long").write.format("delta").option("userMetadata", "spark-2").mode("append").save(
+        uri
+    )
+    assert sorted(p.name for p in (tmp_path / "table" / "_delta_log").glob("*.json")) == [
+        f"{v:020d}.json" for v in range(3)
+    ]
     commits = list(compat.delta_log_commits(uri))
     assert [version for version, _ in commits] == [2, 1, 0], "newest first, numbered by the file's name"
-    assert [info.get("imagelake.test") or info.get("userMetadata") for _, info in commits] == ["spark-2", "rs-1", "rs-0"]
+    assert [info.get("imagelake.test") or info.get("userMetadata") for _, info in commits] == [
+        "spark-2",
+        "rs-1",
+        "rs-0",
+    ]
     assert all(info["operation"] in ("WRITE", "CREATE TABLE") and info["timestamp"] > 0 for _, info in commits)
     assert DeltaTable(uri).version() == 2
     assert list(compat.delta_log_commits(f"file://{uri}")) == commits

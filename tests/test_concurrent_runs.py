@@ -22,13 +22,21 @@ from tests.servers import MlflowServer
 
 
 @pytest.mark.slow
-def test_two_runs_of_one_cache_key_at_once_train_once_and_register_one_version(spark, lake: Lake, digits_dir: Path, tmp_path: Path, prefect_api: str) -> None:
+def test_two_runs_of_one_cache_key_at_once_train_once_and_register_one_version(
+    spark, lake: Lake, digits_dir: Path, tmp_path: Path, prefect_api: str
+) -> None:
     server = MlflowServer(tmp_path / "mlflow").start()
     try:
-        # Two hosts: their own workspaces (no file lock in common), one MLflow server, one Prefect server, shared storage.
+        # Two hosts: their own workspaces (no file lock in common), one MLflow server, one Prefect server, shared
+        # storage.
         shared = {
-            "IMAGELAKE_MLFLOW_TRACKING_URI": server.url, "IMAGELAKE_PREFECT_API_URL": prefect_api, "IMAGELAKE_RAY_STORAGE_ROOT": str(tmp_path / "ray"),
-            "IMAGELAKE_IMAGE_SIZE": "24", "IMAGELAKE_MAX_EPOCHS": "2", "IMAGELAKE_NUM_WORKERS": "1", "IMAGELAKE_BATCH_SIZE": "16",
+            "IMAGELAKE_MLFLOW_TRACKING_URI": server.url,
+            "IMAGELAKE_PREFECT_API_URL": prefect_api,
+            "IMAGELAKE_RAY_STORAGE_ROOT": str(tmp_path / "ray"),
+            "IMAGELAKE_IMAGE_SIZE": "24",
+            "IMAGELAKE_MAX_EPOCHS": "2",
+            "IMAGELAKE_NUM_WORKERS": "1",
+            "IMAGELAKE_BATCH_SIZE": "16",
         }
         copy_digits(digits_dir, tmp_path / "src", labels=("0", "1", "2"), per_label=12)
         _, _, written = lake.run(tmp_path / "src")
@@ -41,29 +49,43 @@ def test_two_runs_of_one_cache_key_at_once_train_once_and_register_one_version(s
         racers = [
             subprocess.Popen(
                 [sys.executable, "-m", "tests.train_racer", str(tmp_path / "cached.json"), str(go), str(out)],
-                cwd=REPO, env=cli_env({**shared, "IMAGELAKE_WORKSPACE": str(tmp_path / f"ws-{out.stem}")}),
+                cwd=REPO,
+                env=cli_env({**shared, "IMAGELAKE_WORKSPACE": str(tmp_path / f"ws-{out.stem}")}),
             )
             for out in outs
         ]
         deadline = time.monotonic() + 180
-        while not all(Path(f"{out}.ready").exists() for out in outs) and time.monotonic() < deadline and all(r.poll() is None for r in racers):
+        while (
+            not all(Path(f"{out}.ready").exists() for out in outs)
+            and time.monotonic() < deadline
+            and all(r.poll() is None for r in racers)
+        ):
             time.sleep(0.1)
         go.touch()
         assert [racer.wait(600) for racer in racers] == [0, 0], "both runs complete"
         a, b = (json.loads(out.read_text()) for out in outs)
         assert a["run"] == b["run"] and a["checkpoint"] == b["checkpoint"], "one trained; the other took its result"
         assert a["version"] == b["version"] and {a["alias"], b["alias"]} == {"champion"}
-        client = mlflow_client(load_settings(overrides={"mlflow_tracking_uri": server.url, "workspace": str(tmp_path / "ws")}))
-        assert [v.version for v in client.search_model_versions(f"run_id = '{a['run']}'")] == [a["version"]], "one model version"
+        client = mlflow_client(
+            load_settings(overrides={"mlflow_tracking_uri": server.url, "workspace": str(tmp_path / "ws")})
+        )
+        assert [v.version for v in client.search_model_versions(f"run_id = '{a['run']}'")] == [a["version"]], (
+            "one model version"
+        )
         history = client.get_metric_history(a["run"], "val_loss")
-        assert sorted(m.step for m in history) == list(range(a["epochs"])), "one training's epochs in the run, not two mixed"
+        assert sorted(m.step for m in history) == list(range(a["epochs"])), (
+            "one training's epochs in the run, not two mixed"
+        )
     finally:
         server.stop()
 
 
-def test_two_runs_caching_one_table_version_at_once_write_it_once(spark, lake: Lake, digits_dir: Path, tmp_path: Path) -> None:
+def test_two_runs_caching_one_table_version_at_once_write_it_once(
+    spark, lake: Lake, digits_dir: Path, tmp_path: Path
+) -> None:
     """Without the cache line's lock both wrote generation 0's folder at once: Spark's write of one failed, or a
-    manifest listed the other's files too (a training then refused it: "holds 41 rows where its table version has 27")."""
+    manifest listed the other's files too (a training then refused it: "holds 41 rows where its table version has
+    27")."""
     copy_digits(digits_dir, tmp_path / "src", labels=("0", "1", "2"), per_label=12)
     _, _, written = lake.run(tmp_path / "src")
     settings = load_settings(overrides={"workspace": str(tmp_path / "ws"), "image_size": 24})

@@ -13,14 +13,25 @@ from PIL import Image
 
 from tasks.rules.images import ImageDecodeError, decode_square
 
-FORMATS = {"PNG": {}, "JPEG": {"quality": 85}, "GIF": {}, "TIFF": {"compression": "tiff_lzw"}, "BMP": {}, "WEBP": {"quality": 80}}
+FORMATS = {
+    "PNG": {},
+    "JPEG": {"quality": 85},
+    "GIF": {},
+    "TIFF": {"compression": "tiff_lzw"},
+    "BMP": {},
+    "WEBP": {"quality": 80},
+}
 MUTATIONS_PER_FORMAT = 200  # 1,200 files in all
 MAX_PIXELS = 64_000_000  # the settings' default max_image_pixels
 
 
 def sample(kind: str) -> bytes:
     rng = np.random.default_rng(len(kind))
-    pixels = (np.linspace(0, 255, 20 * 28 * 3).reshape(20, 28, 3) + rng.integers(0, 40, (20, 28, 3))).clip(0, 255).astype(np.uint8)
+    pixels = (
+        (np.linspace(0, 255, 20 * 28 * 3).reshape(20, 28, 3) + rng.integers(0, 40, (20, 28, 3)))
+        .clip(0, 255)
+        .astype(np.uint8)
+    )
     out = io.BytesIO()
     image = Image.fromarray(pixels)
     (image.convert("P") if kind == "GIF" else image).save(out, format=kind, **FORMATS[kind])
@@ -64,7 +75,9 @@ def test_a_mutated_file_is_decoded_or_quarantined_never_an_error_of_another_kind
         except ImageDecodeError as exc:
             outcome = exc.reason
         except Exception as exc:  # noqa: BLE001 - what the test is about
-            pytest.fail(f"{kind} mutation {i}: {type(exc).__name__}: {exc} (not an ImageDecodeError: the resize stage would fail)")
+            pytest.fail(
+                f"{kind} mutation {i}: {type(exc).__name__}: {exc} (not an ImageDecodeError: the resize stage would fail)"
+            )
         outcomes[outcome] = outcomes.get(outcome, 0) + 1
     assert sum(outcomes.values()) == MUTATIONS_PER_FORMAT and len(outcomes) > 1, outcomes
 
@@ -73,7 +86,14 @@ def dds_of_unknown_pixel_format() -> bytes:
     """A DirectDraw Surface header (as a file named .png may hold) whose pixel format Pillow has no decoder for."""
     import struct
 
-    header = struct.pack("<7I", 124, 0x1007, 8, 8, 0, 0, 0) + bytes(44) + struct.pack("<2I", 32, 0x4) + b"XYZW" + bytes(20) + struct.pack("<5I", 0x1000, 0, 0, 0, 0)
+    header = (
+        struct.pack("<7I", 124, 0x1007, 8, 8, 0, 0, 0)
+        + bytes(44)
+        + struct.pack("<2I", 32, 0x4)
+        + b"XYZW"
+        + bytes(20)
+        + struct.pack("<5I", 0x1000, 0, 0, 0, 0)
+    )
     return b"DDS " + header + bytes(256)
 
 
@@ -96,7 +116,13 @@ def test_a_tiff_with_edited_directory_entries_is_decoded_or_quarantined() -> Non
     for i in range(400):
         data = bytearray(original)
         entry = directory + 2 + 12 * rng.randrange(entries)
-        part = rng.choice([(2, struct.pack("<H", rng.randrange(1, 19))), (4, struct.pack("<I", rng.choice([0, 1, 3, 1000, 2**31]))), (8, struct.pack("<I", rng.randrange(2**32)))])
+        part = rng.choice(
+            [
+                (2, struct.pack("<H", rng.randrange(1, 19))),
+                (4, struct.pack("<I", rng.choice([0, 1, 3, 1000, 2**31]))),
+                (8, struct.pack("<I", rng.randrange(2**32))),
+            ]
+        )
         data[entry + part[0] : entry + part[0] + len(part[1])] = part[1]
         try:
             decode_square(bytes(data), 16, max_pixels=MAX_PIXELS)

@@ -42,13 +42,17 @@ def test_the_jars_are_installed_and_spark_loads_them(spark) -> None:
 
 
 @pytest.mark.parametrize("writer,other", [("delta-rs", "spark"), ("spark", "delta-rs")])
-def test_a_table_written_by_one_engine_is_read_merged_compacted_and_vacuumed_by_the_other(spark, tmp_path: Path, writer: str, other: str) -> None:
+def test_a_table_written_by_one_engine_is_read_merged_compacted_and_vacuumed_by_the_other(
+    spark, tmp_path: Path, writer: str, other: str
+) -> None:
     uri = str(tmp_path / "images")
     first, second = Table(uri, spark, writer), Table(uri, spark, other)
     # The writer: a first write, a merge that replaces and deletes, and a compaction.
     for start in (0, 4, 8):
         first.merge(rows([f"a/{i:02d}.png" for i in range(start, start + 4)]))
-    first.merge(pa.concat_tables([rows([f"a/{i:02d}.png" for i in range(3)], salt="v2"), rows(["a/11.png"], action="delete")]))
+    first.merge(
+        pa.concat_tables([rows([f"a/{i:02d}.png" for i in range(3)], salt="v2"), rows(["a/11.png"], action="delete")])
+    )
     compacted = first.compact()
     assert compacted["files_added"] >= 1
     written = {v: state(first, v) for v in range(first.version() + 1)}
@@ -57,16 +61,28 @@ def test_a_table_written_by_one_engine_is_read_merged_compacted_and_vacuumed_by_
     assert {v: state(second, v) for v in written} == written
     assert second.frame(2).count() == 12
     # ... and merges, compacts and vacuums the writer's table.
-    second.merge(pa.concat_tables([rows(["b/00.png", "b/01.png"]), rows(["a/05.png"], salt="v3"), rows(["a/00.png"], action="delete")]))
+    second.merge(
+        pa.concat_tables(
+            [rows(["b/00.png", "b/01.png"]), rows(["a/05.png"], salt="v3"), rows(["a/00.png"], action="delete")]
+        )
+    )
     second.merge(rows(["b/02.png"]))
     assert second.compact()["files_removed"] >= 2
     vacuumed = second.vacuum(0, [])
     assert vacuumed, "retention 0 removes the files that compaction replaced"
     now = state(second)
-    assert len(now) == 13 and now["a/05.png"] == rows(["a/05.png"], salt="v3")["sha256"][0].as_py() and "a/00.png" not in now
+    assert (
+        len(now) == 13
+        and now["a/05.png"] == rows(["a/05.png"], salt="v3")["sha256"][0].as_py()
+        and "a/00.png" not in now
+    )
     # The writer reads the other's versions back the same way, and each engine's history lists every commit.
     assert state(first) == now
-    assert [c["version"] for c in first.history()] == [c["version"] for c in second.history()] == list(range(second.version(), -1, -1))
+    assert (
+        [c["version"] for c in first.history()]
+        == [c["version"] for c in second.history()]
+        == list(range(second.version(), -1, -1))
+    )
     # Every data file either engine left is one the pinned pyarrow can open (Petastorm reads with it).
     for uri_ in DeltaTable(uri).file_uris():
         pq.read_table(uri_.removeprefix("file://"), columns=["path"])
@@ -86,7 +102,11 @@ def test_the_engine_is_chosen_without_spark_where_its_jars_do_not_matter(tmp_pat
     def never(master: str):
         return lambda: asked.append(master) or pytest.fail("Spark asked for, where the engine needs no Spark")
 
-    for given in ({}, {"delta_writer": "delta-rs"}, {"delta_writer": "delta-rs", "spark_master": "spark://127.0.0.1:7077"}):
+    for given in (
+        {},
+        {"delta_writer": "delta-rs"},
+        {"delta_writer": "delta-rs", "spark_master": "spark://127.0.0.1:7077"},
+    ):
         settings = Settings(workspace=tmp_path, **given)
         assert choose_engine(settings, never(settings.spark_master)) == "delta-rs"
         assert Table.open(f"{tmp_path}/t", settings).engine == "delta-rs"
@@ -149,23 +169,31 @@ def test_a_column_another_writer_added_stays_and_the_runs_go_on(spark, lake, dig
 
 
 @pytest.mark.both_engines
-def test_a_table_another_writer_gave_column_mapping_is_refused_saying_what_to_do(spark, lake, digits_dir: Path, tmp_path: Path) -> None:
+def test_a_table_another_writer_gave_column_mapping_is_refused_saying_what_to_do(
+    spark, lake, digits_dir: Path, tmp_path: Path
+) -> None:
     from infra.delta import UnsupportedTable
     from tests.lake import copy_digits
 
     source = tmp_path / "src"
     copy_digits(digits_dir, source, labels=("0", "1"), per_label=5)
     lake.run(source)
-    spark.sql(f"ALTER TABLE delta.`{lake.table}` SET TBLPROPERTIES "
-              "('delta.columnMapping.mode' = 'name', 'delta.minReaderVersion' = '2', 'delta.minWriterVersion' = '5')")
+    spark.sql(
+        f"ALTER TABLE delta.`{lake.table}` SET TBLPROPERTIES "
+        "('delta.columnMapping.mode' = 'name', 'delta.minReaderVersion' = '2', 'delta.minWriterVersion' = '5')"
+    )
     version = Table(lake.table).version()
     copy_digits(digits_dir, source, labels=("2",), per_label=2)
-    with pytest.raises(UnsupportedTable, match=rf"Delta table {lake.table} v{version}: it uses column mapping .* CREATE TABLE"):
+    with pytest.raises(
+        UnsupportedTable, match=rf"Delta table {lake.table} v{version}: it uses column mapping .* CREATE TABLE"
+    ):
         lake.run(source)
     assert Table(lake.table).version() == version, "nothing was written"
 
 
-def test_deletion_vectors_are_seen_and_named_with_what_to_do_and_their_version_is_never_read_through_its_files(spark, tmp_path: Path) -> None:
+def test_deletion_vectors_are_seen_and_named_with_what_to_do_and_their_version_is_never_read_through_its_files(
+    spark, tmp_path: Path
+) -> None:
     from infra.delta import UnsupportedTable, plain_files_problem, read_version
 
     table = str(tmp_path / "dv")
@@ -173,9 +201,13 @@ def test_deletion_vectors_are_seen_and_named_with_what_to_do_and_their_version_i
     spark.sql(f"ALTER TABLE delta.`{table}` SET TBLPROPERTIES ('delta.enableDeletionVectors' = 'true')")
     assert plain_files_problem(table) is None, "the feature alone deletes nothing"
     spark.sql(f"DELETE FROM delta.`{table}` WHERE id = 7")  # one row of the one file: a deletion vector
-    assert "1 of its data files carry deletion vectors" in plain_files_problem(table) and "REORG TABLE" in plain_files_problem(table)
+    assert "1 of its data files carry deletion vectors" in plain_files_problem(
+        table
+    ) and "REORG TABLE" in plain_files_problem(table)
     marked = DeltaTable(table).version()
-    with pytest.raises(UnsupportedTable, match=rf"Delta table {table} v{marked}: 1 of its data files carry deletion vectors"):
+    with pytest.raises(
+        UnsupportedTable, match=rf"Delta table {table} v{marked}: 1 of its data files carry deletion vectors"
+    ):
         read_version(spark, table, marked, "delta-rs")  # a plain read of its files would give the deleted row back
     spark.sql(f"REORG TABLE delta.`{table}` APPLY (PURGE)")  # what the message says to do
     assert plain_files_problem(table) is None
@@ -183,27 +215,67 @@ def test_deletion_vectors_are_seen_and_named_with_what_to_do_and_their_version_i
     # The version with the deletion vector is still in the log: a read of it through its files (a retrain pinned to
     # it) is refused the same way, and Spark's Delta reader, which applies the vector, reads it right.
     for read in (lambda: read_version(spark, table, marked, "delta-rs"), lambda: Table(table).files(marked)):
-        with pytest.raises(UnsupportedTable, match=rf"Delta table {table} v{marked}: 1 of its data files carry deletion vectors"):
+        with pytest.raises(
+            UnsupportedTable, match=rf"Delta table {table} v{marked}: 1 of its data files carry deletion vectors"
+        ):
             read()
     assert read_version(spark, table, marked, "spark").count() == 99
 
 
-def test_a_history_table_another_writer_gave_deletion_vectors_is_refused_where_it_is_read(spark, tmp_path: Path) -> None:
+def test_a_history_table_another_writer_gave_deletion_vectors_is_refused_where_it_is_read(
+    spark, tmp_path: Path
+) -> None:
     from infra.delta import UnsupportedTable
     from infra.settings import load_settings
     from tasks.registry import record, recorded
 
     settings = load_settings(overrides={"workspace": str(tmp_path / "ws")})
-    record(settings, [{"model": "m", "alias": "champion", "from_version": None, "to_version": "1", "action": "promote", "reason": "first", "move_id": "a"}])
-    record(settings, [  # one move, two rows in one data file
-        {"model": "m", "alias": "champion", "from_version": "1", "to_version": "2", "action": "promote", "reason": "better", "move_id": "b"},
-        {"model": "m", "alias": "previous-champion", "from_version": None, "to_version": "1", "action": "promote", "reason": "better", "move_id": "b"},
-    ])
+    record(
+        settings,
+        [
+            {
+                "model": "m",
+                "alias": "champion",
+                "from_version": None,
+                "to_version": "1",
+                "action": "promote",
+                "reason": "first",
+                "move_id": "a",
+            }
+        ],
+    )
+    record(
+        settings,
+        [  # one move, two rows in one data file
+            {
+                "model": "m",
+                "alias": "champion",
+                "from_version": "1",
+                "to_version": "2",
+                "action": "promote",
+                "reason": "better",
+                "move_id": "b",
+            },
+            {
+                "model": "m",
+                "alias": "previous-champion",
+                "from_version": None,
+                "to_version": "1",
+                "action": "promote",
+                "reason": "better",
+                "move_id": "b",
+            },
+        ],
+    )
     assert recorded(settings, "b")
     history = settings.history_uri
     spark.sql(f"ALTER TABLE delta.`{history}` SET TBLPROPERTIES ('delta.enableDeletionVectors' = 'true')")
-    spark.sql(f"DELETE FROM delta.`{history}` WHERE move_id = 'b' AND alias = 'champion'")  # a deletion vector: the file stays
-    with pytest.raises(UnsupportedTable, match=rf"Delta table {history} v\d+: 1 of its data files carry deletion vectors"):
+    spark.sql(
+        f"DELETE FROM delta.`{history}` WHERE move_id = 'b' AND alias = 'champion'"
+    )  # a deletion vector: the file stays
+    with pytest.raises(
+        UnsupportedTable, match=rf"Delta table {history} v\d+: 1 of its data files carry deletion vectors"
+    ):
         recorded(settings, "b")
 
 
@@ -216,18 +288,26 @@ def test_quarantine_with_column_mapping_stops_a_run_naming_it(spark, lake, digit
     copy_digits(digits_dir, source, labels=("0", "1"), per_label=5)
     (source / "1" / "junk.png").write_text("not an image")  # a row of the quarantine table
     lake.run(source)
-    spark.sql(f"ALTER TABLE delta.`{lake.quarantine}` SET TBLPROPERTIES "
-              "('delta.columnMapping.mode' = 'name', 'delta.minReaderVersion' = '2', 'delta.minWriterVersion' = '5')")
+    spark.sql(
+        f"ALTER TABLE delta.`{lake.quarantine}` SET TBLPROPERTIES "
+        "('delta.columnMapping.mode' = 'name', 'delta.minReaderVersion' = '2', 'delta.minWriterVersion' = '5')"
+    )
     version, quarantined = Table(lake.table).version(), Table(lake.quarantine).version()
     copy_digits(digits_dir, source, labels=("2",), per_label=2)
     (source / "2" / "junk.png").write_text("not an image either")
-    with pytest.raises(UnsupportedTable, match=rf"Delta table {lake.quarantine} v{quarantined}: it uses column mapping .* CREATE TABLE"):
+    with pytest.raises(
+        UnsupportedTable, match=rf"Delta table {lake.quarantine} v{quarantined}: it uses column mapping .* CREATE TABLE"
+    ):
         lake.run(source)
-    assert (Table(lake.table).version(), Table(lake.quarantine).version()) == (version, quarantined), "nothing was written"
+    assert (Table(lake.table).version(), Table(lake.quarantine).version()) == (version, quarantined), (
+        "nothing was written"
+    )
 
 
 @pytest.mark.both_engines
-def test_a_table_from_before_a_column_was_added_gets_it_and_keeps_its_rows(spark, lake, digits_dir: Path, tmp_path: Path) -> None:
+def test_a_table_from_before_a_column_was_added_gets_it_and_keeps_its_rows(
+    spark, lake, digits_dir: Path, tmp_path: Path
+) -> None:
     import shutil
 
     from infra.delta import read_version
@@ -237,14 +317,23 @@ def test_a_table_from_before_a_column_was_added_gets_it_and_keeps_its_rows(spark
     copy_digits(digits_dir, source, labels=("0", "1"), per_label=5)
     lake.run(source)
     # The table as an older imagelake wrote it: no `stamp` column.
-    older = pa.Table.from_pandas(read_version(spark, lake.table, Table(lake.table).version(), lake.engine).drop("stamp").toPandas(), preserve_index=False)
+    older = pa.Table.from_pandas(
+        read_version(spark, lake.table, Table(lake.table).version(), lake.engine).drop("stamp").toPandas(),
+        preserve_index=False,
+    )
     write_deltalake(lake.table, older, mode="overwrite", schema_mode="overwrite")
     assert "stamp" not in Table(lake.table).columns()
     copy_digits(digits_dir, source, labels=("2",), per_label=3)
-    shutil.copy(sorted((digits_dir / "3").glob("*.png"))[0], sorted((source / "1").glob("*.png"))[0])  # new bytes: a merge too
+    shutil.copy(
+        sorted((digits_dir / "3").glob("*.png"))[0], sorted((source / "1").glob("*.png"))[0]
+    )  # new bytes: a merge too
     _, resized, written = lake.run(source, retire=True)
     assert (resized.decoded, written.rows) == (4, 4) and "stamp" in Table(lake.table).columns()
     stamps = lake.read(lake.table, ["path", "stamp"])
-    assert len(stamps["path"]) == 13 and sum(stamp is not None for stamp in stamps["stamp"]) == 4, "old rows read it as null"
+    assert len(stamps["path"]) == 13 and sum(stamp is not None for stamp in stamps["stamp"]) == 4, (
+        "old rows read it as null"
+    )
     _, resized, written = lake.run(source, retire=True)
-    assert (resized.decoded, written.rows, written.retired) == (0, 0, 0), "rows without a stamp are not taken for changed files"
+    assert (resized.decoded, written.rows, written.retired) == (0, 0, 0), (
+        "rows without a stamp are not taken for changed files"
+    )

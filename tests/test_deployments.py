@@ -24,14 +24,18 @@ def test_every_deployment_points_at_a_flow_and_its_parameters_validate(monkeypat
     adhoc = next(d for d in config["deployments"] if d["name"] == "adhoc")
     schema = load_flow_from_entrypoint(adhoc["entrypoint"]).parameters.model_dump()
     fields = schema["definitions"]["RunParameters"]["properties"]
-    assert fields["image_size"]["default"] == 224 and fields["image_size"]["minimum"] == 8, "the UI form shows defaults and limits"
+    assert fields["image_size"]["default"] == 224 and fields["image_size"]["minimum"] == 8, (
+        "the UI form shows defaults and limits"
+    )
     with pytest.raises(ParameterTypeError, match="image_size"):
         load_flow_from_entrypoint(adhoc["entrypoint"]).validate_parameters({"params": {"source": "x", "image_size": 0}})
     backfill = next(d for d in config["deployments"] if d["name"] == "backfill")
     assert {"start_date", "end_date", "max_concurrency", "dry_run"} <= set(backfill["parameters"])
     # A bad value is refused before any work starts, naming the parameter.
     with pytest.raises(ParameterTypeError, match="start_date"):
-        load_flow_from_entrypoint(backfill["entrypoint"]).validate_parameters({**backfill["parameters"], "start_date": "03/01/2024"})
+        load_flow_from_entrypoint(backfill["entrypoint"]).validate_parameters(
+            {**backfill["parameters"], "start_date": "03/01/2024"}
+        )
     nightly = next(d for d in config["deployments"] if d["name"] == "nightly")
     assert nightly["schedules"][0]["cron"] == "0 2 * * *"
 
@@ -51,7 +55,9 @@ def test_the_ad_hoc_form_declares_each_setting_as_settings_does() -> None:
 
 def deployment_files() -> list[Path]:
     """Every YAML file of the repository that declares Prefect deployments (a top-level `deployments` list)."""
-    tracked = subprocess.run(["git", "ls-files", "*.yaml", "*.yml"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
+    tracked = subprocess.run(
+        ["git", "ls-files", "*.yaml", "*.yml"], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout.split()
     found = [REPO / name for name in tracked if "deployments" in (yaml.safe_load((REPO / name).read_text()) or {})]
     assert REPO / "prefect.yaml" in found, found
     return found
@@ -79,10 +85,19 @@ def test_every_deployment_arms_crash_detection_says_where_it_runs_and_never_over
     text = path.read_text()
     config = yaml.safe_load(text)
     # One environment block, shared by every deployment through a YAML anchor, not repeated by hand.
-    assert text.count("PREFECT_FLOWS_HEARTBEAT_FREQUENCY") == 1 and len(shared_pools(text)) == 1, f"{path.name}: work pools written out per deployment"
+    assert text.count("PREFECT_FLOWS_HEARTBEAT_FREQUENCY") == 1 and len(shared_pools(text)) == 1, (
+        f"{path.name}: work pools written out per deployment"
+    )
     # Where a run's code is: a pull step on the project, never the folder of the machine that deployed it.
-    steps = [step for entry in config.get("pull") or [] for name, step in entry.items() if name.endswith("set_working_directory")]
-    assert steps and all(step["directory"].startswith(("{{ $", "/opt/")) for step in steps), f"{path.name}: no pull step"
+    steps = [
+        step
+        for entry in config.get("pull") or []
+        for name, step in entry.items()
+        if name.endswith("set_working_directory")
+    ]
+    assert steps and all(step["directory"].startswith(("{{ $", "/opt/")) for step in steps), (
+        f"{path.name}: no pull step"
+    )
     deployments = {d["name"]: d for d in config["deployments"]}
     for name, deployment in deployments.items():
         env = deployment["work_pool"]["job_variables"]["env"]
@@ -92,9 +107,12 @@ def test_every_deployment_arms_crash_detection_says_where_it_runs_and_never_over
         assert set(given) <= set(inspect.signature(flow.fn).parameters), f"{name}: parameters the flow does not take"
         if deployment.get("schedules"):  # a scheduled run has nobody to fill in a parameter
             flow.validate_parameters(given)
-            assert deployment["concurrency_limit"]["limit"] == 1 and deployment["concurrency_limit"]["collision_strategy"] == "ENQUEUE", (
-                f"{name}: a slow run would overlap the next scheduled one"
-            )
+            assert (
+                deployment["concurrency_limit"]["limit"] == 1
+                and deployment["concurrency_limit"]["collision_strategy"] == "ENQUEUE"
+            ), f"{name}: a slow run would overlap the next scheduled one"
     maintenance = [d for d in deployments.values() if d["entrypoint"] == "flows/maintenance.py:maintenance"]
-    assert maintenance and all(d.get("schedules") for d in maintenance), f"{path.name}: maintenance has no scheduled deployment"
+    assert maintenance and all(d.get("schedules") for d in maintenance), (
+        f"{path.name}: maintenance has no scheduled deployment"
+    )
     assert any(d["entrypoint"] == "flows/pipeline.py:pipeline" and d.get("schedules") for d in deployments.values())

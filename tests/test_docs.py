@@ -37,6 +37,9 @@ def test_every_cached_stage_has_a_row_with_the_settings_it_declares() -> None:
 
 def test_a_region_is_replaced_whole_and_a_missing_marker_is_an_error() -> None:
     text = "before\n<!-- generated: x -->\nold\n<!-- end generated -->\nafter\n"
-    assert docs_reference.replaced(text, "x", "new") == "before\n<!-- generated: x -->\nnew\n<!-- end generated -->\nafter\n"
+    assert (
+        docs_reference.replaced(text, "x", "new")
+        == "before\n<!-- generated: x -->\nnew\n<!-- end generated -->\nafter\n"
+    )
     with pytest.raises(ValueError, match="expected one"):
         docs_reference.replaced("no markers", "x", "new")

@@ -15,12 +15,19 @@ import pytest
 
 from infra.delta import Table
 from tasks.cache import cache_splits, clean_cache
-from tasks.changes import NotInPathOrder, changes_between, ingest_listing, listing_changes, merged_listing_changes, read_listing
+from tasks.changes import (
+    NotInPathOrder,
+    changes_between,
+    ingest_listing,
+    listing_changes,
+    merged_listing_changes,
+    read_listing,
+)
 from tasks.ingest import source_uri, write_manifest
 from tasks.rules.splits import split_of
 from tasks.split import plan_splits
-from tasks.worker.loader import shard_rows, split_files
 from tasks.table import ImageTable
+from tasks.worker.loader import shard_rows, split_files
 from tests.lake import SCOPE, Lake, copy_digits
 
 
@@ -37,7 +44,9 @@ def spark_jobs(spark, run) -> tuple[object, int]:
 
 
 @pytest.mark.both_engines
-def test_a_rerun_over_a_listing_the_table_holds_starts_no_spark_job(lake: Lake, digits_dir: Path, tmp_path: Path) -> None:
+def test_a_rerun_over_a_listing_the_table_holds_starts_no_spark_job(
+    lake: Lake, digits_dir: Path, tmp_path: Path
+) -> None:
     source = tmp_path / "src"
     copy_digits(digits_dir, source, per_label=6)
     (source / "0" / "broken.png").write_bytes(b"not an image")
@@ -47,7 +56,13 @@ def test_a_rerun_over_a_listing_the_table_holds_starts_no_spark_job(lake: Lake, 
     # Nothing changed since the write: no join, no decode, no row of either table read into the driver.
     (ingested, resized, written), jobs = spark_jobs(lake.spark, lambda: lake.run(source))
     assert jobs == 0
-    assert (ingested.candidates, ingested.unchanged, resized.decoded, written.rows, written.version) == (0, 25, 0, 0, first.version)
+    assert (ingested.candidates, ingested.unchanged, resized.decoded, written.rows, written.version) == (
+        0,
+        25,
+        0,
+        0,
+        first.version,
+    )
 
     # Two new files: the diff staged for decoding holds just those two, which the driver decodes, and the write's
     # semi-join against the table (the driver's at this size) finds nothing: no Spark job.
@@ -62,21 +77,29 @@ def test_a_rerun_over_a_listing_the_table_holds_starts_no_spark_job(lake: Lake, 
     # A copy of an image the table holds, under a new path: that semi-join drops it.
     shutil.copy(sorted((source / "0").glob("*.png"))[0], source / "3" / "copy-c.png")
     (_, resized, written) = lake.run(source, in_driver_up_to=10)
-    assert (resized.decoded, written.rows) == (1, 0) and f"file://{source}/3/copy-c.png" not in lake.rows(written.version)
+    assert (resized.decoded, written.rows) == (1, 0) and f"file://{source}/3/copy-c.png" not in lake.rows(
+        written.version
+    )
     (_, _, again), jobs = spark_jobs(lake.spark, lambda: lake.run(source))
     assert jobs == 0 and again.version == written.version
 
 
 @pytest.mark.both_engines
-def test_after_a_write_the_diff_compares_two_listings_and_finds_what_the_spark_join_finds(lake: Lake, digits_dir: Path, tmp_path: Path) -> None:
+def test_after_a_write_the_diff_compares_two_listings_and_finds_what_the_spark_join_finds(
+    lake: Lake, digits_dir: Path, tmp_path: Path
+) -> None:
     source, staging = tmp_path / "src", f"{lake.root}/staging"
     copy_digits(digits_dir, source, per_label=6)
     lake.run(source, retire=True)
     table = ImageTable.at(lake.spark, lake.table, 24, lake.engine, lake.quarantine)
 
     def diffed() -> tuple[list[dict], int]:
-        ingested, jobs = spark_jobs(lake.spark, lambda: ingest_listing(table, source_uri(str(source)), SCOPE, True, staging))
-        return sorted(pq.read_table(ingested.manifest_uri.removeprefix("file://")).to_pylist(), key=lambda row: row["path"]), jobs
+        ingested, jobs = spark_jobs(
+            lake.spark, lambda: ingest_listing(table, source_uri(str(source)), SCOPE, True, staging)
+        )
+        return sorted(
+            pq.read_table(ingested.manifest_uri.removeprefix("file://")).to_pylist(), key=lambda row: row["path"]
+        ), jobs
 
     def by_the_join() -> list[dict]:
         for state in Path(staging.removeprefix("file://"), "in-sync").glob("last-*.json"):
@@ -90,11 +113,15 @@ def test_after_a_write_the_diff_compares_two_listings_and_finds_what_the_spark_j
     sorted((source / "2").glob("*.png"))[0].unlink()
     by_listings, jobs = diffed()
     assert jobs == 0
-    assert [(Path(row["path"]).name, row["action"]) for row in by_listings] == [("new-a.png", "upsert"), (sorted((digits_dir / "2").glob("*.png"))[0].name, "delete")]
+    assert [(Path(row["path"]).name, row["action"]) for row in by_listings] == [
+        ("new-a.png", "upsert"),
+        (sorted((digits_dir / "2").glob("*.png"))[0].name, "delete"),
+    ]
     assert by_listings == by_the_join()
 
     # A file rewritten with the same bytes: only its path is looked up in the table, for the hash it holds there (a
-    # semi-join: the driver's scan where this pyarrow opens the table's files, Spark's where a delta-rs merge wrote them).
+    # semi-join: the driver's scan where this pyarrow opens the table's files, Spark's where a delta-rs merge wrote
+    # them).
     lake.run(source, retire=True)
     rewritten = sorted((source / "3").glob("*.png"))[0]
     rewritten.write_bytes(rewritten.read_bytes())
@@ -118,7 +145,9 @@ def test_a_version_made_by_another_writer_is_diffed_again(lake: Lake, digits_dir
     assert jobs == 0, "the diff that found nothing marks the version it read"
 
 
-def test_a_file_touched_but_not_changed_is_hashed_once_not_every_run(lake: Lake, digits_dir: Path, tmp_path: Path) -> None:
+def test_a_file_touched_but_not_changed_is_hashed_once_not_every_run(
+    lake: Lake, digits_dir: Path, tmp_path: Path
+) -> None:
     source = tmp_path / "src"
     copy_digits(digits_dir, source, per_label=6)
     lake.run(source)
@@ -129,18 +158,24 @@ def test_a_file_touched_but_not_changed_is_hashed_once_not_every_run(lake: Lake,
     assert (ingested.candidates, resized.known) == (0, 0)
 
 
-
 def cached_version(lake: Lake, written, settings, root: Path):
-    plan = plan_splits(lake.spark, written, settings.model_copy(update={"image_size": 24, "val_fraction": 0.2, "test_fraction": 0.2}))
+    plan = plan_splits(
+        lake.spark, written, settings.model_copy(update={"image_size": 24, "val_fraction": 0.2, "test_fraction": 0.2})
+    )
     return plan, cache_splits(lake.spark, plan, 24, str(root))
 
 
 def split_keys(cached) -> dict[str, list[str]]:
-    return {split: sorted(pq.read_table(split_files(uri)[1], columns=["sha256"]).column("sha256").to_pylist()) for split, uri in cached.splits.items()}
+    return {
+        split: sorted(pq.read_table(split_files(uri)[1], columns=["sha256"]).column("sha256").to_pylist())
+        for split, uri in cached.splits.items()
+    }
 
 
 @pytest.mark.both_engines
-def test_the_cache_of_a_new_version_adds_only_its_new_rows_and_drops_retired_ones(lake: Lake, digits_dir: Path, tmp_path: Path, settings) -> None:
+def test_the_cache_of_a_new_version_adds_only_its_new_rows_and_drops_retired_ones(
+    lake: Lake, digits_dir: Path, tmp_path: Path, settings
+) -> None:
     source, root = tmp_path / "src", tmp_path / "cache"
     copy_digits(digits_dir, source, per_label=10)
     _, _, v0 = lake.run(source)
@@ -161,7 +196,9 @@ def test_the_cache_of_a_new_version_adds_only_its_new_rows_and_drops_retired_one
         assert sum(pq.read_metadata(f).num_rows for f in new) == plan.counts[split] - first.counts[split]
     table = {split: sorted(keys) for split, keys in by_split(lake, v1.version).items()}
     assert split_keys(grown) == table
-    assert split_keys(first) == {split: sorted(keys) for split, keys in by_split(lake, v0.version).items()}, "the first version reads as before"
+    assert split_keys(first) == {split: sorted(keys) for split, keys in by_split(lake, v0.version).items()}, (
+        "the first version reads as before"
+    )
 
     # Retired files leave the cache of the next version; the files that held them are rewritten, the rest shared.
     gone = sorted((source / "2").glob("*.png"))[:3]
@@ -196,7 +233,9 @@ def counted(lake: Lake, version: int) -> dict[str, dict[str, int]]:
 
 
 @pytest.mark.both_engines
-def test_split_counts_carried_forward_are_those_counted_over_the_version(lake: Lake, digits_dir: Path, tmp_path: Path, settings) -> None:
+def test_split_counts_carried_forward_are_those_counted_over_the_version(
+    lake: Lake, digits_dir: Path, tmp_path: Path, settings
+) -> None:
     source = tmp_path / "src"
     planning = settings.model_copy(update={"image_size": 24, "val_fraction": 0.2, "test_fraction": 0.2})
     copy_digits(digits_dir, source, per_label=10)
@@ -249,7 +288,9 @@ def test_a_compaction_keeps_the_cache_and_so_the_model(lake: Lake, digits_dir: P
 
 
 @pytest.mark.both_engines
-def test_maintenance_removes_cache_files_no_kept_version_needs(lake: Lake, digits_dir: Path, tmp_path: Path, settings) -> None:
+def test_maintenance_removes_cache_files_no_kept_version_needs(
+    lake: Lake, digits_dir: Path, tmp_path: Path, settings
+) -> None:
     source, root = tmp_path / "src", tmp_path / "cache"
     copy_digits(digits_dir, source, per_label=10)
     _, _, v0 = lake.run(source)
@@ -261,12 +302,19 @@ def test_maintenance_removes_cache_files_no_kept_version_needs(lake: Lake, digit
     copy_digits(digits_dir, source, per_label=2, skip=10)
     _, _, v2 = lake.run(source)
     _, c2 = cached_version(lake, v2, settings, root)
-    files = {name: {f for uri in c.splits.values() for f in split_files(uri)[1]} for name, c in (("v0", c0), ("v1", c1), ("v2", c2))}
+    files = {
+        name: {f for uri in c.splits.values() for f in split_files(uri)[1]}
+        for name, c in (("v0", c0), ("v1", c1), ("v2", c2))
+    }
     only_v0 = files["v0"] - files["v2"]
     assert only_v0 and files["v1"] <= files["v2"], "v1 rewrote files of v0, and v2 grew from v1"
 
     # Nothing is old enough yet: the retention keeps everything.
-    assert clean_cache(str(root), {v0.table_uri: [v0.version]}, retention_hours=1) == {"manifests": 0, "files": 0, "bytes": 0}
+    assert clean_cache(str(root), {v0.table_uri: [v0.version]}, retention_hours=1) == {
+        "manifests": 0,
+        "files": 0,
+        "bytes": 0,
+    }
     # v0 is a registered model's and v2 the newest: v1's manifests go, and no file (v2 names all of v1's).
     removed = clean_cache(str(root), {v0.table_uri: [v0.version]}, retention_hours=0)
     assert (removed["manifests"], removed["files"]) == (3, 0)
@@ -281,17 +329,32 @@ def test_maintenance_removes_cache_files_no_kept_version_needs(lake: Lake, digit
 @pytest.mark.parametrize("rows", [1, 7, 50_000])
 def test_two_listings_merged_a_batch_at_a_time_give_what_the_whole_listings_give(tmp_path: Path, rows: int) -> None:
     def entry(i: int, mtime: float = 1.0) -> dict:
-        return {"path": f"file:///src/{i % 7}/{i:05d}.png", "label": str(i % 7), "date": None, "size": 10 + i, "mtime": mtime,
-                "stamp": None if i % 3 else f"s{i}", "issue": None, "action": "upsert"}
+        return {
+            "path": f"file:///src/{i % 7}/{i:05d}.png",
+            "label": str(i % 7),
+            "date": None,
+            "size": 10 + i,
+            "mtime": mtime,
+            "stamp": None if i % 3 else f"s{i}",
+            "issue": None,
+            "action": "upsert",
+        }
 
     before = sorted((entry(i) for i in range(300) if i % 11), key=lambda e: e["path"])
-    now = sorted((entry(i, 2.0 if i % 17 == 0 else 1.0) for i in range(330) if i % 13), key=lambda e: e["path"])  # new, gone, rewritten
-    earlier, later = write_manifest(before, str(tmp_path / "before.parquet")), write_manifest(now, str(tmp_path / "now.parquet"))
+    now = sorted(
+        (entry(i, 2.0 if i % 17 == 0 else 1.0) for i in range(330) if i % 13), key=lambda e: e["path"]
+    )  # new, gone, rewritten
+    earlier, later = (
+        write_manifest(before, str(tmp_path / "before.parquet")),
+        write_manifest(now, str(tmp_path / "now.parquet")),
+    )
     whole = listing_changes(read_listing(earlier), read_listing(later), retire=True)
     in_order = lambda table: sorted(table.to_pylist(), key=lambda row: (row["path"], row["action"]))  # noqa: E731
     assert in_order(merged_listing_changes(earlier, later, retire=True, rows=rows)) == in_order(whole)
     kinds = {(row["action"], row["listed_before"]) for row in whole.to_pylist()}
-    assert kinds == {("upsert", False), ("upsert", True), ("delete", True)}, "new, rewritten and gone files are all there"
+    assert kinds == {("upsert", False), ("upsert", True), ("delete", True)}, (
+        "new, rewritten and gone files are all there"
+    )
     # Files gone past the new listing's last path.
     shorter = write_manifest(now[: len(now) // 2], str(tmp_path / "shorter.parquet"))
     assert in_order(merged_listing_changes(earlier, shorter, retire=True, rows=rows)) == in_order(
@@ -315,19 +378,33 @@ def test_new_rows_cached_by_the_driver_have_the_layout_spark_writes(spark, tmp_p
     from tasks.worker.loader import row_groups
 
     shas = [hashlib.sha256(str(i).encode()).hexdigest() for i in range(300)]
-    rows = pa.table({"image": [random.Random(i).randbytes(64) for i in range(300)], "label": pa.array([i % 4 for i in range(300)], pa.int64()), "sha256": shas})
+    rows = pa.table(
+        {
+            "image": [random.Random(i).randbytes(64) for i in range(300)],
+            "label": pa.array([i % 4 for i in range(300)], pa.int64()),
+            "sha256": shas,
+        }
+    )
     fs = fsspec.filesystem("file")
     write_split_arrow(rows, fs, str(tmp_path / "driver"), partitions=3, seed=42, generation=5)
     write_split(spark.createDataFrame(rows.to_pandas()), str(tmp_path / "spark"), 3, 42, 5)
     by_driver, by_spark = split_files(str(tmp_path / "driver"))[1], split_files(str(tmp_path / "spark"))[1]
-    assert pq.read_schema(by_driver[0]).remove_metadata() == pq.read_schema(by_spark[0]).remove_metadata(), "the loader reads both alike"
+    assert pq.read_schema(by_driver[0]).remove_metadata() == pq.read_schema(by_spark[0]).remove_metadata(), (
+        "the loader reads both alike"
+    )
     firsts = []
     for name in by_driver:
         data = pq.read_table(name)
         positions = data.column("position").to_pylist()
-        assert positions == sorted(positions) and all(p >> GENERATION_BITS == 5 for p in positions), "positions rise through a file"
-        assert len({int(sha[:8], 16) % 3 for sha in data.column("sha256").to_pylist()}) == 1, "a file holds the rows dealt to it by content hash"
-        assert data.column("label").to_pylist() != sorted(data.column("label").to_pylist()), "rows in a seeded order, not by label"
+        assert positions == sorted(positions) and all(p >> GENERATION_BITS == 5 for p in positions), (
+            "positions rise through a file"
+        )
+        assert len({int(sha[:8], 16) % 3 for sha in data.column("sha256").to_pylist()}) == 1, (
+            "a file holds the rows dealt to it by content hash"
+        )
+        assert data.column("label").to_pylist() != sorted(data.column("label").to_pylist()), (
+            "rows in a seeded order, not by label"
+        )
         firsts.append(positions[0])
     assert len(set(firsts)) == len(by_driver) == 3
     assert sorted(pq.read_table(by_driver, columns=["sha256"]).column("sha256").to_pylist()) == sorted(shas)
@@ -352,11 +429,15 @@ def test_the_drivers_semi_join_finds_what_sparks_finds(lake: Lake, digits_dir: P
     assert jobs == 0 and scanned.num_rows == 5
     assert sorted(scanned.to_pylist(), key=str) == sorted(joined.to_pylist(), key=str)
     other_size = ImageTable.at(lake.spark, lake.table, 16, lake.engine)
-    assert other_size.rows_matching(keys, ["path"], written.version).num_rows == 0, "rows of another image size are not matched"
+    assert other_size.rows_matching(keys, ["path"], written.version).num_rows == 0, (
+        "rows of another image size are not matched"
+    )
 
 
 @pytest.mark.both_engines
-def test_a_backfill_plan_is_counted_per_date_by_spark_and_sees_stale_dates(lake: Lake, digits_dir: Path, tmp_path: Path, settings) -> None:
+def test_a_backfill_plan_is_counted_per_date_by_spark_and_sees_stale_dates(
+    lake: Lake, digits_dir: Path, tmp_path: Path, settings
+) -> None:
     from datetime import date
 
     from flows.backfill import plan_dates
@@ -369,19 +450,26 @@ def test_a_backfill_plan_is_counted_per_date_by_spark_and_sees_stale_dates(lake:
     planning = settings.model_copy(update={"image_size": 24})
     span = (date(2024, 3, 1), date(2024, 3, 4))
     assert [(p["date"], p["status"], p["files"]) for p in plan_dates(table, planning, str(source), *span)] == [
-        ("2024-03-01", "done", 12), ("2024-03-02", "done", 12)
+        ("2024-03-01", "done", 12),
+        ("2024-03-02", "done", 12),
     ]
     sorted((source / "date=2024-03-01" / "1").glob("*.png"))[0].unlink()
     shutil.copy(next((digits_dir / "7").glob("*.png")), source / "date=2024-03-02" / "2" / "new.png")
     copy_digits(digits_dir, source / "date=2024-03-03", labels=("0", "1"), per_label=2, skip=6)
     plan = plan_dates(table, planning, str(source), *span)
     assert [(p["date"], p["status"], p["files"], p["new_or_changed"], p["gone"]) for p in plan] == [
-        ("2024-03-01", "stale", 11, 0, 1), ("2024-03-02", "stale", 13, 1, 0), ("2024-03-03", "missing", 4, 4, 0)
+        ("2024-03-01", "stale", 11, 0, 1),
+        ("2024-03-02", "stale", 13, 1, 0),
+        ("2024-03-03", "missing", 4, 4, 0),
     ]
-    assert plan_dates(table, planning, str(source), date(2024, 3, 2), date(2024, 3, 2)) == [plan[1]], "only the range's dates"
+    assert plan_dates(table, planning, str(source), date(2024, 3, 2), date(2024, 3, 2)) == [plan[1]], (
+        "only the range's dates"
+    )
 
 
-def test_a_cached_split_missing_a_file_is_rebuilt_and_never_trained_on(lake: Lake, digits_dir: Path, tmp_path: Path, settings) -> None:
+def test_a_cached_split_missing_a_file_is_rebuilt_and_never_trained_on(
+    lake: Lake, digits_dir: Path, tmp_path: Path, settings
+) -> None:
     import pyarrow.parquet as pq
 
     from tasks.train import train_model
@@ -401,12 +489,17 @@ def test_a_cached_split_missing_a_file_is_rebuilt_and_never_trained_on(lake: Lak
         train_model(first, settings)  # the training stage checks before it starts Ray or an MLflow run
     # The cache stage does not hand out the damaged version: it writes it again, whole.
     again = cache_splits(lake.spark, plan, 24, str(root))
-    assert not again.reused and split_keys(again) == {split: sorted(keys) for split, keys in by_split(lake, v0.version).items()}
+    assert not again.reused and split_keys(again) == {
+        split: sorted(keys) for split, keys in by_split(lake, v0.version).items()
+    }
     for split, uri in again.splits.items():
         check_split(uri, split, again.counts[split])
     # A part file cut short (every file there, a row missing): refused too, naming the counts.
     short = Path(split_files(again.splits["train"])[1][0].removeprefix("file://"))
     pq.write_table(pq.read_table(short).slice(1), short)
-    with pytest.raises(ValueError, match=rf"cached train split .* holds {again.counts['train'] - 1} rows where its table version has {again.counts['train']}"):
+    with pytest.raises(
+        ValueError,
+        match=rf"cached train split .* holds {again.counts['train'] - 1} rows where its table version has {again.counts['train']}",
+    ):
         train_model(again, settings)
     assert cache_splits(lake.spark, plan, 24, str(root)).reused is False, "the cache stage writes it again"

@@ -11,7 +11,9 @@ from infra.jars import JARS, SUMS, check, file_name, install, jar_folder, runtim
 
 def test_spark_gets_the_jars_only_when_all_are_there(tmp_path: Path) -> None:
     installed = runtime_jars()
-    assert [Path(j).name for j in installed] == [file_name(c) for c in JARS], "`make install` fetches every jar in infra/jars.py"
+    assert [Path(j).name for j in installed] == [file_name(c) for c in JARS], (
+        "`make install` fetches every jar in infra/jars.py"
+    )
     partial = tmp_path / "partial"
     partial.mkdir()
     for jar in installed[:-1]:
@@ -20,7 +22,9 @@ def test_spark_gets_the_jars_only_when_all_are_there(tmp_path: Path) -> None:
     assert [s.present for s in check(partial)] == [True, True, True, False]
 
 
-def test_a_machine_without_mvn_installs_no_jar_and_says_delta_rs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+def test_a_machine_without_mvn_installs_no_jar_and_says_delta_rs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
     monkeypatch.setenv("PATH", str(tmp_path / "no-bin"))
     assert install(tmp_path / "jars") == 1
     out = capsys.readouterr().out

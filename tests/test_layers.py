@@ -35,9 +35,17 @@ def test_no_import_runs_up_a_layer() -> None:
 
 
 def test_the_rules_and_the_results_import_no_engine() -> None:
-    modules = sorted(f"tasks.rules.{path.stem}" for path in (REPO / "tasks" / "rules").glob("*.py") if path.stem != "__init__")
+    modules = sorted(
+        f"tasks.rules.{path.stem}" for path in (REPO / "tasks" / "rules").glob("*.py") if path.stem != "__init__"
+    )
     modules.append("tasks.results")
     code = f"import importlib, json, sys; [importlib.import_module(m) for m in {modules!r}]; print(json.dumps(sorted(sys.modules)))"
-    loaded = set(json.loads(subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True).stdout))
+    loaded = set(
+        json.loads(
+            subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True).stdout
+        )
+    )
     assert len(modules) >= 9
-    assert not {name.split(".")[0] for name in loaded} & set(ENGINES), sorted(name for name in loaded if name.split(".")[0] in ENGINES)
+    assert not {name.split(".")[0] for name in loaded} & set(ENGINES), sorted(
+        name for name in loaded if name.split(".")[0] in ENGINES
+    )

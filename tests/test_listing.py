@@ -4,8 +4,9 @@ the listing written a batch at a time; the same rows and fingerprint as listing 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import fsspec
 import pyarrow.parquet as pq
@@ -21,7 +22,9 @@ SCOPE = Scope((".png", ".jpg"))
 
 def whole_folder_walk(fs: Any, folder: str) -> Iterator[tuple[str, dict[str, Any]]]:
     """The walk as it was: each folder's entries all described by fsspec's ls, then sorted (a folder's name with a slash)."""
-    for info in sorted(fs.ls(folder, detail=True), key=lambda item: item["name"] + ("/" if item["type"] == "directory" else "")):
+    for info in sorted(
+        fs.ls(folder, detail=True), key=lambda item: item["name"] + ("/" if item["type"] == "directory" else "")
+    ):
         if info["type"] == "directory":
             yield from whole_folder_walk(fs, info["name"])
         else:
@@ -40,7 +43,17 @@ def odd_tree(root: Path, outside: Path) -> None:
         for label in ("cat", "dog"):
             for name in ("1.png", "2.PNG", "3.jpg", "notes.txt"):
                 touch(root / day / label / name)
-    for name in ("a.png", "a-b.png", "a0.png", "a/x.png", "a/b/y.png", "_under/u.png", ".hidden/h.png", "é.png", "top.png"):
+    for name in (
+        "a.png",
+        "a-b.png",
+        "a0.png",
+        "a/x.png",
+        "a/b/y.png",
+        "_under/u.png",
+        ".hidden/h.png",
+        "é.png",
+        "top.png",
+    ):
         touch(root / name)
     touch(root / "cat" / "empty.png", b"")
     touch(outside / "secret.png")
@@ -50,7 +63,9 @@ def odd_tree(root: Path, outside: Path) -> None:
     (root / "cat" / "folder.png").symlink_to(root / "a")
 
 
-def test_a_folder_listing_streams_in_path_order_with_the_rows_and_fingerprint_of_whole_folder_listings(tmp_path: Path, monkeypatch) -> None:
+def test_a_folder_listing_streams_in_path_order_with_the_rows_and_fingerprint_of_whole_folder_listings(
+    tmp_path: Path, monkeypatch
+) -> None:
     source = tmp_path / "src"
     odd_tree(source, tmp_path / "outside")
     fs, uri = LocalFileSystem(), f"file://{source}"
@@ -73,11 +88,18 @@ def test_a_folder_listing_streams_in_path_order_with_the_rows_and_fingerprint_of
     assert listed.listing_fingerprint == listing_fingerprint(whole)
     assert [row["path"] for row in rows] == sorted(row["path"] for row in rows), "the listing comes out in path order"
     issues = {Path(row["path"]).name: row["issue"] for row in rows if row["issue"]}
-    expected = {"out.png": "symlink_outside_source", "dangling.png": "unreadable", "h.png": "hidden_path", "empty.png": "empty_file"}
+    expected = {
+        "out.png": "symlink_outside_source",
+        "dangling.png": "unreadable",
+        "h.png": "hidden_path",
+        "empty.png": "empty_file",
+    }
     assert expected.items() <= issues.items()
     metadata = pq.ParquetFile(listed.manifest_uri.removeprefix("file://")).metadata
     sizes = [metadata.row_group(i).num_rows for i in range(metadata.num_row_groups)]
-    assert max(sizes) <= 4 and sum(sizes) == len(rows), f"written a batch of at most LISTING_BATCH rows at a time: {sizes}"
+    assert max(sizes) <= 4 and sum(sizes) == len(rows), (
+        f"written a batch of at most LISTING_BATCH rows at a time: {sizes}"
+    )
 
 
 def test_the_walk_holds_a_folders_names_and_describes_each_file_only_as_it_yields_it(tmp_path: Path) -> None:
@@ -89,7 +111,9 @@ def test_the_walk_holds_a_folders_names_and_describes_each_file_only_as_it_yield
     for path in folder.iterdir():
         if str(path) != first:
             path.unlink()
-    assert [path for path, _ in walk] == [], "the walk described the whole folder before its first file: a folder of a million files held a million"
+    assert [path for path, _ in walk] == [], (
+        "the walk described the whole folder before its first file: a folder of a million files held a million"
+    )
 
 
 def test_a_local_folder_that_cannot_be_read_stops_the_walk_naming_it(tmp_path: Path, monkeypatch) -> None:
@@ -116,4 +140,6 @@ def test_an_object_store_walk_keeps_no_listed_folder_in_its_cache(s3) -> None:
     listed = list_source(f"s3://{prefix}/src", SCOPE)
     assert [e["path"].split("/src/")[1] for e in listed] == names, "in path order"
     store = fsspec.core.url_to_fs(f"s3://{prefix}/src")[0]
-    assert not [folder for folder in store.dircache if prefix in folder], "the store's cache held every folder listed: the whole tree"
+    assert not [folder for folder in store.dircache if prefix in folder], (
+        "the store's cache held every folder listed: the whole tree"
+    )

@@ -33,7 +33,9 @@ def check(report: Report) -> None:
     assert not report.not_completed, f"runs that did not complete: {report.not_completed}"
     assert report.errors == 0, f"{report.errors} requests failed even after retrying busy answers"
     assert report.duplicate_rows == 0, f"{report.duplicate_rows} images are in the table more than once"
-    assert report.images_in_table == report.images_expected, f"{report.images_expected - report.images_in_table} images lost"
+    assert report.images_in_table == report.images_expected, (
+        f"{report.images_expected - report.images_in_table} images lost"
+    )
     assert report.champion is not None and report.history_chain_whole and not report.pending_move, report
     assert not report.left_running, f"processes left running: {report.left_running}"
 
@@ -42,7 +44,10 @@ def test_a_small_load_on_postgresql_loses_duplicates_and_leaves_nothing(load_roo
     check(run_load(load_root, "postgres", "small"))
 
 
-@pytest.mark.skipif(not os.environ.get("IMAGELAKE_LOAD_FULL"), reason="the full load scenario runs with IMAGELAKE_LOAD_FULL=1 (bench/load.py)")
+@pytest.mark.skipif(
+    not os.environ.get("IMAGELAKE_LOAD_FULL"),
+    reason="the full load scenario runs with IMAGELAKE_LOAD_FULL=1 (bench/load.py)",
+)
 @pytest.mark.parametrize("database", ["sqlite", "postgres"])
 def test_the_full_load(load_root: Path, database: str) -> None:
     check(run_load(load_root, database, "full"))

@@ -11,8 +11,8 @@ import pyarrow.parquet as pq
 import pytest
 from petastorm import make_batch_reader
 
-from tasks.cache import write_split
 from infra.compat import petastorm_ventilation_order as ventilation_order
+from tasks.cache import write_split
 from tasks.worker.loader import POSITION, ShardBatches, piece_sizes, row_groups, shard_rows
 
 SIZE = 4  # 4x4 RGB: 48 bytes an image
@@ -65,14 +65,31 @@ def test_ventilation_order_is_petastorms(spark, tmp_path: Path, shuffle: bool, s
     assert len(groups) == 9 and all(first is not None for _, first in groups)
     for shard in range(2):
         with make_batch_reader(
-            url, schema_fields=[POSITION], cur_shard=shard, shard_count=2, num_epochs=1, shuffle_row_groups=shuffle, seed=seed, workers_count=1
+            url,
+            schema_fields=[POSITION],
+            cur_shard=shard,
+            shard_count=2,
+            num_epochs=1,
+            shuffle_row_groups=shuffle,
+            seed=seed,
+            workers_count=1,
         ) as reader:
             delivered = [int(batch.position[0]) for batch in reader]
         assert delivered == [groups[i][1] for i in ventilation_order(len(groups), shard, 2, seed, shuffle)]
 
 
 def epoch_batches(url: str, seed: int, epoch: int, workers: int) -> list[tuple[list[int], list[str]]]:
-    loader = ShardBatches(url, shard=0, shard_count=2, batch_size=8, image_size=SIZE, seed=seed, shuffle=True, workers=workers, key_field="sha256")
+    loader = ShardBatches(
+        url,
+        shard=0,
+        shard_count=2,
+        batch_size=8,
+        image_size=SIZE,
+        seed=seed,
+        shuffle=True,
+        workers=workers,
+        key_field="sha256",
+    )
     loader.epoch = epoch
     with loader:
         return [(labels.tolist(), keys) for _, labels, keys in loader]
@@ -103,7 +120,17 @@ def test_batches_made_ahead_by_a_thread_are_the_same_and_the_thread_stops_with_t
     url = write_label_runs(spark, tmp_path / "split", rows=200, partitions=4)
 
     def loader() -> ShardBatches:
-        return ShardBatches(url, shard=0, shard_count=1, batch_size=16, image_size=SIZE, seed=3, shuffle=True, workers=2, key_field="sha256")
+        return ShardBatches(
+            url,
+            shard=0,
+            shard_count=1,
+            batch_size=16,
+            image_size=SIZE,
+            seed=3,
+            shuffle=True,
+            workers=2,
+            key_field="sha256",
+        )
 
     with loader() as plain, loader() as threaded:
         assert content(ahead(iter(threaded), 2)) == content(plain) != []
@@ -124,7 +151,9 @@ def test_batches_made_ahead_by_a_thread_are_the_same_and_the_thread_stops_with_t
 
     got, makers = [], set()
     with pytest.raises(ValueError, match="unreadable"):
-        for item in ahead(failing(), 1, prepare=lambda item: (item * 10, threading.current_thread().name), receive=lambda item: item):
+        for item in ahead(
+            failing(), 1, prepare=lambda item: (item * 10, threading.current_thread().name), receive=lambda item: item
+        ):
             got.append(item[0])
             makers.add(item[1])
     assert got == [10, 20] and makers == {"imagelake-batches"}
@@ -141,11 +170,23 @@ def test_the_next_epoch_made_ahead_is_the_epoch_asked_for_and_stops_with_the_loa
 
     def loader(next_epoch_ahead: bool) -> ShardBatches:
         return ShardBatches(
-            url, shard=0, shard_count=1, batch_size=16, image_size=SIZE, seed=3, shuffle=True, workers=2, key_field="sha256", next_epoch_ahead=next_epoch_ahead
+            url,
+            shard=0,
+            shard_count=1,
+            batch_size=16,
+            image_size=SIZE,
+            seed=3,
+            shuffle=True,
+            workers=2,
+            key_field="sha256",
+            next_epoch_ahead=next_epoch_ahead,
         )
 
     def epoch(batches: ShardBatches) -> list[tuple[bytes, list[int], list[str]]]:
-        return [(images.numpy().tobytes(), labels.tolist(), keys) for images, labels, keys in itertools.islice(iter(batches), len(batches))]
+        return [
+            (images.numpy().tobytes(), labels.tolist(), keys)
+            for images, labels, keys in itertools.islice(iter(batches), len(batches))
+        ]
 
     with loader(False) as plain:
         expected = [epoch(plain) for _ in range(5)]
@@ -166,15 +207,26 @@ def test_the_next_epoch_made_ahead_is_the_epoch_asked_for_and_stops_with_the_loa
 def test_a_loader_process_makes_the_same_batches_and_ends_with_the_loader(spark, tmp_path: Path) -> None:
     """loader_processes=1: the reader's threads and the batch assembly run in a process of their own, and the batches
     are the ones the training process would make, epoch after epoch, also after an epoch dropped half way. An error
-    there (a cached file garbled) arrives in the training process with its type, and the process ends with the loader."""
+    there (a cached file garbled) arrives in the training process with its type, and the process ends with the
+    loader."""
     import multiprocessing
 
     url = write_label_runs(spark, tmp_path / "split", rows=200, partitions=4)
 
     def loader(processes: int) -> ShardBatches:
         return ShardBatches(
-            url, shard=0, shard_count=1, batch_size=16, image_size=SIZE, seed=3, shuffle=True, workers=2, key_field="sha256", processes=processes,
-            next_epoch_ahead=processes > 0,  # the process begins each epoch as soon as it has made the last one's batches
+            url,
+            shard=0,
+            shard_count=1,
+            batch_size=16,
+            image_size=SIZE,
+            seed=3,
+            shuffle=True,
+            workers=2,
+            key_field="sha256",
+            processes=processes,
+            next_epoch_ahead=processes
+            > 0,  # the process begins each epoch as soon as it has made the last one's batches
         )
 
     with loader(0) as here:
@@ -195,7 +247,9 @@ def test_a_loader_process_makes_the_same_batches_and_ends_with_the_loader(spark,
 
 
 @pytest.mark.slow  # starts processes
-def test_several_loader_processes_share_each_batch_every_row_once_the_same_for_the_same_seed(spark, tmp_path: Path) -> None:
+def test_several_loader_processes_share_each_batch_every_row_once_the_same_for_the_same_seed(
+    spark, tmp_path: Path
+) -> None:
     """loader_processes=2: each process reads half the shard's row groups and makes its share of every batch; the
     batches keep the sizes one process gives, every row comes once an epoch, epochs differ, a run with the same seed
     gets the same batches (also after an epoch dropped half way), and the processes end with the loader."""
@@ -204,7 +258,18 @@ def test_several_loader_processes_share_each_batch_every_row_once_the_same_for_t
     url = write_label_runs(spark, tmp_path / "split", rows=200, partitions=4)
 
     def loader(processes: int) -> ShardBatches:
-        return ShardBatches(url, shard=0, shard_count=1, batch_size=16, image_size=SIZE, seed=3, shuffle=True, workers=2, key_field="sha256", processes=processes)
+        return ShardBatches(
+            url,
+            shard=0,
+            shard_count=1,
+            batch_size=16,
+            image_size=SIZE,
+            seed=3,
+            shuffle=True,
+            workers=2,
+            key_field="sha256",
+            processes=processes,
+        )
 
     with loader(0) as here:
         one = content(here)
@@ -217,7 +282,9 @@ def test_several_loader_processes_share_each_batch_every_row_once_the_same_for_t
         # Each row's pixels and label still belong to its key (rows are made from the key's index).
         for images, labels, keys in epoch:
             pixels = np.frombuffer(images, dtype=np.uint8).reshape(len(keys), -1)
-            assert [(int(row[0]), label) for row, label in zip(pixels, labels)] == [(int(key, 16) % 251, int(key, 16) * 10 // 200) for key in keys]
+            assert [(int(row[0]), label) for row, label in zip(pixels, labels)] == [
+                (int(key, 16) % 251, int(key, 16) * 10 // 200) for key in keys
+            ]
     assert expected[0] != expected[1] != expected[2]
     with loader(2) as again:
         assert epochs_around_a_dropped_one(again) == (expected[0], expected[2])
@@ -226,7 +293,10 @@ def test_several_loader_processes_share_each_batch_every_row_once_the_same_for_t
     assert not any(process.is_alive() or process in multiprocessing.active_children() for process in processes)
 
 
-@pytest.mark.parametrize("sizes, rows", [([16] * 12 + [8], [104, 96]), ([5] * 7 + [4], [13, 1, 25]), ([3, 3, 2], [0, 8]), ([256] * 4, [1000, 24])])
+@pytest.mark.parametrize(
+    "sizes, rows",
+    [([16] * 12 + [8], [104, 96]), ([5] * 7 + [4], [13, 1, 25]), ([3, 3, 2], [0, 8]), ([256] * 4, [1000, 24])],
+)
 def test_each_loader_process_makes_its_share_of_every_batch_and_all_its_rows(sizes: list[int], rows: list[int]) -> None:
     pieces = piece_sizes(sizes, rows)
     assert [sum(column) for column in zip(*pieces)] == sizes

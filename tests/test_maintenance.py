@@ -28,13 +28,19 @@ def grow_table(lake: Lake, digits_dir: Path, source: Path) -> None:
 
 @pytest.mark.both_engines
 @pytest.mark.parametrize("registered", [True, False])
-def test_vacuum_never_removes_a_registered_models_version(lake: Lake, digits_dir: Path, tmp_path: Path, registered: bool) -> None:
+def test_vacuum_never_removes_a_registered_models_version(
+    lake: Lake, digits_dir: Path, tmp_path: Path, registered: bool
+) -> None:
     grow_table(lake, digits_dir, tmp_path / "src")
     assert DeltaTable(lake.table).version() == 3
-    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}", f"sqlite:///{tmp_path / 'mlflow.db'}")  # the registry URI is process-global otherwise
+    client = MlflowClient(
+        f"sqlite:///{tmp_path / 'mlflow.db'}", f"sqlite:///{tmp_path / 'mlflow.db'}"
+    )  # the registry URI is process-global otherwise
     client.create_registered_model("digits")
     if registered:
-        client.create_model_version("digits", source=str(tmp_path), tags={"delta_table": lake.table, "delta_version": "0"})
+        client.create_model_version(
+            "digits", source=str(tmp_path), tags={"delta_table": lake.table, "delta_version": "0"}
+        )
     keep = protected_versions(client, "digits", lake.table)
     assert keep == ([0] if registered else [])
     # A data file that a killed run wrote but never committed.
@@ -50,20 +56,30 @@ def test_vacuum_never_removes_a_registered_models_version(lake: Lake, digits_dir
     if registered:
         assert read_version(lake.spark, lake.table, 0, lake.engine).count() == 40, "the registered version is intact"
     else:
-        missing = [uri for uri in DeltaTable(lake.table, version=0).file_uris() if not Path(uri.removeprefix("file://")).exists()]
+        missing = [
+            uri
+            for uri in DeltaTable(lake.table, version=0).file_uris()
+            if not Path(uri.removeprefix("file://")).exists()
+        ]
         assert missing, "without a registered model, retention 0 removes version 0's files"
 
 
 def test_a_model_name_with_a_quote_still_protects_its_versions(tmp_path: Path) -> None:
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}", f"sqlite:///{tmp_path / 'mlflow.db'}")
     client.create_registered_model("it's digits")
-    client.create_model_version("it's digits", source=str(tmp_path), tags={"delta_table": "/lake/images", "delta_version": "4"})
+    client.create_model_version(
+        "it's digits", source=str(tmp_path), tags={"delta_table": "/lake/images", "delta_version": "4"}
+    )
     client.create_registered_model("other")
-    client.create_model_version("other", source=str(tmp_path), tags={"delta_table": "/lake/images", "delta_version": "7"})
+    client.create_model_version(
+        "other", source=str(tmp_path), tags={"delta_table": "/lake/images", "delta_version": "7"}
+    )
     assert protected_versions(client, "it's digits", "/lake/images") == [4]
 
 
-def test_no_answer_from_the_registry_means_nothing_is_vacuumed(lake: Lake, digits_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_no_answer_from_the_registry_means_nothing_is_vacuumed(
+    lake: Lake, digits_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import socket
 
     grow_table(lake, digits_dir, tmp_path / "src")

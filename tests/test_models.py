@@ -32,11 +32,15 @@ IMAGES = torch.randint(0, 256, (4, 32, 32, 3), dtype=torch.uint8, generator=torc
         ("vit_b_16", "heads.head", None),
     ],
 )
-def test_an_architecture_chosen_by_name_takes_uint8_images_and_answers_for_the_tables_labels(arch: str, head: str, params: int | None) -> None:
+def test_an_architecture_chosen_by_name_takes_uint8_images_and_answers_for_the_tables_labels(
+    arch: str, head: str, params: int | None
+) -> None:
     model = ImageModel(10, arch, image_size=32).eval()
     assert model.head_name == head
     if params:
-        assert sum(p.numel() for p in model.parameters()) == params, "torchvision's standard network with a 10-label head"
+        assert sum(p.numel() for p in model.parameters()) == params, (
+            "torchvision's standard network with a 10-label head"
+        )
     with torch.no_grad():
         assert model(IMAGES).shape == (4, 10)
 
@@ -44,7 +48,9 @@ def test_an_architecture_chosen_by_name_takes_uint8_images_and_answers_for_the_t
 def test_an_unknown_architecture_is_refused_naming_the_setting_and_the_ones_that_exist() -> None:
     with pytest.raises(ValueError, match="model_arch(.|\n)*'resnet50'"):
         Settings(model_arch="resnet51")
-    assert MODEL_ARCHS == ("small_cnn", *torchvision.models.list_models(module=torchvision.models)), "the settings list torchvision's models"
+    assert MODEL_ARCHS == ("small_cnn", *torchvision.models.list_models(module=torchvision.models)), (
+        "the settings list torchvision's models"
+    )
     assert Settings(model_arch="convnext_tiny").model_arch == "convnext_tiny"
     with pytest.raises(ValueError, match="unknown model_arch 'alexnot'"):
         ImageModel(3, "alexnot")
@@ -93,12 +99,19 @@ def test_imagenet_weights_load_from_torchvisions_cache_with_no_network(torch_hom
         ImageModel(4, "small_cnn", pretrained="imagenet")
 
 
-def test_weights_neither_cached_nor_downloadable_fail_naming_the_url_the_cache_file_and_what_to_do(torch_home: Path) -> None:
+def test_weights_neither_cached_nor_downloadable_fail_naming_the_url_the_cache_file_and_what_to_do(
+    torch_home: Path,
+) -> None:
     weights = torchvision.models.SqueezeNet1_1_Weights.IMAGENET1K_V1
     with pytest.raises(WeightsUnavailable) as refused:
         ImageModel(4, "squeezenet1_1", pretrained="imagenet")
     message = str(refused.value)
-    assert weights.url in message and weights_file(weights) in message and "TORCH_HOME" in message and "path or URI of a state dict" in message
+    assert (
+        weights.url in message
+        and weights_file(weights) in message
+        and "TORCH_HOME" in message
+        and "path or URI of a state dict" in message
+    )
     Path(weights_file(weights)).write_bytes(b"half a download")
     with pytest.raises(WeightsUnavailable, match="does not load.*delete it"):
         ImageModel(4, "squeezenet1_1", pretrained="imagenet")
@@ -129,8 +142,19 @@ def test_pretrained_weights_load_from_a_path_and_a_frozen_backbone_trains_only_t
 
 def config(**changes) -> dict:
     return {
-        "train_uri": "", "val_uri": "", "num_classes": 3, "image_size": 16, "arch": "small_cnn", "learning_rate": 1e-2, "batch_size": 4,
-        "max_epochs": 1, "patience": 5, "min_delta": 0.0, "seed": 0, "use_gpu": False, **changes,
+        "train_uri": "",
+        "val_uri": "",
+        "num_classes": 3,
+        "image_size": 16,
+        "arch": "small_cnn",
+        "learning_rate": 1e-2,
+        "batch_size": 4,
+        "max_epochs": 1,
+        "patience": 5,
+        "min_delta": 0.0,
+        "seed": 0,
+        "use_gpu": False,
+        **changes,
     }
 
 
@@ -154,15 +178,27 @@ def test_a_frozen_backbone_moves_only_the_head_and_a_pretrained_one_learns_slowe
     rates = [group["lr"] for group in tuned.configure_optimizers()["optimizer"].param_groups]
     assert rates == [pytest.approx(1e-2), pytest.approx(1e-3)], "the new head, then the backbone at a tenth"
     scratch = make_model(config(arch="resnet18", backbone_lr_factor=0.1))
-    assert [group["lr"] for group in scratch.configure_optimizers()["optimizer"].param_groups] == [pytest.approx(1e-2)] * 2
+    assert [group["lr"] for group in scratch.configure_optimizers()["optimizer"].param_groups] == [
+        pytest.approx(1e-2)
+    ] * 2
 
 
-def test_augmentation_is_the_same_for_a_seed_and_epoch_differs_across_epochs_and_ranks_and_keeps_the_batch_as_it_was() -> None:
-    images = torch.arange(32 * 32 * 3, dtype=torch.int64).remainder(251).to(torch.uint8).view(1, 32, 32, 3).repeat(6, 1, 1, 1)
+def test_augmentation_is_the_same_for_a_seed_and_epoch_differs_across_epochs_and_ranks_and_keeps_the_batch_as_it_was() -> (
+    None
+):
+    images = (
+        torch.arange(32 * 32 * 3, dtype=torch.int64)
+        .remainder(251)
+        .to(torch.uint8)
+        .view(1, 32, 32, 3)
+        .repeat(6, 1, 1, 1)
+    )
     for level in ("light", "standard"):
         first = augment(images, level, epoch_generator(7, 3, 0))
         assert first.dtype == torch.uint8 and first.shape == images.shape
-        assert torch.equal(first, augment(images, level, epoch_generator(7, 3, 0))), "same seed, epoch and rank: the same images"
+        assert torch.equal(first, augment(images, level, epoch_generator(7, 3, 0))), (
+            "same seed, epoch and rank: the same images"
+        )
         mirrored = augment(images, level, epoch_generator(7, 3, 0), flip=True)
         # The same draws with flips: each image is its unflipped crop, or that crop mirrored (some of each).
         kinds = [0 if torch.equal(m, f) else 1 if torch.equal(m, f.flip(1)) else None for m, f in zip(mirrored, first)]
@@ -192,14 +228,29 @@ def test_label_smoothing_and_class_weights_shape_the_training_loss_and_val_loss_
     module = make_model(config(label_smoothing=0.2, loss_weights=[1.0, 2.0, 0.5]))
     labels = torch.tensor([0, 1, 2, 1])
     logits = module.model(IMAGES[:, :16, :16])
-    smoothed = torch.nn.functional.cross_entropy(logits, labels, weight=torch.tensor([1.0, 2.0, 0.5]), label_smoothing=0.2)
-    assert module._step((IMAGES[:, :16, :16], labels), "train").item() == pytest.approx(smoothed.item(), rel=1e-5)
-    assert module._step((IMAGES[:, :16, :16], labels), "val").item() == pytest.approx(torch.nn.functional.cross_entropy(logits, labels).item(), rel=1e-5)
-    cached = CachedSplits(
-        table_uri="t", table_version=0, cache_dir="c", key="k", splits={}, counts={}, labels=["a", "b", "c"], image_size=16, num_partitions=1,
-        reused=False, label_counts={"train": {"a": 60, "b": 30, "c": 0}},
+    smoothed = torch.nn.functional.cross_entropy(
+        logits, labels, weight=torch.tensor([1.0, 2.0, 0.5]), label_smoothing=0.2
     )
-    assert balanced_weights(cached) == pytest.approx([0.75, 1.5, 0.0]), "inverse shares; a label with no training image weighs nothing"
+    assert module._step((IMAGES[:, :16, :16], labels), "train").item() == pytest.approx(smoothed.item(), rel=1e-5)
+    assert module._step((IMAGES[:, :16, :16], labels), "val").item() == pytest.approx(
+        torch.nn.functional.cross_entropy(logits, labels).item(), rel=1e-5
+    )
+    cached = CachedSplits(
+        table_uri="t",
+        table_version=0,
+        cache_dir="c",
+        key="k",
+        splits={},
+        counts={},
+        labels=["a", "b", "c"],
+        image_size=16,
+        num_partitions=1,
+        reused=False,
+        label_counts={"train": {"a": 60, "b": 30, "c": 0}},
+    )
+    assert balanced_weights(cached) == pytest.approx([0.75, 1.5, 0.0]), (
+        "inverse shares; a label with no training image weighs nothing"
+    )
 
 
 def test_a_time_budget_ends_training_at_the_end_of_an_epoch() -> None:
@@ -208,7 +259,9 @@ def test_a_time_budget_ends_training_at_the_end_of_an_epoch() -> None:
     assert trainer.current_epoch == 1, "the budget was spent during epoch 0, which ran to its end"
 
 
-def test_a_training_step_hands_its_metrics_tensors_only_and_the_epoch_loss_is_a_mean_over_images(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_training_step_hands_its_metrics_tensors_only_and_the_epoch_loss_is_a_mean_over_images(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Every number a step gives the epoch's metrics is a tensor on the batch's device. A Python number would be
     copied to the GPU, and that copy waits for the GPU to finish the step: the host could no longer run ahead (on an
     H100, one such wait at every step held a frozen ResNet-50 at 0.69 of its limit with batches already on the GPU).
@@ -226,7 +279,14 @@ def test_a_training_step_hands_its_metrics_tensors_only_and_the_epoch_loss_is_a_
     model = ImageClassifier(3, 1e-3)
     torch.manual_seed(0)
     losses = [
-        float(model.training_step((torch.randint(0, 256, (size, 16, 16, 3), dtype=torch.uint8), torch.arange(size) % 3), 0)) for size in (4, 2)
+        float(
+            model.training_step(
+                (torch.randint(0, 256, (size, 16, 16, 3), dtype=torch.uint8), torch.arange(size) % 3), 0
+            )
+        )
+        for size in (4, 2)
     ]
-    assert given and all(isinstance(value, torch.Tensor) and not isinstance(weight, (int, float)) for value, weight in given)
+    assert given and all(
+        isinstance(value, torch.Tensor) and not isinstance(weight, (int, float)) for value, weight in given
+    )
     assert float(model.metrics["train_loss"].compute()) == pytest.approx((4 * losses[0] + 2 * losses[1]) / 6)

@@ -28,7 +28,9 @@ def upload(s3, folder: Path, uri: str) -> None:
 
 
 @pytest.mark.both_engines
-def test_a_source_and_tables_on_s3_land_rerun_cached_and_are_maintained(spark, s3, digits_dir: Path, tmp_path: Path, prefix: str, engine: str) -> None:
+def test_a_source_and_tables_on_s3_land_rerun_cached_and_are_maintained(
+    spark, s3, digits_dir: Path, tmp_path: Path, prefix: str, engine: str
+) -> None:
     copy_digits(digits_dir, tmp_path / "src")
     upload(s3, tmp_path / "src", f"{prefix}/src")
     lake = Lake(spark, f"{prefix}/lake", engine)
@@ -51,22 +53,41 @@ def test_a_source_and_tables_on_s3_land_rerun_cached_and_are_maintained(spark, s
 
 
 @pytest.mark.slow
-def test_the_whole_pipeline_runs_on_s3_and_a_rerun_is_cached(s3, digits_dir: Path, tmp_path: Path, prefect_api: str) -> None:
+def test_the_whole_pipeline_runs_on_s3_and_a_rerun_is_cached(
+    s3, digits_dir: Path, tmp_path: Path, prefect_api: str
+) -> None:
     """Source, tables, staging, Petastorm cache, Ray Train checkpoints and Prefect results all in the bucket."""
     bucket = f"lake/{uuid.uuid4().hex[:12]}"
     upload(s3, digits_dir, f"s3://{bucket}/src")
     settings = [
-        f"workspace={tmp_path / 'ws'}", "image_size=32", "max_epochs=2", "num_workers=2", "batch_size=16", "model_name=s3-digits",
-        f"table_root=s3://{bucket}/tables", f"staging_root=s3://{bucket}/staging", f"cache_root=s3://{bucket}/cache",
-        f"ray_storage_root=s3://{bucket}/ray", f"results_root=s3://{bucket}/results",
+        f"workspace={tmp_path / 'ws'}",
+        "image_size=32",
+        "max_epochs=2",
+        "num_workers=2",
+        "batch_size=16",
+        "model_name=s3-digits",
+        f"table_root=s3://{bucket}/tables",
+        f"staging_root=s3://{bucket}/staging",
+        f"cache_root=s3://{bucket}/cache",
+        f"ray_storage_root=s3://{bucket}/ray",
+        f"results_root=s3://{bucket}/results",
     ]
-    command = [str(Path(sys.executable).parent / "imagelake"), "run", "--source", f"s3://{bucket}/src", "--json", *[a for s in settings for a in ("--set", s)]]
+    command = [
+        str(Path(sys.executable).parent / "imagelake"),
+        "run",
+        "--source",
+        f"s3://{bucket}/src",
+        "--json",
+        *[a for s in settings for a in ("--set", s)],
+    ]
     env = cli_env({"PREFECT_API_URL": prefect_api})
     first = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-5000:]
     summary = json.loads(first.stdout.strip().splitlines()[-1])
     assert summary["rows"] == 300 and summary["delta_table"] == f"s3://{bucket}/tables/images"
-    assert summary["checkpoint"].startswith(f"s3://{bucket}/ray/") and summary["cache_dir"].startswith(f"s3://{bucket}/cache/")
+    assert summary["checkpoint"].startswith(f"s3://{bucket}/ray/") and summary["cache_dir"].startswith(
+        f"s3://{bucket}/cache/"
+    )
     fs = s3.filesystem()
     written = fs.find(bucket)
     for part in ("tables/images/_delta_log/", "staging/", "cache/", "ray/", "results/"):
@@ -76,7 +97,12 @@ def test_the_whole_pipeline_runs_on_s3_and_a_rerun_is_cached(s3, digits_dir: Pat
     second = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-5000:]
     again = json.loads(second.stdout.strip().splitlines()[-1])
-    assert (again["files_decoded"], again["rows_added"], again["delta_version"], again["model_version"]) == (0, 0, 0, "1")
+    assert (again["files_decoded"], again["rows_added"], again["delta_version"], again["model_version"]) == (
+        0,
+        0,
+        0,
+        "1",
+    )
     assert {"split", "cache", "train", "promote"} <= set(again["cache_hits"])
 
     # The credentials were only ever in the environment.

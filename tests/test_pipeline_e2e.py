@@ -12,10 +12,10 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+import mlflow
 import pyarrow.parquet as pq
 import pytest
 from deltalake import DeltaTable
-import mlflow
 from mlflow import MlflowClient
 from PIL import Image, ImageOps
 
@@ -33,8 +33,18 @@ def run_cli(args: list[str], env: dict[str, str], timeout: int = 900) -> subproc
     return subprocess.run([IMAGELAKE, *args], env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def run_pipeline(source: Path, workspace: Path, env: dict[str, str], *extra: str, output: list[str] | None = None) -> tuple[dict, float]:
-    settings = ["workspace=" + str(workspace), "image_size=32", "max_epochs=4", "num_workers=2", "batch_size=16", f"model_name={MODEL}", *extra]
+def run_pipeline(
+    source: Path, workspace: Path, env: dict[str, str], *extra: str, output: list[str] | None = None
+) -> tuple[dict, float]:
+    settings = [
+        "workspace=" + str(workspace),
+        "image_size=32",
+        "max_epochs=4",
+        "num_workers=2",
+        "batch_size=16",
+        f"model_name={MODEL}",
+        *extra,
+    ]
     started = time.monotonic()
     done = run_cli(["run", "--source", str(source), "--json", *[arg for s in settings for arg in ("--set", s)]], env)
     elapsed = time.monotonic() - started
@@ -51,7 +61,11 @@ def flow_logs(flow_run_id: str) -> list[str]:
     messages: list[str] = []
     with get_client(sync_client=True) as client:
         while True:
-            page = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[uuid.UUID(flow_run_id)])), limit=200, offset=len(messages))
+            page = client.read_logs(
+                log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[uuid.UUID(flow_run_id)])),
+                limit=200,
+                offset=len(messages),
+            )
             messages += [log.message for log in page]
             if len(page) < 200:
                 return messages
@@ -66,16 +80,27 @@ def assert_shows_what_it_does(summary: dict, console: str, logs: list[str]) -> N
     assert summary["stage_seconds"]["train"] > 1
     for text in (console, "\n".join(logs)):
         for stage in STAGES:
-            assert f"{stage}: started" in text and re.search(rf"{stage}: (done|from the cache) in \d+\.\d s", text), stage
-        epochs = re.findall(r"train: epoch (\d+) of 4, train loss \d\.\d+, val loss \d\.\d+, val accuracy \d\.\d+", text)
+            assert f"{stage}: started" in text and re.search(rf"{stage}: (done|from the cache) in \d+\.\d s", text), (
+                stage
+            )
+        epochs = re.findall(
+            r"train: epoch (\d+) of 4, train loss \d\.\d+, val loss \d\.\d+, val accuracy \d\.\d+", text
+        )
         assert [int(e) for e in epochs] == list(range(1, summary["epochs_run"] + 1))
         assert text.index("train: MLflow run http://127.0.0.1:5000/#/experiments/") < text.index("train: epoch 1 of 4")
         assert re.search(r"resize: 300 of 300 files \(100%\), \d+ files/s", text)
-    for noise in ("Recovering rowgroup information", "Failed loading Unischema", "Reporting training result", "Checkpoint successfully created"):
+    for noise in (
+        "Recovering rowgroup information",
+        "Failed loading Unischema",
+        "Reporting training result",
+        "Checkpoint successfully created",
+    ):
         assert noise not in console, noise
     assert "stage times   ingest " in console
     # On a Prefect server, the flow run's page: in the first lines, and in the summary.
-    assert summary["flow_run_url"].endswith(f"/runs/flow-run/{summary['flow_run_id']}") and console.index("View at http") < console.index("ingest: started")
+    assert summary["flow_run_url"].endswith(f"/runs/flow-run/{summary['flow_run_id']}") and console.index(
+        "View at http"
+    ) < console.index("ingest: started")
 
 
 def task_states(flow_run_id: str) -> dict[str, str]:
@@ -93,7 +118,9 @@ def flow_artifact(flow_run_id: str, key: str):
 
     with get_client(sync_client=True) as client:
         found = client.read_artifacts(
-            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key]), flow_run_id=ArtifactFilterFlowRunId(any_=[uuid.UUID(flow_run_id)]))
+            artifact_filter=ArtifactFilter(
+                key=ArtifactFilterKey(any_=[key]), flow_run_id=ArtifactFilterFlowRunId(any_=[uuid.UUID(flow_run_id)])
+            )
         )
     assert len(found) == 1, f"{key}: {found}"
     return found[0]
@@ -107,7 +134,9 @@ def quarantine_artifact(flow_run_id: str) -> list[dict]:
 def assert_knows_the_data_and_the_model(summary: dict, client: MlflowClient, description: str) -> None:
     """The dataset card (Prefect and MLflow) counts what the cache holds; per-class test metrics add up; the model card."""
     run_id, labels = summary["mlflow_run_id"], summary["labels"]
-    card = json.loads(Path(mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path="dataset/card.json")).read_text())
+    card = json.loads(
+        Path(mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path="dataset/card.json")).read_text()
+    )
     for split in ("train", "val", "test"):
         manifest = Path(summary["cache_dir"].removeprefix("file://")) / f"{split}-v{summary['delta_version']}.json"
         cached = pq.read_table(split_files(str(manifest))[1], columns=["label"]).column("label").to_numpy()
@@ -116,14 +145,24 @@ def assert_knows_the_data_and_the_model(summary: dict, client: MlflowClient, des
     assert {"dataset/card.md", "dataset/samples.png"} <= {a.path for a in client.list_artifacts(run_id, "dataset")}
     markdown = flow_artifact(summary["flow_run_id"], "imagelake-dataset-card").data
     assert "| **all** | " in markdown and "samples.png" in markdown
-    per_class = json.loads(Path(mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path="test_per_class.json")).read_text())
+    per_class = json.loads(
+        Path(mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path="test_per_class.json")).read_text()
+    )
     matrix = per_class["confusion_matrix"]
     assert [row["support"] for row in per_class["per_class"]] == [sum(r) for r in matrix]
-    assert sum(row["correct"] for row in per_class["per_class"]) / summary["split_counts"]["test"] == pytest.approx(summary["test_accuracy"])
+    assert sum(row["correct"] for row in per_class["per_class"]) / summary["split_counts"]["test"] == pytest.approx(
+        summary["test_accuracy"]
+    )
     metrics = client.get_run(run_id).data.metrics
     assert all(f"test_{name}_{label}" in metrics for label in labels for name in ("precision", "recall", "f1"))
     assert "Per class on the test split" in flow_artifact(summary["flow_run_id"], "imagelake-promotion").data
-    for expected in (f"# {MODEL} v{summary['model_version']}", f"version {summary['delta_version']}", "## Training settings", "| max_epochs | 4 |", "**champion**"):
+    for expected in (
+        f"# {MODEL} v{summary['model_version']}",
+        f"version {summary['delta_version']}",
+        "## Training settings",
+        "| max_epochs | 4 |",
+        "**champion**",
+    ):
         assert expected in description, expected
     # The run's floor: the plain baseline on the same split, logged, and the model's margin over it in the card.
     baseline = summary["baseline_accuracy"]
@@ -157,15 +196,26 @@ def first_run(digits_dir: Path, tmp_path_factory: pytest.TempPathFactory, prefec
 
 
 def test_pipeline_end_to_end_then_everything_is_cached(first_run: FirstRun) -> None:
-    source, workspace, env, first, first_seconds = first_run.source, first_run.workspace, first_run.env, first_run.summary, first_run.seconds
+    source, workspace, env, first, first_seconds = (
+        first_run.source,
+        first_run.workspace,
+        first_run.env,
+        first_run.summary,
+        first_run.seconds,
+    )
     assert_shows_what_it_does(first, first_run.console, flow_logs(first["flow_run_id"]))
-    assert f"{first['test_accuracy'] - first['baseline_accuracy']:+.3f} over its baseline's {first['baseline_accuracy']:.3f}" in first_run.console
+    assert (
+        f"{first['test_accuracy'] - first['baseline_accuracy']:+.3f} over its baseline's {first['baseline_accuracy']:.3f}"
+        in first_run.console
+    )
 
     # Delta: one version holding every image.
     table = DeltaTable(first["delta_table"])
     assert first["delta_version"] == table.version() == 0
     assert first["rows"] == table.to_pyarrow_dataset().count_rows() == 300
-    assert first["delta_engine"] == "delta-rs"  # auto, on an embedded Spark (Spark's Delta is forced in tests/test_delta_engines.py)
+    assert (
+        first["delta_engine"] == "delta-rs"
+    )  # auto, on an embedded Spark (Spark's Delta is forced in tests/test_delta_engines.py)
 
     # Cache: a manifest per split naming its files, complete.
     cache_dir = Path(first["cache_dir"].removeprefix("file://"))
@@ -195,7 +245,9 @@ def test_pipeline_end_to_end_then_everything_is_cached(first_run: FirstRun) -> N
     assert sorted(m.step for m in history) == list(range(first["epochs_run"]))
     assert client.get_run(first["mlflow_run_id"]).data.params["learning_rate"] == str(2e-3)  # 1e-3 x 2 workers
     assert first["test_accuracy"] > 0.5, f"chance is 0.1; got {first['test_accuracy']}"
-    assert {"learning_curves.png", "confusion_matrix.png"} <= {a.path for a in client.list_artifacts(first["mlflow_run_id"])}
+    assert {"learning_curves.png", "confusion_matrix.png"} <= {
+        a.path for a in client.list_artifacts(first["mlflow_run_id"])
+    }
     # Prefect links the flow run to its MLflow run.
     assert f"/runs/{first['mlflow_run_id']}" in flow_artifact(first["flow_run_id"], "imagelake-mlflow-run").data
     assert_knows_the_data_and_the_model(first, client, champion.description)
@@ -204,7 +256,11 @@ def test_pipeline_end_to_end_then_everything_is_cached(first_run: FirstRun) -> N
     second, second_seconds = run_pipeline(source, workspace, env)
     print(f"first run {first_seconds:.0f} s, cached run {second_seconds:.0f} s")
     assert DeltaTable(first["delta_table"]).version() == 0
-    assert (second["delta_version"], second["model_version"], second["mlflow_run_id"]) == (0, "1", first["mlflow_run_id"])
+    assert (second["delta_version"], second["model_version"], second["mlflow_run_id"]) == (
+        0,
+        "1",
+        first["mlflow_run_id"],
+    )
     assert len(client.search_model_versions(f"name='{MODEL}'")) == 1
     # The data stages look again (the table has a version now) but find nothing to decode or write.
     assert (second["files_decoded"], second["rows_added"]) == (0, 0)
@@ -225,7 +281,9 @@ def test_pipeline_end_to_end_then_everything_is_cached(first_run: FirstRun) -> N
 
 
 @pytest.mark.ends_fixture  # it adds images to the first run's source and versions to its table and model
-def test_a_weaker_model_stays_challenger_and_new_images_make_a_new_version(first_run: FirstRun, digits_dir: Path, tmp_path: Path) -> None:
+def test_a_weaker_model_stays_challenger_and_new_images_make_a_new_version(
+    first_run: FirstRun, digits_dir: Path, tmp_path: Path
+) -> None:
     source, workspace, env, first = first_run.source, first_run.workspace, first_run.env, first_run.summary
     assert first["model_alias"] == "champion"
 
@@ -252,11 +310,36 @@ def test_a_weaker_model_stays_challenger_and_new_images_make_a_new_version(first
     # Operators: lineage, retraining on exactly v1's data, predictions, a forced promotion, a rollback, the history.
     ws = ["--set", f"workspace={workspace}"]
     lineage = run_cli(["lineage", MODEL, "1", *ws], env, 300)
-    assert lineage.returncode == 0 and "delta_version        0" in lineage.stdout and f"imagelake retrain --model {MODEL} --version 1" in lineage.stdout
-    again = run_cli(["retrain", "--model", MODEL, "--version", "1", "--json", *ws, "--set", "max_epochs=1", "--set", f"model_name={MODEL}", "--set", "promotion_margin=1"], env)
+    assert (
+        lineage.returncode == 0
+        and "delta_version        0" in lineage.stdout
+        and f"imagelake retrain --model {MODEL} --version 1" in lineage.stdout
+    )
+    again = run_cli(
+        [
+            "retrain",
+            "--model",
+            MODEL,
+            "--version",
+            "1",
+            "--json",
+            *ws,
+            "--set",
+            "max_epochs=1",
+            "--set",
+            f"model_name={MODEL}",
+            "--set",
+            "promotion_margin=1",
+        ],
+        env,
+    )
     assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-4000:]
     retrained = json.loads(again.stdout.strip().splitlines()[-1])
-    assert (retrained["delta_version"], retrained["split_counts"], retrained["model_version"]) == (0, first["split_counts"], "3")
+    assert (retrained["delta_version"], retrained["split_counts"], retrained["model_version"]) == (
+        0,
+        first["split_counts"],
+        "3",
+    )
 
     held_out = tmp_path / "held-out"
     write_digits(held_out, size=64, per_label=40)
@@ -271,7 +354,9 @@ def test_a_weaker_model_stays_challenger_and_new_images_make_a_new_version(first
 
     nothing = run_cli(["rollback", "--model", MODEL, *ws], env, 300)
     assert nothing.returncode == 2 and "nothing to roll back to" in nothing.stderr
-    assert run_cli(["promote", "--model", MODEL, "--version", "2", "--reason", "e2e check", *ws], env, 300).returncode == 0
+    assert (
+        run_cli(["promote", "--model", MODEL, "--version", "2", "--reason", "e2e check", *ws], env, 300).returncode == 0
+    )
     back = run_cli(["rollback", "--model", MODEL, "--reason", "v2 is worse", *ws], env, 300)
     assert back.returncode == 0 and "champion v2 -> v1" in back.stdout
     assert str(client.get_model_version_by_alias(MODEL, "champion").version) == "1"
@@ -284,7 +369,10 @@ def test_a_weaker_model_stays_challenger_and_new_images_make_a_new_version(first
 @pytest.mark.xdist_group("e2e-refusal")  # needs no first run: free to run in another process
 def test_a_missing_source_fails_with_a_clear_message_and_writes_nothing(tmp_path: Path, prefect_api: str) -> None:
     workspace = tmp_path / "ws"
-    done = run_cli(["run", "--source", str(tmp_path / "nowhere"), "--set", f"workspace={workspace}"], cli_env({"PREFECT_API_URL": prefect_api}))
+    done = run_cli(
+        ["run", "--source", str(tmp_path / "nowhere"), "--set", f"workspace={workspace}"],
+        cli_env({"PREFECT_API_URL": prefect_api}),
+    )
     assert done.returncode == 2
     assert "nowhere" in done.stderr and "is not a folder" in done.stderr
     assert not (workspace / "tables").exists()
@@ -314,13 +402,21 @@ def test_doctor_reports_this_machine_and_names_what_is_missing(tmp_path: Path) -
     sums = (jar_folder() / SUMS).read_text().splitlines()
     sums[0] = "0" * 64 + sums[0][64:]
     (tampered / SUMS).write_text("\n".join(sums) + "\n")
-    found = run_cli(["doctor", "--set", f"workspace={tmp_path / 'ws'}", "--set", "delta_writer=spark"], {**env, "IMAGELAKE_JARS_DIR": str(tampered)}, timeout=300)
+    found = run_cli(
+        ["doctor", "--set", f"workspace={tmp_path / 'ws'}", "--set", "delta_writer=spark"],
+        {**env, "IMAGELAKE_JARS_DIR": str(tampered)},
+        timeout=300,
+    )
     assert found.returncode == 1 and "differs from the SHA-256 recorded at install" in found.stdout, found.stdout
 
     # Without the jars (no mvn at install): delta-rs, said so; Spark's Delta forced is an error naming what to do.
     bare = {**env, "IMAGELAKE_JARS_DIR": str(tmp_path / "no-jars")}
     found = run_cli(["doctor", "--set", f"workspace={tmp_path / 'ws'}"], bare, timeout=300)
-    assert found.returncode == 0 and "absent: format('delta') is unavailable; Delta tables use delta-rs" in found.stdout, found.stdout
-    forced = run_cli(["doctor", "--set", f"workspace={tmp_path / 'ws'}", "--set", "delta_writer=spark"], bare, timeout=300)
+    assert (
+        found.returncode == 0 and "absent: format('delta') is unavailable; Delta tables use delta-rs" in found.stdout
+    ), found.stdout
+    forced = run_cli(
+        ["doctor", "--set", f"workspace={tmp_path / 'ws'}", "--set", "delta_writer=spark"], bare, timeout=300
+    )
     assert forced.returncode == 1
     assert "missing: delta jars" in forced.stderr and "make install" in forced.stdout

@@ -16,7 +16,6 @@ import torch
 import yaml
 
 from infra.tracking import experiment_id, mlflow_client
-from tasks.worker.model import ImageModel
 from tasks.registry import (
     RegistryError,
     UnsafeModel,
@@ -30,6 +29,7 @@ from tasks.registry import (
     served_model,
 )
 from tasks.rules.promotion import CHALLENGER, CHAMPION, PREVIOUS, decide_promotion, held_by_baseline
+from tasks.worker.model import ImageModel
 
 NAME = "digits"
 
@@ -57,10 +57,17 @@ def test_the_gate_rule(metric: str, candidate: float, champion: float | None, ma
 def test_a_candidate_not_enough_above_its_baseline_is_held_whatever_the_champion() -> None:
     candidate = {"accuracy": 0.70, "loss": 0.9}
     held = held_by_baseline("loss", candidate, 0.68, 0.05)
-    assert held is not None and not held.promote and held.candidate == 0.9 and "+0.0200 over its baseline's 0.6800" in held.reason
+    assert (
+        held is not None
+        and not held.promote
+        and held.candidate == 0.9
+        and "+0.0200 over its baseline's 0.6800" in held.reason
+    )
     assert held_by_baseline("accuracy", candidate, 0.60, 0.05) is None, "0.10 above: the champion comparison decides"
     assert held_by_baseline("accuracy", candidate, 0.68, None) is None, "no margin set: shown, not enforced"
-    assert held_by_baseline("accuracy", candidate, None, 0.05) is None, "no baseline (a single label): nothing to hold it to"
+    assert held_by_baseline("accuracy", candidate, None, 0.05) is None, (
+        "no baseline (a single label): nothing to hold it to"
+    )
 
 
 def test_label_names_survive_the_tag_and_older_comma_joined_tags_still_read() -> None:
@@ -69,17 +76,26 @@ def test_label_names_survive_the_tag_and_older_comma_joined_tags_still_read() ->
     names = ["apples, red", 'say "hi"', "[bracketed]", "Überraschung \U0001f34e", ""]
     assert labels_of_tag(labels_tag(names)) == names
     assert labels_of_tag("cat,dog") == ["cat", "dog"] and labels_of_tag("") == []
-    assert labels_of_tag("[not json,other") == ["[not json", "other"], "an old tag whose first name starts with a bracket"
+    assert labels_of_tag("[not json,other") == ["[not json", "other"], (
+        "an old tag whose first name starts with a bracket"
+    )
 
 
 def test_a_champion_proven_unusable_is_replaced_and_one_not_compared_is_kept() -> None:
-    decision = decide_promotion("accuracy", 0.2, None, 0.1, champion_unusable="v3: FileNotFoundError: model.pt2 is missing")
+    decision = decide_promotion(
+        "accuracy", 0.2, None, 0.1, champion_unusable="v3: FileNotFoundError: model.pt2 is missing"
+    )
     assert decision.promote and "could not be evaluated" in decision.reason and "v3" in decision.reason
-    kept = decide_promotion("accuracy", 0.9, None, 0.0, champion_uncompared="v3 could not be evaluated: OutOfMemoryError")
+    kept = decide_promotion(
+        "accuracy", 0.9, None, 0.0, champion_uncompared="v3 could not be evaluated: OutOfMemoryError"
+    )
     assert not kept.promote and "stays champion" in kept.reason and "OutOfMemoryError" in kept.reason
 
 
-@pytest.mark.parametrize("metric,candidate,champion", [("accuracy", float("nan"), 0.5), ("accuracy", 1.5, 0.5), ("f2", 0.5, 0.5), ("loss", -1.0, 0.5)])
+@pytest.mark.parametrize(
+    "metric,candidate,champion",
+    [("accuracy", float("nan"), 0.5), ("accuracy", 1.5, 0.5), ("f2", 0.5, 0.5), ("loss", -1.0, 0.5)],
+)
 def test_the_gate_rule_refuses_impossible_inputs(metric: str, candidate: float, champion: float) -> None:
     with pytest.raises(ValueError):
         decide_promotion(metric, candidate, champion, 0.0)
@@ -102,7 +118,9 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     models, images, _ = models_and_split()
     root = tmp_path_factory.mktemp("saved-models")
     for kind, model in models.items():
-        mlflow.pyfunc.save_model(root / kind, **served_model(root / f"{kind}-parts", model, list("abcd"), 16, "letterbox", None, images[:2]))
+        mlflow.pyfunc.save_model(
+            root / kind, **served_model(root / f"{kind}-parts", model, list("abcd"), 16, "letterbox", None, images[:2])
+        )
     return {kind: root / kind for kind in models}
 
 
@@ -123,7 +141,9 @@ def register(model: Path, experiment: str | None = None) -> str:
 
 
 def moves(spark, settings) -> list[tuple]:
-    return [(row["alias"], row["from_version"], row["to_version"], row["action"]) for row in history(spark, settings, NAME)]
+    return [
+        (row["alias"], row["from_version"], row["to_version"], row["action"]) for row in history(spark, settings, NAME)
+    ]
 
 
 @pytest.mark.slow
@@ -147,7 +167,10 @@ def test_gate_moves_aliases_records_the_decision_and_keeps_history(spark, regist
     tags = client.get_model_version(NAME, held).tags
     assert metrics["accuracy"] == 1.0 and not decision.promote
     assert (alias_version(client, NAME, CHAMPION), alias_version(client, NAME, CHALLENGER)) == (bad, held)
-    assert "+0.0200 over its baseline's 0.9800" in tags["promotion_reason"] and "min_margin_over_baseline 0.0500" in tags["promotion_reason"]
+    assert (
+        "+0.0200 over its baseline's 0.9800" in tags["promotion_reason"]
+        and "min_margin_over_baseline 0.0500" in tags["promotion_reason"]
+    )
     assert tags["baseline_accuracy"] == "0.980000"
 
     good = register(models["good"])
@@ -201,7 +224,10 @@ def test_rollback_and_forced_promotion_are_recorded_and_refuse_the_impossible(sp
     assert rollback(client, settings, NAME, "v2 misbehaves") == (two, one)
     assert (alias_version(client, NAME, CHAMPION), alias_version(client, NAME, PREVIOUS)) == (one, two)
     assert [m for m in moves(spark, settings) if m[3] != "gate"] == [
-        (CHAMPION, one, two, "manual"), (PREVIOUS, None, one, "manual"), (CHAMPION, two, one, "rollback"), (PREVIOUS, one, two, "rollback")
+        (CHAMPION, one, two, "manual"),
+        (PREVIOUS, None, one, "manual"),
+        (CHAMPION, two, one, "rollback"),
+        (PREVIOUS, one, two, "rollback"),
     ]
     with pytest.raises(RegistryError, match="no version '9'"):
         force_promote(client, settings, NAME, "9", "typo")
@@ -227,7 +253,9 @@ def test_a_pickled_model_is_refused_and_its_payload_never_runs(registry, tmp_pat
     folder = tmp_path / "crafted"
     (folder / "data").mkdir(parents=True)
     (folder / "data" / "model.pth").write_bytes(pickle.dumps(Payload(marker)))
-    (folder / "MLmodel").write_text(yaml.safe_dump({"flavors": {"pytorch": {"model_data": "data", "pytorch_version": str(torch.__version__)}}}))
+    (folder / "MLmodel").write_text(
+        yaml.safe_dump({"flavors": {"pytorch": {"model_data": "data", "pytorch_version": str(torch.__version__)}}})
+    )
     with mlflow.start_run() as run:
         mlflow.log_artifacts(str(folder), "model")
     client.create_registered_model(NAME)
@@ -243,26 +271,38 @@ def test_a_model_versions_recorded_settings_never_turn_on_what_runs_code_or_load
 
     from tasks.registry import retrain_overrides
 
-    found = {"delta_version": "3", "training_params": json.dumps({}), "split_settings": json.dumps({"val_fraction": 0.2, "allow_pickle_models": True, "spark_conf": {"a": "b"}})}
+    found = {
+        "delta_version": "3",
+        "training_params": json.dumps({}),
+        "split_settings": json.dumps({"val_fraction": 0.2, "allow_pickle_models": True, "spark_conf": {"a": "b"}}),
+    }
     assert retrain_overrides(found) == {"val_fraction": 0.2}
 
 
 @pytest.mark.slow
-def test_a_champion_the_store_cannot_serve_now_is_kept_and_the_gate_retries(spark, registry, tmp_path: Path, monkeypatch) -> None:
+def test_a_champion_the_store_cannot_serve_now_is_kept_and_the_gate_retries(
+    spark, registry, tmp_path: Path, monkeypatch
+) -> None:
     from tasks.registry import ChampionUnreachable
     from tests.servers import MlflowServer
 
     client, settings, models, images, labels = registry
     store = MlflowServer(tmp_path / "artifact-store", artifacts_only=True).start()
     try:
-        monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # a refused connection fails at once, not after minutes of retries
-        remote = client.create_experiment("remote", artifact_location=f"{store.url}/api/2.0/mlflow-artifacts/artifacts/remote")
+        monkeypatch.setenv(
+            "MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0"
+        )  # a refused connection fails at once, not after minutes of retries
+        remote = client.create_experiment(
+            "remote", artifact_location=f"{store.url}/api/2.0/mlflow-artifacts/artifacts/remote"
+        )
         champion = register(models["good"], remote)
         gate(client, settings, NAME, champion, images, labels, 4)
         candidate = register(models["bad"])  # stored locally: only the champion's store fails
 
         store.stop()  # the artifact store stops answering
-        with pytest.raises(ChampionUnreachable, match=rf"champion {NAME} v{champion} could not be fetched .*no alias moved"):
+        with pytest.raises(
+            ChampionUnreachable, match=rf"champion {NAME} v{champion} could not be fetched .*no alias moved"
+        ):
             gate(client, settings, NAME, candidate, images, labels, 4)
         assert alias_version(client, NAME, CHAMPION) == champion and alias_version(client, NAME, CHALLENGER) is None
         assert "promotion_decision" not in client.get_model_version(NAME, candidate).tags
@@ -300,7 +340,9 @@ def test_a_champion_known_to_be_unusable_is_replaced_with_the_reason(spark, regi
 
 
 @pytest.mark.slow
-def test_a_champion_of_another_image_size_is_compared_at_its_own_size_and_kept_when_it_cannot_be(spark, registry, tmp_path: Path, monkeypatch) -> None:
+def test_a_champion_of_another_image_size_is_compared_at_its_own_size_and_kept_when_it_cannot_be(
+    spark, registry, tmp_path: Path, monkeypatch
+) -> None:
     """The gate evaluates a champion trained at 24 px on the test rows decoded at 24 px; when they cannot be decoded
     at that size, or the champion's evaluation runs out of memory, it stays champion and the candidate is challenger."""
     import tasks.registry as registry_module
@@ -311,9 +353,16 @@ def test_a_champion_of_another_image_size_is_compared_at_its_own_size_and_kept_w
     small = np.ascontiguousarray(big[:, 4:20, 4:20])  # the candidate's rows at 16 px (a crop will do here)
     with torch.no_grad():
         labels = good(torch.from_numpy(big)).argmax(dim=1).numpy()  # what the 24 px champion answers on its rows
-    mlflow.pyfunc.save_model(tmp_path / "at24", **served_model(tmp_path / "at24-parts", good, list("abcd"), 24, "letterbox", None, big[:2]))
+    mlflow.pyfunc.save_model(
+        tmp_path / "at24", **served_model(tmp_path / "at24-parts", good, list("abcd"), 24, "letterbox", None, big[:2])
+    )
     champion = register(tmp_path / "at24")
-    for key, value in {"image_size": "24", "resize_mode": "letterbox", "labels": json.dumps(list("abcd")), "training_params": json.dumps({"arch": "small_cnn"})}.items():
+    for key, value in {
+        "image_size": "24",
+        "resize_mode": "letterbox",
+        "labels": json.dumps(list("abcd")),
+        "training_params": json.dumps({"arch": "small_cnn"}),
+    }.items():
         client.set_model_version_tag(NAME, champion, key, value)
     gate(client, settings, NAME, champion, big, labels, 4, names=list("abcd"))
     sizes: list[tuple[int, str]] = []
@@ -337,7 +386,11 @@ def test_a_champion_of_another_image_size_is_compared_at_its_own_size_and_kept_w
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
         return real(model, images, *args)
 
-    for rows_at, why in ((gone, "the test rows could not be decoded at that size: FileNotFoundError: src/3/x.png"), (None, "the test rows are not at hand"), (at, "OutOfMemoryError")):
+    for rows_at, why in (
+        (gone, "the test rows could not be decoded at that size: FileNotFoundError: src/3/x.png"),
+        (None, "the test rows are not at hand"),
+        (at, "OutOfMemoryError"),
+    ):
         if rows_at is at:
             monkeypatch.setattr(registry_module, "evaluate", out_of_memory)
         other = register(models["good"])  # a candidate that would win any comparison
@@ -357,7 +410,9 @@ def test_an_alias_move_cut_short_is_finished_before_the_next_decision(spark, reg
     history_folder = Path(settings.history_uri)
     shutil_move = history_folder.with_name("history-away")
     history_folder.rename(shutil_move)
-    history_folder.write_text("not a folder: the history cannot be written")  # the run dies between the aliases and the history
+    history_folder.write_text(
+        "not a folder: the history cannot be written"
+    )  # the run dies between the aliases and the history
     better = register(models["good"])
     with pytest.raises(Exception):
         gate(client, settings, NAME, better, images, labels, 4)
@@ -367,16 +422,23 @@ def test_an_alias_move_cut_short_is_finished_before_the_next_decision(spark, reg
     shutil_move.rename(history_folder)
     third = register(models["bad"])
     decision, _, compared = gate(client, settings, NAME, third, images, labels, 4)
-    assert compared == better and not decision.promote, "the cut-short move was finished first: the next gate compares with its champion"
+    assert compared == better and not decision.promote, (
+        "the cut-short move was finished first: the next gate compares with its champion"
+    )
     assert PENDING_MOVE not in client.get_registered_model(NAME).tags
     assert (alias_version(client, NAME, CHAMPION), alias_version(client, NAME, PREVIOUS)) == (better, first)
     assert moves(spark, settings) == [
-        (CHAMPION, None, first, "gate"), (CHAMPION, first, better, "gate"), (PREVIOUS, None, first, "gate"), (CHALLENGER, None, third, "gate"),
+        (CHAMPION, None, first, "gate"),
+        (CHAMPION, first, better, "gate"),
+        (PREVIOUS, None, first, "gate"),
+        (CHALLENGER, None, third, "gate"),
     ], "every move has its history row, once"
 
 
 @pytest.mark.slow
-def test_two_hosts_promoting_at_once_are_serialised_by_the_prefect_server(prefect_api: str, saved: dict[str, Path], tmp_path: Path) -> None:
+def test_two_hosts_promoting_at_once_are_serialised_by_the_prefect_server(
+    prefect_api: str, saved: dict[str, Path], tmp_path: Path
+) -> None:
     """Two processes with their own workspaces (no file lock in common, as on two hosts), one MLflow server and one
     Prefect server: the second gate compares with the model the first crowned, never with the champion both saw."""
     import json
@@ -389,10 +451,20 @@ def test_two_hosts_promoting_at_once_are_serialised_by_the_prefect_server(prefec
 
     server = MlflowServer(tmp_path / "mlflow").start()
     try:
-        shared = {"IMAGELAKE_MLFLOW_TRACKING_URI": server.url, "IMAGELAKE_TABLE_ROOT": str(tmp_path / "tables"),
-                  "IMAGELAKE_PREFECT_API_URL": prefect_api, "IMAGELAKE_MODEL_NAME": NAME}
-        settings = load_settings(overrides={"workspace": str(tmp_path / "ws-0"), "mlflow_tracking_uri": server.url,
-                                            "table_root": str(tmp_path / "tables"), "prefect_api_url": prefect_api})
+        shared = {
+            "IMAGELAKE_MLFLOW_TRACKING_URI": server.url,
+            "IMAGELAKE_TABLE_ROOT": str(tmp_path / "tables"),
+            "IMAGELAKE_PREFECT_API_URL": prefect_api,
+            "IMAGELAKE_MODEL_NAME": NAME,
+        }
+        settings = load_settings(
+            overrides={
+                "workspace": str(tmp_path / "ws-0"),
+                "mlflow_tracking_uri": server.url,
+                "table_root": str(tmp_path / "tables"),
+                "prefect_api_url": prefect_api,
+            }
+        )
         client = mlflow_client(settings)
         mlflow.set_tracking_uri(server.url)
         mlflow.set_experiment(experiment_id=experiment_id(client, settings))
@@ -405,13 +477,27 @@ def test_two_hosts_promoting_at_once_are_serialised_by_the_prefect_server(prefec
         go = tmp_path / "go"
         racers = [
             subprocess.Popen(
-                [sys.executable, "-m", "tests.gate_racer", NAME, version, str(tmp_path / "split.npz"), str(go), str(tmp_path / f"out-{version}.json")],
-                cwd=REPO, env=cli_env({**shared, "IMAGELAKE_WORKSPACE": str(tmp_path / f"ws-{version}")}),
+                [
+                    sys.executable,
+                    "-m",
+                    "tests.gate_racer",
+                    NAME,
+                    version,
+                    str(tmp_path / "split.npz"),
+                    str(go),
+                    str(tmp_path / f"out-{version}.json"),
+                ],
+                cwd=REPO,
+                env=cli_env({**shared, "IMAGELAKE_WORKSPACE": str(tmp_path / f"ws-{version}")}),
             )
             for version in candidates
         ]
         deadline = time.monotonic() + 120
-        while not all((tmp_path / f"out-{version}.json.ready").exists() for version in candidates) and time.monotonic() < deadline and all(r.poll() is None for r in racers):
+        while (
+            not all((tmp_path / f"out-{version}.json.ready").exists() for version in candidates)
+            and time.monotonic() < deadline
+            and all(r.poll() is None for r in racers)
+        ):
             time.sleep(0.1)  # until both have loaded what they need and wait for the signal
         go.touch()
         assert [racer.wait(300) for racer in racers] == [0, 0]
@@ -419,16 +505,25 @@ def test_two_hosts_promoting_at_once_are_serialised_by_the_prefect_server(prefec
         winner = next(version for version, result in results.items() if result["promoted"])
         loser = next(version for version in candidates if version != winner)
         assert results[winner]["compared_with"] == champion and not results[loser]["promoted"]
-        assert results[loser]["compared_with"] == winner, "the second gate saw the first's champion: the two were serialised"
-        assert (alias_version(client, NAME, CHAMPION), alias_version(client, NAME, PREVIOUS), alias_version(client, NAME, CHALLENGER)) == (winner, champion, loser)
+        assert results[loser]["compared_with"] == winner, (
+            "the second gate saw the first's champion: the two were serialised"
+        )
+        assert (
+            alias_version(client, NAME, CHAMPION),
+            alias_version(client, NAME, PREVIOUS),
+            alias_version(client, NAME, CHALLENGER),
+        ) == (winner, champion, loser)
     finally:
         mlflow.set_tracking_uri(None)
         server.stop()
 
 
 @pytest.mark.slow
-def test_an_alias_move_under_a_lapsed_lease_is_refused_while_another_holder_is_in(prefect_api: str, spark, registry) -> None:
-    """The registry lock's Prefect lease lapses (the server drops it, as it does when a holder cannot renew in time) and a
+def test_an_alias_move_under_a_lapsed_lease_is_refused_while_another_holder_is_in(
+    prefect_api: str, spark, registry
+) -> None:
+    """The registry lock's Prefect lease lapses (the server drops it, as it does when a holder cannot renew in time) and
+    a
     second host takes the lock: the first holder's alias move and history row are fenced off, and nothing moves."""
     from infra.lease import LeaseLost, acquire, client_of
     from infra.prefect_env import _leases, lock_name
@@ -445,11 +540,15 @@ def test_an_alias_move_under_a_lapsed_lease_is_refused_while_another_holder_is_i
             prefect.release_concurrency_slots_with_lease(lease.lease_id)  # lapsed: the slot is free again
         second = acquire(prefect_api, lock_name(lock_of(NAME)), timeout=30)  # another host enters
         try:
-            with pytest.raises(LeaseLost, match=rf"the lock .*registry-{NAME}.* may be held by another run now .*nothing was changed"):
+            with pytest.raises(
+                LeaseLost, match=rf"the lock .*registry-{NAME}.* may be held by another run now .*nothing was changed"
+            ):
                 crown(client, settings, NAME, other, "manual", "a move under a lapsed lease")
         finally:
             second.release()
-    assert alias_version(client, NAME, CHAMPION) == champion and moves(spark, settings) == [(CHAMPION, None, champion, "gate")]
+    assert alias_version(client, NAME, CHAMPION) == champion and moves(spark, settings) == [
+        (CHAMPION, None, champion, "gate")
+    ]
     assert "imagelake.pending_move" not in client.get_registered_model(NAME).tags, "not even written down"
     with registry_lock(settings, NAME):  # a lease that holds fences nothing
         crown(client, settings, NAME, other, "manual", "a move under a lease that holds")
@@ -470,16 +569,25 @@ def test_the_promote_stage_retries_a_champion_the_store_cannot_serve_and_then_co
     from tasks.train import train_model
     from tests.servers import MlflowServer
 
-    settings = settings.model_copy(update={"image_size": 24, "max_epochs": 1, "num_workers": 1, "batch_size": 16, "model_name": NAME})
+    settings = settings.model_copy(
+        update={"image_size": 24, "max_epochs": 1, "num_workers": 1, "batch_size": 16, "model_name": NAME}
+    )
     client = mlflow_client(settings)
     mlflow.set_experiment(experiment_id=experiment_id(client, settings))
     store = MlflowServer(tmp_path / "artifact-store", artifacts_only=True).start()
     try:
         monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
-        remote = client.create_experiment("remote", artifact_location=f"{store.url}/api/2.0/mlflow-artifacts/artifacts/remote")
+        remote = client.create_experiment(
+            "remote", artifact_location=f"{store.url}/api/2.0/mlflow-artifacts/artifacts/remote"
+        )
         torch.manual_seed(0)
         images = np.random.default_rng(0).integers(0, 256, (4, 24, 24, 3), dtype=np.uint8)
-        mlflow.pytorch.save_model(ImageModel(len(digits_cached.labels)).eval(), tmp_path / "untrained", input_example=images, serialization_format="pt2")
+        mlflow.pytorch.save_model(
+            ImageModel(len(digits_cached.labels)).eval(),
+            tmp_path / "untrained",
+            input_example=images,
+            serialization_format="pt2",
+        )
         champion = register(tmp_path / "untrained", remote)
         crown(client, settings, NAME, champion, "gate", "first")
         trained = train_model(digits_cached, settings)
@@ -498,7 +606,9 @@ def test_the_promote_stage_retries_a_champion_the_store_cannot_serve_and_then_co
         def promote_only():
             with stage_results(settings):
                 # The stage as the pipeline declares it, with its own retry condition; the store is back before it runs.
-                stage = promote.with_options(retry_delay_seconds=0, retry_jitter_factor=0, retry_condition_fn=store_back_then_decide)
+                stage = promote.with_options(
+                    retry_delay_seconds=0, retry_jitter_factor=0, retry_condition_fn=store_back_then_decide
+                )
                 return stage(trained, digits_cached, settings, return_state=True)
 
         state = promote_only()
@@ -506,8 +616,12 @@ def test_the_promote_stage_retries_a_champion_the_store_cannot_serve_and_then_co
         assert aliases_when_failed == [champion], "the first attempt failed and moved no alias"
         task_run = httpx.get(f"{prefect_api}/task_runs/{state.state_details.task_run_id}").json()
         assert task_run["run_count"] == 2 and task_run["state_type"] == "COMPLETED", task_run
-        assert "could not be evaluated" not in promoted.decision and re.search(r"champion \d\.\d{4}", promoted.decision), "compared with the champion"
-        assert alias_version(client, NAME, CHAMPION) == (promoted.model_version if promoted.alias == CHAMPION else champion)
+        assert "could not be evaluated" not in promoted.decision and re.search(
+            r"champion \d\.\d{4}", promoted.decision
+        ), "compared with the champion"
+        assert alias_version(client, NAME, CHAMPION) == (
+            promoted.model_version if promoted.alias == CHAMPION else champion
+        )
     finally:
         store.stop()
 
@@ -534,7 +648,9 @@ with registry_lock(settings, sys.argv[2]):
 
 
 @pytest.mark.slow
-def test_a_process_killed_between_the_champion_and_previous_champion_moves_leaves_a_move_the_next_gate_finishes(spark, registry) -> None:
+def test_a_process_killed_between_the_champion_and_previous_champion_moves_leaves_a_move_the_next_gate_finishes(
+    spark, registry
+) -> None:
     import subprocess
     import sys
 
@@ -545,7 +661,14 @@ def test_a_process_killed_between_the_champion_and_previous_champion_moves_leave
     first = register(models["bad"])
     gate(client, settings, NAME, first, images, labels, 4)
     better = register(models["good"])
-    died = subprocess.run([sys.executable, "-c", CROWN_AND_DIE, str(settings.workspace_dir), NAME, better], cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=300)
+    died = subprocess.run(
+        [sys.executable, "-c", CROWN_AND_DIE, str(settings.workspace_dir), NAME, better],
+        cwd=REPO,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert died.returncode == 9, died.stderr[-3000:]
     # Half a move: the champion moved, previous-champion and the history did not; the move is written down.
     assert (alias_version(client, NAME, CHAMPION), alias_version(client, NAME, PREVIOUS)) == (better, None)
@@ -558,5 +681,8 @@ def test_a_process_killed_between_the_champion_and_previous_champion_moves_leave
     assert (alias_version(client, NAME, CHAMPION), alias_version(client, NAME, PREVIOUS)) == (better, first)
     assert PENDING_MOVE not in client.get_registered_model(NAME).tags
     assert moves(spark, settings) == [
-        (CHAMPION, None, first, "gate"), (CHAMPION, first, better, "gate"), (PREVIOUS, None, first, "gate"), (CHALLENGER, None, third, "gate"),
+        (CHAMPION, None, first, "gate"),
+        (CHAMPION, first, better, "gate"),
+        (PREVIOUS, None, first, "gate"),
+        (CHALLENGER, None, third, "gate"),
     ], "the cut-short move's rows land once, with the rest of it"

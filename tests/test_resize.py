@@ -47,8 +47,11 @@ def test_exif_orientation_is_applied() -> None:
 
 
 @pytest.mark.parametrize("orientation,expected", [(1, (198, 188)), (6, (188, 198))])
-def test_a_jpeg_records_its_own_size_not_that_of_its_reduced_decode(orientation: int, expected: tuple[int, int]) -> None:
-    # Pillow's draft() decodes this JPEG at a quarter scale (50x47) for a 32-pixel square; the table records the source's size.
+def test_a_jpeg_records_its_own_size_not_that_of_its_reduced_decode(
+    orientation: int, expected: tuple[int, int]
+) -> None:
+    # Pillow's draft() decodes this JPEG at a quarter scale (50x47) for a 32-pixel square; the table records the
+    # source's size.
     exif = Image.Exif()
     exif[0x0112] = orientation
     pixels, width, height = resize_image(encode(Image.new("RGB", (198, 188), (90, 20, 20)), "JPEG", exif=exif), 32)
@@ -66,7 +69,11 @@ def palette_with_transparency() -> Image.Image:
     "image,fmt,check",
     [
         (Image.new("L", (10, 10), 128), "PNG", lambda p: (p == 128).all()),
-        (Image.new("RGBA", (10, 10), (255, 0, 0, 0)), "PNG", lambda p: (p == 255).all()),  # transparent -> white, not black
+        (
+            Image.new("RGBA", (10, 10), (255, 0, 0, 0)),
+            "PNG",
+            lambda p: (p == 255).all(),
+        ),  # transparent -> white, not black
         (palette_with_transparency(), "PNG", lambda p: (p == 255).all()),
         (Image.new("I;16", (10, 10), 65535), "PNG", lambda p: (p == 255).all()),  # 16-bit white stays white
         (Image.new("I;16", (10, 10), 32768), "PNG", lambda p: (p == 128).all()),
@@ -83,7 +90,8 @@ def test_colour_modes_convert_to_the_right_rgb(image: Image.Image, fmt: str, che
 
 
 def test_a_large_16_bit_image_is_narrowed_in_strips_with_its_values_and_a_byte_a_pixel() -> None:
-    """A 16-bit image (a gradient over every value, 1000 wide and 3000 tall, cut in uneven strips) narrows to its top 8 bits with
+    """A 16-bit image (a gradient over every value, 1000 wide and 3000 tall, cut in uneven strips) narrows to its top 8
+    bits with
     under two bytes a pixel of memory beside Pillow's own image (numpy's and Python's, traced): it once took 24
     (int64, copied twice)."""
     import tracemalloc
@@ -131,7 +139,9 @@ def test_decoding_that_goes_past_its_deadline_quarantines_the_file_and_the_stage
     png = io.BytesIO()
     Image.fromarray(np.random.default_rng(0).integers(0, 256, (600, 600, 3), dtype=np.uint8)).save(png, format="PNG")
     data = png.getvalue()
-    with pytest.raises(ImageDecodeError, match=r"decode_timeout: decoding went on past 0 s \(max_decode_seconds\)") as stopped:
+    with pytest.raises(
+        ImageDecodeError, match=r"decode_timeout: decoding went on past 0 s \(max_decode_seconds\)"
+    ) as stopped:
         resize_image(data, 32, max_seconds=0)
     assert stopped.value.reason == "decode_timeout"
     assert resize_image(data, 32)[0].shape == (32, 32, 3), "the default deadline leaves it decoded"
@@ -143,7 +153,11 @@ def test_decoding_that_goes_past_its_deadline_quarantines_the_file_and_the_stage
         path = Path(folder) / "slow.png"
         path.write_bytes(data)
         row = {"path": str(path), "action": "upsert", "issue": None, "known_sha256": None}
-        staged, pixels = process_file(row, DecodeRules(size=32, mode="letterbox", max_file_bytes=10_000_000, max_pixels=10_000_000, max_seconds=0))
+        staged, pixels = process_file(
+            row, DecodeRules(size=32, mode="letterbox", max_file_bytes=10_000_000, max_pixels=10_000_000, max_seconds=0)
+        )
         assert (staged["status"], staged["reason"], pixels) == ("quarantined", "decode_timeout", None)
-        staged, pixels = process_file(row, DecodeRules(size=32, mode="letterbox", max_file_bytes=10_000_000, max_pixels=10_000_000))
+        staged, pixels = process_file(
+            row, DecodeRules(size=32, mode="letterbox", max_file_bytes=10_000_000, max_pixels=10_000_000)
+        )
         assert staged["status"] == "new" and len(pixels) == 32 * 32 * 3

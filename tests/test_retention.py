@@ -36,7 +36,11 @@ def put(path: Path, hours: float, text: str = "x") -> Path:
 
 def test_retention_removes_old_stage_files_and_keeps_what_the_next_run_reads(tmp_path: Path) -> None:
     settings = load_settings(overrides={"workspace": str(tmp_path / "ws"), "workspace_retention_hours": 24})
-    staging, results, checkpoints = Path(settings.staging_uri), Path(settings.results_uri), Path(settings.ray_storage_path)
+    staging, results, checkpoints = (
+        Path(settings.staging_uri),
+        Path(settings.results_uri),
+        Path(settings.ray_storage_path),
+    )
     old, young = 48, 1
     gone = [
         put(staging / "listing-aaaa.parquet", old),
@@ -59,7 +63,9 @@ def test_retention_removes_old_stage_files_and_keeps_what_the_next_run_reads(tmp
         put(results / "cache-keys" / "train.json", old),
         put(checkpoints / "train-young" / "checkpoint_000000" / "checkpoint.ckpt", young).parent.parent,
         put(staging / "notes.txt", old),  # not a file any stage writes: not retention's to remove
-        put(staging / "named" / "0123" / "4567.parquet", old),  # a manifest's record of what it named: what it may retire
+        put(
+            staging / "named" / "0123" / "4567.parquet", old
+        ),  # a manifest's record of what it named: what it may retire
     ]
     # A resize folder with one old file and one just written is in use.
     put(staging / "resize-cccc-32-letterbox" / "part-00000.parquet", old)
@@ -68,7 +74,9 @@ def test_retention_removes_old_stage_files_and_keeps_what_the_next_run_reads(tmp
     put(checkpoints / "train-long" / "checkpoint_000000" / "checkpoint.ckpt", old)
     kept.append(put(checkpoints / "train-long" / "result.json", young).parent)
     record = staging / "in-sync" / "last-key.json"
-    kept.append(put(record, old, json.dumps({"versions": [3, None], "listing": str(staging / "listing-in-step.parquet")})))
+    kept.append(
+        put(record, old, json.dumps({"versions": [3, None], "listing": str(staging / "listing-in-step.parquet")}))
+    )
     age(staging / "in-sync" / "fedcba9876543210", young)
 
     removed = prune_workspace(settings)
@@ -78,9 +86,9 @@ def test_retention_removes_old_stage_files_and_keeps_what_the_next_run_reads(tmp
     assert [str(p) for p in kept if not p.exists()] == []
     # Nothing is old at a longer retention.
     put(staging / "ingest-dddd.parquet", old)
-    assert prune_workspace(load_settings(overrides={"workspace": str(tmp_path / "ws"), "workspace_retention_hours": 100})) == {
-        "staging": 0, "stage_results": 0, "training_runs": 0
-    }
+    assert prune_workspace(
+        load_settings(overrides={"workspace": str(tmp_path / "ws"), "workspace_retention_hours": 100})
+    ) == {"staging": 0, "stage_results": 0, "training_runs": 0}
 
 
 def test_two_runs_ending_together_may_both_reach_for_one_old_path(tmp_path: Path) -> None:
@@ -97,15 +105,30 @@ def test_two_runs_ending_together_may_both_reach_for_one_old_path(tmp_path: Path
 
 
 @pytest.mark.slow
-def test_a_run_removes_what_retention_lets_go_and_the_next_run_still_hits_its_cache(prefect_api: str, digits_dir: Path, tmp_path: Path) -> None:
+def test_a_run_removes_what_retention_lets_go_and_the_next_run_still_hits_its_cache(
+    prefect_api: str, digits_dir: Path, tmp_path: Path
+) -> None:
     source = tmp_path / "src"
     copy_digits(digits_dir, source, labels=("0", "1", "2", "3"), per_label=10)
-    overrides = {"workspace": str(tmp_path / "ws"), "image_size": 16, "max_epochs": 1, "num_workers": 1, "batch_size": 16, "model_name": "digits-retention"}
+    overrides = {
+        "workspace": str(tmp_path / "ws"),
+        "image_size": 16,
+        "max_epochs": 1,
+        "num_workers": 1,
+        "batch_size": 16,
+        "model_name": "digits-retention",
+    }
     settings = load_settings(overrides=overrides)
-    staging, results, checkpoints = Path(settings.staging_uri), Path(settings.results_uri), Path(settings.ray_storage_path)
+    staging, results, checkpoints = (
+        Path(settings.staging_uri),
+        Path(settings.results_uri),
+        Path(settings.ray_storage_path),
+    )
 
     first = pipeline(str(source), overrides=overrides)
-    assert first["removed_by_retention"] == {"staging": 0, "stage_results": 0, "training_runs": 0}, "the default keeps a week"
+    assert first["removed_by_retention"] == {"staging": 0, "stage_results": 0, "training_runs": 0}, (
+        "the default keeps a week"
+    )
     first_files = {p for folder in (staging, results) for p in folder.iterdir() if p.name != "cache-keys"}
     first_ray_run = Path(first["checkpoint"]).parent.parent
     assert first_ray_run.parent == checkpoints and first_ray_run.is_dir()

@@ -8,8 +8,8 @@ import io
 import struct
 import uuid
 import zlib
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 import botocore.config
 import botocore.session
@@ -28,11 +28,10 @@ from ray.train import WorkerGroupError
 
 from infra.settings import SettingsError
 from tasks.resize_executor import read_with_retries
+from tasks.rules.bad_files import TooManyBadFiles
 from tasks.stage import is_permanent, stage
 from tasks.worker.train_loop import CheckpointUnusable
-from tasks.rules.bad_files import TooManyBadFiles
 from tests.s3 import SlowDownServer
-
 
 ERRORS = {
     "transient": OSError("the object store timed out"),
@@ -40,7 +39,9 @@ ERRORS = {
     "too many bad files": TooManyBadFiles("3 of 3 files are bad (not_an_image: 3), over max_bad_fraction=0.2"),
     "unusable checkpoint": CheckpointUnusable("no checkpoint under ray_results/run loads: delete that folder"),
     # How a training worker's error reaches the driver: inside Ray Train's error, by rank.
-    "unusable checkpoint on a worker": WorkerGroupError("Training failed", {1: CheckpointUnusable("no checkpoint loads: delete the run folder")}),
+    "unusable checkpoint on a worker": WorkerGroupError(
+        "Training failed", {1: CheckpointUnusable("no checkpoint loads: delete the run folder")}
+    ),
 }
 
 
@@ -70,7 +71,9 @@ def test_a_transient_failure_is_retried_and_the_run_completes(prefect_api: str, 
     assert attempts(log) == 2
 
 
-@pytest.mark.parametrize("error", ["bad settings", "too many bad files", "unusable checkpoint", "unusable checkpoint on a worker"])
+@pytest.mark.parametrize(
+    "error", ["bad settings", "too many bad files", "unusable checkpoint", "unusable checkpoint on a worker"]
+)
 def test_a_permanent_failure_fails_after_one_attempt(prefect_api: str, tmp_path: Path, error: str) -> None:
     log = tmp_path / "permanent.log"
     with pytest.raises(type(ERRORS[error]), match=str(ERRORS[error]).split(" ")[0]):
@@ -89,8 +92,9 @@ def writes_a_file(path: str, settings) -> str:
 @flow
 def one_stage_flow(stage_name: str, path: str, settings) -> dict:
     """Run one of this file's stages on PATH; how it ended and why it was a hit or a miss."""
-    from infra.prefect_env import stage_results
     from prefect.context import FlowRunContext
+
+    from infra.prefect_env import stage_results
     from tasks.stage import stage_outcomes
 
     with stage_results(settings):
@@ -118,7 +122,9 @@ def test_a_cached_result_whose_file_is_gone_is_a_miss_that_says_why(prefect_api:
     assert len(output.with_suffix(".calls").read_text().splitlines()) == 2
 
 
-@stage("reads-what-it-can", unfinished=lambda left: f"{left} file(s) could not be read then; read again" if left else None)
+@stage(
+    "reads-what-it-can", unfinished=lambda left: f"{left} file(s) could not be read then; read again" if left else None
+)
 def reads_what_it_can(path: str, settings) -> int:
     with Path(path).with_suffix(".calls").open("a") as out:
         out.write("call\n")
@@ -163,13 +169,23 @@ def png_claiming(width: int, height: int) -> bytes:
     def chunk(kind: bytes, data: bytes) -> bytes:
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
 
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)) + chunk(b"IEND", b"")
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+        + chunk(b"IEND", b"")
+    )
 
 
 # Errors about a file's bytes, and the type each library raises: the same bytes fail the same way on every attempt.
 BAD_BYTES: dict[str, tuple[Callable[[], object], type[BaseException]]] = {
-    "Pillow: not an image": (lambda: Image.open(io.BytesIO(b"<html>an error page saved as a .png</html>")), UnidentifiedImageError),
-    "Pillow: a decompression bomb": (lambda: Image.open(io.BytesIO(png_claiming(20_000, 20_000))), Image.DecompressionBombError),
+    "Pillow: not an image": (
+        lambda: Image.open(io.BytesIO(b"<html>an error page saved as a .png</html>")),
+        UnidentifiedImageError,
+    ),
+    "Pillow: a decompression bomb": (
+        lambda: Image.open(io.BytesIO(png_claiming(20_000, 20_000))),
+        Image.DecompressionBombError,
+    ),
     "Arrow: not Parquet": (lambda: pq.read_table(pa.BufferReader(b"half a Parquet file")), pa.ArrowInvalid),
 }
 
@@ -200,20 +216,27 @@ def deleted_after_listing(folder: str) -> dict[str, BaseException]:
         fs.pipe_file(f"{root}/{n}.parquet", parquet_bytes(n))
     dataset = ds.dataset(folder, format="parquet")
     fs.rm(f"{root}/1.parquet")
-    return {"fsspec": raised(lambda: read_with_retries(f"{folder}/1.parquet", 3, 0.0)), "Arrow": raised(dataset.to_table)}
+    return {
+        "fsspec": raised(lambda: read_with_retries(f"{folder}/1.parquet", 3, 0.0)),
+        "Arrow": raised(dataset.to_table),
+    }
 
 
 def test_a_file_deleted_between_its_listing_and_its_read_is_permanent(tmp_path: Path) -> None:
     """A retry reads the same listing and misses the same file again (resize counts such a file unread instead, and the
     next run's listing finds it or not): one attempt."""
     for reader, error in deleted_after_listing(str(tmp_path / "files")).items():
-        assert is_permanent(error), f"{reader}: {type(error).__module__}.{type(error).__name__} ({error}) would be retried"
+        assert is_permanent(error), (
+            f"{reader}: {type(error).__module__}.{type(error).__name__} ({error}) would be retried"
+        )
 
 
 def test_a_key_deleted_on_s3_between_its_listing_and_its_read_is_permanent(s3) -> None:
     """The same gap on S3 (S3Proxy answers 404 NoSuchKey) is the same failure as on a disk, whichever client meets it."""
     for reader, error in deleted_after_listing(f"s3://lake/{uuid.uuid4().hex[:12]}").items():
-        assert is_permanent(error), f"{reader}: {type(error).__module__}.{type(error).__name__} ({error}) would be retried"
+        assert is_permanent(error), (
+            f"{reader}: {type(error).__module__}.{type(error).__name__} ({error}) would be retried"
+        )
 
 
 @pytest.fixture(scope="module")
@@ -226,14 +249,22 @@ def slow_down() -> Iterator[str]:
 def botocore_get(endpoint: str) -> None:
     no_retries = botocore.config.Config(retries={"max_attempts": 1, "mode": "standard"})
     client = botocore.session.get_session().create_client(
-        "s3", endpoint_url=endpoint, aws_access_key_id="key", aws_secret_access_key="secret", region_name="us-east-1", config=no_retries,
+        "s3",
+        endpoint_url=endpoint,
+        aws_access_key_id="key",
+        aws_secret_access_key="secret",
+        region_name="us-east-1",
+        config=no_retries,
     )
     client.get_object(Bucket="lake", Key="a.png")
 
 
 def s3fs_read(endpoint: str) -> None:
     fs = s3fs.S3FileSystem(
-        key="key", secret="secret", skip_instance_cache=True, client_kwargs={"endpoint_url": endpoint, "region_name": "us-east-1"},
+        key="key",
+        secret="secret",
+        skip_instance_cache=True,
+        client_kwargs={"endpoint_url": endpoint, "region_name": "us-east-1"},
         config_kwargs={"retries": {"max_attempts": 1, "mode": "standard"}},
     )
     fs.retries = 1
@@ -242,7 +273,11 @@ def s3fs_read(endpoint: str) -> None:
 
 def arrow_read(endpoint: str) -> None:
     store = S3FileSystem(
-        access_key="key", secret_key="secret", endpoint_override=endpoint.removeprefix("http://"), scheme="http", region="us-east-1",
+        access_key="key",
+        secret_key="secret",
+        endpoint_override=endpoint.removeprefix("http://"),
+        scheme="http",
+        region="us-east-1",
         retry_strategy=AwsStandardS3RetryStrategy(max_attempts=1),
     )
     pq.read_table("lake/a.parquet", filesystem=store)
@@ -252,7 +287,9 @@ def is_slow_down(error: BaseException) -> bool:
     """Whether ERROR is S3's 503, as botocore reports it or as s3fs and Arrow pass it on."""
     if isinstance(error, ClientError):
         return error.response["ResponseMetadata"]["HTTPStatusCode"] == 503
-    return isinstance(error, OSError) and ((error.errno == errno.EBUSY and is_slow_down(error.__cause__)) or "HTTP status 503" in str(error))
+    return isinstance(error, OSError) and (
+        (error.errno == errno.EBUSY and is_slow_down(error.__cause__)) or "HTTP status 503" in str(error)
+    )
 
 
 # Each client with no retries of its own: the error is what reaches the stage once the library gives up.

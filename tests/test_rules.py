@@ -6,8 +6,8 @@ import hashlib
 
 import pytest
 
-from tasks.worker.loader import ShardTooSmall, batch_sizes, steps_per_epoch
 from tasks.rules.splits import split_of
+from tasks.worker.loader import ShardTooSmall, batch_sizes, steps_per_epoch
 
 
 def digest(i: int) -> str:
@@ -76,7 +76,8 @@ def test_what_a_run_did_stays_out_of_the_next_cache_key() -> None:
 
 
 def test_every_setting_a_training_run_records_keys_the_train_stage_or_its_data() -> None:
-    # retrain maps the logged params back to settings: each must be one that keys training (or the cached data it reads).
+    # retrain maps the logged params back to settings: each must be one that keys training (or the cached data it
+    # reads).
     from infra.settings import Settings
     from tasks.rules.training import PARAM_SETTINGS, TRAINING_SETTINGS
 

@@ -7,7 +7,7 @@ import re
 import shutil
 import time
 from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import httpx
@@ -22,8 +22,17 @@ pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("prefect-server")]
 POOL = "imagelake-process"
 SUMMARY_KEY = "imagelake-run-summary"
 CHROMIUM = Path("/usr/bin/chromium")
-# Debian's Chromium, not a Playwright download: flags that keep it off the network and out of a sandbox it cannot have here.
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+# Debian's Chromium, not a Playwright download: flags that keep it off the network and out of a sandbox it cannot have
+# here.
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
 RUN_TIMEOUT = 900  # seconds; a 1-epoch run on 32 px images takes one to two minutes on two cores
 
@@ -59,7 +68,10 @@ class Deployed:
         return found.json()
 
     def logs(self, flow_run_ids: list[str]) -> str:
-        found = self.api.post("/logs/filter", json={"logs": {"flow_run_id": {"any_": flow_run_ids}}, "sort": "TIMESTAMP_ASC", "limit": 200})
+        found = self.api.post(
+            "/logs/filter",
+            json={"logs": {"flow_run_id": {"any_": flow_run_ids}}, "sort": "TIMESTAMP_ASC", "limit": 200},
+        )
         return "\n".join(f"{log['level']} {log['message']}" for log in found.json())
 
     def family(self, flow_run_id: str) -> list[str]:
@@ -79,7 +91,9 @@ class Deployed:
             if run["state_type"] in TERMINAL or time.monotonic() - started > timeout:
                 break
             time.sleep(2)
-        print(f"flow run {run['name']} {run['state_type']} after {time.monotonic() - started:.0f} s (run time {run['total_run_time']:.0f} s)")
+        print(
+            f"flow run {run['name']} {run['state_type']} after {time.monotonic() - started:.0f} s (run time {run['total_run_time']:.0f} s)"
+        )
         assert run["state_type"] == "COMPLETED", (
             f"flow run {run['name']} is {run['state_name']} after {time.monotonic() - started:.0f} s\n"
             f"--- run logs ---\n{self.logs(self.family(flow_run_id))[-6000:]}\n--- worker log ---\n{self.worker_log.read_text()[-4000:]}"
@@ -125,7 +139,9 @@ def ran_at_once(deployed: Deployed, first: str, second: str) -> list[tuple[str, 
     would run them: the runs overlap, and so do stages of theirs (task runs of each run and its subflow runs, which
     the server records from the runs' events, possibly a little after the run ends). The overlapping stages."""
     runs = [deployed.api.get(f"/flow_runs/{flow_run_id}").json() for flow_run_id in (first, second)]
-    assert overlapping(runs[:1], runs[1:]), f"the flow runs ran one after the other: {[(run['name'], ran(run)) for run in runs]}"
+    assert overlapping(runs[:1], runs[1:]), (
+        f"the flow runs ran one after the other: {[(run['name'], ran(run)) for run in runs]}"
+    )
     deadline = time.monotonic() + 60
     while not (stages := overlapping(deployed.stages(first), deployed.stages(second))) and time.monotonic() < deadline:
         time.sleep(2)
@@ -161,8 +177,11 @@ def deployed(tmp_path_factory: pytest.TempPathFactory, digits_dir: Path):
         server.prefect("deploy", "--all")
         workspace = root / "workspace"
         worker_log = root / "worker.log"
-        # The worker polls more often than every 10 s, so a run starts soon after it is created (each poll writes to SQLite, so not too often).
-        server.start_worker(POOL, worker_log, {"IMAGELAKE_WORKSPACE": str(workspace), "PREFECT_WORKER_QUERY_SECONDS": "5"})
+        # The worker polls more often than every 10 s, so a run starts soon after it is created (each poll writes to
+        # SQLite, so not too often).
+        server.start_worker(
+            POOL, worker_log, {"IMAGELAKE_WORKSPACE": str(workspace), "PREFECT_WORKER_QUERY_SECONDS": "5"}
+        )
         print(f"server up, deployed, worker started in {time.monotonic() - started:.0f} s")
         yield Deployed(server, api, workspace, digits_dir, worker_log)
     finally:
@@ -175,26 +194,36 @@ def deployed(tmp_path_factory: pytest.TempPathFactory, digits_dir: Path):
         described = [f"{p.pid} {' '.join(p.cmdline())[:160]}" for p in alive if p.is_running()]
         for process in alive:
             process.kill()
-        assert not described, "processes left running after the server and worker were stopped:\n" + "\n".join(described)
+        assert not described, "processes left running after the server and worker were stopped:\n" + "\n".join(
+            described
+        )
 
 
 def test_the_nightly_deployment_is_scheduled_for_two_in_the_morning_utc(deployed: Deployed) -> None:
     nightly = deployed.deployment("imagelake-pipeline", "nightly")
-    assert [(s["schedule"]["cron"], s["schedule"]["timezone"], s["active"]) for s in nightly["schedules"]] == [("0 2 * * *", "UTC", True)]
+    assert [(s["schedule"]["cron"], s["schedule"]["timezone"], s["active"]) for s in nightly["schedules"]] == [
+        ("0 2 * * *", "UTC", True)
+    ]
     assert not nightly["paused"]
 
     # The server's scheduler service creates the upcoming runs a few seconds after the deployment appears.
-    body = {"deployments": {"id": {"any_": [nightly["id"]]}}, "flow_runs": {"state": {"type": {"any_": ["SCHEDULED"]}}},
-            "sort": "EXPECTED_START_TIME_ASC", "limit": 5}
+    body = {
+        "deployments": {"id": {"any_": [nightly["id"]]}},
+        "flow_runs": {"state": {"type": {"any_": ["SCHEDULED"]}}},
+        "sort": "EXPECTED_START_TIME_ASC",
+        "limit": 5,
+    }
     deadline = time.monotonic() + 120
     scheduled = deployed.flow_runs(body)
     while not scheduled and time.monotonic() < deadline:
         time.sleep(2)
         scheduled = deployed.flow_runs(body)
-    assert scheduled, f"no scheduled runs of the nightly deployment after 120 s:\n{deployed.server.log.read_text()[-4000:]}"
+    assert scheduled, (
+        f"no scheduled runs of the nightly deployment after 120 s:\n{deployed.server.log.read_text()[-4000:]}"
+    )
     first = datetime.fromisoformat(scheduled[0]["expected_start_time"].replace("Z", "+00:00"))
-    now = datetime.now(timezone.utc)
-    assert (first.astimezone(timezone.utc).hour, first.minute, first.second) == (2, 0, 0), first
+    now = datetime.now(UTC)
+    assert (first.astimezone(UTC).hour, first.minute, first.second) == (2, 0, 0), first
     assert now < first <= now + timedelta(days=1), f"the next run should be the next 02:00 UTC, not {first}"
     assert scheduled[0]["parameters"] == {"source": ".imagelake/demo-digits", "overrides": {"max_epochs": 8}}
 
@@ -209,7 +238,9 @@ def test_invalid_custom_run_parameters_are_refused_before_any_run_exists(deploye
     assert refused.status_code == 409, refused.text
     assert "params.image_size" in refused.json()["detail"] and "minimum of 8" in refused.json()["detail"]
 
-    body = custom_run_body(adhoc, {"params": run_params(adhoc, deployed.source, model_arch="vgg")}, "refused-model-arch")
+    body = custom_run_body(
+        adhoc, {"params": run_params(adhoc, deployed.source, model_arch="vgg")}, "refused-model-arch"
+    )
     refused = deployed.create_run(adhoc, body)
     assert refused.status_code == 409 and "params.model_arch" in refused.json()["detail"], refused.text
 
@@ -222,7 +253,9 @@ def refused(deployed: Deployed, deployment: dict, parameters: dict, name: str, e
     created = deployed.create_run(deployment, custom_run_body(deployment, parameters, name))
     assert created.status_code == 201, created.text
     started = time.monotonic()
-    while (run := deployed.api.get(f"/flow_runs/{created.json()['id']}").json())["state_type"] not in TERMINAL and time.monotonic() - started < 300:
+    while (run := deployed.api.get(f"/flow_runs/{created.json()['id']}").json())[
+        "state_type"
+    ] not in TERMINAL and time.monotonic() - started < 300:
         time.sleep(2)
     failed = time.monotonic()
     while expect not in (logs := deployed.logs(deployed.family(run["id"]))) and time.monotonic() - failed < 60:
@@ -231,11 +264,20 @@ def refused(deployed: Deployed, deployment: dict, parameters: dict, name: str, e
     return logs
 
 
-@pytest.mark.parametrize("unsafe", [{"spark_conf": {"spark.driver.extraJavaOptions": "-javaagent:/tmp/agent.jar"}}, {"allow_pickle_models": True}])
+@pytest.mark.parametrize(
+    "unsafe",
+    [{"spark_conf": {"spark.driver.extraJavaOptions": "-javaagent:/tmp/agent.jar"}}, {"allow_pickle_models": True}],
+)
 def test_a_deployment_run_may_not_set_what_runs_code_or_loads_pickles(deployed: Deployed, unsafe: dict) -> None:
     nightly = deployed.deployment("imagelake-pipeline", "nightly")
     expected = f"{next(iter(unsafe))} cannot be set from the parameters of a deployment run"
-    logs = refused(deployed, nightly, {"source": str(deployed.source), "overrides": {"max_epochs": 1, **unsafe}}, f"unsafe-{next(iter(unsafe))}", expected)
+    logs = refused(
+        deployed,
+        nightly,
+        {"source": str(deployed.source), "overrides": {"max_epochs": 1, **unsafe}},
+        f"unsafe-{next(iter(unsafe))}",
+        expected,
+    )
     assert expected in logs and "IMAGELAKE_ALLOW_FROM_RUNS" in logs, logs[-3000:]
 
 
@@ -244,11 +286,23 @@ def test_nor_through_a_settings_file_it_names_outside_the_code(deployed: Deploye
     planted.write_text("allow_pickle_models: true\nmax_epochs: 1\nimage_size: 32\n")
     expected = f"allow_pickle_models cannot be set from the settings file {planted}, named by the parameters of a deployment run"
     nightly = deployed.deployment("imagelake-pipeline", "nightly")
-    logs = refused(deployed, nightly, {"source": str(deployed.source), "config_file": str(planted)}, "planted-settings-nightly", expected)
+    logs = refused(
+        deployed,
+        nightly,
+        {"source": str(deployed.source), "config_file": str(planted)},
+        "planted-settings-nightly",
+        expected,
+    )
     assert expected in logs, logs[-3000:]
     # The UI's form has a settings file field too.
     adhoc = deployed.deployment("imagelake-adhoc", "adhoc")
-    logs = refused(deployed, adhoc, {"params": run_params(adhoc, deployed.source, config_file=str(planted))}, "planted-settings-adhoc", expected)
+    logs = refused(
+        deployed,
+        adhoc,
+        {"params": run_params(adhoc, deployed.source, config_file=str(planted))},
+        "planted-settings-adhoc",
+        expected,
+    )
     assert expected in logs, logs[-3000:]
 
 
@@ -269,7 +323,12 @@ def test_a_custom_run_through_the_ui_api_call_completes_and_publishes_its_summar
     from deltalake import DeltaTable
 
     version = int(re.search(r"\| delta_version \| (\d+) \|", summary).group(1))
-    paths = DeltaTable(str(deployed.workspace / "tables" / "images"), version=version).to_pyarrow_table(columns=["path"]).column("path").to_pylist()
+    paths = (
+        DeltaTable(str(deployed.workspace / "tables" / "images"), version=version)
+        .to_pyarrow_table(columns=["path"])
+        .column("path")
+        .to_pylist()
+    )
     mine = [path for path in paths if f"{deployed.source}/" in path]
     assert len(mine) == len(set(mine)) == 300, (len(mine), len(set(mine)), summary)
     # The worker's IMAGELAKE_WORKSPACE took the run's output, not the repository's .imagelake.
@@ -282,7 +341,9 @@ def chromium() -> Path:
     if not CHROMIUM.exists():
         if os.environ.get("IMAGELAKE_SKIP_BROWSER") == "1":
             pytest.skip(f"IMAGELAKE_SKIP_BROWSER=1 and no {CHROMIUM}")
-        pytest.fail(f"no {CHROMIUM}: run `make browser` (installs Debian's chromium and chromium-driver), or set IMAGELAKE_SKIP_BROWSER=1 to skip this test")
+        pytest.fail(
+            f"no {CHROMIUM}: run `make browser` (installs Debian's chromium and chromium-driver), or set IMAGELAKE_SKIP_BROWSER=1 to skip this test"
+        )
     return CHROMIUM
 
 
@@ -318,15 +379,20 @@ def test_a_custom_run_from_the_prefect_ui_form(chromium: Path, deployed: Deploye
             page.get_by_label("Batch Size").fill("16")
             page.get_by_label("Num Workers").fill("1")
             page.screenshot(path=shots / "1-custom-run-form.png", full_page=True)
-            # SQLite answers 503 while another writer holds it; the UI then shows an error and keeps the form, and its user submits again.
+            # SQLite answers 503 while another writer holds it; the UI then shows an error and keeps the form, and its
+            # user submits again.
             for attempt in range(1, 6):
-                with page.expect_response(lambda r: r.url.endswith("/create_flow_run") and r.request.method == "POST") as response:
+                with page.expect_response(
+                    lambda r: r.url.endswith("/create_flow_run") and r.request.method == "POST"
+                ) as response:
                     page.get_by_role("button", name="Submit").click()
                 if response.value.status != 503:
                     break
                 print(f"the UI's create_flow_run answered 503 (attempt {attempt}): submitting again")
                 time.sleep(attempt)
-            assert response.value.status == 201, f"{response.value.status} {response.value.text()}\n{deployed.server.log.read_text()[-4000:]}"
+            assert response.value.status == 201, (
+                f"{response.value.status} {response.value.text()}\n{deployed.server.log.read_text()[-4000:]}"
+            )
             sent = response.value.request.post_data_json
             flow_run_id = response.value.json()["id"]
 
@@ -341,7 +407,9 @@ def test_a_custom_run_from_the_prefect_ui_form(chromium: Path, deployed: Deploye
             expect(page.get_by_text("Completed", exact=True).first).to_be_visible()
             page.get_by_role("tab", name="Parameters").click()
             expect(page.get_by_role("tabpanel")).to_contain_text("max_epochs")
-            page.wait_for_timeout(1_000)  # the run graph is painted on a canvas after its data arrives: nothing in the DOM says when
+            page.wait_for_timeout(
+                1_000
+            )  # the run graph is painted on a canvas after its data arrives: nothing in the DOM says when
             page.screenshot(path=shots / "2-completed-run.png")
         finally:
             browser.close()
@@ -359,28 +427,54 @@ def test_a_custom_run_from_the_prefect_ui_form(chromium: Path, deployed: Deploye
         shutil.copy(shots / "2-completed-run.png", Path(published) / "prefect-ui-custom-run.png")
 
 
-def test_a_backfill_and_the_nightly_run_at_once_count_every_image_once_and_leave_one_champion(spark, deployed: Deployed, tmp_path: Path) -> None:
+def test_a_backfill_and_the_nightly_run_at_once_count_every_image_once_and_leave_one_champion(
+    spark, deployed: Deployed, tmp_path: Path
+) -> None:
+    import numpy as np
+    from PIL import Image
+
     from infra.delta import Table, read_version
     from infra.settings import load_settings
     from infra.tracking import mlflow_client
     from tasks.registry import PENDING_MOVE, alias_version
     from tasks.rules.promotion import CHAMPION
-    import numpy as np
-    from PIL import Image
 
     landing, noise = tmp_path / "landing", np.random.default_rng(7)
-    for day in ("2024-03-01", "2024-03-02", "2024-03-03"):  # images of their own: content the table holds elsewhere would be left out
+    for day in (
+        "2024-03-01",
+        "2024-03-02",
+        "2024-03-03",
+    ):  # images of their own: content the table holds elsewhere would be left out
         for label in ("0", "1", "2", "3"):
             (landing / f"date={day}" / label).mkdir(parents=True)
             for n in range(5):
-                Image.fromarray(noise.integers(0, 256, (40, 40, 3), dtype=np.uint8)).save(landing / f"date={day}" / label / f"{n}.png")
+                Image.fromarray(noise.integers(0, 256, (40, 40, 3), dtype=np.uint8)).save(
+                    landing / f"date={day}" / label / f"{n}.png"
+                )
     small = {"image_size": 32, "max_epochs": 1, "batch_size": 16, "num_workers": 1}
-    nightly, backfill = deployed.deployment("imagelake-pipeline", "nightly"), deployed.deployment("imagelake-backfill", "backfill")
+    nightly, backfill = (
+        deployed.deployment("imagelake-pipeline", "nightly"),
+        deployed.deployment("imagelake-backfill", "backfill"),
+    )
     runs = [
-        deployed.create_run(nightly, custom_run_body(nightly, {"source": str(landing), "overrides": small}, "nightly-beside-a-backfill")),
-        deployed.create_run(backfill, custom_run_body(backfill, {
-            "source": str(landing), "start_date": "2024-03-01", "end_date": "2024-03-03", "max_concurrency": 2, "dry_run": False, "overrides": small,
-        }, "backfill-beside-the-nightly")),
+        deployed.create_run(
+            nightly, custom_run_body(nightly, {"source": str(landing), "overrides": small}, "nightly-beside-a-backfill")
+        ),
+        deployed.create_run(
+            backfill,
+            custom_run_body(
+                backfill,
+                {
+                    "source": str(landing),
+                    "start_date": "2024-03-01",
+                    "end_date": "2024-03-03",
+                    "max_concurrency": 2,
+                    "dry_run": False,
+                    "overrides": small,
+                },
+                "backfill-beside-the-nightly",
+            ),
+        ),
     ]
     assert [created.status_code for created in runs] == [201, 201], [created.text for created in runs]
     for created in runs:
@@ -389,37 +483,60 @@ def test_a_backfill_and_the_nightly_run_at_once_count_every_image_once_and_leave
     print(f"{len(stages)} pairs of stages ran at once, e.g. {stages[:3]}")
 
     table = str(deployed.workspace / "tables" / "images")
-    paths = [row["path"] for row in read_version(spark, table, Table(table).version(), "delta-rs").select("path").collect()]
+    paths = [
+        row["path"] for row in read_version(spark, table, Table(table).version(), "delta-rs").select("path").collect()
+    ]
     landed = [path for path in paths if f"{landing}/" in path]
     assert len(landed) == len(set(landed)) == 60, "every image of the landing folder once"
     settings = load_settings(overrides={"workspace": str(deployed.workspace)})
     client = mlflow_client(settings)
     assert alias_version(client, settings.model_name, CHAMPION) is not None
     assert PENDING_MOVE not in client.get_registered_model(settings.model_name).tags, "no alias move left half done"
-    crowned = [row for row in Table(settings.history_uri, spark).read(["alias", "from_version", "to_version", "at"]).to_pylist() if row["alias"] == CHAMPION]
+    crowned = [
+        row
+        for row in Table(settings.history_uri, spark).read(["alias", "from_version", "to_version", "at"]).to_pylist()
+        if row["alias"] == CHAMPION
+    ]
     chain = sorted(crowned, key=lambda row: row["at"])
-    assert all(before["to_version"] == after["from_version"] for before, after in zip(chain, chain[1:])), "each crowning replaced the champion before it"
+    assert all(before["to_version"] == after["from_version"] for before, after in zip(chain, chain[1:])), (
+        "each crowning replaced the champion before it"
+    )
     assert chain[-1]["to_version"] == alias_version(client, settings.model_name, CHAMPION)
 
 
-def test_a_nightly_and_an_ad_hoc_run_of_the_same_data_at_once_train_once_and_never_mix(spark, deployed: Deployed, tmp_path: Path) -> None:
+def test_a_nightly_and_an_ad_hoc_run_of_the_same_data_at_once_train_once_and_never_mix(
+    spark, deployed: Deployed, tmp_path: Path
+) -> None:
     """Two whole flows with the same stage keys (one source, the same settings), each in its own process of the worker."""
-    from infra.delta import Table, read_version
-    from infra.settings import load_settings
-    from infra.tracking import mlflow_client
     import numpy as np
     from PIL import Image
 
+    from infra.delta import Table, read_version
+    from infra.settings import load_settings
+    from infra.tracking import mlflow_client
+
     landing, noise = tmp_path / "landing", np.random.default_rng(11)
-    for label in ("0", "1", "2"):  # images of their own, at a size no other test of this server uses: every stage is new
+    for label in (
+        "0",
+        "1",
+        "2",
+    ):  # images of their own, at a size no other test of this server uses: every stage is new
         (landing / label).mkdir(parents=True)
         for n in range(12):
             Image.fromarray(noise.integers(0, 256, (30, 30, 3), dtype=np.uint8)).save(landing / label / f"{n}.png")
     small = {"image_size": 20, "max_epochs": 2, "batch_size": 16, "num_workers": 1}
-    nightly, adhoc = deployed.deployment("imagelake-pipeline", "nightly"), deployed.deployment("imagelake-adhoc", "adhoc")
+    nightly, adhoc = (
+        deployed.deployment("imagelake-pipeline", "nightly"),
+        deployed.deployment("imagelake-adhoc", "adhoc"),
+    )
     runs = [
-        deployed.create_run(nightly, custom_run_body(nightly, {"source": str(landing), "overrides": small}, "nightly-beside-an-ad-hoc-run")),
-        deployed.create_run(adhoc, custom_run_body(adhoc, {"params": run_params(adhoc, landing, **small)}, "ad-hoc-beside-the-nightly")),
+        deployed.create_run(
+            nightly,
+            custom_run_body(nightly, {"source": str(landing), "overrides": small}, "nightly-beside-an-ad-hoc-run"),
+        ),
+        deployed.create_run(
+            adhoc, custom_run_body(adhoc, {"params": run_params(adhoc, landing, **small)}, "ad-hoc-beside-the-nightly")
+        ),
     ]
     assert [created.status_code for created in runs] == [201, 201], [created.text for created in runs]
     summaries = []
@@ -430,14 +547,20 @@ def test_a_nightly_and_an_ad_hoc_run_of_the_same_data_at_once_train_once_and_nev
     stages = ran_at_once(deployed, *(created.json()["id"] for created in runs))
     print(f"{len(stages)} pairs of stages ran at once, e.g. {stages[:3]}")
     first, second = summaries
-    assert first["mlflow_run_id"] == second["mlflow_run_id"] and first["model_version"] == second["model_version"], "one trained, the other took its result"
+    assert first["mlflow_run_id"] == second["mlflow_run_id"] and first["model_version"] == second["model_version"], (
+        "one trained, the other took its result"
+    )
 
     table = str(deployed.workspace / "tables" / "images")
-    rows = read_version(spark, table, Table(table).version(), "delta-rs").where("image_size = 20").select("path").collect()
+    rows = (
+        read_version(spark, table, Table(table).version(), "delta-rs").where("image_size = 20").select("path").collect()
+    )
     landed = [row["path"] for row in rows if f"{landing}/" in row["path"]]
     assert len(landed) == len(set(landed)) == 36, "every image once"
     client = mlflow_client(load_settings(overrides={"workspace": str(deployed.workspace)}))
     run_id = first["mlflow_run_id"]
-    assert [str(v.version) for v in client.search_model_versions(f"run_id = '{run_id}'")] == [first["model_version"]], "one model version"
+    assert [str(v.version) for v in client.search_model_versions(f"run_id = '{run_id}'")] == [first["model_version"]], (
+        "one model version"
+    )
     steps = sorted(m.step for m in client.get_metric_history(run_id, "val_loss"))
     assert steps == list(range(int(first["epochs_run"]))), f"one training's epochs in the run, not two mixed: {steps}"

@@ -56,7 +56,11 @@ def encoded(pixels: np.ndarray, kind: str) -> bytes:
 
 def files() -> list[tuple[str, bytes, str]]:
     """(name, bytes, the right label) for a PNG and a JPEG of each colour."""
-    return [(f"{label}-{kind.lower()}", encoded(drawing(label, 100 + label), kind), LABELS[label]) for label in range(3) for kind in ("PNG", "JPEG")]
+    return [
+        (f"{label}-{kind.lower()}", encoded(drawing(label, 100 + label), kind), LABELS[label])
+        for label in range(3)
+        for kind in ("PNG", "JPEG")
+    ]
 
 
 def colour_model() -> torch.nn.Module:
@@ -87,7 +91,9 @@ def champion(tmp_path_factory: pytest.TempPathFactory):
     model = colour_model()
     examples = np.stack([resize_image(encoded(drawing(i, i), "PNG"), SIZE)[0] for i in range(2)])
     with tempfile.TemporaryDirectory() as folder, mlflow.start_run(experiment_id=experiment):
-        info = mlflow.pyfunc.log_model(name="model", **served_model(Path(folder), model, LABELS, SIZE, "letterbox", 10_000_000, examples))
+        info = mlflow.pyfunc.log_model(
+            name="model", **served_model(Path(folder), model, LABELS, SIZE, "letterbox", 10_000_000, examples)
+        )
     tags = {"labels": labels_tag(LABELS), "image_size": str(SIZE), "resize_mode": "letterbox"}
     version = mlflow.register_model(info.model_uri, NAME, tags=tags).version
     client.set_registered_model_alias(NAME, "champion", version)
@@ -106,12 +112,16 @@ def test_mlflow_s_own_loader_takes_image_files_and_answers_label_names(champion)
 
     given = files()
     as_bytes = loaded.predict(pd.DataFrame({"image": [data for _, data, _ in given]}))
-    assert list(as_bytes["label"]) == [label for _, _, label in given], "PNG and JPEG of each colour: its name, commas, quotes and all"
+    assert list(as_bytes["label"]) == [label for _, _, label in given], (
+        "PNG and JPEG of each colour: its name, commas, quotes and all"
+    )
     for top, probability in zip(as_bytes["top_k"], as_bytes["probability"]):
         assert [entry["probability"] for entry in top] == sorted((entry["probability"] for entry in top), reverse=True)
         assert len(top) == 3 and top[0]["probability"] == probability and 1 / 3 < probability <= 1
         assert sorted(entry["label"] for entry in top) == sorted(LABELS)
-    as_text = loaded.predict(pd.DataFrame({"image": [base64.b64encode(data).decode() for _, data, _ in given]}), params={"top_k": 1})
+    as_text = loaded.predict(
+        pd.DataFrame({"image": [base64.b64encode(data).decode() for _, data, _ in given]}), params={"top_k": 1}
+    )
     assert list(as_text["label"]) == list(as_bytes["label"]) and all(len(top) == 1 for top in as_text["top_k"])
 
     # A bad row is answered with its reason; the rows around it still get their labels.
@@ -131,8 +141,15 @@ def test_mlflow_s_own_loader_takes_image_files_and_answers_label_names(champion)
     folder = Path(mlflow.artifacts.download_artifacts(f"models:/{NAME}@champion"))
     inputs = loaded.metadata.get_input_schema().to_dict()
     assert inputs == [{"type": "binary", "name": "image", "required": True}]
-    assert {c["name"] for c in loaded.metadata.get_output_schema().to_dict()} == {"label", "probability", "top_k", "error"}
-    assert loaded.metadata.get_params_schema().to_dict() == [{"name": "top_k", "default": 3, "shape": None, "type": "long"}]
+    assert {c["name"] for c in loaded.metadata.get_output_schema().to_dict()} == {
+        "label",
+        "probability",
+        "top_k",
+        "error",
+    }
+    assert loaded.metadata.get_params_schema().to_dict() == [
+        {"name": "top_k", "default": 3, "shape": None, "type": "long"}
+    ]
     assert (folder / "serving_input_example.json").is_file()
     assert json.loads((folder / "artifacts" / "meta.json").read_text(encoding="utf-8"))["labels"] == LABELS
 
@@ -146,7 +163,9 @@ def test_imagelake_reads_the_served_model_and_an_older_one_without_running_their
     settings = load_settings(overrides={"workspace": str(tmp_path / "ws"), "mlflow_tracking_uri": store})
     client = MlflowClient(store, store)
     # `imagelake predict`: the same decoding rules and labels as the pyfunc (one path), from the program alone.
-    found = {Path(row["path"]).stem: row["label"] for row in predict_files(client, settings, f"{NAME}@champion", source)}
+    found = {
+        Path(row["path"]).stem: row["label"] for row in predict_files(client, settings, f"{NAME}@champion", source)
+    }
     assert found == {name: label for name, _, label in files()}
     assert type(load_registered_model(client, NAME, "1")).__name__ != "ImageClassifierModel"
     # A version registered by earlier releases (pytorch flavour, labels comma-joined) still predicts.
@@ -160,12 +179,32 @@ def served(champion):
     """`mlflow models serve` of the champion on a loopback port, as a consumer would start it."""
     store, root = champion
     port = free_port()
-    env = {**os.environ, "MLFLOW_TRACKING_URI": store, "MLFLOW_REGISTRY_URI": store, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    env = {
+        **os.environ,
+        "MLFLOW_TRACKING_URI": store,
+        "MLFLOW_REGISTRY_URI": store,
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+    }
     mlflow_cli = str(Path(sys.executable).parent / "mlflow")
     log = (root / "serve.log").open("w")
     server = subprocess.Popen(
-        [mlflow_cli, "models", "serve", "-m", f"models:/{NAME}@champion", "--env-manager", "local", "-h", "127.0.0.1", "-p", str(port)],
-        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        [
+            mlflow_cli,
+            "models",
+            "serve",
+            "-m",
+            f"models:/{NAME}@champion",
+            "--env-manager",
+            "local",
+            "-h",
+            "127.0.0.1",
+            "-p",
+            str(port),
+        ],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
     )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
@@ -183,7 +222,9 @@ def served(champion):
 
 
 def invoke(url: str, body: dict) -> tuple[int, dict]:
-    request = urllib.request.Request(f"{url}/invocations", json.dumps(body).encode(), {"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        f"{url}/invocations", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
     try:
         with urllib.request.urlopen(request, timeout=60) as answer:
             return answer.status, json.loads(answer.read())
@@ -193,18 +234,35 @@ def invoke(url: str, body: dict) -> tuple[int, dict]:
 
 def test_mlflow_models_serve_answers_png_and_jpeg_files_with_their_label_names(served: str) -> None:
     given = files()
-    status, answer = invoke(served, {"dataframe_split": {"columns": ["image"], "data": [[base64.b64encode(data).decode()] for _, data, _ in given]}})
+    status, answer = invoke(
+        served,
+        {
+            "dataframe_split": {
+                "columns": ["image"],
+                "data": [[base64.b64encode(data).decode()] for _, data, _ in given],
+            }
+        },
+    )
     assert status == 200, answer
     assert [row["label"] for row in answer["predictions"]] == [label for _, _, label in given]
     assert all(len(row["top_k"]) == 3 and row["error"] is None for row in answer["predictions"])
-    status, answer = invoke(served, {"dataframe_split": {"columns": ["image"], "data": [[base64.b64encode(given[0][1]).decode()]]}, "params": {"top_k": 2}})
+    status, answer = invoke(
+        served,
+        {
+            "dataframe_split": {"columns": ["image"], "data": [[base64.b64encode(given[0][1]).decode()]]},
+            "params": {"top_k": 2},
+        },
+    )
     assert status == 200 and len(answer["predictions"][0]["top_k"]) == 2, answer
 
 
 def test_mlflow_models_serve_answers_a_bad_row_with_its_reason_and_refuses_an_empty_request(served: str) -> None:
     given = files()
     rows = [given[1][1], b"GIF89a but nothing after", given[4][1]]
-    status, answer = invoke(served, {"dataframe_split": {"columns": ["image"], "data": [[base64.b64encode(data).decode()] for data in rows]}})
+    status, answer = invoke(
+        served,
+        {"dataframe_split": {"columns": ["image"], "data": [[base64.b64encode(data).decode()] for data in rows]}},
+    )
     assert status == 200, answer
     good, bad, other = answer["predictions"]
     assert (good["label"], other["label"]) == (given[1][2], given[4][2])
@@ -213,7 +271,9 @@ def test_mlflow_models_serve_answers_a_bad_row_with_its_reason_and_refuses_an_em
     assert status == 400 and "the request has no images" in answer["message"], answer
 
 
-def test_score_answers_a_folder_a_prefix_and_a_table_version_on_spark_once_per_content_and_model_version(champion, spark, s3, tmp_path: Path) -> None:
+def test_score_answers_a_folder_a_prefix_and_a_table_version_on_spark_once_per_content_and_model_version(
+    champion, spark, s3, tmp_path: Path
+) -> None:
     """`imagelake score`'s stage: every image of a folder answered on the executors into the predictions table (a bad
     file with its reason, one row for content found at two paths); a second run answers only what is new to that
     model version; an object-store prefix and a Delta table version's pixels are answered too, content already
@@ -238,7 +298,12 @@ def test_score_answers_a_folder_a_prefix_and_a_table_version_on_spark_once_per_c
     table = DeltaTable(settings.predictions_uri).to_pyarrow_table()
     by_path = {row["path"].rsplit("/", 1)[-1]: row for row in table.to_pylist()}
     assert {name: by_path[name]["label"] for name in by_path if name != "broken.png"} == {
-        **{f"{name}.{'png' if name.endswith('png') else 'jpg'}": label for name, _, label in given if name != given[0][0]}, "again.png": LABELS[0],
+        **{
+            f"{name}.{'png' if name.endswith('png') else 'jpg'}": label
+            for name, _, label in given
+            if name != given[0][0]
+        },
+        "again.png": LABELS[0],
     }, "the first path in path order keeps a content found twice"
     assert by_path["broken.png"]["label"] is None and by_path["broken.png"]["error"]
     assert {row["model_version"] for row in table.to_pylist()} == {1} and len(table.column("top_k")[0].as_py()) == 3
@@ -247,7 +312,9 @@ def test_score_answers_a_folder_a_prefix_and_a_table_version_on_spark_once_per_c
     (folder / "later.png").write_bytes(encoded(drawing(2, 999), "PNG"))
     second = score_images(str(folder), f"{NAME}/1", settings)
     assert (second["answered"], DeltaTable(settings.predictions_uri).version()) == (1, first["predictions_version"] + 1)
-    assert score_images(str(folder), f"{NAME}@champion", settings)["predictions_version"] is None, "nothing new: no commit"
+    assert score_images(str(folder), f"{NAME}@champion", settings)["predictions_version"] is None, (
+        "nothing new: no commit"
+    )
 
     # A prefix in a bucket (the session's S3-compatible server).
     bucket = s3.filesystem()
@@ -255,23 +322,39 @@ def test_score_answers_a_folder_a_prefix_and_a_table_version_on_spark_once_per_c
         bucket.pipe(f"lake/score-{tmp_path.name}/{name}.img", data)
     bucket.pipe(f"lake/score-{tmp_path.name}/{given[2][0]}.png", encoded(drawing(0, 4242), "PNG"))
     remote = score_images(f"s3://lake/score-{tmp_path.name}/", f"{NAME}@champion", settings)
-    assert (remote["images"], remote["answered"]) == (1, 1), "only .png (the image_extensions) is listed; its content is new"
-    from_bucket = [row for row in DeltaTable(settings.predictions_uri).to_pyarrow_table().to_pylist() if row["source"].startswith("s3://")]
-    assert [(row["path"], row["label"]) for row in from_bucket] == [(f"s3://lake/score-{tmp_path.name}/{given[2][0]}.png", LABELS[0])]
+    assert (remote["images"], remote["answered"]) == (1, 1), (
+        "only .png (the image_extensions) is listed; its content is new"
+    )
+    from_bucket = [
+        row
+        for row in DeltaTable(settings.predictions_uri).to_pyarrow_table().to_pylist()
+        if row["source"].startswith("s3://")
+    ]
+    assert [(row["path"], row["label"]) for row in from_bucket] == [
+        (f"s3://lake/score-{tmp_path.name}/{given[2][0]}.png", LABELS[0])
+    ]
 
     # A table version of decoded pixels at the model's size: content answered from the folder is skipped.
     images = tmp_path / "images"
     known = table.column("sha256")[0].as_py()
     pixels = [resize_image(encoded(drawing(1, 7), "PNG"), SIZE)[0].tobytes(), b"\0" * (SIZE * SIZE * 3)]
     rows = {name: [None, None] for name in IMAGE_TABLE_SCHEMA.names}
-    rows.update({"path": ["file:///a/green.png", "file:///a/known.png"], "sha256": ["f" * 64, known], "image_size": [SIZE, SIZE], "image": pixels})
+    rows.update(
+        {
+            "path": ["file:///a/green.png", "file:///a/known.png"],
+            "sha256": ["f" * 64, known],
+            "image_size": [SIZE, SIZE],
+            "image": pixels,
+        }
+    )
     from deltalake import write_deltalake
 
     write_deltalake(str(images), pa.table(rows, schema=IMAGE_TABLE_SCHEMA))
     from_table = score_images(f"{images}@0", f"{NAME}@champion", settings)
     assert (from_table["images"], from_table["answered"], from_table["source"]) == (2, 1, f"file://{images}@0")
-    newest = [row for row in DeltaTable(settings.predictions_uri).to_pyarrow_table().to_pylist() if row["source_version"] == 0]
+    newest = [
+        row for row in DeltaTable(settings.predictions_uri).to_pyarrow_table().to_pylist() if row["source_version"] == 0
+    ]
     assert [(row["path"], row["label"]) for row in newest] == [("file:///a/green.png", LABELS[1])]
     with pytest.raises(ScoreSourceError, match="not a Delta table"):
         score_images(f"{folder}@3", f"{NAME}@champion", settings)
-

@@ -39,7 +39,9 @@ def test_endpoints_change_by_settings_alone(monkeypatch: pytest.MonkeyPatch, tmp
 
 
 @pytest.mark.parametrize("suffix", [".yaml", ".toml", ".json"])
-def test_config_file_is_read_and_environment_and_overrides_win(suffix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_config_file_is_read_and_environment_and_overrides_win(
+    suffix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     path = tmp_path / f"imagelake{suffix}"
     values = {"image_size": 96, "num_workers": 3, "batch_size": 8}
     if suffix == ".toml":
@@ -73,7 +75,7 @@ def test_missing_config_file_is_named(tmp_path: Path) -> None:
 
 
 def test_cli_overrides_parse_json_values_and_reject_malformed_pairs() -> None:
-    assert parse_overrides(["max_epochs=3", "spark_jars=[\"a.jar\"]", "model_name=digits"]) == {
+    assert parse_overrides(["max_epochs=3", 'spark_jars=["a.jar"]', "model_name=digits"]) == {
         "max_epochs": 3,
         "spark_jars": ["a.jar"],
         "model_name": "digits",
@@ -87,25 +89,34 @@ def test_settings_that_run_code_are_refused_from_runs_unless_the_worker_allows_t
 
     monkeypatch.delenv("IMAGELAKE_ALLOW_FROM_RUNS", raising=False)
     assert refuse_unsafe({"max_epochs": 2}, "a run") == {"max_epochs": 2}
-    with pytest.raises(SettingsError, match=r"allow_pickle_models, spark_jars cannot be set from a run: .*IMAGELAKE_ALLOW_FROM_RUNS=allow_pickle_models,spark_jars"):
+    with pytest.raises(
+        SettingsError,
+        match=r"allow_pickle_models, spark_jars cannot be set from a run: .*IMAGELAKE_ALLOW_FROM_RUNS=allow_pickle_models,spark_jars",
+    ):
         refuse_unsafe({"spark_jars": ["/tmp/x.jar"], "allow_pickle_models": True, "max_epochs": 2}, "a run")
     monkeypatch.setenv("IMAGELAKE_ALLOW_FROM_RUNS", "spark_jars, allow_pickle_models")
     assert refuse_unsafe({"spark_jars": ["/tmp/x.jar"], "allow_pickle_models": True}, "a run")
     monkeypatch.delenv("IMAGELAKE_ALLOW_FROM_RUNS")
-    # Where stage results (read back by unpickling) and checkpoints (resumed with torch.load) are found: a run pointed at
+    # Where stage results (read back by unpickling) and checkpoints (resumed with torch.load) are found: a run pointed
+    # at
     # a folder of someone else's files would load them.
     for name in ("workspace", "results_root", "ray_storage_root"):
         with pytest.raises(SettingsError, match=f"{name} cannot be set from a run"):
             refuse_unsafe({name: "/tmp/elsewhere"}, "a run")
 
 
-def test_a_settings_file_named_by_a_run_may_not_set_what_runs_code_unless_it_ships_with_the_code(monkeypatch, tmp_path) -> None:
+def test_a_settings_file_named_by_a_run_may_not_set_what_runs_code_unless_it_ships_with_the_code(
+    monkeypatch, tmp_path
+) -> None:
     from infra.settings import CODE_ROOT, SettingsError, refuse_unsafe_file
 
     monkeypatch.delenv("IMAGELAKE_ALLOW_FROM_RUNS", raising=False)
     planted = tmp_path / "mine.yaml"
     planted.write_text("allow_pickle_models: true\nmax_epochs: 2\n")
-    with pytest.raises(SettingsError, match=rf"allow_pickle_models cannot be set from the settings file {planted}, named by a run and outside the code folder"):
+    with pytest.raises(
+        SettingsError,
+        match=rf"allow_pickle_models cannot be set from the settings file {planted}, named by a run and outside the code folder",
+    ):
         refuse_unsafe_file(planted, "a run")
     # A relative path that climbs out of the code folder is outside it too.
     monkeypatch.chdir(CODE_ROOT)
@@ -127,7 +138,9 @@ def test_every_setting_is_allowed_from_runs_or_refused_by_name() -> None:
     from infra.settings import ALLOWED_FROM_RUNS, REFUSED_FROM_RUNS, RUN_LIMITS, Settings
 
     undecided = sorted(set(Settings.model_fields) - ALLOWED_FROM_RUNS - REFUSED_FROM_RUNS)
-    assert not undecided, f"decide whether a run may set {undecided}: add each to ALLOWED_FROM_RUNS or REFUSED_FROM_RUNS"
+    assert not undecided, (
+        f"decide whether a run may set {undecided}: add each to ALLOWED_FROM_RUNS or REFUSED_FROM_RUNS"
+    )
     assert not ALLOWED_FROM_RUNS & REFUSED_FROM_RUNS
     assert ALLOWED_FROM_RUNS | REFUSED_FROM_RUNS == set(Settings.model_fields), "names that are not settings"
     assert set(RUN_LIMITS) <= ALLOWED_FROM_RUNS
@@ -156,19 +169,30 @@ def test_where_the_worker_connects_and_keeps_its_data_is_refused_from_runs(monke
     with pytest.raises(SettingsError, match=rf"^{name} cannot be set from a run: ") as refused:
         refuse_unsafe({name: value, "max_epochs": 2}, "a run")
     message = str(refused.value)
-    assert "worker's config file or IMAGELAKE_* environment" in message and f"IMAGELAKE_ALLOW_FROM_RUNS={name} " in message, message
+    assert (
+        "worker's config file or IMAGELAKE_* environment" in message and f"IMAGELAKE_ALLOW_FROM_RUNS={name} " in message
+    ), message
 
 
 def test_a_name_that_is_no_setting_is_refused_by_name_when_the_settings_load(monkeypatch) -> None:
     from infra.settings import refuse_unsafe
 
     monkeypatch.delenv("IMAGELAKE_ALLOW_FROM_RUNS", raising=False)
-    assert refuse_unsafe({"tracking_uri": "http://elsewhere:5000"}, "a run")  # a property, not a setting: no run's setting either
+    assert refuse_unsafe(
+        {"tracking_uri": "http://elsewhere:5000"}, "a run"
+    )  # a property, not a setting: no run's setting either
     with pytest.raises(SettingsError, match="tracking_uri: Extra inputs are not permitted"):
         load_settings(overrides={"tracking_uri": "http://elsewhere:5000"})
 
 
-PATHS_AND_URLS = ["https://elsewhere/weights.pth", "/tmp/weights.pth", "weights.pth", "s3://bucket/weights.pth", "file:///tmp/w.pth", "Imagenet"]
+PATHS_AND_URLS = [
+    "https://elsewhere/weights.pth",
+    "/tmp/weights.pth",
+    "weights.pth",
+    "s3://bucket/weights.pth",
+    "file:///tmp/w.pth",
+    "Imagenet",
+]
 
 
 @pytest.mark.parametrize("given", PATHS_AND_URLS)
@@ -183,15 +207,35 @@ def test_a_run_may_name_torchvision_weights_but_no_path_or_url(monkeypatch, name
 
 
 ORDINARY_FROM_RUNS = {
-    "image_size": 96, "max_epochs": 3, "base_lr": 3e-4, "model_arch": "resnet18", "augment": "standard", "augment_flip": True,
-    "start_date": "2024-03-01", "end_date": "2024-03-31", "val_fraction": 0.2, "test_fraction": 0.15, "seed": 7, "batch_size": 64,
-    "num_workers": 1, "freeze_backbone": True, "label_smoothing": 0.0, "warm_start": True, "promotion_margin": 0.01,
-    "requeue_reasons": ["decode_error"], "max_retire_fraction": 0.1, "vacuum_retention_hours": 336, "workspace_retention_hours": 200,
-    "max_file_bytes": 1024, "max_image_pixels": 1_000_000,
+    "image_size": 96,
+    "max_epochs": 3,
+    "base_lr": 3e-4,
+    "model_arch": "resnet18",
+    "augment": "standard",
+    "augment_flip": True,
+    "start_date": "2024-03-01",
+    "end_date": "2024-03-31",
+    "val_fraction": 0.2,
+    "test_fraction": 0.15,
+    "seed": 7,
+    "batch_size": 64,
+    "num_workers": 1,
+    "freeze_backbone": True,
+    "label_smoothing": 0.0,
+    "warm_start": True,
+    "promotion_margin": 0.01,
+    "requeue_reasons": ["decode_error"],
+    "max_retire_fraction": 0.1,
+    "vacuum_retention_hours": 336,
+    "workspace_retention_hours": 200,
+    "max_file_bytes": 1024,
+    "max_image_pixels": 1_000_000,
 }
 
 
-@pytest.mark.parametrize("pretrained", [None, "none", "imagenet", "DEFAULT", "IMAGENET1K_V2", "ResNet18_Weights.IMAGENET1K_V1"])
+@pytest.mark.parametrize(
+    "pretrained", [None, "none", "imagenet", "DEFAULT", "IMAGENET1K_V2", "ResNet18_Weights.IMAGENET1K_V1"]
+)
 def test_what_a_run_ingests_and_how_it_trains_pass(monkeypatch, pretrained) -> None:
     from infra.settings import refuse_unsafe
 
@@ -199,14 +243,24 @@ def test_what_a_run_ingests_and_how_it_trains_pass(monkeypatch, pretrained) -> N
     given = {**ORDINARY_FROM_RUNS, "pretrained": pretrained}
     assert refuse_unsafe(given, "a run") == given
     settings = load_settings(overrides=given)
-    assert settings.pretrained == (None if pretrained in (None, "none") else pretrained)  # none is no weights, not a file named none
+    assert settings.pretrained == (
+        None if pretrained in (None, "none") else pretrained
+    )  # none is no weights, not a file named none
 
 
 def test_the_weights_a_run_may_name_are_what_the_model_reads_as_names_not_files() -> None:
     from infra.settings import _is_weights_name
     from tasks.worker.model import is_weights_name
 
-    for given in ("imagenet", "DEFAULT", "IMAGENET1K_V2", "ResNet18_Weights.IMAGENET1K_V1", *PATHS_AND_URLS, "/tmp/DEFAULT", "s3://b/DEFAULT"):
+    for given in (
+        "imagenet",
+        "DEFAULT",
+        "IMAGENET1K_V2",
+        "ResNet18_Weights.IMAGENET1K_V1",
+        *PATHS_AND_URLS,
+        "/tmp/DEFAULT",
+        "s3://b/DEFAULT",
+    ):
         assert _is_weights_name(given) == is_weights_name(given), given
 
 
@@ -222,7 +276,9 @@ def test_what_the_shipped_deployments_and_the_form_send_passes(monkeypatch) -> N
             refuse_unsafe(deployment.get("parameters", {}).get("overrides"), f"{path.name} {deployment['name']}")
     # The form sends every field, its defaults included (flows/pipeline.py:adhoc); every default passes too.
     form = RunParameters(start_date="2024-03-01", end_date="2024-03-31")
-    refuse_unsafe(form.model_dump(exclude={"source", "config_file", "refresh"}, exclude_none=True, mode="json"), "the form")
+    refuse_unsafe(
+        form.model_dump(exclude={"source", "config_file", "refresh"}, exclude_none=True, mode="json"), "the form"
+    )
     defaults = {name: field.get_default(call_default_factory=True) for name, field in Settings.model_fields.items()}
     assert set(FORM_SETTINGS) <= ALLOWED_FROM_RUNS
     refuse_unsafe({name: defaults[name] for name in ALLOWED_FROM_RUNS}, "a run")
@@ -232,13 +288,21 @@ def test_what_the_shipped_deployments_and_the_form_send_passes(monkeypatch) -> N
     ("name", "value", "limit"),
     [
         ("vacuum_retention_hours", 0, "at least 168"),  # vacuum runs with Delta's retention check off
-        ("vacuum_retention_hours", "167.5", "at least 168"),  # as the API may send it; pydantic would read it as a number
+        (
+            "vacuum_retention_hours",
+            "167.5",
+            "at least 168",
+        ),  # as the API may send it; pydantic would read it as a number
         ("vacuum_retention_hours", float("nan"), "at least 168"),
         ("workspace_retention_hours", 1, "at least 168"),
         ("max_retire_fraction", 1, "at most 0.5"),
         ("max_file_bytes", 10**12, "at most 52428800"),
         ("max_image_pixels", 10**12, "at most 64000000"),
-        ("flow_timeout_hours", 48, "at most 24"),  # a run may not hold the one-at-a-time queue longer than the worker allows
+        (
+            "flow_timeout_hours",
+            48,
+            "at most 24",
+        ),  # a run may not hold the one-at-a-time queue longer than the worker allows
         ("flow_timeout_hours", None, "at most 24"),
     ],
 )
@@ -257,7 +321,9 @@ def test_the_worker_may_open_one_setting_to_runs_and_only_that_one(monkeypatch) 
     monkeypatch.setenv("IMAGELAKE_ALLOW_FROM_RUNS", "ray_address, vacuum_retention_hours,pretrained")
     opened = {"ray_address": "ray://head:10001", "vacuum_retention_hours": 0, "pretrained": "/shared/weights.pth"}
     assert refuse_unsafe(opened, "a run") == opened
-    assert refuse_unsafe({"pretrained_weights": "/shared/weights.pth"}, "a run"), "the old name of an opened setting is open too"
+    assert refuse_unsafe({"pretrained_weights": "/shared/weights.pth"}, "a run"), (
+        "the old name of an opened setting is open too"
+    )
     expected = r"^mlflow_tracking_uri, spark_master cannot be set from a run: .*IMAGELAKE_ALLOW_FROM_RUNS=mlflow_tracking_uri,spark_master "
     with pytest.raises(SettingsError, match=expected):
         refuse_unsafe({**opened, "spark_master": "spark://x:7077", "mlflow_tracking_uri": "http://x:5000"}, "a run")

@@ -17,16 +17,14 @@ from infra.settings import load_settings
 from tasks.cache import cache_splits
 from tasks.changes import ingest_listing
 from tasks.ingest import source_uri
-from tasks.rules.listing import Scope, SourceError
-from tasks.worker.loader import ShardBatches, shard_rows, split_files
-from tasks.split import plan_splits
-from tasks.rules.splits import split_of
 from tasks.resize import resize_images
-from tasks.resize_executor import files_done
-from tasks.resize_executor import DecodeRules
-from tasks.table import ImageTable, split_column
+from tasks.resize_executor import DecodeRules, files_done
 from tasks.rules.bad_files import TooManyBadFiles
-
+from tasks.rules.listing import Scope, SourceError
+from tasks.rules.splits import split_of
+from tasks.split import plan_splits
+from tasks.table import ImageTable, split_column
+from tasks.worker.loader import ShardBatches, shard_rows, split_files
 from tests.lake import RULES, SCOPE, Lake, copy_digits
 
 
@@ -37,7 +35,9 @@ def jpeg(size=(40, 30), colour=(200, 30, 30), mode="RGB", **params) -> bytes:
 
 
 @pytest.mark.both_engines
-def test_second_run_adds_nothing_and_five_percent_new_files_decode_only_those(lake: Lake, digits_dir: Path, tmp_path: Path) -> None:
+def test_second_run_adds_nothing_and_five_percent_new_files_decode_only_those(
+    lake: Lake, digits_dir: Path, tmp_path: Path
+) -> None:
     source = tmp_path / "src"
     copy_digits(digits_dir, source)
     ingested, resized, written = lake.run(source)
@@ -56,7 +56,9 @@ def test_second_run_adds_nothing_and_five_percent_new_files_decode_only_those(la
 
 
 @pytest.mark.both_engines
-def test_a_changed_file_replaces_its_row_and_deleted_files_retire_on_request(lake: Lake, digits_dir: Path, tmp_path: Path) -> None:
+def test_a_changed_file_replaces_its_row_and_deleted_files_retire_on_request(
+    lake: Lake, digits_dir: Path, tmp_path: Path
+) -> None:
     source = tmp_path / "src"
     copy_digits(digits_dir, source)
     lake.run(source)
@@ -78,7 +80,9 @@ def test_a_changed_file_replaces_its_row_and_deleted_files_retire_on_request(lak
 
 
 @pytest.mark.both_engines
-def test_date_partitions_limit_a_run_and_rerunning_a_date_replaces_exactly_it(lake: Lake, digits_dir: Path, tmp_path: Path) -> None:
+def test_date_partitions_limit_a_run_and_rerunning_a_date_replaces_exactly_it(
+    lake: Lake, digits_dir: Path, tmp_path: Path
+) -> None:
     source = tmp_path / "src"
     copy_digits(digits_dir, source / "date=2024-01-01", labels=("0", "1"), per_label=5)
     copy_digits(digits_dir, source / "date=2024-01-02", labels=("2", "3"), per_label=5)
@@ -89,7 +93,10 @@ def test_date_partitions_limit_a_run_and_rerunning_a_date_replaces_exactly_it(la
     lake.run(source, scope=second)
     dates = lake.read(lake.table, ["date", "label"])
     assert sorted(set(zip(dates["date"], dates["label"]))) == [
-        (date(2024, 1, 1), "0"), (date(2024, 1, 1), "1"), (date(2024, 1, 2), "2"), (date(2024, 1, 2), "3")
+        (date(2024, 1, 1), "0"),
+        (date(2024, 1, 1), "1"),
+        (date(2024, 1, 2), "2"),
+        (date(2024, 1, 2), "3"),
     ]
     # Re-running 2024-01-02 after a file of that date went away replaces that date only.
     sorted((source / "date=2024-01-02" / "2").glob("*.png"))[0].unlink()
@@ -104,7 +111,9 @@ def test_a_manifest_csv_lists_files_labels_and_dates(lake: Lake, digits_dir: Pat
     files = sorted((tmp_path / "files").rglob("*.png"))
     # Paths relative to the manifest, absolute ones and file:// URIs, all under the manifest's folder.
     spelled = [(f.relative_to(tmp_path), f, f"file://{f}")[i % 3] for i, f in enumerate(files)]
-    lines = ["path,label,date"] + [f"{s},{f.parent.name},2024-02-0{i % 2 + 1}" for i, (s, f) in enumerate(zip(spelled, files))]
+    lines = ["path,label,date"] + [
+        f"{s},{f.parent.name},2024-02-0{i % 2 + 1}" for i, (s, f) in enumerate(zip(spelled, files))
+    ]
     (tmp_path / "list.csv").write_text("\n".join(lines) + "\n")
     lake.run(tmp_path / "list.csv")
     data = lake.read(lake.table, ["label", "date"])
@@ -112,9 +121,12 @@ def test_a_manifest_csv_lists_files_labels_and_dates(lake: Lake, digits_dir: Pat
     assert set(data["date"]) == {date(2024, 2, 1), date(2024, 2, 2)}
 
 
-def test_a_manifest_row_that_leaves_its_folder_by_a_link_is_quarantined_as_a_folder_source_s_would_be(tmp_path: Path) -> None:
+def test_a_manifest_row_that_leaves_its_folder_by_a_link_is_quarantined_as_a_folder_source_s_would_be(
+    tmp_path: Path,
+) -> None:
     """A manifest's rows are checked on their real paths too: a file, or a folder on the way, that links outside the
-    manifest's folder and manifest_roots is quarantined (symlink_outside_source), never read; a link into a root is fine."""
+    manifest's folder and manifest_roots is quarantined (symlink_outside_source), never read; a link into a root is
+    fine."""
     from tasks.ingest import list_manifest
     from tasks.rules.listing import Scope
 
@@ -129,12 +141,17 @@ def test_a_manifest_row_that_leaves_its_folder_by_a_link_is_quarantined_as_a_fol
     (base / "m.csv").write_text("path,label\ninside.png,a\nlink.png,a\nlinked/x.png,b\nallowed.png,b\n")
     entries = list_manifest(f"file://{base / 'm.csv'}", Scope(extensions=(".png",), manifest_roots=(str(extra),)))
     assert {entry["path"].rsplit("/", 1)[-1]: entry["issue"] for entry in entries} == {
-        "inside.png": None, "link.png": "symlink_outside_source", "x.png": "symlink_outside_source", "allowed.png": None,
+        "inside.png": None,
+        "link.png": "symlink_outside_source",
+        "x.png": "symlink_outside_source",
+        "allowed.png": None,
     }
 
 
 @pytest.mark.parametrize("spelling", ["absolute", "dotdot", "url"])
-def test_a_manifest_row_outside_its_folder_is_refused_naming_the_line(lake: Lake, digits_dir: Path, tmp_path: Path, spelling: str) -> None:
+def test_a_manifest_row_outside_its_folder_is_refused_naming_the_line(
+    lake: Lake, digits_dir: Path, tmp_path: Path, spelling: str
+) -> None:
     from tasks.ingest import list_source
     from tasks.rules.listing import Scope, SourceError
 
@@ -145,7 +162,9 @@ def test_a_manifest_row_outside_its_folder_is_refused_naming_the_line(lake: Lake
     named = {"absolute": str(stray), "dotdot": f"../elsewhere/2/{stray.name}", "url": f"file://{stray}"}[spelling]
     ok = sorted((inside / "1").glob("*.png"))
     (inside / "list.csv").write_text(f"path,label\n1/{ok[0].name},1\n{named},2\n1/{ok[1].name},1\n")
-    with pytest.raises(SourceError, match=r"list.csv line 3: .* is outside the manifest's folder .*landing; .*manifest_roots"):
+    with pytest.raises(
+        SourceError, match=r"list.csv line 3: .* is outside the manifest's folder .*landing; .*manifest_roots"
+    ):
         list_source(f"file://{inside / 'list.csv'}", Scope((".png",)))
     with pytest.raises(SourceError, match="line 3"):  # a run stops before it reads anything
         lake.run(inside / "list.csv")
@@ -155,11 +174,17 @@ def test_a_manifest_row_outside_its_folder_is_refused_naming_the_line(lake: Lake
     assert [Path(e["path"]).name for e in listed] == [ok[0].name, stray.name, ok[1].name]
 
 
-def test_bad_files_are_quarantined_by_reason_and_odd_names_still_land(lake: Lake, digits_dir: Path, tmp_path: Path) -> None:
+def test_bad_files_are_quarantined_by_reason_and_odd_names_still_land(
+    lake: Lake, digits_dir: Path, tmp_path: Path
+) -> None:
     source = tmp_path / "src"
     copy_digits(digits_dir, source, labels=("0", "1"), per_label=20)
     good = sorted((digits_dir / "4").glob("*.png"))
-    for folder, name, png in [("_under", "a.png", good[0]), ("with=equals", "b.png", good[1]), ("space é #1 %20", "c #%.png", good[2])]:
+    for folder, name, png in [
+        ("_under", "a.png", good[0]),
+        ("with=equals", "b.png", good[1]),
+        ("space é #1 %20", "c #%.png", good[2]),
+    ]:
         (source / folder).mkdir()
         shutil.copy(png, source / folder / name)
     bad = source / "bad"
@@ -226,7 +251,9 @@ def test_spark_split_matches_the_pure_rule(spark) -> None:
 
 
 @pytest.mark.both_engines
-def test_cache_is_keyed_reused_and_readable_by_shard(spark, lake: Lake, digits_dir: Path, tmp_path: Path, settings) -> None:
+def test_cache_is_keyed_reused_and_readable_by_shard(
+    spark, lake: Lake, digits_dir: Path, tmp_path: Path, settings
+) -> None:
     source = tmp_path / "src"
     copy_digits(digits_dir, source)
     rules = DecodeRules(size=32, mode="letterbox", max_file_bytes=10_000_000, max_pixels=10_000_000)
@@ -245,7 +272,17 @@ def test_cache_is_keyed_reused_and_readable_by_shard(spark, lake: Lake, digits_d
         seen: list[str] = []
         steps = []
         for shard in range(2):
-            loader = ShardBatches(cached.splits["train"], shard=shard, shard_count=2, batch_size=4, image_size=32, seed=1, shuffle=True, workers=1, key_field="sha256")
+            loader = ShardBatches(
+                cached.splits["train"],
+                shard=shard,
+                shard_count=2,
+                batch_size=4,
+                image_size=32,
+                seed=1,
+                shuffle=True,
+                workers=1,
+                key_field="sha256",
+            )
             loader.epoch = epoch
             with loader:
                 batches = list(loader)
@@ -259,15 +296,24 @@ def test_cache_is_keyed_reused_and_readable_by_shard(spark, lake: Lake, digits_d
         assert sorted(seen) == sorted(keys)
         orders.append(seen)
     assert orders[0] != orders[1], "each epoch shuffles anew"
-    with ShardBatches(cached.splits["train"], shard=0, shard_count=2, batch_size=4, image_size=32, seed=1, shuffle=True, workers=1) as loader:
+    with ShardBatches(
+        cached.splits["train"], shard=0, shard_count=2, batch_size=4, image_size=32, seed=1, shuffle=True, workers=1
+    ) as loader:
         first = [len(labels) for _, labels in loader]
         assert [len(labels) for _, labels in loader] == first, "a second epoch reads again, from a fresh reader"
-    expected = ImageTable.at(spark, written.table_uri, 32, lake.engine).with_split(written.version, 0.2, 0.2).where("split = 'train'").count()
+    expected = (
+        ImageTable.at(spark, written.table_uri, 32, lake.engine)
+        .with_split(written.version, 0.2, 0.2)
+        .where("split = 'train'")
+        .count()
+    )
     assert expected == plan.counts["train"]
     assert read_version(spark, written.table_uri, written.version, lake.engine).count() == 40
 
 
-def test_the_driver_decodes_a_short_list_as_the_executors_do(spark, lake: Lake, digits_dir: Path, tmp_path: Path) -> None:
+def test_the_driver_decodes_a_short_list_as_the_executors_do(
+    spark, lake: Lake, digits_dir: Path, tmp_path: Path
+) -> None:
     copy_digits(digits_dir, tmp_path / "src", labels=("0", "1"), per_label=6)
     (tmp_path / "src" / "1" / "broken.png").write_bytes(b"not an image")
     table = ImageTable.at(spark, lake.table, RULES.size, lake.engine, lake.quarantine)
@@ -280,12 +326,20 @@ def test_the_driver_decodes_a_short_list_as_the_executors_do(spark, lake: Lake, 
         context.setLocalProperty("spark.jobGroup.id", None)
     assert context.statusTracker().getJobIdsForGroup(group) == [], "a short list starts no Spark job"
     by_executors = resize_images(table, ingested, RULES, str(tmp_path / "executors"))
-    assert (by_driver.decoded, by_driver.quarantined) == (by_executors.decoded, by_executors.quarantined) == (12, {"not_an_image": 1})
+    assert (
+        (by_driver.decoded, by_driver.quarantined)
+        == (by_executors.decoded, by_executors.quarantined)
+        == (12, {"not_an_image": 1})
+    )
 
     def staged_and_pixels(resized) -> tuple[list, list]:
         staged = pq.read_table(resized.staging_uri).drop_columns(["data_file"]).sort_by("path").to_pylist()
         files = sorted({f for f in pq.read_table(resized.staging_uri).column("data_file").to_pylist() if f})
-        pixels = [row for f in files for row in pq.read_table(f"{lake.table}/{f}", columns=["path", "sha256", "image"]).to_pylist()]
+        pixels = [
+            row
+            for f in files
+            for row in pq.read_table(f"{lake.table}/{f}", columns=["path", "sha256", "image"]).to_pylist()
+        ]
         return staged, sorted(pixels, key=lambda row: row["path"])
 
     assert staged_and_pixels(by_driver) == staged_and_pixels(by_executors)
@@ -301,7 +355,9 @@ def test_executors_report_their_progress_while_they_decode(spark, lake: Lake, di
 
 
 @pytest.mark.parametrize("in_driver_up_to", [0, 1000], ids=["executors", "driver"])
-def test_the_table_records_each_jpegs_own_size_on_either_decode_path(lake: Lake, tmp_path: Path, in_driver_up_to: int) -> None:
+def test_the_table_records_each_jpegs_own_size_on_either_decode_path(
+    lake: Lake, tmp_path: Path, in_driver_up_to: int
+) -> None:
     source = tmp_path / "src"
     for label in ("a", "b"):
         (source / label).mkdir(parents=True)
@@ -311,11 +367,16 @@ def test_the_table_records_each_jpegs_own_size_on_either_decode_path(lake: Lake,
     _, resized, _ = lake.run(source, in_driver_up_to=in_driver_up_to)
     assert resized.decoded == 2
     data = lake.read(lake.table, ["path", "width", "height"])
-    assert {Path(p).name: (w, h) for p, w, h in zip(data["path"], data["width"], data["height"])} == {"wide.jpg": (198, 188), "tall.jpg": (188, 198)}
+    assert {Path(p).name: (w, h) for p, w, h in zip(data["path"], data["width"], data["height"])} == {
+        "wide.jpg": (198, 188),
+        "tall.jpg": (188, 198),
+    }
 
 
 @pytest.mark.both_engines
-def test_one_table_holds_two_image_sizes_each_counted_changed_and_retired_on_its_own(lake: Lake, digits_dir: Path, tmp_path: Path) -> None:
+def test_one_table_holds_two_image_sizes_each_counted_changed_and_retired_on_its_own(
+    lake: Lake, digits_dir: Path, tmp_path: Path
+) -> None:
     small, large = RULES, DecodeRules(size=32, mode="letterbox", max_file_bytes=10_000_000, max_pixels=10_000_000)
 
     def per_size() -> dict[int, int]:
@@ -328,20 +389,29 @@ def test_one_table_holds_two_image_sizes_each_counted_changed_and_retired_on_its
     _, resized, written = lake.run(source, rules=large)  # the same files at another size: rows of their own
     assert (resized.decoded, written.rows, per_size()) == (10, 10, {24: 10, 32: 10})
     data = lake.read(lake.table, ["image_size", "image"])
-    assert {(size, len(image)) for size, image in zip(data["image_size"], data["image"])} == {(24, 24 * 24 * 3), (32, 32 * 32 * 3)}
+    assert {(size, len(image)) for size, image in zip(data["image_size"], data["image"])} == {
+        (24, 24 * 24 * 3),
+        (32, 32 * 32 * 3),
+    }
 
     copy_digits(digits_dir, source, labels=("2",), per_label=3)  # new files, run at one size only
     (sorted((source / "0").glob("*.png"))[0]).unlink()
     _, _, written = lake.run(source, rules=small, retire=True)
-    assert (written.rows, written.retired, per_size()) == (3, 1, {24: 12, 32: 10}), "the other size's rows are untouched"
+    assert (written.rows, written.retired, per_size()) == (3, 1, {24: 12, 32: 10}), (
+        "the other size's rows are untouched"
+    )
     _, _, written = lake.run(source, rules=large, retire=True)
     assert (written.rows, written.retired, per_size()) == (3, 1, {24: 12, 32: 12})
     for size in (24, 32):
         table = ImageTable.at(lake.spark, lake.table, size, lake.engine, lake.quarantine)
-        assert table.with_split(Table(lake.table).version(), 0.2, 0.2).count() == 12, f"the split stage's rows of size {size}"
+        assert table.with_split(Table(lake.table).version(), 0.2, 0.2).count() == 12, (
+            f"the split stage's rows of size {size}"
+        )
 
 
-def test_a_folder_that_cannot_be_listed_stops_the_run_and_retires_nothing(lake: Lake, digits_dir: Path, tmp_path: Path, monkeypatch) -> None:
+def test_a_folder_that_cannot_be_listed_stops_the_run_and_retires_nothing(
+    lake: Lake, digits_dir: Path, tmp_path: Path, monkeypatch
+) -> None:
     from tasks.ingest import ListingIncomplete, list_source
     from tests.lake import LostMount
 
@@ -349,7 +419,9 @@ def test_a_folder_that_cannot_be_listed_stops_the_run_and_retires_nothing(lake: 
     copy_digits(digits_dir, source / "date=2024-03-01", labels=("1", "2"), per_label=4)
     copy_digits(digits_dir, source / "date=2024-03-02", labels=("1", "2"), per_label=4, skip=4)
     monkeypatch.setattr(LostMount, "lost", "date=2024-03-01/2")
-    with pytest.raises(ListingIncomplete, match=r"could not list lostmount://.*date=2024-03-01/2 \(PermissionError.*retires anything"):
+    with pytest.raises(
+        ListingIncomplete, match=r"could not list lostmount://.*date=2024-03-01/2 \(PermissionError.*retires anything"
+    ):
         list(list_source(f"lostmount://{source}", Scope((".png",))))
     assert isinstance(ListingIncomplete("x"), OSError), "the stage retries it: a mount may come back"
 
@@ -383,14 +455,18 @@ def test_a_run_that_would_retire_most_of_a_dates_rows_is_refused(lake: Lake, dig
     shutil.rmtree(source / "date=2024-03-01" / "2")  # 5 of the date's 10 rows: allowed at 0.5
     for png in sorted((source / "date=2024-03-01" / "1").glob("*.png"))[:2]:
         png.unlink()  # and 2 more: 7 of 10
-    with pytest.raises(TooManyRetired, match=r"retire 7 of 10 rows of 2024-03-01 .* over max_retire_fraction=0.5; nothing was written"):
+    with pytest.raises(
+        TooManyRetired, match=r"retire 7 of 10 rows of 2024-03-01 .* over max_retire_fraction=0.5; nothing was written"
+    ):
         lake.run(source, scope=day, max_retire=0.5)
     assert Table(lake.table).version() == before and len(lake.rows()) == 20
     _, _, written = lake.run(source, scope=day, max_retire=1.0)  # they are really gone: the setting lets it through
     assert written.retired == 7 and len(lake.rows()) == 13
 
 
-def test_a_dated_or_retiring_run_retires_only_rows_under_its_own_folder(lake: Lake, digits_dir: Path, tmp_path: Path) -> None:
+def test_a_dated_or_retiring_run_retires_only_rows_under_its_own_folder(
+    lake: Lake, digits_dir: Path, tmp_path: Path
+) -> None:
     """Two folder sources land rows of the same date in one table. A dated run of one, and a run of it that retires
     deleted files, retire what that source lost and never the other's rows, which its listing cannot see. The folder
     `ab` begins with `a`'s name: a source owns the paths below its folder, not those that share its name's start.
@@ -413,7 +489,9 @@ def test_a_dated_or_retiring_run_retires_only_rows_under_its_own_folder(lake: La
     assert written.retired == 1 and theirs < set(lake.rows()) and len(lake.rows()) == 4
 
 
-def test_a_manifest_retires_only_paths_that_its_own_listings_named(lake: Lake, digits_dir: Path, tmp_path: Path) -> None:
+def test_a_manifest_retires_only_paths_that_its_own_listings_named(
+    lake: Lake, digits_dir: Path, tmp_path: Path
+) -> None:
     """Two manifests in one folder name files of the same date. A dated run of one retires the row of a line it
     dropped, never the other's rows, though they lie in its folder too. A manifest whose record of the paths it named
     is gone (another staging folder, say) cannot prove a row its own: it retires nothing."""
@@ -422,7 +500,9 @@ def test_a_manifest_retires_only_paths_that_its_own_listings_named(lake: Lake, d
     copy_digits(digits_dir, landing, labels=("1", "2"), per_label=2)
 
     def manifest(name: str, files: list[Path]) -> Path:
-        (landing / name).write_text("path,label,date\n" + "".join(f"{f.parent.name}/{f.name},{f.parent.name},2024-03-01\n" for f in files))
+        (landing / name).write_text(
+            "path,label,date\n" + "".join(f"{f.parent.name}/{f.name},{f.parent.name},2024-03-01\n" for f in files)
+        )
         return landing / name
 
     ones, twos = sorted((landing / "1").glob("*.png")), sorted((landing / "2").glob("*.png"))
@@ -430,7 +510,9 @@ def test_a_manifest_retires_only_paths_that_its_own_listings_named(lake: Lake, d
     lake.run(manifest("b.csv", twos), scope=day)
     assert len(lake.rows()) == 4
     _, _, written = lake.run(manifest("a.csv", ones[:1]), scope=day, retire=True, max_retire=1.0)
-    assert written.retired == 1 and sorted(Path(p).name for p in lake.rows()) == sorted(f.name for f in [ones[0], *twos])
+    assert written.retired == 1 and sorted(Path(p).name for p in lake.rows()) == sorted(
+        f.name for f in [ones[0], *twos]
+    )
 
     shutil.rmtree(tmp_path / "staging")
     _, _, written = lake.run(manifest("b.csv", twos[:1]), scope=day, retire=True, max_retire=1.0)
@@ -459,17 +541,25 @@ def test_a_read_that_fails_is_retried_and_never_quarantined(lake: Lake, digits_d
     source = tmp_path / "src"
     copy_digits(digits_dir, source, labels=("0", "1"), per_label=10)
     names = sorted(p.name for p in (source / "1").glob("*.png"))
-    Hiccups.failures.update({names[0]: 2, names[1]: 50, names[2]: 50})  # one recovers on its third read, two never do in this run
-    rules = DecodeRules(size=24, mode="letterbox", max_file_bytes=10_000_000, max_pixels=10_000_000, read_attempts=3, read_backoff=0.01)
+    Hiccups.failures.update(
+        {names[0]: 2, names[1]: 50, names[2]: 50}
+    )  # one recovers on its third read, two never do in this run
+    rules = DecodeRules(
+        size=24, mode="letterbox", max_file_bytes=10_000_000, max_pixels=10_000_000, read_attempts=3, read_backoff=0.01
+    )
     _, resized, written = lake.run(f"hiccups://{source}", rules=rules, in_driver_up_to=1000)
-    assert resized.quarantined == {} and written.quarantined == 0, "a read error is not the file's content: nothing quarantined"
+    assert resized.quarantined == {} and written.quarantined == 0, (
+        "a read error is not the file's content: nothing quarantined"
+    )
     assert resized.unread == {"read_error": 2} and resized.read_retries == 2 + 3 + 3 and written.unread == 2
     assert len(lake.rows()) == 18 and not Table(lake.quarantine).exists()
 
     Hiccups.failures.clear()  # the store is back: the next run reads the two files, and only them
     _, resized, written = lake.run(f"hiccups://{source}", rules=rules, in_driver_up_to=1000)
     assert (resized.decoded, resized.unread, written.rows) == (2, {}, 2)
-    assert sorted(Path(p).name for p in lake.rows()) == sorted(p.name for p in source.rglob("*.png")), "every image once"
+    assert sorted(Path(p).name for p in lake.rows()) == sorted(p.name for p in source.rglob("*.png")), (
+        "every image once"
+    )
 
     _, resized, written = lake.run(f"hiccups://{source}", rules=rules, in_driver_up_to=1000)
     assert (resized.decoded, written.rows) == (0, 0), "in step again: nothing read twice"
@@ -494,7 +584,11 @@ def test_requeue_sends_quarantined_files_back_through(lake: Lake, digits_dir: Pa
 
     cli = ["--set", f"table_root={lake.root}/tables", "--set", "image_size=24", "--set", f"workspace={tmp_path / 'ws'}"]
     refused = CliRunner().invoke(app, ["requeue", "--reason", "unreadable", *cli])
-    assert refused.exit_code == 2 and "no file in the quarantine table" in refused.output and "file_too_large (1), truncated (1)" in refused.output
+    assert (
+        refused.exit_code == 2
+        and "no file in the quarantine table" in refused.output
+        and "file_too_large (1), truncated (1)" in refused.output
+    )
     done = CliRunner().invoke(app, ["requeue", "--reason", "file_too_large", *cli])
     assert done.exit_code == 0, done.output
     assert "requeued 1 file(s) (file_too_large: 1)" in done.output
@@ -503,17 +597,30 @@ def test_requeue_sends_quarantined_files_back_through(lake: Lake, digits_dir: Pa
     _, resized, written = lake.run(source, scope=large)
     assert (resized.decoded, written.rows) == (1, 1) and "large.jpg" in {Path(p).name for p in lake.rows()}
 
-    settings = load_settings(overrides={"table_root": f"{lake.root}/tables", "image_size": 24, "workspace": str(tmp_path / "ws"), "requeue_reasons": ["truncated"]})
+    settings = load_settings(
+        overrides={
+            "table_root": f"{lake.root}/tables",
+            "image_size": 24,
+            "workspace": str(tmp_path / "ws"),
+            "requeue_reasons": ["truncated"],
+        }
+    )
     assert requeue_by_setting.fn(settings) == {"truncated": 1}
     _, resized, _ = lake.run(source, scope=large)
-    assert resized.quarantined == {"truncated": 1} and lake.quarantined() == {"truncated.jpg": "truncated"}, "still bad: quarantined again"
-    assert len(lake.read(lake.quarantine, ["path"])["path"]) == 2, "in place of its requeued row: the table does not grow each time"
+    assert resized.quarantined == {"truncated": 1} and lake.quarantined() == {"truncated.jpg": "truncated"}, (
+        "still bad: quarantined again"
+    )
+    assert len(lake.read(lake.quarantine, ["path"])["path"]) == 2, (
+        "in place of its requeued row: the table does not grow each time"
+    )
     assert CliRunner().invoke(app, ["requeue", *cli]).output.startswith("requeued 1 file(s) (truncated: 1)")
 
 
 @pytest.mark.both_engines
 @pytest.mark.parametrize("retire", [False, True])
-def test_a_moved_file_and_a_renamed_label_folder_relabel_their_rows(lake: Lake, digits_dir: Path, tmp_path: Path, retire: bool) -> None:
+def test_a_moved_file_and_a_renamed_label_folder_relabel_their_rows(
+    lake: Lake, digits_dir: Path, tmp_path: Path, retire: bool
+) -> None:
     source = tmp_path / "src"
     copy_digits(digits_dir, source, labels=("cat", "dog"), per_label=0)
     copy_digits(digits_dir, tmp_path / "digits", labels=("0", "1"), per_label=6)
@@ -527,17 +634,23 @@ def test_a_moved_file_and_a_renamed_label_folder_relabel_their_rows(lake: Lake, 
     moved = sorted((source / "cat").glob("*.png"))[0]
     moved.rename(source / "dog" / moved.name)
     _, _, written = lake.run(source, retire=retire)
-    assert labels() == {**before, moved.name: "dog"} and written.version == version + 1, "the row follows the file, in one commit"
+    assert labels() == {**before, moved.name: "dog"} and written.version == version + 1, (
+        "the row follows the file, in one commit"
+    )
     by_path = lake.read(lake.table, ["path", "label"])
     assert dict(zip(by_path["path"], by_path["label"]))[f"file://{source}/dog/{moved.name}"] == "dog"
 
     (source / "cat").rename(source / "feline")
     _, _, written = lake.run(source, retire=retire)
     assert written.version == version + 2 and (written.rows, written.retired) == (5, 5)
-    assert labels() == {name: ("feline" if label == "cat" else label) for name, label in {**before, moved.name: "dog"}.items()}
+    assert labels() == {
+        name: ("feline" if label == "cat" else label) for name, label in {**before, moved.name: "dog"}.items()
+    }
     assert len(lake.rows()) == 12 and len(set(lake.rows().values())) == 12, "every image once"
 
-    shutil.copy(source / "dog" / moved.name, source / "feline" / "copy.png")  # a copy: the old path still holds the content
+    shutil.copy(
+        source / "dog" / moved.name, source / "feline" / "copy.png"
+    )  # a copy: the old path still holds the content
     _, _, written = lake.run(source, retire=retire)
     assert written.rows == 0 and len(lake.rows()) == 12
 
@@ -548,7 +661,9 @@ def test_a_moved_file_and_a_renamed_label_folder_relabel_their_rows(lake: Lake, 
     assert set(labels().values()) == {"feline", "canine"}
 
 
-def test_two_identical_runs_at_once_keep_their_own_staging_and_a_short_one_writes_nothing(spark, digits_dir: Path, tmp_path: Path) -> None:
+def test_two_identical_runs_at_once_keep_their_own_staging_and_a_short_one_writes_nothing(
+    spark, digits_dir: Path, tmp_path: Path
+) -> None:
     from deltalake import DeltaTable
 
     from tasks.ingest import ingest
@@ -557,13 +672,17 @@ def test_two_identical_runs_at_once_keep_their_own_staging_and_a_short_one_write
 
     source = tmp_path / "src"
     copy_digits(digits_dir, source, labels=("0", "1"), per_label=4)
-    settings = load_settings(overrides={"workspace": str(tmp_path / "ws"), "image_size": 16, "decode_in_driver_up_to": 100})
+    settings = load_settings(
+        overrides={"workspace": str(tmp_path / "ws"), "image_size": 16, "decode_in_driver_up_to": 100}
+    )
     listed = ingest.fn(str(source), settings)
     first = resize.fn(listed, settings)
     second = resize.fn(listed, settings)  # the same files and settings, started before the first run writes
     assert first.staging_uri != second.staging_uri and first.decoded == second.decoded == 8
     assert write.fn(first, settings).rows == 8, "the second run's start left the first run's staged rows alone"
-    assert write.fn(second, settings).rows == 0 and DeltaTable(settings.table_uri).to_pyarrow_dataset().count_rows() == 8
+    assert (
+        write.fn(second, settings).rows == 0 and DeltaTable(settings.table_uri).to_pyarrow_dataset().count_rows() == 8
+    )
 
     # Staged rows that went missing (a cleanup while the run went on): the write refuses, commits nothing and does
     # not mark the tables in step with the listing, so the next run decodes the files again and lands them.

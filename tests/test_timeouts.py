@@ -41,7 +41,8 @@ def blocks(settings: Settings) -> str:
 @imagelake_flow("imagelake-timeout-test")
 def blocked(overrides: dict) -> str:
     settings = run_settings(None, overrides)
-    # As in a process a worker started for this run: what it starts carries the run's id, and its hooks may stop Spark and Ray.
+    # As in a process a worker started for this run: what it starts carries the run's id, and its hooks may stop Spark
+    # and Ray.
     os.environ[lifecycle.RUN_ID_VARIABLE] = str(FlowRunContext.get().flow_run.id)
     return blocks(settings)
 
@@ -51,7 +52,11 @@ def blocked(overrides: dict) -> str:
     ("limit", "error", "message"),
     [
         ({"stage_timeout_minutes": 0.02}, "StageTimedOut", r"stage blocks ran past stage_timeout_minutes=0.02"),
-        ({"flow_timeout_hours": 0.0005}, "FlowTimedOut", r"flow run .* of imagelake-timeout-test ran past flow_timeout_hours=0.0005"),
+        (
+            {"flow_timeout_hours": 0.0005},
+            "FlowTimedOut",
+            r"flow run .* of imagelake-timeout-test ran past flow_timeout_hours=0.0005",
+        ),
     ],
     ids=["stage", "flow"],
 )
@@ -112,14 +117,18 @@ def test_a_second_holder_gives_up_after_its_wait_and_names_the_first(tmp_path: P
         first.start()
         try:
             assert held.wait(30)
-            with pytest.raises(TimeoutError, match=rf"pid {os.getpid()} on {re.escape(socket.gethostname())}.* since .*cancel") as raised:
+            with pytest.raises(
+                TimeoutError, match=rf"pid {os.getpid()} on {re.escape(socket.gethostname())}.* since .*cancel"
+            ) as raised:
                 with one_at_a_time(settings, "train-x", timeout=0.5):
                     pass
             assert "outside any flow run" in str(raised.value) and "train_lock_wait_minutes" in str(raised.value)
         finally:
             done.set()
             first.join(30)
-        assert not list((settings.workspace_dir / "locks").glob("*.holder")), "the first let go: no record of it is left to name"
+        assert not list((settings.workspace_dir / "locks").glob("*.holder")), (
+            "the first let go: no record of it is left to name"
+        )
         with one_at_a_time(settings, "train-x", timeout=5):
             pass
 
@@ -133,7 +142,9 @@ def holds_a_lock(settings: Settings, what: str, held_path: str, done_path: str) 
             time.sleep(0.1)
 
 
-def test_a_run_on_another_host_gives_up_after_its_wait_and_names_the_flow_run_holding_the_lock(prefect_api: str, tmp_path: Path) -> None:
+def test_a_run_on_another_host_gives_up_after_its_wait_and_names_the_flow_run_holding_the_lock(
+    prefect_api: str, tmp_path: Path
+) -> None:
     from infra.holders import shared_record
 
     # Two hosts: their own workspaces (no file lock in common), one Prefect server.
@@ -153,7 +164,9 @@ def test_a_run_on_another_host_gives_up_after_its_wait_and_names_the_flow_run_ho
     finally:
         done.touch()
         first.join(60)
-    assert shared_record(prefect_api, lock_name("cache-y")) is None, "the holder let go: no record of it is left to name"
+    assert shared_record(prefect_api, lock_name("cache-y")) is None, (
+        "the holder let go: no record of it is left to name"
+    )
 
 
 def test_no_timeout_or_lock_wait_enters_a_cache_key_or_a_ray_run_name() -> None:
@@ -168,7 +181,19 @@ def test_no_timeout_or_lock_wait_enters_a_cache_key_or_a_ray_run_name() -> None:
     assert {"flow_timeout_hours", "stage_timeout_minutes", "train_timeout_minutes", "train_lock_wait_minutes"} <= timing
     stages = [
         value
-        for name in ("ingest", "resize", "write", "split", "cache", "train", "promote", "score", "summary", "retention", "maintain")
+        for name in (
+            "ingest",
+            "resize",
+            "write",
+            "split",
+            "cache",
+            "train",
+            "promote",
+            "score",
+            "summary",
+            "retention",
+            "maintain",
+        )
         for value in vars(importlib.import_module(f"tasks.{name}")).values()
         if isinstance(value, Task) and isinstance(value.cache_policy, StageKey)
     ]
@@ -178,7 +203,9 @@ def test_no_timeout_or_lock_wait_enters_a_cache_key_or_a_ray_run_name() -> None:
     train = next(task for task in stages if task.name == "train")
     shorter = load_settings(overrides={name: 2 if "timeout" in name else 1 for name in timing})
     fields = train.cache_policy.settings_fields
-    assert key_parts(train.fn, {"settings": load_settings()}, fields) == key_parts(train.fn, {"settings": shorter}, fields)
+    assert key_parts(train.fn, {"settings": load_settings()}, fields) == key_parts(
+        train.fn, {"settings": shorter}, fields
+    )
 
 
 def test_a_lock_wait_must_end_before_its_stage_s_timeout() -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -11,8 +10,8 @@ import torch
 
 from infra.tracking import mlflow_client
 from tasks.cache import cache_splits
-from tasks.split import plan_splits
 from tasks.rules.training import scaled_learning_rate
+from tasks.split import plan_splits
 from tasks.train import run_name, train_model
 from tasks.worker.train_loop import (
     CheckpointUnusable,
@@ -48,10 +47,14 @@ def assert_resumed(settings, run_id: str) -> None:
 
 
 @pytest.mark.slow
-def test_a_worker_killed_mid_run_resumes_from_the_last_checkpoint(cached, settings, tmp_path: Path, monkeypatch) -> None:
+def test_a_worker_killed_mid_run_resumes_from_the_last_checkpoint(
+    cached, settings, tmp_path: Path, monkeypatch
+) -> None:
     marker = tmp_path / "killed"
     monkeypatch.setenv("IMAGELAKE_KILL_WORKER", f"1:2:{marker}")
-    settings = settings.model_copy(update={"max_epochs": 4, "early_stopping_patience": 10, "max_failures": 1, "batch_size": 16})
+    settings = settings.model_copy(
+        update={"max_epochs": 4, "early_stopping_patience": 10, "max_failures": 1, "batch_size": 16}
+    )
     trained = train_model(cached, settings)
     assert marker.read_text().startswith("killed at epoch 2"), "rank 1 was killed once"
     assert trained.epochs_run == 4
@@ -63,7 +66,9 @@ def test_a_worker_killed_mid_run_resumes_from_the_last_checkpoint(cached, settin
 def test_a_retried_training_task_resumes_the_same_run(cached, settings, tmp_path: Path, monkeypatch) -> None:
     marker = tmp_path / "killed"
     monkeypatch.setenv("IMAGELAKE_KILL_WORKER", f"1:2:{marker}")
-    settings = settings.model_copy(update={"max_epochs": 4, "early_stopping_patience": 10, "max_failures": 0, "batch_size": 16})
+    settings = settings.model_copy(
+        update={"max_epochs": 4, "early_stopping_patience": 10, "max_failures": 0, "batch_size": 16}
+    )
     with pytest.raises(ray.train.TrainingFailedError):
         train_model(cached, settings)  # no failures allowed: the run fails, as a Prefect task attempt would
     assert marker.exists()
@@ -83,10 +88,21 @@ def test_a_retried_training_task_resumes_the_same_run(cached, settings, tmp_path
 @pytest.mark.parametrize("workers", [1, 2])
 def test_the_same_data_settings_and_seed_train_the_same_model(cached, settings, tmp_path: Path, workers: int) -> None:
     """Two trainings from scratch: every epoch's metrics and the best checkpoint's weights are the same."""
-    settings = settings.model_copy(update={"max_epochs": 3, "batch_size": 8, "num_workers": workers, "loader_workers": 3})
-    runs = [train_model(cached, settings.model_copy(update={"ray_storage_root": str(tmp_path / f"ray-{i}")})) for i in range(2)]
+    settings = settings.model_copy(
+        update={"max_epochs": 3, "batch_size": 8, "num_workers": workers, "loader_workers": 3}
+    )
+    runs = [
+        train_model(cached, settings.model_copy(update={"ray_storage_root": str(tmp_path / f"ray-{i}")}))
+        for i in range(2)
+    ]
     client = mlflow_client(settings)
-    histories = [{name: [m.value for m in sorted(client.get_metric_history(t.mlflow_run_id, name), key=lambda m: m.step)] for name in ("train_loss", "val_loss", "val_acc")} for t in runs]
+    histories = [
+        {
+            name: [m.value for m in sorted(client.get_metric_history(t.mlflow_run_id, name), key=lambda m: m.step)]
+            for name in ("train_loss", "val_loss", "val_acc")
+        }
+        for t in runs
+    ]
     assert runs[0].mlflow_run_id != runs[1].mlflow_run_id and len(histories[0]["val_loss"]) == 3
     assert histories[0] == histories[1], f"{histories[0]} != {histories[1]}"
     weights = [torch.load(t.checkpoint_path, map_location="cpu", weights_only=False)["state_dict"] for t in runs]
@@ -137,18 +153,33 @@ def test_the_baseline_fits_a_random_sample_of_the_same_split_and_beats_chance(ca
     whole = fit_baseline(cached.splits["train"], cached.splits["test"], 24, cached.counts, seed=0)
     assert (whole.train_rows, whole.test_rows) == (cached.counts["train"], cached.counts["test"])
     assert whole.accuracy > 0.3, f"chance is 0.1; got {whole.accuracy}"
-    assert fit_baseline(cached.splits["train"], cached.splits["test"], 24, cached.counts, seed=0, limit=20).train_rows == 20
+    assert (
+        fit_baseline(cached.splits["train"], cached.splits["test"], 24, cached.counts, seed=0, limit=20).train_rows
+        == 20
+    )
     images, labels = read_split(cached.splits["train"], 24)
     some, their_labels = thumbnails(cached.splits["train"], 24, cached.counts["train"], limit=5, seed=3)
     chosen = np.sort(np.random.default_rng(3).choice(len(labels), size=5, replace=False))
-    expected = F.adaptive_avg_pool2d(torch.from_numpy(images[chosen]).permute(0, 3, 1, 2).float(), 32).flatten(1).numpy() / 255
+    expected = (
+        F.adaptive_avg_pool2d(torch.from_numpy(images[chosen]).permute(0, 3, 1, 2).float(), 32).flatten(1).numpy() / 255
+    )
     assert np.allclose(some, expected, atol=1e-6) and (their_labels == labels[chosen]).all()
 
 
 def gpu_config() -> dict:
     return {
-        "train_uri": "", "val_uri": "", "num_classes": 10, "image_size": 32, "arch": "small_cnn", "learning_rate": 1e-3, "batch_size": 8,
-        "max_epochs": 1, "patience": 1, "min_delta": 0.0, "seed": 0, "use_gpu": True,
+        "train_uri": "",
+        "val_uri": "",
+        "num_classes": 10,
+        "image_size": 32,
+        "arch": "small_cnn",
+        "learning_rate": 1e-3,
+        "batch_size": 8,
+        "max_epochs": 1,
+        "patience": 1,
+        "min_delta": 0.0,
+        "seed": 0,
+        "use_gpu": True,
     }
 
 
@@ -165,7 +196,9 @@ def test_gpu_settings_turn_on_bf16_and_channels_last_on_a_gpu(tmp_path: Path, mo
     config = gpu_config()
     assert make_trainer(config, [], 1, 1, accelerator="cpu").precision == "bf16-mixed"
     model = make_model(config)
-    assert model.model.channels_last is True and model.model.net.features[0][0].weight.is_contiguous(memory_format=torch.channels_last)
+    assert model.model.channels_last is True and model.model.net.features[0][0].weight.is_contiguous(
+        memory_format=torch.channels_last
+    )
     assert make_trainer({**config, "bf16": False}, [], 1, 1, accelerator="cpu").precision == "32-true"
     assert make_model({**config, "channels_last": False}).model.channels_last is False
 
@@ -183,8 +216,9 @@ def test_a_ray_strategy_of_another_lightning_package_is_refused_before_training(
     assert problem is not None and "lightning_fabric" in problem and "pip uninstall lightning" in problem
 
 
-
-def test_a_compiled_model_trains_its_own_weights_checkpoints_under_the_plain_names_resumes_and_registers(tmp_path: Path) -> None:
+def test_a_compiled_model_trains_its_own_weights_checkpoints_under_the_plain_names_resumes_and_registers(
+    tmp_path: Path,
+) -> None:
     """torch.compile in the training path (Inductor on the CPU here): steps run through the compiled module, the
     weights it trains are the model's own, and a checkpoint holds the plain model's names, so it loads into an
     uncompiled classifier (warm start reads the same state dict), a compiled run resumes from it, and the promote
@@ -203,7 +237,9 @@ def test_a_compiled_model_trains_its_own_weights_checkpoints_under_the_plain_nam
     state = torch.load(tmp_path / "compiled.ckpt", map_location="cpu", weights_only=False)["state_dict"]
     assert not [name for name in state if "_orig_mod" in name or "_step_model" in name]
     trained = model.model.state_dict()
-    assert any(not torch.equal(before[name], trained[name]) for name in before), "the compiled steps moved the model's weights"
+    assert any(not torch.equal(before[name], trained[name]) for name in before), (
+        "the compiled steps moved the model's weights"
+    )
     plain = make_model({**config, "compile": None})
     assert type(plain._step_model).__name__ != "OptimizedModule"
     plain.load_state_dict(state)
@@ -219,18 +255,22 @@ def test_a_compiled_model_trains_its_own_weights_checkpoints_under_the_plain_nam
     import mlflow
 
     from tasks.promote import load_trained_model
-
     from tasks.registry import served_model
 
     exported = load_trained_model(str(tmp_path / "compiled.ckpt"))
     labels = [str(n) for n in range(10)]
-    mlflow.pyfunc.save_model(tmp_path / "registered", **served_model(tmp_path / "parts", exported, labels, 16, "letterbox", None, images[:2].numpy()))
+    mlflow.pyfunc.save_model(
+        tmp_path / "registered",
+        **served_model(tmp_path / "parts", exported, labels, 16, "letterbox", None, images[:2].numpy()),
+    )
     served = mlflow.pyfunc.load_model(str(tmp_path / "registered"))
     with torch.no_grad():
         probabilities = torch.softmax(plain.model(images), dim=1)
     answered = served.unwrap_python_model().predict(None, images.numpy(), params={"top_k": 10})
     assert list(answered["label"]) == [labels[i] for i in probabilities.argmax(dim=1)]
-    got = torch.tensor([[entry["probability"] for entry in sorted(top, key=lambda e: int(e["label"]))] for top in answered["top_k"]])
+    got = torch.tensor(
+        [[entry["probability"] for entry in sorted(top, key=lambda e: int(e["label"]))] for top in answered["top_k"]]
+    )
     assert torch.allclose(got, probabilities, atol=1e-4)
     with pytest.raises(ValueError, match="compile mode 'fastest'"):
         make_model({**config, "compile": "fastest"})
@@ -239,4 +279,7 @@ def test_a_compiled_model_trains_its_own_weights_checkpoints_under_the_plain_nam
 
     assert compile_mode({"use_gpu": True}) == ("default" if torch.cuda.is_available() else None)
     assert compile_mode({"use_gpu": False}) is None and compile_mode({"compile": False, "use_gpu": True}) is None
-    assert compile_mode({"compile": True}) == "default" and compile_mode({"compile": "reduce-overhead"}) == "reduce-overhead"
+    assert (
+        compile_mode({"compile": True}) == "default"
+        and compile_mode({"compile": "reduce-overhead"}) == "reduce-overhead"
+    )

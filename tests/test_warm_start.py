@@ -23,14 +23,28 @@ SHAPE = WeightsShape(labels=DIGITS, image_size=24, model_arch="small_cnn", resiz
         (Champion("3", SHAPE), "3", "same labels"),
         (None, None, "no champion"),
         (Champion("3", None), None, "does not record"),
-        (Champion("3", WeightsShape(DIGITS[:5], 24, "small_cnn", "letterbox")), None, "labels 5 -> 10 (added: 5, 6, 7, 8, 9)"),
-        (Champion("3", WeightsShape(tuple(reversed(DIGITS)), 24, "small_cnn", "letterbox")), None, "labels in another order"),
+        (
+            Champion("3", WeightsShape(DIGITS[:5], 24, "small_cnn", "letterbox")),
+            None,
+            "labels 5 -> 10 (added: 5, 6, 7, 8, 9)",
+        ),
+        (
+            Champion("3", WeightsShape(tuple(reversed(DIGITS)), 24, "small_cnn", "letterbox")),
+            None,
+            "labels in another order",
+        ),
         (Champion("3", WeightsShape(DIGITS, 32, "small_cnn", "letterbox")), None, "image_size 32 -> 24"),
         (Champion("3", WeightsShape(DIGITS, 24, "resnet18", "letterbox")), None, "model_arch resnet18 -> small_cnn"),
-        (Champion("3", WeightsShape(DIGITS, 24, "small_cnn", "center_crop")), None, "resize_mode center_crop -> letterbox"),
+        (
+            Champion("3", WeightsShape(DIGITS, 24, "small_cnn", "center_crop")),
+            None,
+            "resize_mode center_crop -> letterbox",
+        ),
     ],
 )
-def test_a_run_warm_starts_only_from_a_champion_trained_for_the_same_labels_and_shape(champion, version, reason: str) -> None:
+def test_a_run_warm_starts_only_from_a_champion_trained_for_the_same_labels_and_shape(
+    champion, version, reason: str
+) -> None:
     decided = decide_warm_start(SHAPE, champion)
     assert decided.version == version and reason in decided.reason
     assert decided.source == (version or "none")
@@ -39,9 +53,28 @@ def test_a_run_warm_starts_only_from_a_champion_trained_for_the_same_labels_and_
 @pytest.mark.parametrize(
     "tags,shape",
     [
-        ({"labels": "0,1", "image_size": "24", "resize_mode": "letterbox", "training_params": '{"arch": "small_cnn"}'}, WeightsShape(("0", "1"), 24, "small_cnn", "letterbox")),
-        ({"labels": "0,1", "image_size": "24", "resize_mode": "letterbox"}, None),  # no training params: not the pipeline's
-        ({"labels": "0,1", "image_size": "big", "resize_mode": "letterbox", "training_params": '{"arch": "small_cnn"}'}, None),
+        (
+            {
+                "labels": "0,1",
+                "image_size": "24",
+                "resize_mode": "letterbox",
+                "training_params": '{"arch": "small_cnn"}',
+            },
+            WeightsShape(("0", "1"), 24, "small_cnn", "letterbox"),
+        ),
+        (
+            {"labels": "0,1", "image_size": "24", "resize_mode": "letterbox"},
+            None,
+        ),  # no training params: not the pipeline's
+        (
+            {
+                "labels": "0,1",
+                "image_size": "big",
+                "resize_mode": "letterbox",
+                "training_params": '{"arch": "small_cnn"}',
+            },
+            None,
+        ),
         ({}, None),
     ],
 )
@@ -70,7 +103,9 @@ def test_a_warm_started_run_begins_from_the_champions_weights(digits_cached, set
     champion = load_registered_model(client, settings.model_name, promoted.model_version).state_dict()
 
     # The champion's version keys the train stage's cache; with warm_start off, nothing about the champion does.
-    assert warm_start_key({"cached": digits_cached, "settings": warm_settings}) == {"warm start from": promoted.model_version}
+    assert warm_start_key({"cached": digits_cached, "settings": warm_settings}) == {
+        "warm start from": promoted.model_version
+    }
     assert warm_start_key({"cached": digits_cached, "settings": settings}) == {}
     other_labels = warm_start_of(client, warm_settings, digits_cached.model_copy(update={"labels": list(DIGITS[:9])}))
     assert other_labels.version is None and "labels 10 -> 9" in other_labels.reason

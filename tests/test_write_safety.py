@@ -8,7 +8,7 @@ import signal
 import subprocess
 import sys
 import uuid
-from typing import Callable
+from collections.abc import Callable
 from datetime import date
 from pathlib import Path
 
@@ -17,12 +17,12 @@ import pytest
 from infra.delta import Table, commit_files, read_version
 from tasks.changes import ingest_listing
 from tasks.ingest import source_uri
-from tasks.rules.listing import Scope
 from tasks.resize import resize_images
 from tasks.resize_executor import DecodeRules
-from tasks.table import ImageTable
-from tasks.rules.schemas import IMAGE_TABLE_SCHEMA
 from tasks.results import Resized
+from tasks.rules.listing import Scope
+from tasks.rules.schemas import IMAGE_TABLE_SCHEMA
+from tasks.table import ImageTable
 from tasks.write import WRITE_PHASES, plan_changes, settle_concurrent_append, write_images
 from tests.conftest import REPO
 from tests.lake import copy_digits
@@ -43,18 +43,34 @@ def lake_of(spark, table: str, quarantine: str, engine: str) -> ImageTable:
 
 
 def writer(
-    root: Path, resized: dict, engine: str, barrier: Path | None = None, lake: str | None = None, stop_at: str | None = None,
+    root: Path,
+    resized: dict,
+    engine: str,
+    barrier: Path | None = None,
+    lake: str | None = None,
+    stop_at: str | None = None,
 ) -> subprocess.Popen:
     """A writer process for the tables under LAKE (default: ROOT), its workspace and log under ROOT; with STOP_AT, it
     prints each phase of its write (tasks/write.py: WRITE_PHASES) and waits at that one to be killed."""
     lake = lake or str(root)
     args = {
-        "workspace": str(root / "ws"), "resized": resized, "engine": engine, "table": f"{lake}/tables/images", "quarantine": f"{lake}/tables/quarantine",
-        "barrier": str(barrier) if barrier else None, "stop_at": stop_at,
+        "workspace": str(root / "ws"),
+        "resized": resized,
+        "engine": engine,
+        "table": f"{lake}/tables/images",
+        "quarantine": f"{lake}/tables/quarantine",
+        "barrier": str(barrier) if barrier else None,
+        "stop_at": stop_at,
     }
     # The writer's stderr goes to a file next to its data, so a failing writer can be diagnosed.
     log = (root / f"writer-{resized['staging_uri'].rstrip('/').rsplit('/', 1)[-1]}.log").open("w")
-    return subprocess.Popen([sys.executable, str(REPO / "tests" / "writer.py"), json.dumps(args)], stdout=subprocess.PIPE, stderr=log, text=True, cwd=REPO)
+    return subprocess.Popen(
+        [sys.executable, str(REPO / "tests" / "writer.py"), json.dumps(args)],
+        stdout=subprocess.PIPE,
+        stderr=log,
+        text=True,
+        cwd=REPO,
+    )
 
 
 def wait_for(process: subprocess.Popen, line: str) -> None:
@@ -118,28 +134,38 @@ def kill_writers_and_rerun(spark, source: Path, tmp_path: Path, engine: str, lak
         reported = kill_at(root, resized, engine, lake_root, phase)
         # The kill landed in the window PHASE names: after the phases before it, before any later one, and the tables
         # hold what the write commits up to that phase, no more and no less.
-        assert reported == list(WRITE_PHASES[: WRITE_PHASES.index(phase) + 1]), f"killed at {phase}, the writer reported {reported}"
+        assert reported == list(WRITE_PHASES[: WRITE_PHASES.index(phase) + 1]), (
+            f"killed at {phase}, the writer reported {reported}"
+        )
         committed = (len(rows_in(spark, quarantine, engine)), len(rows_in(spark, table, engine)))
         assert committed == COMMITTED_AT[phase], f"killed at {phase}: (quarantine rows, image rows) = {committed}"
         # The re-run after the crash (or after a commit Prefect never recorded) completes the write exactly once.
         written = write_images(lake_of(spark, table, quarantine, engine), Resized.model_validate(resized), 1.0)
         paths, bad = table_rows(spark, table, engine), table_rows(spark, quarantine, engine)
-        assert len(paths) == len(set(paths)) == IMAGES, f"killed at {phase}: {len(paths)} image rows, {len(set(paths))} paths"
-        assert len(bad) == len(set(bad)) == BAD_FILES, f"killed at {phase}: {len(bad)} quarantine rows, {len(set(bad))} paths"
+        assert len(paths) == len(set(paths)) == IMAGES, (
+            f"killed at {phase}: {len(paths)} image rows, {len(set(paths))} paths"
+        )
+        assert len(bad) == len(set(bad)) == BAD_FILES, (
+            f"killed at {phase}: {len(bad)} quarantine rows, {len(set(bad))} paths"
+        )
         again = write_images(lake_of(spark, table, quarantine, engine), Resized.model_validate(resized), 1.0)
         assert (again.rows, again.version, again.quarantined) == (0, written.version, 0)
 
 
 @pytest.mark.both_engines
 @pytest.mark.slow
-def test_a_writer_killed_at_each_phase_of_its_write_loses_and_duplicates_nothing(spark, digits_dir: Path, tmp_path: Path, engine: str) -> None:
+def test_a_writer_killed_at_each_phase_of_its_write_loses_and_duplicates_nothing(
+    spark, digits_dir: Path, tmp_path: Path, engine: str
+) -> None:
     source = source_with_bad_files(digits_dir, tmp_path / "src")
     kill_writers_and_rerun(spark, source, tmp_path, engine, lambda phase: str(tmp_path / phase))
 
 
 @pytest.mark.both_engines
 @pytest.mark.slow
-def test_a_writer_killed_at_each_phase_on_s3_loses_and_duplicates_nothing(spark, s3, digits_dir: Path, tmp_path: Path, engine: str) -> None:
+def test_a_writer_killed_at_each_phase_on_s3_loses_and_duplicates_nothing(
+    spark, s3, digits_dir: Path, tmp_path: Path, engine: str
+) -> None:
     source = source_with_bad_files(digits_dir, tmp_path / "src")
     prefix = f"s3://lake/{uuid.uuid4().hex[:12]}"
     kill_writers_and_rerun(spark, source, tmp_path, engine, lambda phase: f"{prefix}/{phase}")
@@ -162,7 +188,9 @@ def test_two_writers_at_once_both_land(spark, digits_dir: Path, tmp_path: Path, 
     for process in writers:
         out, _ = process.communicate(timeout=300)
         logs = "\n".join(p.read_text()[-3000:] for p in tmp_path.glob("writer-*.log"))
-        assert process.returncode == 0, f"a writer exited {process.returncode}; it printed {out[-500:]!r}; the logs:\n{logs}"
+        assert process.returncode == 0, (
+            f"a writer exited {process.returncode}; it printed {out[-500:]!r}; the logs:\n{logs}"
+        )
         results.append(json.loads(out.strip().splitlines()[-1]))
     assert sorted(r["rows"] for r in results) == [60, 60]
     assert len({r["version"] for r in results}) == 2
@@ -171,14 +199,18 @@ def test_two_writers_at_once_both_land(spark, digits_dir: Path, tmp_path: Path, 
 
 
 @pytest.mark.both_engines
-def test_two_runs_adding_the_same_files_at_once_land_them_once(spark, digits_dir: Path, tmp_path: Path, engine: str) -> None:
+def test_two_runs_adding_the_same_files_at_once_land_them_once(
+    spark, digits_dir: Path, tmp_path: Path, engine: str
+) -> None:
     """The race an append cannot see: both runs plan before either commits, then both commit the same paths."""
     source = tmp_path / "src"
     copy_digits(digits_dir, source, labels=("0", "1"), per_label=10)
     copy_digits(digits_dir, tmp_path / "first", labels=("7",), per_label=5)
     table, quarantine = str(tmp_path / "tables" / "images"), str(tmp_path / "tables" / "quarantine")
     images = lake_of(spark, table, quarantine, engine)
-    write_images(images, Resized.model_validate(stage_run(spark, tmp_path / "first", tmp_path, "v0", Scope((".png",)))), 1.0)
+    write_images(
+        images, Resized.model_validate(stage_run(spark, tmp_path / "first", tmp_path, "v0", Scope((".png",)))), 1.0
+    )
     one = Resized.model_validate(stage_run(spark, source, tmp_path, "one", Scope((".png",))))
     two = Resized.model_validate(stage_run(spark, source, tmp_path, "two", Scope((".png",))))
     planned = plan_changes(images, two)

@@ -22,8 +22,17 @@ def main(cached_json: str, go: str, out: str) -> None:
         time.sleep(0.01)
     trained = train_model(cached, settings)
     promoted, *_ = promote_model(trained, cached, settings, None)
-    Path(out).write_text(json.dumps({"run": trained.mlflow_run_id, "checkpoint": trained.checkpoint_path, "epochs": trained.epochs_run,
-                                     "version": promoted.model_version, "alias": promoted.alias}))
+    Path(out).write_text(
+        json.dumps(
+            {
+                "run": trained.mlflow_run_id,
+                "checkpoint": trained.checkpoint_path,
+                "epochs": trained.epochs_run,
+                "version": promoted.model_version,
+                "alias": promoted.alias,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -7,8 +7,8 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import tasks.write
 from infra.settings import Settings
@@ -39,7 +39,9 @@ if __name__ == "__main__":
     while args.get("barrier") and not Path(args["barrier"]).exists():
         time.sleep(0.01)
     print("WRITING", flush=True)
-    written = write_images(ImageTable.at(spark, args["table"], resized.image_size, args["engine"], args["quarantine"]), resized, 1.0)
+    written = write_images(
+        ImageTable.at(spark, args["table"], resized.image_size, args["engine"], args["quarantine"]), resized, 1.0
+    )
     print(json.dumps({"version": written.version, "rows": written.rows}), flush=True)
     # The write is done and reported. Leave without the interpreter's teardown: Arrow's thread pool can abort it
     # ("terminate called without an active exception", status -6) while a worker thread is still winding down,

@@ -20,8 +20,12 @@ def image_bytes(value: object) -> bytes:
         try:
             return base64.b64decode(value, validate=True)
         except (binascii.Error, ValueError):
-            raise ValueError("not_base64: a string in the image column must be the image file's bytes in base64") from None
-    raise ValueError(f"not_bytes: the image column holds {type(value).__name__}; send the image file's bytes (base64 in JSON)")
+            raise ValueError(
+                "not_base64: a string in the image column must be the image file's bytes in base64"
+            ) from None
+    raise ValueError(
+        f"not_bytes: the image column holds {type(value).__name__}; send the image file's bytes (base64 in JSON)"
+    )
 
 
 def answers(probabilities: np.ndarray, labels: list[str], top_k: int) -> list[dict]:

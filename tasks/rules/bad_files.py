@@ -18,7 +18,9 @@ def check_bad_fraction(resized: Resized, max_bad_fraction: float, known_bad: int
     bad = resized.bad - known_bad + resized.unread_files
     considered = resized.decoded + resized.known + bad
     if considered and bad / considered > max_bad_fraction:
-        reasons = ", ".join(f"{reason}: {count}" for reason, count in sorted({**resized.quarantined, **resized.unread}.items()))
+        reasons = ", ".join(
+            f"{reason}: {count}" for reason, count in sorted({**resized.quarantined, **resized.unread}.items())
+        )
         examples = "; ".join(f"{reason} e.g. {path}" for reason, path in sorted(resized.examples.items()))
         raise TooManyBadFiles(
             f"{bad} of {considered} files are bad ({reasons}), over max_bad_fraction={max_bad_fraction}; "
@@ -30,11 +32,19 @@ class TooManyRetired(ValueError):
     """A run would retire more of a date's rows than max_retire_fraction allows: nothing is written."""
 
 
-def check_retire_fraction(retired: dict[date | None, int], rows: dict[date | None, int], max_retire_fraction: float) -> None:
-    """Fail before writing anything when a run would retire more than MAX_RETIRE_FRACTION of any date's rows (RETIRED and
-    ROWS by date; None: rows without a date). A folder that vanished looks like this; files really deleted are let through
+def check_retire_fraction(
+    retired: dict[date | None, int], rows: dict[date | None, int], max_retire_fraction: float
+) -> None:
+    """Fail before writing anything when a run would retire more than MAX_RETIRE_FRACTION of any date's rows (RETIRED
+    and
+    ROWS by date; None: rows without a date). A folder that vanished looks like this; files really deleted are let
+    through
     by raising the setting for that run."""
-    over = [(day, n, rows.get(day, 0)) for day, n in sorted(retired.items(), key=lambda item: str(item[0])) if n > max_retire_fraction * rows.get(day, 0)]
+    over = [
+        (day, n, rows.get(day, 0))
+        for day, n in sorted(retired.items(), key=lambda item: str(item[0]))
+        if n > max_retire_fraction * rows.get(day, 0)
+    ]
     if over:
         listed = ", ".join(f"{n} of {total} rows of {day or 'rows without a date'}" for day, n, total in over[:5])
         raise TooManyRetired(

@@ -1,6 +1,8 @@
-"""Image decoding rules: any image file's bytes to a square RGB image of one size, the same way for training and prediction.
+"""Image decoding rules: any image file's bytes to a square RGB image of one size, the same way for training and
+prediction.
 
-Pure: Pillow and numpy only, no engine; the resize stage runs these on Spark's executors, `imagelake predict` in the driver.
+Pure: Pillow and numpy only, no engine; the resize stage runs these on Spark's executors, `imagelake predict` in the
+driver.
 """
 
 from __future__ import annotations
@@ -11,7 +13,6 @@ from typing import Literal
 
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
-
 
 ResizeMode = Literal["letterbox", "center_crop"]
 EXIF_ORIENTATION = 0x0112
@@ -34,7 +35,8 @@ class DecodeTimeout(Exception):
 
 
 class TimedBytes(io.BytesIO):
-    """A file's bytes as Pillow's decoders read them, a chunk at a time: a read past the deadline raises DecodeTimeout, so
+    """A file's bytes as Pillow's decoders read them, a chunk at a time: a read past the deadline raises DecodeTimeout,
+    so
     a file that keeps a decoder going round its chunks is stopped between two of them (a decoder stuck inside one call
     of its C code is not: only a process of its own could bound that)."""
 
@@ -100,7 +102,11 @@ def fit_square(image: Image.Image, size: int, mode: ResizeMode) -> Image.Image:
 
 
 def decode_square(
-    data: bytes, size: int, mode: ResizeMode = "letterbox", max_pixels: int | None = None, max_seconds: float = DECODE_SECONDS
+    data: bytes,
+    size: int,
+    mode: ResizeMode = "letterbox",
+    max_pixels: int | None = None,
+    max_seconds: float = DECODE_SECONDS,
 ) -> tuple[Image.Image, int, int]:
     """Decode one image file's bytes into a size x size RGB image; also return its oriented width and height. Decoding
     that reads the file past MAX_SECONDS stops, and the file is `decode_timeout`."""
@@ -109,7 +115,9 @@ def decode_square(
     try:
         with Image.open(TimedBytes(data, time.monotonic() + max_seconds)) as image:
             if max_pixels and image.width * image.height > max_pixels:
-                raise ImageDecodeError("decompression_bomb", f"{image.width}x{image.height} is over max_image_pixels={max_pixels}")
+                raise ImageDecodeError(
+                    "decompression_bomb", f"{image.width}x{image.height} is over max_image_pixels={max_pixels}"
+                )
             # The source's size as displayed: EXIF orientations 5-8 turn it a quarter (read before draft() shrinks it).
             width, height = image.size
             if image.getexif().get(EXIF_ORIENTATION, 1) in (5, 6, 7, 8):
@@ -121,7 +129,9 @@ def decode_square(
     except ImageDecodeError:
         raise
     except DecodeTimeout:
-        raise ImageDecodeError("decode_timeout", f"decoding went on past {max_seconds:g} s (max_decode_seconds)") from None
+        raise ImageDecodeError(
+            "decode_timeout", f"decoding went on past {max_seconds:g} s (max_decode_seconds)"
+        ) from None
     except Image.DecompressionBombError as exc:
         raise ImageDecodeError("decompression_bomb", str(exc)) from None
     except UnidentifiedImageError:
@@ -139,7 +149,11 @@ def decode_square(
 
 
 def resize_image(
-    data: bytes, size: int, mode: ResizeMode = "letterbox", max_pixels: int | None = None, max_seconds: float = DECODE_SECONDS
+    data: bytes,
+    size: int,
+    mode: ResizeMode = "letterbox",
+    max_pixels: int | None = None,
+    max_seconds: float = DECODE_SECONDS,
 ) -> tuple[np.ndarray, int, int]:
     """Decode one image file's bytes into size x size x 3 uint8 pixels; also return its oriented width and height."""
     square, width, height = decode_square(data, size, mode, max_pixels, max_seconds)

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import date, timedelta
-from typing import Any, Iterable
+from typing import Any
 
 from infra.settings import Settings
-
 
 DATE_FOLDER = re.compile(r"^date=(\d{4}-\d{2}-\d{2})$")
 
@@ -40,7 +40,11 @@ class Scope:
 
 def scope_of(settings: Settings) -> Scope:
     return Scope(
-        tuple(e.lower() for e in settings.image_extensions), settings.start_date, settings.end_date, settings.max_file_bytes, tuple(settings.manifest_roots)
+        tuple(e.lower() for e in settings.image_extensions),
+        settings.start_date,
+        settings.end_date,
+        settings.max_file_bytes,
+        tuple(settings.manifest_roots),
     )
 
 
@@ -65,7 +69,14 @@ def change_stamp(info: dict[str, Any]) -> str | None:
 
 
 def file_entry(
-    path: str, label: str | None, day: date | None, size: int, mtime: float, issue: str | None, max_bytes: int | None = None, stamp: str | None = None
+    path: str,
+    label: str | None,
+    day: date | None,
+    size: int,
+    mtime: float,
+    issue: str | None,
+    max_bytes: int | None = None,
+    stamp: str | None = None,
 ) -> dict[str, Any]:
     if issue is None and size == 0:
         issue = "empty_file"
@@ -73,7 +84,16 @@ def file_entry(
         issue = "file_too_large"
     elif issue is None and not label:
         issue = "no_label"
-    return {"path": path, "label": label or "", "date": day, "size": size, "mtime": mtime, "stamp": stamp, "issue": issue, "action": "upsert"}
+    return {
+        "path": path,
+        "label": label or "",
+        "date": day,
+        "size": size,
+        "mtime": mtime,
+        "stamp": stamp,
+        "issue": issue,
+        "action": "upsert",
+    }
 
 
 def parse_day(text: str) -> date | None:
@@ -93,7 +113,9 @@ def listing_fingerprint(entries: Iterable[dict[str, Any]]) -> str:
 def add_to_fingerprint(digest: Any, entries: Iterable[dict[str, Any]]) -> None:
     """Feed entries to a listing's hash (a listing is hashed a batch at a time, in its order)."""
     for e in entries:
-        digest.update(f"{e['path']}\t{e['size']}\t{e['mtime']}\t{e.get('stamp')}\t{e['label']}\t{e['date']}\t{e['issue']}\n".encode())
+        digest.update(
+            f"{e['path']}\t{e['size']}\t{e['mtime']}\t{e.get('stamp')}\t{e['label']}\t{e['date']}\t{e['issue']}\n".encode()
+        )
 
 
 Known = dict[str, tuple[int, float, str | None]]  # path -> (size, mtime, stamp) of the table's row
@@ -120,7 +142,19 @@ def date_plan(days: dict[date, dict[str, int]], start: date, end: date) -> list[
         counts = {"files": 0, "new_or_changed": 0, "rows": 0, "gone": 0, **days.get(day, {})}
         if counts["files"] or counts["rows"]:
             changed, gone = counts["new_or_changed"], counts["gone"]
-            status = "missing" if not counts["rows"] and changed == counts["files"] else ("stale" if changed or gone else "done")
-            plan.append({"date": day.isoformat(), "files": counts["files"], "new_or_changed": changed, "gone": gone, "status": status})
+            status = (
+                "missing"
+                if not counts["rows"] and changed == counts["files"]
+                else ("stale" if changed or gone else "done")
+            )
+            plan.append(
+                {
+                    "date": day.isoformat(),
+                    "files": counts["files"],
+                    "new_or_changed": changed,
+                    "gone": gone,
+                    "status": status,
+                }
+            )
         day += timedelta(days=1)
     return plan

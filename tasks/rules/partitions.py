@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 # Rows per decode task beyond one task per core: small enough to balance a long list, large enough to amortise a task.
 ROWS_PER_DECODE_TASK = 2048
 

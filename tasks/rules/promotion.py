@@ -25,7 +25,11 @@ class Decision:
 
 
 def decide_promotion(
-    metric: str, candidate: float, champion: float | None, margin: float = 0.0, champion_unusable: str | None = None,
+    metric: str,
+    candidate: float,
+    champion: float | None,
+    margin: float = 0.0,
+    champion_unusable: str | None = None,
     champion_uncompared: str | None = None,
 ) -> Decision:
     """Promote when there is no usable champion, or when the candidate beats it by more than `margin` on `metric`.
@@ -40,13 +44,23 @@ def decide_promotion(
         if value is not None and (math.isnan(value) or value < 0 or (metric != "loss" and value > 1)):
             raise ValueError(f"{name} {metric} must be a number in [0, 1] (loss: >= 0), got {value!r}")
     if champion_unusable:
-        return Decision(True, f"the champion could not be evaluated ({champion_unusable}); candidate {metric} {candidate:.4f}", metric, candidate, None, margin)
+        return Decision(
+            True,
+            f"the champion could not be evaluated ({champion_unusable}); candidate {metric} {candidate:.4f}",
+            metric,
+            candidate,
+            None,
+            margin,
+        )
     if champion_uncompared:
         return Decision(
             False,
             f"the champion was not compared ({champion_uncompared}): it stays champion and the candidate ({metric} {candidate:.4f}) is "
             "kept as challenger. Compare them by hand and use `imagelake promote` to crown it anyway",
-            metric, candidate, None, margin,
+            metric,
+            candidate,
+            None,
+            margin,
         )
     if champion is None:
         return Decision(True, f"no champion yet; candidate {metric} {candidate:.4f}", metric, candidate, None, margin)
@@ -55,11 +69,18 @@ def decide_promotion(
     verb = "beats" if better else "does not beat"
     direction = "higher" if higher else "lower"
     return Decision(
-        better, f"candidate {metric} {candidate:.4f} {verb} champion {champion:.4f} by more than {margin:.4f} ({direction} is better)", metric, candidate, champion, margin
+        better,
+        f"candidate {metric} {candidate:.4f} {verb} champion {champion:.4f} by more than {margin:.4f} ({direction} is better)",
+        metric,
+        candidate,
+        champion,
+        margin,
     )
 
 
-def held_by_baseline(metric: str, candidate: dict[str, float], baseline: float | None, min_margin: float | None) -> Decision | None:
+def held_by_baseline(
+    metric: str, candidate: dict[str, float], baseline: float | None, min_margin: float | None
+) -> Decision | None:
     """The gate's decision for a candidate whose test accuracy is not `min_margin` above its run's plain baseline
     (it stays challenger, whatever the champion), or None when it is, or when no baseline or margin is set."""
     if baseline is None or min_margin is None:
@@ -71,7 +92,10 @@ def held_by_baseline(metric: str, candidate: dict[str, float], baseline: float |
         False,
         f"candidate accuracy {accuracy:.4f} is {accuracy - baseline:+.4f} over its baseline's {baseline:.4f} ({BASELINE}, "
         f"same split), less than min_margin_over_baseline {min_margin:.4f}: kept as challenger",
-        metric, candidate[metric], None, min_margin,
+        metric,
+        candidate[metric],
+        None,
+        min_margin,
     )
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-
 LISTING_SCHEMA = pa.schema(
     [
         ("path", pa.string()),

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 SPLITS = ("train", "val", "test")
 
 
@@ -20,7 +19,9 @@ def split_of(sha256_hex: str, val_fraction: float, test_fraction: float) -> str:
     return "val" if bucket < test_fraction + val_fraction else "train"
 
 
-def check_splits(label_counts: dict[str, dict[str, int]], table: str, image_size: int) -> tuple[dict[str, int], list[str]]:
+def check_splits(
+    label_counts: dict[str, dict[str, int]], table: str, image_size: int
+) -> tuple[dict[str, int], list[str]]:
     """Each split's size and the labels, from images per (split, label); a split left empty, or fewer than two labels,
     is an error that says what to do (TABLE names the table version in it)."""
     counts = {split: sum(by_label.values()) for split, by_label in label_counts.items() if by_label}

@@ -25,21 +25,59 @@ def scaled_learning_rate(base_lr: float, num_workers: int, rule: str = "linear")
 # (loader_processes too: two or more processes make other batches than one, though the same for the same seed).
 # With warm_start on, the champion's version it starts from does too (tasks/train.py:warm_start_key).
 TRAINING_SETTINGS = (
-    "model_arch", "pretrained", "freeze_backbone", "backbone_lr_factor", "augment", "augment_flip", "label_smoothing", "class_weights", "warm_start",
-    "max_epochs", "max_train_minutes", "batch_size", "base_lr", "lr_scaling", "num_workers",
-    "early_stopping_patience", "early_stopping_min_delta", "early_stopping_threshold", "seed", "use_gpu",
-    "shuffle_buffer_batches", "loader_processes", "bf16", "channels_last", "compile", "compile_mode", "tracking_uri", "mlflow_experiment", "ray_storage_path",
+    "model_arch",
+    "pretrained",
+    "freeze_backbone",
+    "backbone_lr_factor",
+    "augment",
+    "augment_flip",
+    "label_smoothing",
+    "class_weights",
+    "warm_start",
+    "max_epochs",
+    "max_train_minutes",
+    "batch_size",
+    "base_lr",
+    "lr_scaling",
+    "num_workers",
+    "early_stopping_patience",
+    "early_stopping_min_delta",
+    "early_stopping_threshold",
+    "seed",
+    "use_gpu",
+    "shuffle_buffer_batches",
+    "loader_processes",
+    "bf16",
+    "channels_last",
+    "compile",
+    "compile_mode",
+    "tracking_uri",
+    "mlflow_experiment",
+    "ray_storage_path",
 )
 
 
 # MLflow training params -> the settings that reproduce them.
 PARAM_SETTINGS = {
-    "image_size": "image_size", "arch": "model_arch", "pretrained": "pretrained", "freeze_backbone": "freeze_backbone",
-    "backbone_lr_factor": "backbone_lr_factor", "augment": "augment", "augment_flip": "augment_flip", "label_smoothing": "label_smoothing", "class_weights": "class_weights",
+    "image_size": "image_size",
+    "arch": "model_arch",
+    "pretrained": "pretrained",
+    "freeze_backbone": "freeze_backbone",
+    "backbone_lr_factor": "backbone_lr_factor",
+    "augment": "augment",
+    "augment_flip": "augment_flip",
+    "label_smoothing": "label_smoothing",
+    "class_weights": "class_weights",
     "max_train_minutes": "max_train_minutes",
-    "batch_size": "batch_size", "lr_scaling": "lr_scaling", "max_epochs": "max_epochs", "patience": "early_stopping_patience",
-    "min_delta": "early_stopping_min_delta", "stopping_threshold": "early_stopping_threshold", "seed": "seed",
-    "num_workers": "num_workers", "base_lr": "base_lr",
+    "batch_size": "batch_size",
+    "lr_scaling": "lr_scaling",
+    "max_epochs": "max_epochs",
+    "patience": "early_stopping_patience",
+    "min_delta": "early_stopping_min_delta",
+    "stopping_threshold": "early_stopping_threshold",
+    "seed": "seed",
+    "num_workers": "num_workers",
+    "base_lr": "base_lr",
 }
 
 
@@ -50,6 +88,9 @@ DERIVED_PARAMS = ("num_classes", "learning_rate")
 def logged_params(config: dict[str, Any], settings: Any) -> dict[str, str]:
     """A training run's MLflow params: each PARAM_SETTINGS param with the value the workers were given (the setting's
     own where the workers' config does not hold it), and the derived ones."""
-    values = {param: config[param] if param in config else getattr(settings, setting) for param, setting in PARAM_SETTINGS.items()}
+    values = {
+        param: config[param] if param in config else getattr(settings, setting)
+        for param, setting in PARAM_SETTINGS.items()
+    }
     values.update({name: config[name] for name in DERIVED_PARAMS})
     return {name: str(value) for name, value in values.items()}

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Mapping
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,9 @@ def shape_from_tags(tags: Mapping[str, str]) -> WeightsShape | None:
     """A registered version's shape from the tags the promote stage sets, or None if they are missing or malformed."""
     try:
         arch = json.loads(tags["training_params"])["arch"]
-        return WeightsShape(tuple(labels_of_tag(tags["labels"])), int(tags["image_size"]), str(arch), tags["resize_mode"])
+        return WeightsShape(
+            tuple(labels_of_tag(tags["labels"])), int(tags["image_size"]), str(arch), tags["resize_mode"]
+        )
     except (KeyError, ValueError, TypeError):
         return None
 
@@ -69,22 +71,34 @@ def labels_change(old: tuple[str, ...], new: tuple[str, ...]) -> str:
     if set(old) == set(new):
         return "labels in another order"
     added, removed = [label for label in new if label not in old], [label for label in old if label not in new]
-    listed = "; ".join(f"{what}: {', '.join(items[:5])}{', ...' if len(items) > 5 else ''}" for what, items in (("added", added), ("removed", removed)) if items)
+    listed = "; ".join(
+        f"{what}: {', '.join(items[:5])}{', ...' if len(items) > 5 else ''}"
+        for what, items in (("added", added), ("removed", removed))
+        if items
+    )
     return f"labels {len(old)} -> {len(new)} ({listed})"
 
 
 def decide_warm_start(wanted: WeightsShape, champion: Champion | None) -> WarmStart:
-    """Start from the champion only if it was trained for exactly this shape: the same labels in the same order, image size,
+    """Start from the champion only if it was trained for exactly this shape: the same labels in the same order, image
+    size,
     resize mode and model_arch. Otherwise from scratch, with the reason."""
     if champion is None:
         return WarmStart(None, "no champion to start from")
     if champion.shape is None:
-        return WarmStart(None, f"champion v{champion.version} does not record the labels, image size and model it was trained for (not registered by the pipeline)")
+        return WarmStart(
+            None,
+            f"champion v{champion.version} does not record the labels, image size and model it was trained for (not registered by the pipeline)",
+        )
     changes = []
     for field in fields(WeightsShape):
         old, new = getattr(champion.shape, field.name), getattr(wanted, field.name)
         if old != new:
             changes.append(labels_change(old, new) if field.name == "labels" else f"{field.name} {old} -> {new}")
     if changes:
-        return WarmStart(None, f"champion v{champion.version} was trained for other data or another model: {'; '.join(changes)}")
-    return WarmStart(champion.version, f"champion v{champion.version} has the same labels, image size, resize mode and model_arch")
+        return WarmStart(
+            None, f"champion v{champion.version} was trained for other data or another model: {'; '.join(changes)}"
+        )
+    return WarmStart(
+        champion.version, f"champion v{champion.version} has the same labels, image size, resize mode and model_arch"
+    )

@@ -16,19 +16,20 @@ import math
 import queue
 import threading
 import warnings
+from collections.abc import Callable, Iterator
 from functools import lru_cache
-from typing import Any, Callable, Iterator, Self
+from typing import Any, Self
 
 import fsspec
-from fsspec.implementations.local import LocalFileSystem
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-from pyarrow.filesystem import DaskFileSystem
 import torch
+from fsspec.implementations.local import LocalFileSystem
 from petastorm import make_batch_reader
 from petastorm.arrow_reader_worker import ArrowReaderWorkerResultsQueueReader
 from petastorm.workers_pool import EmptyResultError
+from pyarrow.filesystem import DaskFileSystem
 
 from infra.compat import petastorm_ventilation_order, replace_petastorm_results_reader
 
@@ -77,7 +78,9 @@ def split_files(url: str) -> tuple[Any, list[str]]:
     if path.endswith(".json"):
         folder = path.rsplit("/", 1)[0]
         return fs, sorted(f"{folder}/{name}" for name in json.loads(fs.cat_file(path))["files"])
-    return fs, sorted(p for p in fs.find(path) if p.endswith(".parquet") and not p.rsplit("/", 1)[-1].startswith(("_", ".")))
+    return fs, sorted(
+        p for p in fs.find(path) if p.endswith(".parquet") and not p.rsplit("/", 1)[-1].startswith(("_", "."))
+    )
 
 
 def split_urls(url: str) -> list[str]:
@@ -109,10 +112,14 @@ def check_split(url: str, split: str, expected_rows: int) -> None:
     fs, files = split_files(url)
     for path in files:
         if not fs.exists(path):
-            raise FileNotFoundError(f"the cached {split} split {url} names {fs.unstrip_protocol(path)}, which is gone: run again (the cache stage rebuilds it)")
+            raise FileNotFoundError(
+                f"the cached {split} split {url} names {fs.unstrip_protocol(path)}, which is gone: run again (the cache stage rebuilds it)"
+            )
     rows = sum(rows for rows, _ in row_groups(url))
     if rows != expected_rows:
-        raise ValueError(f"the cached {split} split {url} holds {rows} rows where its table version has {expected_rows}: run again (the cache stage rebuilds it)")
+        raise ValueError(
+            f"the cached {split} split {url} holds {rows} rows where its table version has {expected_rows}: run again (the cache stage rebuilds it)"
+        )
 
 
 def row_group_sizes(url: str) -> tuple[int, ...]:
@@ -124,7 +131,9 @@ def shard_rows(url: str, shard_count: int) -> list[int]:
     """Rows each shard gets: Petastorm gives row group i to shard i % shard_count."""
     sizes = row_group_sizes(url)
     if len(sizes) < shard_count:
-        raise ShardTooSmall(f"{url} has {len(sizes)} row groups, fewer than the {shard_count} workers: cache with more partitions")
+        raise ShardTooSmall(
+            f"{url} has {len(sizes)} row groups, fewer than the {shard_count} workers: cache with more partitions"
+        )
     return [sum(sizes[shard::shard_count]) for shard in range(shard_count)]
 
 
@@ -138,7 +147,9 @@ def steps_per_epoch(rows_per_shard: list[int], batch_size: int) -> int:
 def batch_sizes(rows: int, steps: int) -> list[int]:
     """Split a shard's rows into `steps` batches whose sizes differ by at most one."""
     if rows < steps:
-        raise ShardTooSmall(f"a shard of {rows} rows cannot fill {steps} steps: use fewer workers, a smaller batch or more partitions")
+        raise ShardTooSmall(
+            f"a shard of {rows} rows cannot fill {steps} steps: use fewer workers, a smaller batch or more partitions"
+        )
     base, extra = divmod(rows, steps)
     return [base + 1] * extra + [base] * (steps - extra)
 
@@ -181,10 +192,20 @@ class ShardBatches:
         sizes: list[int] | None = None,
     ) -> None:
         if not isinstance(processes, int) or processes < 0:
-            raise ValueError(f"loader_processes is {processes!r}: 0 (read in the training process) or the number of loader processes (1 or more)")
+            raise ValueError(
+                f"loader_processes is {processes!r}: 0 (read in the training process) or the number of loader processes (1 or more)"
+            )
         self.spec = dict(
-            url=url, shard=shard, shard_count=shard_count, batch_size=batch_size, image_size=image_size, seed=seed, shuffle=shuffle,
-            workers=workers, buffer_batches=buffer_batches, key_field=key_field,
+            url=url,
+            shard=shard,
+            shard_count=shard_count,
+            batch_size=batch_size,
+            image_size=image_size,
+            seed=seed,
+            shuffle=shuffle,
+            workers=workers,
+            buffer_batches=buffer_batches,
+            key_field=key_field,
         )
         self.processes = processes
         self._process: BatchProcesses | None = None
@@ -261,7 +282,7 @@ class ShardBatches:
     def _source(self, epoch: int) -> Iterator[tuple[Any, ...]]:
         return self._from_process(epoch) if self.processes else self._batches(epoch)
 
-    def _ahead(self, epoch: int) -> "Ahead":
+    def _ahead(self, epoch: int) -> Ahead:
         """Epoch `epoch` made by a thread of its own, which then begins the next epoch if `next_epoch_ahead`."""
 
         def next_epoch() -> None:
@@ -279,7 +300,9 @@ class ShardBatches:
 
         def copy(batch: tuple[Any, ...]) -> tuple[tuple[Any, ...], torch.cuda.Event]:
             with torch.cuda.stream(stream):
-                moved = tuple(item.to(device, non_blocking=True) if isinstance(item, torch.Tensor) else item for item in batch)
+                moved = tuple(
+                    item.to(device, non_blocking=True) if isinstance(item, torch.Tensor) else item for item in batch
+                )
                 copied = torch.cuda.Event()
                 copied.record(stream)
             return moved, copied
@@ -347,8 +370,19 @@ class ShardBatches:
             filesystem=petastorm_filesystem(self.url),
         )
         replace_petastorm_results_reader(self._reader, PixelRowGroups(self.image_size, self.key_field, ordered))
-        pool = RowPool(self.image_size * self.image_size * 3, np.random.default_rng([self.seed, self.shard, epoch]) if self.shuffle else None)
-        arrivals = InOrder(iter(self._reader), [groups[i][1] for i in petastorm_ventilation_order(len(groups), self.shard, self.shard_count, seed, self.shuffle)] if ordered else None)
+        pool = RowPool(
+            self.image_size * self.image_size * 3,
+            np.random.default_rng([self.seed, self.shard, epoch]) if self.shuffle else None,
+        )
+        arrivals = InOrder(
+            iter(self._reader),
+            [
+                groups[i][1]
+                for i in petastorm_ventilation_order(len(groups), self.shard, self.shard_count, seed, self.shuffle)
+            ]
+            if ordered
+            else None,
+        )
         exhausted = False
         try:
             for size in self.sizes:
@@ -364,7 +398,9 @@ class ShardBatches:
                 labels, keys = pool.take(size, images.numpy().reshape(size, -1))
                 yield self._batch(images, labels, keys)
             if next(arrivals, None) is not None:
-                raise RuntimeError(f"shard {self.shard} of {self.url} holds more rows than its {self.rows}: the cache changed")
+                raise RuntimeError(
+                    f"shard {self.shard} of {self.url} holds more rows than its {self.rows}: the cache changed"
+                )
         finally:
             self._stop()
 
@@ -384,7 +420,9 @@ def piece_sizes(sizes: list[int], rows: list[int]) -> list[list[int]]:
         due = [row * made / total - had for row, had in zip(rows, taken)]  # what each is owed by the end of this batch
         share = [max(0, min(int(owed), row - had)) for owed, row, had in zip(due, rows, taken)]
         while sum(share) < size:  # the most owed that has rows left
-            j = max((j for j in range(len(rows)) if share[j] < rows[j] - taken[j]), key=lambda j: (due[j] - share[j], -j))
+            j = max(
+                (j for j in range(len(rows)) if share[j] < rows[j] - taken[j]), key=lambda j: (due[j] - share[j], -j)
+            )
             share[j] += 1
         while sum(share) > size:  # the least owed that has a row in this batch
             j = min((j for j in range(len(rows)) if share[j] > 0), key=lambda j: (due[j] - share[j], j))
@@ -419,14 +457,22 @@ class BatchProcesses:
         context = mp.get_context("spawn")
         self.where = spec["url"]
         group_rows = row_group_sizes(spec["url"])
-        count = max(1, min(processes, len(range(spec["shard"], len(group_rows), spec["shard_count"]))))  # a row group each at least
+        count = max(
+            1, min(processes, len(range(spec["shard"], len(group_rows), spec["shard_count"])))
+        )  # a row group each at least
         if count == 1:
             specs = [spec]
         else:
             shards = [spec["shard"] + spec["shard_count"] * j for j in range(count)]
             pieces = piece_sizes(sizes, [sum(group_rows[shard :: spec["shard_count"] * count]) for shard in shards])
-            specs = [{**spec, "shard": shard, "shard_count": spec["shard_count"] * count, "sizes": piece} for shard, piece in zip(shards, pieces)]
-        self.slots = [torch.empty((max(sizes), image_size, image_size, 3), dtype=torch.uint8).share_memory_() for _ in range(self.SLOTS)]
+            specs = [
+                {**spec, "shard": shard, "shard_count": spec["shard_count"] * count, "sizes": piece}
+                for shard, piece in zip(shards, pieces)
+            ]
+        self.slots = [
+            torch.empty((max(sizes), image_size, image_size, 3), dtype=torch.uint8).share_memory_()
+            for _ in range(self.SLOTS)
+        ]
         self.halt = context.Event()
         self.commands, self.free, self.ready = ([context.Queue() for _ in specs] for _ in range(3))
         for free in self.free:
@@ -436,10 +482,22 @@ class BatchProcesses:
         self.processes = []
         offsets = [0] * len(sizes)
         for j, piece_spec in enumerate(specs):
-            self.processes.append(context.Process(
-                target=_make_batches, args=(piece_spec, list(offsets), self.slots, self.commands[j], self.free[j], self.ready[j], self.halt),
-                name=f"imagelake-loader-{j}", daemon=True,
-            ))
+            self.processes.append(
+                context.Process(
+                    target=_make_batches,
+                    args=(
+                        piece_spec,
+                        list(offsets),
+                        self.slots,
+                        self.commands[j],
+                        self.free[j],
+                        self.ready[j],
+                        self.halt,
+                    ),
+                    name=f"imagelake-loader-{j}",
+                    daemon=True,
+                )
+            )
             offsets = [offset + piece for offset, piece in zip(offsets, piece_spec.get("sizes", sizes))]
         for process in self.processes:
             process.start()
@@ -483,7 +541,9 @@ class BatchProcesses:
             return None
         slot = self.batch % self.SLOTS
         if any(item[0] != slot for item in items):
-            raise RuntimeError(f"the loader processes reading {self.where} filled slots {[item[0] for item in items]} for batch {self.batch}: they are out of step")
+            raise RuntimeError(
+                f"the loader processes reading {self.where} filled slots {[item[0] for item in items]} for batch {self.batch}: they are out of step"
+            )
         self.batch += 1
         labels = np.concatenate([item[2] for item in items])
         keys = None if items[0][3] is None else [key for item in items for key in item[3]]
@@ -527,7 +587,9 @@ class BatchProcesses:
             channel.join_thread()
 
 
-def _make_batches(spec: dict[str, Any], offsets: list[int], slots: list[torch.Tensor], commands: Any, free: Any, ready: Any, halt: Any) -> None:
+def _make_batches(
+    spec: dict[str, Any], offsets: list[int], slots: list[torch.Tensor], commands: Any, free: Any, ready: Any, halt: Any
+) -> None:
     """A loader process: for each epoch named on `commands` (None ends it), its piece of each batch into a free slot
     (at the batch's offset `offsets[k]`), then END; an error (the split gone or changed) is sent in place of the rest of
     the epoch."""
@@ -578,12 +640,17 @@ def _make_batches(spec: dict[str, Any], offsets: list[int], slots: list[torch.Te
 class Ahead:
     """`items`, made up to `depth` ahead by a thread, started at once, that also runs `prepare` on each; `receive` runs
     on each as it is handed over. An error in the thread is raised here, in order. `close()` stops the thread, which
-    closes `items`. `then`, if given, runs in the thread once `items` has ended of itself, before its end is handed over.
+    closes `items`. `then`, if given, runs in the thread once `items` has ended of itself, before its end is handed
+    over.
     """
 
     def __init__(
-        self, items: Iterator[Any], depth: int, prepare: Callable[[Any], Any] = lambda item: item,
-        receive: Callable[[Any], Any] = lambda item: item, then: Callable[[], None] | None = None,
+        self,
+        items: Iterator[Any],
+        depth: int,
+        prepare: Callable[[Any], Any] = lambda item: item,
+        receive: Callable[[Any], Any] = lambda item: item,
+        then: Callable[[], None] | None = None,
     ) -> None:
         self.ready: queue.Queue = queue.Queue(depth)
         self.halt = threading.Event()
@@ -591,10 +658,12 @@ class Ahead:
         self.received = 0  # items handed out
         self.ended = False
         # The thread holds the queue and the event, not this object: dropping it unread still stops the thread.
-        self.thread = threading.Thread(target=_produce, args=(items, prepare, then, self.ready, self.halt), name="imagelake-batches", daemon=True)
+        self.thread = threading.Thread(
+            target=_produce, args=(items, prepare, then, self.ready, self.halt), name="imagelake-batches", daemon=True
+        )
         self.thread.start()
 
-    def __iter__(self) -> "Ahead":
+    def __iter__(self) -> Ahead:
         return self
 
     def __next__(self) -> Any:
@@ -632,7 +701,13 @@ class Ahead:
 _END = object()
 
 
-def _produce(items: Iterator[Any], prepare: Callable[[Any], Any], then: Callable[[], None] | None, ready: queue.Queue, halt: threading.Event) -> None:
+def _produce(
+    items: Iterator[Any],
+    prepare: Callable[[Any], Any],
+    then: Callable[[], None] | None,
+    ready: queue.Queue,
+    halt: threading.Event,
+) -> None:
     def hand_over(item: object) -> bool:
         while not halt.is_set():
             try:
@@ -668,7 +743,7 @@ class InOrder:
     def __init__(self, arrivals: Iterator[tuple], plan: list[int | None] | None) -> None:
         self.arrivals, self.plan, self.waiting, self.next = arrivals, plan, {}, 0
 
-    def __iter__(self) -> "InOrder":
+    def __iter__(self) -> InOrder:
         return self
 
     def __next__(self) -> tuple:
@@ -683,7 +758,9 @@ class InOrder:
         while wanted not in self.waiting:
             group = next(self.arrivals, None)
             if group is None:
-                raise RuntimeError(f"the reader ended before row group at position {wanted}: the cache changed while training read it")
+                raise RuntimeError(
+                    f"the reader ended before row group at position {wanted}: the cache changed while training read it"
+                )
             self.waiting[group[3]] = group
         self.next += 1
         return self.waiting.pop(wanted)[:3]
@@ -697,14 +774,17 @@ def pixel_rows(images: pa.ChunkedArray, pixels: int, where: str) -> np.ndarray:
     column = images.chunk(0) if images.num_chunks == 1 else images.combine_chunks()
     offsets = np.frombuffer(column.buffers()[1], dtype=np.int32, count=len(column) + 1, offset=column.offset * 4)
     if column.null_count or np.any(np.diff(offsets) != pixels):
-        raise ValueError(f"{where} holds images that are not {pixels} bytes each: rebuild the cache for this image_size")
+        raise ValueError(
+            f"{where} holds images that are not {pixels} bytes each: rebuild the cache for this image_size"
+        )
     # Binary values lie back to back: one frombuffer over the data buffer reads them all.
     data = np.frombuffer(column.buffers()[2], dtype=np.uint8, count=len(column) * pixels, offset=int(offsets[0]))
     return data.reshape(len(column), pixels)
 
 
 class PixelRowGroups(ArrowReaderWorkerResultsQueueReader):
-    """Petastorm's results for one row group, with the image column as one (rows, pixels) uint8 view of the Arrow data buffer.
+    """Petastorm's results for one row group, with the image column as one (rows, pixels) uint8 view of the Arrow data
+    buffer.
 
     Petastorm's own conversion makes a Python bytes object of every image; this makes none.
     """
@@ -776,7 +856,9 @@ class RowPool:
         return labels, keys
 
 
-def label_samples(url: str, image_size: int, labels: list[str], per_label: int = 8, max_groups: int = 64) -> dict[str, np.ndarray]:
+def label_samples(
+    url: str, image_size: int, labels: list[str], per_label: int = 8, max_groups: int = 64
+) -> dict[str, np.ndarray]:
     """The first `per_label` images of each label of a cached split (its rows are in a seeded random order),
     from at most `max_groups` row groups: a rare label may show fewer."""
     fs, files = split_files(url)
@@ -793,5 +875,10 @@ def label_samples(url: str, image_size: int, labels: list[str], per_label: int =
                 pixels = pixel_rows(table.column("image"), image_size * image_size * 3, f"cached split {url}")
                 for row, label in enumerate(table.column("label").to_numpy()):
                     if len(found[int(label)]) < per_label:
-                        found[int(label)].append(pixels[row].reshape(image_size, image_size, 3).copy())  # not a view that keeps the group
-    return {labels[index]: np.stack(images) if images else np.zeros((0, image_size, image_size, 3), np.uint8) for index, images in found.items()}
+                        found[int(label)].append(
+                            pixels[row].reshape(image_size, image_size, 3).copy()
+                        )  # not a view that keeps the group
+    return {
+        labels[index]: np.stack(images) if images else np.zeros((0, image_size, image_size, 3), np.uint8)
+        for index, images in found.items()
+    }

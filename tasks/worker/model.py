@@ -24,7 +24,9 @@ from tasks.worker.augment import augment, epoch_generator
 
 def _conv(in_channels: int, out_channels: int, kernel: int, stride: int) -> nn.Sequential:
     return nn.Sequential(
-        nn.Conv2d(in_channels, out_channels, kernel, stride=stride, padding=(kernel - 1) // 2 if kernel % 2 else 0, bias=False),
+        nn.Conv2d(
+            in_channels, out_channels, kernel, stride=stride, padding=(kernel - 1) // 2 if kernel % 2 else 0, bias=False
+        ),
         nn.BatchNorm2d(out_channels),
         nn.ReLU(inplace=True),
     )
@@ -35,7 +37,9 @@ class SmallCNN(nn.Module):
 
     def __init__(self, num_classes: int) -> None:
         super().__init__()
-        self.features = nn.Sequential(_conv(3, 32, 4, 4), _conv(32, 64, 3, 2), _conv(64, 128, 3, 2), _conv(128, 256, 3, 2))
+        self.features = nn.Sequential(
+            _conv(3, 32, 4, 4), _conv(32, 64, 3, 2), _conv(64, 128, 3, 2), _conv(128, 256, 3, 2)
+        )
         self.head = nn.Linear(256, num_classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -52,7 +56,9 @@ _NO_AUX = ("googlenet", "inception_v3")
 
 def check_arch(arch: str) -> str:
     if arch not in MODEL_ARCHS:
-        raise ValueError(f"unknown model_arch {arch!r}: choose small_cnn or one of torchvision.models.list_models() (resnet50, efficientnet_b0, ...)")
+        raise ValueError(
+            f"unknown model_arch {arch!r}: choose small_cnn or one of torchvision.models.list_models() (resnet50, efficientnet_b0, ...)"
+        )
     return arch
 
 
@@ -71,15 +77,21 @@ def is_weights_name(pretrained: str | None) -> bool:
 def weights_of(arch: str, pretrained: str) -> torchvision.models.WeightsEnum:
     """The torchvision weights `pretrained` names for `arch`: imagenet is the architecture's default (best) weights."""
     if arch == SMALL_CNN:
-        raise ValueError(f"pretrained={pretrained}: small_cnn has no torchvision weights; choose a torchvision model_arch (e.g. resnet50) or give a state dict's path")
+        raise ValueError(
+            f"pretrained={pretrained}: small_cnn has no torchvision weights; choose a torchvision model_arch (e.g. resnet50) or give a state dict's path"
+        )
     family = torchvision.models.get_model_weights(arch)
     name = "DEFAULT" if pretrained == "imagenet" else pretrained
     if "." in name:
         enum, _, name = name.partition(".")
         if enum != family.__name__:
-            raise ValueError(f"pretrained={pretrained} are weights of another model: {arch}'s are {family.__name__} ({', '.join(family.__members__)})")
+            raise ValueError(
+                f"pretrained={pretrained} are weights of another model: {arch}'s are {family.__name__} ({', '.join(family.__members__)})"
+            )
     if name not in family.__members__:
-        raise ValueError(f"pretrained={pretrained}: {arch} has no such weights; choose imagenet or one of {', '.join(family.__members__)}")
+        raise ValueError(
+            f"pretrained={pretrained}: {arch} has no such weights; choose imagenet or one of {', '.join(family.__members__)}"
+        )
     return family[name]
 
 
@@ -88,7 +100,9 @@ def weights_file(weights: torchvision.models.WeightsEnum) -> str:
     return os.path.join(torch.hub.get_dir(), "checkpoints", os.path.basename(weights.url))
 
 
-def build_net(arch: str, num_classes: int, pretrained: str | None = None, image_size: int | None = None) -> tuple[nn.Module, str]:
+def build_net(
+    arch: str, num_classes: int, pretrained: str | None = None, image_size: int | None = None
+) -> tuple[nn.Module, str]:
     """The network and the name of its classification head (a fresh layer for `num_classes`).
 
     Torchvision's models are built by its own builder, with its weights when `pretrained` names them (loaded from
@@ -113,7 +127,9 @@ def build_net(arch: str, num_classes: int, pretrained: str | None = None, image_
     except ValueError as error:
         if weights is None:
             raise
-        raise ValueError(f"pretrained={pretrained}: {weights} cannot build {arch} here ({error}); set image_size to the size they were trained at") from None
+        raise ValueError(
+            f"pretrained={pretrained}: {weights} cannot build {arch} here ({error}); set image_size to the size they were trained at"
+        ) from None
     except (RuntimeError, pickle.UnpicklingError, EOFError) as error:  # a garbled file in the cache
         if weights is None:
             raise
@@ -127,8 +143,10 @@ def replace_head(net: nn.Module, num_classes: int) -> str:
     """Swap the network's last classification layer (a Linear, or squeezenet's 1x1 Conv2d, with 1000 outputs) for a new
     one with `num_classes`; returns its name."""
     found = [
-        (name, module) for name, module in net.named_modules()
-        if (isinstance(module, nn.Linear) and module.out_features == 1000) or (isinstance(module, nn.Conv2d) and module.out_channels == 1000)
+        (name, module)
+        for name, module in net.named_modules()
+        if (isinstance(module, nn.Linear) and module.out_features == 1000)
+        or (isinstance(module, nn.Conv2d) and module.out_channels == 1000)
     ]
     if not found:
         raise ValueError(f"{type(net).__name__} has no 1000-class layer to replace: not a classification model")
@@ -136,7 +154,9 @@ def replace_head(net: nn.Module, num_classes: int) -> str:
     if isinstance(old, nn.Linear):
         new: nn.Module = nn.Linear(old.in_features, num_classes, bias=old.bias is not None)
     else:
-        new = nn.Conv2d(old.in_channels, num_classes, old.kernel_size, old.stride, old.padding, bias=old.bias is not None)
+        new = nn.Conv2d(
+            old.in_channels, num_classes, old.kernel_size, old.stride, old.padding, bias=old.bias is not None
+        )
     parent_name, _, leaf = name.rpartition(".")
     setattr(net.get_submodule(parent_name) if parent_name else net, leaf, new)
     return name
@@ -148,7 +168,9 @@ def load_state_dict(uri: str, what: str = "pretrained") -> dict[str, torch.Tenso
         with fsspec.open(uri, "rb") as handle:
             state = torch.load(io.BytesIO(handle.read()), map_location="cpu", weights_only=True)
     except FileNotFoundError:
-        raise FileNotFoundError(f"{what} {uri} does not exist: give a local path or URI of a saved state dict, or imagenet for torchvision's weights") from None
+        raise FileNotFoundError(
+            f"{what} {uri} does not exist: give a local path or URI of a saved state dict, or imagenet for torchvision's weights"
+        ) from None
     state = state.get("state_dict", state) if isinstance(state, dict) else state
     if not isinstance(state, dict):
         raise ValueError(f"{what} {uri} is not a state dict (a mapping of parameter names to tensors)")
@@ -163,13 +185,22 @@ class ImageModel(nn.Module):
     """
 
     def __init__(
-        self, num_classes: int, arch: str = SMALL_CNN, pretrained: str | None = None, freeze_backbone: bool = False, image_size: int | None = None
+        self,
+        num_classes: int,
+        arch: str = SMALL_CNN,
+        pretrained: str | None = None,
+        freeze_backbone: bool = False,
+        image_size: int | None = None,
     ) -> None:
         super().__init__()
         self.net, self.head_name = build_net(arch, num_classes, pretrained, image_size)
         imagenet = arch != SMALL_CNN
-        self.register_buffer("mean", torch.tensor(IMAGENET_MEAN if imagenet else (0.5,) * 3).view(1, 3, 1, 1) * 255, persistent=False)
-        self.register_buffer("std", torch.tensor(IMAGENET_STD if imagenet else (0.5,) * 3).view(1, 3, 1, 1) * 255, persistent=False)
+        self.register_buffer(
+            "mean", torch.tensor(IMAGENET_MEAN if imagenet else (0.5,) * 3).view(1, 3, 1, 1) * 255, persistent=False
+        )
+        self.register_buffer(
+            "std", torch.tensor(IMAGENET_STD if imagenet else (0.5,) * 3).view(1, 3, 1, 1) * 255, persistent=False
+        )
         self.channels_last = False
         if pretrained and not is_weights_name(pretrained):
             self.load_backbone(load_state_dict(pretrained))
@@ -202,13 +233,17 @@ class ImageModel(nn.Module):
             )
         usable = {name: tensor for name, tensor in state.items() if name in own and own[name].shape == tensor.shape}
         if not any(name in usable for name in backbone):
-            raise ValueError("pretrained weights match none of the model's layers: is it a state dict for this model_arch?")
+            raise ValueError(
+                "pretrained weights match none of the model's layers: is it a state dict for this model_arch?"
+            )
         self.net.load_state_dict(usable, strict=False)
 
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:
         """Load a whole model's weights (a warm start from the champion): every name and shape must match."""
         own = self.state_dict()
-        wrong = sorted(set(own) ^ set(state)) + sorted(name for name in own if name in state and own[name].shape != state[name].shape)
+        wrong = sorted(set(own) ^ set(state)) + sorted(
+            name for name in own if name in state and own[name].shape != state[name].shape
+        )
         if wrong:
             raise ValueError(
                 f"the warm start weights do not fit this model ({len(wrong)} mismatched, e.g. {', '.join(wrong[:3])}): the champion was trained "
@@ -216,7 +251,7 @@ class ImageModel(nn.Module):
             )
         self.load_state_dict(state)
 
-    def train(self, mode: bool = True) -> "ImageModel":
+    def train(self, mode: bool = True) -> ImageModel:
         super().train(mode)
         if self.frozen:
             # A frozen backbone keeps its batch-norm statistics (and its dropout is off): only the head trains.
@@ -286,7 +321,11 @@ class ImageClassifier(pl.LightningModule):
         # Steps run through the compiled module, which shares the model's parameters. It is kept out of the module tree
         # (object.__setattr__), so that state dicts, checkpoints and the exported model hold the plain model's names.
         object.__setattr__(self, "_step_model", compiled(self.model, compile_mode))
-        self.register_buffer("class_weights", torch.tensor(class_weights, dtype=torch.float32) if class_weights else None, persistent=False)
+        self.register_buffer(
+            "class_weights",
+            torch.tensor(class_weights, dtype=torch.float32) if class_weights else None,
+            persistent=False,
+        )
         self._augment_draws: torch.Generator | None = None
         # Metric objects sum correct answers and samples across steps and workers: exact epoch figures
         # even when workers' batches differ in size (a mean of per-batch means would not be).
@@ -296,7 +335,10 @@ class ImageClassifier(pl.LightningModule):
             {
                 f"{split}_{name}": metric
                 for split in ("train", "val")
-                for name, metric in (("acc", MulticlassAccuracy(num_classes, average="micro", validate_args=False)), ("loss", MeanMetric(nan_strategy="disable")))
+                for name, metric in (
+                    ("acc", MulticlassAccuracy(num_classes, average="micro", validate_args=False)),
+                    ("loss", MeanMetric(nan_strategy="disable")),
+                )
             }
         )
 
@@ -304,7 +346,8 @@ class ImageClassifier(pl.LightningModule):
         return self.model(images)
 
     def on_train_epoch_start(self) -> None:
-        # Each epoch's augmentation is drawn from (seed, epoch, rank): a rerun, or a run resumed at this epoch, sees the same images.
+        # Each epoch's augmentation is drawn from (seed, epoch, rank): a rerun, or a run resumed at this epoch, sees the
+        # same images.
         self._augment_draws = epoch_generator(self.hparams.seed, self.current_epoch, self.global_rank)
 
     def _step(self, batch: tuple[torch.Tensor, torch.Tensor], prefix: str) -> torch.Tensor:
@@ -314,9 +357,13 @@ class ImageClassifier(pl.LightningModule):
             draws = self._augment_draws or epoch_generator(self.hparams.seed, 0, 0)
             images = augment(images, self.hparams.augment, draws, flip=self.hparams.augment_flip)
         logits = self._step_model(images)
-        # What training minimises may be smoothed and weighted; val_loss, which early stopping and checkpoints follow, is plain.
+        # What training minimises may be smoothed and weighted; val_loss, which early stopping and checkpoints follow,
+        # is plain.
         loss = F.cross_entropy(
-            logits, labels, weight=self.class_weights if training else None, label_smoothing=self.hparams.label_smoothing if training else 0.0
+            logits,
+            labels,
+            weight=self.class_weights if training else None,
+            label_smoothing=self.hparams.label_smoothing if training else 0.0,
         )
         self.metrics[f"{prefix}_acc"].update(logits.detach(), labels)
         # The batch's loss once per image, a view: the epoch's loss is the mean over images whatever the batch sizes.
@@ -339,7 +386,14 @@ class ImageClassifier(pl.LightningModule):
         head = [p for name, p in trainable if name.startswith(head_prefix)]
         backbone = [p for name, p in trainable if not name.startswith(head_prefix)]
         rate = self.hparams.learning_rate
-        groups = [group for group in ({"params": head, "lr": rate}, {"params": backbone, "lr": rate * self.hparams.backbone_lr_factor}) if group["params"]]
+        groups = [
+            group
+            for group in (
+                {"params": head, "lr": rate},
+                {"params": backbone, "lr": rate * self.hparams.backbone_lr_factor},
+            )
+            if group["params"]
+        ]
         # One fused kernel for the whole update on a GPU (the per-tensor loop costs host time at every step).
         fused = bool(trainable) and all(p.is_cuda for _, p in trainable)
         optimizer = torch.optim.AdamW(groups, lr=rate, fused=fused or None)

@@ -76,7 +76,9 @@ def resume_point(latest: str | None, run_path: str | None) -> tuple[str | None, 
         return None, -1
     candidates = [os.path.join(latest, CHECKPOINT_FILE)]
     if run_path:
-        older = sorted(glob.glob(os.path.join(run_path, "**", "checkpoint_*", CHECKPOINT_FILE), recursive=True), reverse=True)
+        older = sorted(
+            glob.glob(os.path.join(run_path, "**", "checkpoint_*", CHECKPOINT_FILE), recursive=True), reverse=True
+        )
         candidates += [path for path in older if os.path.dirname(path) != os.path.normpath(latest)]
     for path in candidates:
         epoch = checkpoint_epoch(path) if os.path.exists(path) else None
@@ -131,13 +133,17 @@ class DataWait(Callback):
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._previous_end = time.perf_counter()
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         self._start = time.perf_counter()
         if self._previous_end is not None:
             self.wait += self._start - self._previous_end
         self.images += len(batch[1])
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         self._previous_end = time.perf_counter()
         self.compute += self._previous_end - self._start
 
@@ -146,11 +152,17 @@ class DataWait(Callback):
         return self.wait / max(self.wait + self.compute, 1e-9)
 
 
-def make_trainer(config: dict[str, Any], callbacks: list[Callback], train_steps: int, val_steps: int, **kwargs: Any) -> pl.Trainer:
+def make_trainer(
+    config: dict[str, Any], callbacks: list[Callback], train_steps: int, val_steps: int, **kwargs: Any
+) -> pl.Trainer:
     """The Lightning trainer both the distributed loop and the single-process baseline use."""
     gpu = config.get("use_gpu", False) and torch.cuda.is_available()
     stopping = EarlyStopping(
-        monitor="val_loss", mode="min", patience=config["patience"], min_delta=config["min_delta"], stopping_threshold=config.get("stopping_threshold")
+        monitor="val_loss",
+        mode="min",
+        patience=config["patience"],
+        min_delta=config["min_delta"],
+        stopping_threshold=config.get("stopping_threshold"),
     )
     if config.get("max_train_minutes"):
         # Checked at the end of each epoch (Lightning's max_time stops mid-epoch, before the epoch's checkpoint).
@@ -193,11 +205,22 @@ def make_model(config: dict[str, Any], steps_per_epoch: int = 0) -> ImageClassif
     """The classifier; with `steps_per_epoch`, its learning rate warms up over the first epoch and decays to 0 by the last."""
     total = steps_per_epoch * config["max_epochs"]
     model = ImageClassifier(
-        config["num_classes"], config["learning_rate"], config["arch"], config.get("pretrained"), config.get("freeze_backbone", False),
-        total_steps=total, warmup_steps=min(steps_per_epoch, total // 2), compile_mode=compile_mode(config), image_size=config["image_size"],
-        augment=config.get("augment", "none"), augment_flip=config.get("augment_flip", False), seed=config["seed"], label_smoothing=config.get("label_smoothing", 0.0),
+        config["num_classes"],
+        config["learning_rate"],
+        config["arch"],
+        config.get("pretrained"),
+        config.get("freeze_backbone", False),
+        total_steps=total,
+        warmup_steps=min(steps_per_epoch, total // 2),
+        compile_mode=compile_mode(config),
+        image_size=config["image_size"],
+        augment=config.get("augment", "none"),
+        augment_flip=config.get("augment_flip", False),
+        seed=config["seed"],
+        label_smoothing=config.get("label_smoothing", 0.0),
         class_weights=config.get("loss_weights"),
-        # A lower rate for the backbone only when it starts from pretrained weights: from scratch, all layers learn alike.
+        # A lower rate for the backbone only when it starts from pretrained weights: from scratch, all layers learn
+        # alike.
         backbone_lr_factor=config.get("backbone_lr_factor", 1.0) if config.get("pretrained") else 1.0,
     )
     if config.get("warm_start_weights"):  # the champion's weights, over the fresh (or pretrained) ones
@@ -216,13 +239,21 @@ def ddp_strategy(config: dict[str, Any]) -> RayDDPStrategy:
     return RayDDPStrategy()
 
 
-def ray_trainer(config: dict[str, Any], callbacks: list[Callback], train_steps: int, val_steps: int, world: int) -> pl.Trainer:
+def ray_trainer(
+    config: dict[str, Any], callbacks: list[Callback], train_steps: int, val_steps: int, world: int
+) -> pl.Trainer:
     """The trainer of one Ray Train worker. With several workers, DDP through Ray's strategy; alone, the model is not
     wrapped in DDP: there is nothing to all-reduce, and DDP would split a compiled model's graph at its gradient buckets
     (measured on one H100 with ResNet-50, compiled: 0.84 of the compiled limit under DDP against 0.90 without)."""
     trainer = make_trainer(
-        config, callbacks, train_steps, val_steps,
-        accelerator="auto", devices="auto", strategy=ddp_strategy(config) if world > 1 else "auto", plugins=[RayLightningEnvironment()],
+        config,
+        callbacks,
+        train_steps,
+        val_steps,
+        accelerator="auto",
+        devices="auto",
+        strategy=ddp_strategy(config) if world > 1 else "auto",
+        plugins=[RayLightningEnvironment()],
         # Per-GPU batches are small: batch-norm statistics over all ranks' samples (gloo on CPU has no SyncBatchNorm).
         sync_batchnorm=on_gpu(config) and world > 1,
     )
@@ -233,11 +264,19 @@ def shard_loaders(config: dict[str, Any], rank: int, world: int) -> tuple[ShardB
     pin = on_gpu(config) and bool(config.get("pin_memory", True))
     processes = config.get("loader_processes")
     shard = dict(
-        shard=rank, shard_count=world, batch_size=config["batch_size"], image_size=config["image_size"], seed=config["seed"],
-        workers=config.get("loader_workers", 2), pin_memory=pin, processes=int(on_gpu(config)) if processes is None else processes,
+        shard=rank,
+        shard_count=world,
+        batch_size=config["batch_size"],
+        image_size=config["image_size"],
+        seed=config["seed"],
+        workers=config.get("loader_workers", 2),
+        pin_memory=pin,
+        processes=int(on_gpu(config)) if processes is None else processes,
         next_epoch_ahead=config.get("next_epoch_ahead"),
     )
-    train = ShardBatches(config["train_uri"], shuffle=True, buffer_batches=config.get("shuffle_buffer_batches", 4), **shard)
+    train = ShardBatches(
+        config["train_uri"], shuffle=True, buffer_batches=config.get("shuffle_buffer_batches", 4), **shard
+    )
     val = ShardBatches(config["val_uri"], shuffle=False, **shard)
     return train, val
 
@@ -250,7 +289,9 @@ def worker_nodes(world: int) -> list[str]:
     if world == 1:
         return [node]
     if not dist.is_initialized():
-        raise RuntimeError(f"rank of {world} workers without a process group: Ray Train did not set up torch.distributed")
+        raise RuntimeError(
+            f"rank of {world} workers without a process group: Ray Train did not set up torch.distributed"
+        )
     gathered: list[Any] = [None] * world
     # Objects travel over gloo: the default group when it is gloo (CPU), else a short-lived one beside NCCL.
     group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
@@ -277,7 +318,9 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         MlflowClient(config["tracking_uri"]).set_tag(config["mlflow_run_id"], WORKER_NODES_TAG, json.dumps(nodes))
         callbacks.append(MlflowEpochMetrics(config["tracking_uri"], config["mlflow_run_id"], resumed_epoch))
         if resume:
-            MlflowClient(config["tracking_uri"]).set_tag(config["mlflow_run_id"], "resumed_after_epoch", str(resumed_epoch))
+            MlflowClient(config["tracking_uri"]).set_tag(
+                config["mlflow_run_id"], "resumed_after_epoch", str(resumed_epoch)
+            )
     kill = config.get("kill_worker")
     if kill and rank == kill["rank"]:
         callbacks.append(KillWorkerOnce(kill["epoch"], kill["marker"]))
@@ -289,9 +332,16 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         print(f"imagelake: rank {rank} resumes after epoch {resumed_epoch} from {resume}", flush=True)
     started = time.perf_counter()
     with train_batches, val_batches:
-        trainer.fit(make_model(config, len(train_batches)), train_dataloaders=train_batches, val_dataloaders=val_batches, ckpt_path=resume)
+        trainer.fit(
+            make_model(config, len(train_batches)),
+            train_dataloaders=train_batches,
+            val_dataloaders=val_batches,
+            ckpt_path=resume,
+        )
     if rank == 0 and config.get("mlflow_run_id"):
         from mlflow import MlflowClient
 
         # The fitting alone (this attempt's epochs), apart from Ray's start-up and the driver's MLflow work.
-        MlflowClient(config["tracking_uri"]).log_metric(config["mlflow_run_id"], FIT_SECONDS, time.perf_counter() - started)
+        MlflowClient(config["tracking_uri"]).log_metric(
+            config["mlflow_run_id"], FIT_SECONDS, time.perf_counter() - started
+        )
