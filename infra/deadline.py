@@ -42,7 +42,8 @@ class FlowTimedOut(Overdue):
 
 
 class Deadline:
-    """The time limit of one thread's work, armed once the limit is known (a flow's, when the run reads its settings)."""
+    """The time limit of one thread's work, armed once the limit is known (a flow's, when the run reads its
+    settings)."""
 
     def __init__(self) -> None:
         self.thread = threading.current_thread()
@@ -185,3 +186,22 @@ def _drain(scope: Deadline) -> None:
         time.sleep(DRAIN_SECONDS)
     except KeyboardInterrupt:
         pass
+
+
+@contextlib.contextmanager
+def sigint_handler_kept() -> Iterator[None]:
+    """Put back the main thread's SIGINT handler after the body, however it ends.
+
+    Ray Train's `fit()` (2.x, train v2) sets a handler of its own that aborts its training controller, and leaves it
+    there: every later interrupt of the process (a later stage's deadline, a cancel) would go to a controller that is
+    gone, and be swallowed or end the process. Outside the main thread there is no handler to keep.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGINT)
+    try:
+        yield
+    finally:
+        if previous is not None and signal.getsignal(signal.SIGINT) is not previous:
+            signal.signal(signal.SIGINT, previous)

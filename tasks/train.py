@@ -24,6 +24,7 @@ from ray.train import CheckpointConfig, FailureConfig, Result, RunConfig, Scalin
 from ray.train.lightning import RayTrainReportCallback
 from ray.train.torch import TorchTrainer
 
+from infra.deadline import sigint_handler_kept
 from infra.prefect_env import one_at_a_time
 from infra.ray_runtime import connect_ray
 from infra.settings import Settings
@@ -212,7 +213,9 @@ def fit(
     trainer = TorchTrainer(
         train_loop_per_worker, train_loop_config=config, scaling_config=scaling, run_config=run_config
     )
-    return trained_of(trainer.fit(), settings, client, run_id, name, config["learning_rate"], warm)
+    with sigint_handler_kept():  # fit() leaves a SIGINT handler of its own behind: later interrupts must not reach it
+        result = trainer.fit()
+    return trained_of(result, settings, client, run_id, name, config["learning_rate"], warm)
 
 
 def trained_of(

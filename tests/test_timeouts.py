@@ -27,6 +27,7 @@ from tasks.stage import stage, stage_outcomes
 BLOCK_SECONDS = 20  # far past the limits below; without a timeout the stage would end by itself, and the test fail
 ATTEMPTS: list[int] = []
 CHILDREN: list[subprocess.Popen] = []
+SLEPT_OUT: list[int] = []  # a blocked stage whose sleep ran its course: the interrupt never reached it
 
 
 @stage("blocks", retries=2, backoff=0.05, cache_policy=NO_CACHE)
@@ -35,6 +36,7 @@ def blocks(settings: Settings) -> str:
     ATTEMPTS.append(1)
     CHILDREN.append(subprocess.Popen(["sleep", str(BLOCK_SECONDS * 3)]))
     time.sleep(BLOCK_SECONDS)
+    SLEPT_OUT.append(1)
     return "finished"
 
 
@@ -68,12 +70,14 @@ def test_a_run_blocked_past_its_timeout_fails_timed_out_once_and_releases_spark_
     monkeypatch.setenv(lifecycle.RUN_ID_VARIABLE, "set by the flow")
     ATTEMPTS.clear()
     CHILDREN.clear()
+    SLEPT_OUT.clear()
     state = blocked({"workspace": str(tmp_path / "ws"), **limit}, return_state=True)
     assert state.is_failed() and state.name == "TimedOut", f"{state.name}: {state.message}"
     with pytest.raises(TimeoutError, match=message) as raised:
         state.result()
     assert type(raised.value).__name__ == error
     assert len(ATTEMPTS) == 1, "a timed-out stage is not retried: the retry would block as long again"
+    assert not SLEPT_OUT, "the blocked call slept its full course: the interrupt never reached it"
     assert stage_outcomes(str(state.state_details.flow_run_id))[0] == {"blocks": "TimedOut"}
     assert stopped == ["spark and ray"], "the run's hook stopped its Spark and Ray, as a cancel's does"
     assert CHILDREN[0].wait(timeout=60) == -signal.SIGTERM, "what the run started was ended with it"
@@ -82,9 +86,12 @@ def test_a_run_blocked_past_its_timeout_fails_timed_out_once_and_releases_spark_
 def test_a_deadline_interrupts_a_blocking_call_in_the_main_thread_and_a_loop_in_another() -> None:
     from infra.deadline import StageTimedOut, deadline
 
+    SLEPT_OUT.clear()
     with pytest.raises(StageTimedOut, match="past"):
         with deadline(0.3, StageTimedOut("ran past its limit")):
             time.sleep(BLOCK_SECONDS)
+            SLEPT_OUT.append(1)
+    assert not SLEPT_OUT, "the blocked call slept its full course: the interrupt never reached it"
     raised: list[BaseException] = []
 
     def loop() -> None:

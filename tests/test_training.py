@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 
 import pytest
@@ -69,14 +70,19 @@ def test_a_retried_training_task_resumes_the_same_run(cached, settings, tmp_path
     settings = settings.model_copy(
         update={"max_epochs": 4, "early_stopping_patience": 10, "max_failures": 0, "batch_size": 16}
     )
+    interrupt = signal.getsignal(signal.SIGINT)
     with pytest.raises(ray.train.TrainingFailedError):
         train_model(cached, settings)  # no failures allowed: the run fails, as a Prefect task attempt would
     assert marker.exists()
+    # Ray Train's fit() sets a SIGINT handler of its own (to abort its controller) and leaves it: a later stage's
+    # deadline or a cancel would be swallowed by it. The stage puts back the one it found, failed or not.
+    assert signal.getsignal(signal.SIGINT) is interrupt, signal.getsignal(signal.SIGINT)
     client = mlflow_client(settings)
     (first,) = client.search_runs([client.get_experiment_by_name(settings.mlflow_experiment).experiment_id])
     assert first.info.status == "FAILED" and epochs_logged(settings, first.info.run_id) == [0, 1]
     # The retry: same data and settings, so the same Ray run (and MLflow run) continues from its checkpoint.
     trained = train_model(cached, settings)
+    assert signal.getsignal(signal.SIGINT) is interrupt, signal.getsignal(signal.SIGINT)
     assert trained.run_name == run_name(cached, settings) and trained.mlflow_run_id == first.info.run_id
     assert trained.epochs_run == 4
     assert_resumed(settings, trained.mlflow_run_id)
@@ -143,7 +149,8 @@ def test_learning_rate_scales_with_the_workers(rule: str, expected: float) -> No
 
 
 def test_the_baseline_fits_a_random_sample_of_the_same_split_and_beats_chance(cached) -> None:
-    """The run's floor reads the cached splits as training does: thumbnails of the chosen rows, at most `limit` of them."""
+    """The run's floor reads the cached splits as training does: thumbnails of the chosen rows, at most `limit` of
+    them."""
     import numpy as np
     import torch.nn.functional as F
 
