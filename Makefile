@@ -13,7 +13,7 @@ CLUSTER := $(WORKSPACE)/cluster
 CLUSTER_DATABASE ?= postgres
 UI_DATABASE ?= sqlite
 
-.PHONY: install run demo-data test test-quick test-shuffled doctor ui worker clean browser postgres stamps cluster-up cluster-down cluster-status cluster-run
+.PHONY: install run demo-data lint test test-quick test-shuffled doctor ui worker clean browser postgres stamps cluster-up cluster-down cluster-status cluster-run
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -78,6 +78,11 @@ endef
 test: install browser postgres
 	$(call pytest_allow_empty,-n $(TEST_PROCESSES) --dist loadgroup -m "not alone" $(PYTEST_ARGS))
 	$(call pytest_allow_empty,-n 2 --dist loadgroup -m alone $(PYTEST_ARGS))
+
+# The style gate: ruff's checks and its formatter, configured in pyproject.toml (lines up to 120 characters).
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 # Everything that starts no Spark, Ray or server: rules, settings, CLI parsing, schemas, deployment files.
 test-quick: install
