@@ -62,7 +62,8 @@ def main() -> None:
             ).stdout
             peaks[way] = json.loads(out.splitlines()[-1])["peak_kb"] * 1024
             print(
-                f"  ({'a' if way == 'widened' else 'b'}) {way:8} peak {peaks[way] / 1e6:7.0f} MB  {peaks[way] / pixels:5.1f} bytes a pixel"
+                f"  ({'a' if way == 'widened' else 'b'}) {way:8} peak {peaks[way] / 1e6:7.0f} MB  "
+                f"{peaks[way] / pixels:5.1f} bytes a pixel"
             )
         print(f"  (b) / (a): {peaks['now'] / peaks['widened']:.2f}")
 

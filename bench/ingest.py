@@ -155,7 +155,8 @@ def main() -> None:
             print(f"imagelake ({engine}) / limit: {rate / b:.2f}   imagelake ({engine}) / seed blog: {rate / a:.2f}")
         if len(engines) == 1:
             print(
-                "Spark's Delta jars are not installed (`make install` fetches them with mvn): only delta-rs was measured"
+                "Spark's Delta jars are not installed (`make install` fetches them with mvn): only delta-rs "
+                "was measured"
             )
     finally:
         shutil.rmtree(work, ignore_errors=True)

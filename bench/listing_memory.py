@@ -6,7 +6,7 @@ side by side.
 
 Creates FILES empty .jpg files in LABELS label folders (label<k>/<n>.jpg, FILES/LABELS a folder; --labels 1 puts them
 all in one folder), then lists them into a staging folder with tasks.ingest.save_listing (what the ingest stage and
-its cache key call) in a fresh process per checkout: (a) the code under --against (an earlier checkout, e.g. a git
+its key call) in a fresh process per checkout: (a) the code under --against (an earlier checkout, e.g. a git
 worktree of HEAD), (b) this tree. Each prints its peak resident memory above the process's own after its imports
 and a one-file listing (ru_maxrss; the first listing pages in some 45 MB of Arrow's and Parquet's code, whatever its
 size), in MB and in bytes per listed file, and its seconds; then (b) over (a), whether both listings have one
@@ -36,13 +36,15 @@ import json, resource, sys, time
 sys.path.insert(0, sys.argv[1])
 import tasks.ingest as ingest
 from tasks.rules.listing import Scope
-ingest.save_listing(ingest.source_uri(sys.argv[4]), Scope((".jpg",)), sys.argv[3])  # a one-file listing: Arrow and Parquet's code paged in
+# a one-file listing: Arrow and Parquet's code paged in
+ingest.save_listing(ingest.source_uri(sys.argv[4]), Scope((".jpg",)), sys.argv[3])
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 started = time.perf_counter()
 listed = ingest.save_listing(ingest.source_uri(sys.argv[2]), Scope((".jpg",)), sys.argv[3])
 seconds = time.perf_counter() - started
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
-print(json.dumps({"peak_kb": peak, "seconds": seconds, "files": listed.listed, "fingerprint": listed.listing_fingerprint, "code": ingest.__file__}))
+print(json.dumps({"peak_kb": peak, "seconds": seconds, "files": listed.listed,
+                  "fingerprint": listed.listing_fingerprint, "code": ingest.__file__}))
 """
 
 
@@ -75,7 +77,8 @@ def source_in(work: Path, files: int, labels: int) -> Path:
 
 
 def measure(code: Path, source: Path, work: Path) -> dict:
-    """List SOURCE with the save_listing of the checkout at CODE, in a fresh process, into a staging folder removed after."""
+    """List SOURCE with the save_listing of the checkout at CODE, in a fresh process, into a staging folder removed
+    after."""
     staging, tiny = Path(tempfile.mkdtemp(prefix="staging-", dir=work)), work / "one-file"
     build(tiny, 1, 1)
     try:
@@ -97,7 +100,8 @@ def measure(code: Path, source: Path, work: Path) -> dict:
 def report(name: str, code: Path, result: dict) -> None:
     peak = result["peak_kb"] * 1024
     print(
-        f"  {name} {str(code)[-28:]:>28}  peak {peak / 1e6:6.0f} MB  {peak / result['files']:6.0f} bytes a file  {result['seconds']:6.1f} s"
+        f"  {name} {str(code)[-28:]:>28}  peak {peak / 1e6:6.0f} MB  {peak / result['files']:6.0f} bytes a "
+        f"file  {result['seconds']:6.1f} s"
     )
 
 
@@ -138,7 +142,8 @@ def main() -> None:
             old = results["(a)"]
             same = "yes" if old["fingerprint"] == now["fingerprint"] else "NO"
             print(
-                f"  (b) / (a): peak {now['peak_kb'] / old['peak_kb']:.2f}, seconds {now['seconds'] / old['seconds']:.2f}; same fingerprint: {same}"
+                f"  (b) / (a): peak {now['peak_kb'] / old['peak_kb']:.2f}, seconds "
+                f"{now['seconds'] / old['seconds']:.2f}; same fingerprint: {same}"
             )
         within = now["peak_kb"] * 1024 <= args.bound_mb * 1e6
         print(f"  (b) within {args.bound_mb:.0f} MB: {'yes' if within else 'NO'}")

@@ -394,7 +394,7 @@ def check_registry(report: Report, workspace: Path, cluster: servers.Cluster) ->
     report.history_chain_whole = (
         bool(chain)
         and chain[-1]["to_version"] == report.champion
-        and all(before["to_version"] == after["from_version"] for before, after in zip(chain, chain[1:]))
+        and all(before["to_version"] == after["from_version"] for before, after in zip(chain, chain[1:], strict=False))
     )
 
 

@@ -127,7 +127,8 @@ def main() -> None:
         spark = spark_session(Settings(workspace=work / "ws"))
         url = write_cache(spark, work / "train", args.images, args.size, partitions=4)
         print(
-            f"{args.images} images {args.size}x{args.size}x3 uint8 in Parquet, batches of {args.batch}, {os.cpu_count()} cores",
+            f"{args.images} images {args.size}x{args.size}x3 uint8 in Parquet, batches of {args.batch}, "
+            f"{os.cpu_count()} cores",
             flush=True,
         )
         # Warm the page cache and imports for every method alike.

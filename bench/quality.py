@@ -68,7 +68,8 @@ def gradient_boosting(summary: dict) -> float:
 
 
 def one_run(code: Path, source: Path, workspace: Path, extra: list[str]) -> dict:
-    """One `imagelake run` in a fresh workspace: its summary's figures, the gradient boosting baseline and the wall time."""
+    """One `imagelake run` in a fresh workspace: its summary's figures, the gradient boosting baseline and the wall
+    time."""
     env = {key: value for key, value in os.environ.items() if not key.startswith("IMAGELAKE_")}
     env["PYTHONPATH"] = str(code)  # the code under test, ahead of the editable install
     command = [
@@ -109,7 +110,8 @@ def line(name: str, index: int, seed: str, result: dict) -> str:
     quarantined = ", ".join(f"{reason} {count}" for reason, count in sorted(result["quarantined"].items())) or "none"
     return (
         f"  {name:7} run {index:2} ({seed}): test {result['test']:.3f}  logistic {lr}  boosting {result['gb']:.3f}  "
-        f"margin {result['test'] - max(floors):+.3f}  {result['epochs']:3} epochs  {result['wall']:5.0f} s  quarantined: {quarantined}"
+        f"margin {result['test'] - max(floors):+.3f}  {result['epochs']:3} epochs  {result['wall']:5.0f} s  "
+        f"quarantined: {quarantined}"
     )
 
 
@@ -138,7 +140,8 @@ def main() -> None:
     wanted = [name.strip() for name in args.sets.split(",") if name.strip()]
     if "stamps" in wanted and not STAMPS.is_dir():
         sys.exit(
-            f"{STAMPS} is missing: `make stamps` installs Debian's tuxpaint-stamps-default (or leave stamps out of --sets)"
+            f"{STAMPS} is missing: `make stamps` installs Debian's tuxpaint-stamps-default (or leave stamps "
+            "out of --sets)"
         )
     scratch = Path(tempfile.mkdtemp(prefix="imagelake-quality-"))
     try:
@@ -184,7 +187,8 @@ def main() -> None:
                     capture_output=True,
                 )
         print(
-            "\n| code | data set | runs | test accuracy (median, min-max) | logistic regression | gradient boosting | margin over the better | wall s |"
+            "\n| code | data set | runs | test accuracy (median, min-max) | logistic regression | gradient "
+            "boosting | margin over the better | wall s |"
         )
         print("|---|---|---:|---|---:|---:|---:|---:|")
         for label, name, results in table:
@@ -192,8 +196,10 @@ def main() -> None:
             lr, gb = median(results, "lr") if any(r["lr"] is not None for r in results) else None, median(results, "gb")
             better = max(value for value in (lr, gb) if value is not None)
             print(
-                f"| {label} | {name} | {len(results)} | {statistics.median(tests):.3f} ({min(tests):.3f}-{max(tests):.3f}) | "
-                f"{'-' if lr is None else f'{lr:.3f}'} | {gb:.3f} | {statistics.median(tests) - better:+.3f} | {median(results, 'wall'):.0f} |"
+                f"| {label} | {name} | {len(results)} | {statistics.median(tests):.3f} "
+                f"({min(tests):.3f}-{max(tests):.3f}) | "
+                f"{'-' if lr is None else f'{lr:.3f}'} | {gb:.3f} | {statistics.median(tests) - better:+.3f} "
+                f"| {median(results, 'wall'):.0f} |"
             )
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

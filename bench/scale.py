@@ -73,15 +73,19 @@ def run_env(code: Path | None) -> dict[str, str]:
     return env
 
 
+def reused(summary: dict) -> list[str]:
+    """The stages whose stored result the run reused (`cache_hits` in the summary of a checkout before the rename)."""
+    return summary["results_reused"] if "results_reused" in summary else summary["cache_hits"]
+
+
 def started_in(summary: dict) -> str | None:
     """The stage whose seconds hold Spark's start-up. A run that says none started none; one from before the summary
-    said which started it in the first stage after ingest (which needs none) that ran rather than came from the
-    cache."""
+    said which started it in the first stage after ingest (which needs none) that ran rather than reused its result."""
     if not summary.get("spark_startup_seconds"):
         return None
     if "spark_started_in" in summary:
         return summary["spark_started_in"]
-    return next((s for s in STAGES[1:] if s in summary["stage_seconds"] and s not in summary["cache_hits"]), None)
+    return next((s for s in STAGES[1:] if s in summary["stage_seconds"] and s not in reused(summary)), None)
 
 
 def run(source: Path, workspace: Path, code: Path | None = None) -> dict:
@@ -112,12 +116,13 @@ def run(source: Path, workspace: Path, code: Path | None = None) -> dict:
         "cache_added": folder_bytes(workspace / "cache") - before,
         "rss_mb": summary.get("driver_peak_rss_mb"),
         "decoded": summary["files_decoded"],
-        "hits": summary["cache_hits"],
+        "hits": reused(summary),
     }
 
 
 def write_empty(args: tuple[Path, int, int]) -> None:
-    """COUNT empty .jpg files from START, in date=YYYY-MM-DD/label<K> folders (10,000 files a day, 10 labels; a day comes back after 28)."""
+    """COUNT empty .jpg files from START, in date=YYYY-MM-DD/label<K> folders (10,000 files a day, 10 labels; a day
+    comes back after 28)."""
     out, start, count = args
     for index in range(start, start + count):
         folder = (
@@ -162,7 +167,8 @@ def measure_listing(source: Path, staging: Path, new: float) -> None:
 def listing_scale(files: list[int], new: float, root: Path) -> None:
     """The listing part at each size in FILES (empty files): seconds per 100,000 files and the driver's peak RSS."""
     print(
-        f"{'files':>10} {'list s':>7} {'s/100k':>7} {'diff s':>7} {'imports MB':>10} {'listed MB':>9} {'diffed MB':>9} {'B/file listed':>13} {'B/file diffed':>13}"
+        f"{'files':>10} {'list s':>7} {'s/100k':>7} {'diff s':>7} {'imports MB':>10} {'listed MB':>9} "
+        f"{'diffed MB':>9} {'B/file listed':>13} {'B/file diffed':>13}"
     )
     for count in files:
         source, staging = root / f"empty-{count}", root / f"staging-{count}"
@@ -177,8 +183,10 @@ def listing_scale(files: list[int], new: float, root: Path) -> None:
         r = json.loads(done.stdout.strip().splitlines()[-1])
         base, listed, diffed = r["rss_after_imports"], r["rss_after_listing"], r["rss_after_diff"]
         print(
-            f"{r['files']:>10} {r['listing_seconds']:>7.1f} {r['listing_seconds'] / r['files'] * 1e5:>7.2f} {r['diff_seconds']:>7.2f} "
-            f"{base:>10.0f} {listed:>9.0f} {diffed:>9.0f} {(listed - base) * 1e6 / r['files']:>13.0f} {(diffed - base) * 1e6 / r['files']:>13.0f}",
+            f"{r['files']:>10} {r['listing_seconds']:>7.1f} {r['listing_seconds'] / r['files'] * 1e5:>7.2f} "
+            f"{r['diff_seconds']:>7.2f} "
+            f"{base:>10.0f} {listed:>9.0f} {diffed:>9.0f} {(listed - base) * 1e6 / r['files']:>13.0f} "
+            f"{(diffed - base) * 1e6 / r['files']:>13.0f}",
             flush=True,
         )
         shutil.rmtree(source, ignore_errors=True)
@@ -190,7 +198,8 @@ def print_table(results: dict[str, dict], files: int) -> None:
     cold run's with the start-up (what the user waits for) and without it; the start-up and its stage apart."""
     cold = results["cold"]
     print(
-        f"\n{files} files, image_size 32, 1 epoch, {os.cpu_count()} cores; seconds per stage, Spark's start-up inside the stage it fell in"
+        f"\n{files} files, image_size 32, 1 epoch, {os.cpu_count()} cores; seconds per stage, Spark's "
+        "start-up inside the stage it fell in"
     )
     print(
         f"{'run':<10} {'wall':>7} {'spark':>6} {'in':>8} "
@@ -202,7 +211,8 @@ def print_table(results: dict[str, dict], files: int) -> None:
         ratio = r["data"] / cold["data"] if cold["data"] else float("nan")
         bare = r["data_ex_spark"] / cold["data_ex_spark"] if cold["data_ex_spark"] else float("nan")
         print(
-            f"{name:<10} {r['wall']:>7.1f} {r['spark_startup']:>6.1f} {r['spark_in']:>8} {cells} {r['data']:>7.2f} {ratio:>6.3f} {bare:>8.3f} "
+            f"{name:<10} {r['wall']:>7.1f} {r['spark_startup']:>6.1f} {r['spark_in']:>8} {cells} "
+            f"{r['data']:>7.2f} {ratio:>6.3f} {bare:>8.3f} "
             f"{r['cache_added'] / 1e6:>9.1f} {r['rss_mb'] or 0:>7.0f}"
         )
 
@@ -243,7 +253,8 @@ def main() -> None:
         print_table(results, args.files)
         cold, grown = results["cold"], results[f"+{args.new:.0%}"]
         print(
-            f"\ncache bytes added by the +{args.new:.0%} run / the first cache: {grown['cache_added'] / cold['cache_added']:.3f}"
+            f"\ncache bytes added by the +{args.new:.0%} run / the first cache: "
+            f"{grown['cache_added'] / cold['cache_added']:.3f}"
         )
     finally:
         if args.keep is None:

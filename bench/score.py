@@ -109,7 +109,7 @@ def main() -> None:
         python_model = model.unwrap_python_model()
         python_model._answer(decoded[:256], 3)  # the program's first calls are slower: warmed before any timing
         rates: dict[str, list[float]] = {"forward": [], "pyfunc": [], "score": [], "re-run": []}
-        for run in range(args.runs):
+        for _ in range(args.runs):
             # The best of three passes: at this rate a pass is a fraction of a second, and Spark's JVM beside it adds
             # noise.
             rates["forward"].append(
@@ -119,20 +119,28 @@ def main() -> None:
             shutil.rmtree(settings.predictions_uri, ignore_errors=True)
             answered: dict = {}
             rates["score"].append(
-                len(files) / timed(lambda: answered.update(score_images(str(folder), "bench@champion", settings)))
+                len(files)
+                / timed(
+                    lambda answered=answered: answered.update(score_images(str(folder), "bench@champion", settings))
+                )
             )
             assert answered["answered"] == len(files), answered
             rates["re-run"].append(
-                len(files) / timed(lambda: answered.update(score_images(str(folder), "bench@champion", settings)))
+                len(files)
+                / timed(
+                    lambda answered=answered: answered.update(score_images(str(folder), "bench@champion", settings))
+                )
             )
             assert answered["answered"] == 0, answered
         print(
-            f"{args.images} PNGs (96-160 px) -> {args.arch} at {args.size} px; Spark local with {cores} cores; {args.runs} runs"
+            f"{args.images} PNGs (96-160 px) -> {args.arch} at {args.size} px; Spark local with {cores} "
+            f"cores; {args.runs} runs"
         )
         limit = statistics.median(rates["forward"])
         for name, values in rates.items():
             print(
-                f"  {name:8} images/s min {min(values):8.0f}  median {statistics.median(values):8.0f}  max {max(values):8.0f}   {statistics.median(values) / limit:5.2f} of forward"
+                f"  {name:8} images/s min {min(values):8.0f}  median {statistics.median(values):8.0f}  max "
+                f"{max(values):8.0f}   {statistics.median(values) / limit:5.2f} of forward"
             )
     finally:
         shutil.rmtree(work, ignore_errors=True)

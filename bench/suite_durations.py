@@ -57,7 +57,8 @@ def main() -> None:
     files = per_file(tests)
     if base_files:
         print(
-            "| file | tests timed | s | baseline tests timed | baseline s | ratio |\n| --- | ---: | ---: | ---: | ---: | ---: |"
+            "| file | tests timed | s | baseline tests timed | baseline s | ratio |\n| --- | ---: | ---: | "
+            "---: | ---: | ---: |"
         )
         for name in sorted(set(files) | set(base_files), key=lambda n: -files.get(n, (0, 0.0))[1]):
             count, seconds = files.get(name, (0, 0.0))
@@ -70,7 +71,8 @@ def main() -> None:
             print(f"| `{name}` | {count} | {seconds:.0f} |")
     total = sum(tests.values())
     print(
-        f"\n{len(tests)} tests, {total / 60:.1f} min of test time added up; wall clock: {'; '.join(closing) or 'not in the log'}"
+        f"\n{len(tests)} tests, {total / 60:.1f} min of test time added up; wall clock: "
+        f"{'; '.join(closing) or 'not in the log'}"
     )
 
 

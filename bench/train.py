@@ -183,7 +183,8 @@ class Profile(pl.Callback):
         self.profiler.__exit__(None, None, None)
         events = self.profiler.key_averages()
         text = (
-            f"{self.steps} steps in {wall:.3f} s ({wall / self.steps * 1000:.1f} ms a step); the tables' 'Self CUDA time total' "
+            f"{self.steps} steps in {wall:.3f} s ({wall / self.steps * 1000:.1f} ms a step); the tables' "
+            "'Self CUDA time total' "
             "is the GPU's busy time in that window\n"
             + events.table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=48)
             + "\n"
@@ -235,7 +236,8 @@ class SyncWatch(pl.Callback):
         self._restore()
         self._restore = None
         print(
-            f"synchronising operations in {self.steps} steps: {sum(self.sites.values())} at {len(self.sites)} call sites",
+            f"synchronising operations in {self.steps} steps: {sum(self.sites.values())} at "
+            f"{len(self.sites)} call sites",
             flush=True,
         )
         for site, count in sorted(self.sites.items(), key=lambda item: -item[1]):
@@ -410,7 +412,8 @@ def limit(
 
 
 def loader_alone(url: str, size: int, batch: int, workers: int, processes: int, epochs: int = 2) -> dict[str, Any]:
-    """ShardBatches by itself, batches copied to the GPU and dropped: the rate the loader can feed (epochs after the first)."""
+    """ShardBatches by itself, batches copied to the GPU and dropped: the rate the loader can feed (epochs after the
+    first)."""
     gpu = torch.cuda.is_available()
     with ShardBatches(
         url,
@@ -570,8 +573,10 @@ def jpeg_section(table: Table, size: int, batch: int = 256, count: int = 1024) -
             np.asarray(Image.open(bytes_io.BytesIO(b)).convert("RGB"))
         cpu_rate = batch / (time.perf_counter() - started)
         table.say(
-            f"  JPEG q{quality}: {mean_bytes / 1024:6.1f} KiB an image ({size * size * 3 / mean_bytes:5.1f}x smaller than raw {size * size * 3 / 1024:.0f} KiB); "
-            f"nvJPEG {gpu_rate:8.0f} images/s, Pillow one core {cpu_rate:6.0f} images/s; decoded shape {tuple(images[0].shape)}"
+            f"  JPEG q{quality}: {mean_bytes / 1024:6.1f} KiB an image ({size * size * 3 / mean_bytes:5.1f}x "
+            f"smaller than raw {size * size * 3 / 1024:.0f} KiB); "
+            f"nvJPEG {gpu_rate:8.0f} images/s, Pillow one core {cpu_rate:6.0f} images/s; decoded shape "
+            f"{tuple(images[0].shape)}"
         )
     started = time.perf_counter()
     for _ in range(50):
@@ -583,7 +588,11 @@ def jpeg_section(table: Table, size: int, batch: int = 256, count: int = 1024) -
 class Table:
     """The printed table, also kept as JSON rows (written after every row, so a cut-off run keeps what it measured)."""
 
-    COLUMNS = "model           trains  path (/limit: of the eager limit, or the compiled one for compiled paths)\n                                                  batch workers  images/s  /limit  data wait  GPU util  peak GiB  CPU ms/img"
+    COLUMNS = (
+        "model           trains  path (/limit: of the eager limit, or the compiled one for compiled "
+        "paths)\n                                                  batch workers  images/s  /limit  data wait  "
+        "GPU util  peak GiB  CPU ms/img"
+    )
 
     def __init__(self, json_path: str | None, title: str) -> None:
         self.rows: list[dict[str, Any]] = []
@@ -614,7 +623,8 @@ class Table:
             result = measure()
         except Exception as error:  # one failed row must not cost the rest of the table
             self.say(
-                f"{arch:15} {'head' if frozen else 'all':6}  {path:40} {batch:5} FAILED: {type(error).__name__}: {str(error).strip().splitlines()[-1][:200]}"
+                f"{arch:15} {'head' if frozen else 'all':6}  {path:40} {batch:5} FAILED: "
+                f"{type(error).__name__}: {str(error).strip().splitlines()[-1][:200]}"
             )
             return None
         # Rates are shared of the model's first limit row: eager, or compiled for the paths that compile.
@@ -628,8 +638,10 @@ class Table:
 
         self.say(
             f"{arch:15} {'head' if frozen else 'all':6}  {path:40} {batch:5} {fmt(workers, '{:7}')}"
-            f" {result['rate']:9.0f} {fmt(share, '{:7.2f}')} {fmt(result['wait'], '{:10.1%}')} {fmt(result['utilisation'], '{:8.0f}%')}"
-            f" {fmt(result['peak_gib'], '{:9.1f}')} {result['cpu_ms_per_image']:11.2f}   ({time.perf_counter() - started:.0f} s)"
+            f" {result['rate']:9.0f} {fmt(share, '{:7.2f}')} {fmt(result['wait'], '{:10.1%}')} "
+            f"{fmt(result['utilisation'], '{:8.0f}%')}"
+            f" {fmt(result['peak_gib'], '{:9.1f}')} {result['cpu_ms_per_image']:11.2f}   "
+            f"({time.perf_counter() - started:.0f} s)"
         )
         row = {
             "arch": arch,
@@ -677,8 +689,10 @@ def gpu_table(args: argparse.Namespace, url: str, work: Path) -> None:
     cores = os.cpu_count() or 2
     table = Table(
         args.json,
-        f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, Lightning {pl.__version__}, Ray {ray.__version__}, {cores} cores; "
-        f"{args.images} images {args.size}x{args.size} uint8 in {args.files} Parquet files; epochs after the first are measured",
+        f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, Lightning {pl.__version__}, Ray "
+        f"{ray.__version__}, {cores} cores; "
+        f"{args.images} images {args.size}x{args.size} uint8 in {args.files} Parquet files; epochs after the "
+        "first are measured",
     )
     size = args.size
     sections = set(args.sections.split(","))
@@ -702,7 +716,7 @@ def gpu_table(args: argparse.Namespace, url: str, work: Path) -> None:
                 "limit: random batches on the GPU",
                 batch,
                 None,
-                lambda: limit(arch, batch, size, frozen, args.steps, args.warmup),
+                lambda batch=batch: limit(arch, batch, size, frozen, args.steps, args.warmup),
             )
 
     def loader_paths(arch: str, frozen: bool, batch: int, workers: int, ray_too: bool = True, **more: Any) -> None:
@@ -901,7 +915,7 @@ def gpu_table(args: argparse.Namespace, url: str, work: Path) -> None:
                 "ShardBatches alone, threads",
                 256,
                 threads,
-                lambda: loader_alone(url, size, 256, threads, 0),
+                lambda threads=threads: loader_alone(url, size, 256, threads, 0),
             )
             table.add(
                 "loader",
@@ -909,7 +923,7 @@ def gpu_table(args: argparse.Namespace, url: str, work: Path) -> None:
                 "ShardBatches alone, 1 process",
                 256,
                 f"{threads}+p",
-                lambda: loader_alone(url, size, 256, threads, 1),
+                lambda threads=threads: loader_alone(url, size, 256, threads, 1),
             )
         for arch, frozen in (("resnet50", True), ("small_cnn", False)):
             limits(arch, frozen, (256,))
@@ -920,7 +934,7 @@ def gpu_table(args: argparse.Namespace, url: str, work: Path) -> None:
                 "Lightning, threads",
                 256,
                 workers,
-                lambda: run_epochs(config(arch, 256, frozen, workers, epochs)),
+                lambda arch=arch, frozen=frozen, epochs=epochs: run_epochs(config(arch, 256, frozen, workers, epochs)),
             )
             table.add(
                 arch,
@@ -928,7 +942,9 @@ def gpu_table(args: argparse.Namespace, url: str, work: Path) -> None:
                 "Lightning, 1 loader process",
                 256,
                 f"{workers}+p",
-                lambda: run_epochs(config(arch, 256, frozen, workers, epochs, loader_processes=1)),
+                lambda arch=arch, frozen=frozen, epochs=epochs: run_epochs(
+                    config(arch, 256, frozen, workers, epochs, loader_processes=1)
+                ),
             )
     if "final" in sections:  # the training path's defaults on a GPU, against each model's eager and compiled limits
         batch = args.gpu_batch
@@ -972,7 +988,7 @@ def gpu_table(args: argparse.Namespace, url: str, work: Path) -> None:
                 "limit: fused (eager)",
                 batch,
                 None,
-                lambda: limit(arch, batch, size, frozen, steps, warm, fused=True),
+                lambda arch=arch, frozen=frozen: limit(arch, batch, size, frozen, steps, warm, fused=True),
             )
             table.add(
                 arch,
@@ -980,7 +996,7 @@ def gpu_table(args: argparse.Namespace, url: str, work: Path) -> None:
                 "limit: fused, compile",
                 batch,
                 None,
-                lambda: limit(arch, batch, size, frozen, steps, warm + 5, "default", True),
+                lambda arch=arch, frozen=frozen: limit(arch, batch, size, frozen, steps, warm + 5, "default", True),
             )
             defaults(arch, frozen, baseline_too=False)
         table.add(
@@ -1082,7 +1098,7 @@ def gpu_table(args: argparse.Namespace, url: str, work: Path) -> None:
                 f"{processes} loader processes at once",
                 batch,
                 f"{workers}+{processes}p",
-                lambda: loaders_together(url, size, batch, workers, processes),
+                lambda processes=processes: loaders_together(url, size, batch, workers, processes),
             )
         table.add(
             "small_cnn",
@@ -1157,7 +1173,7 @@ def gpu_table(args: argparse.Namespace, url: str, work: Path) -> None:
                 f"Lightning, eager, {processes} loader processes",
                 batch,
                 f"{workers}+{processes}p",
-                lambda: run_epochs(
+                lambda processes=processes: run_epochs(
                     config("small_cnn", batch, False, workers, epochs, compile=False, loader_processes=processes)
                 ),
             )
@@ -1188,7 +1204,7 @@ def gpu_table(args: argparse.Namespace, url: str, work: Path) -> None:
                     "limit: fused (eager)",
                     batch,
                     None,
-                    lambda: limit(arch, batch, size, False, steps, warm, fused=True),
+                    lambda arch=arch: limit(arch, batch, size, False, steps, warm, fused=True),
                 )
             table.add(
                 arch,
@@ -1196,7 +1212,7 @@ def gpu_table(args: argparse.Namespace, url: str, work: Path) -> None:
                 "limit: fused, compile",
                 batch,
                 None,
-                lambda: limit(arch, batch, size, False, steps, warm + 5, "default", True),
+                lambda arch=arch: limit(arch, batch, size, False, steps, warm + 5, "default", True),
             )
             epochs = epochs_for(table.limits.get((arch, False, batch, True), 1000.0), args.images, args.seconds)
             table.add(
@@ -1205,7 +1221,7 @@ def gpu_table(args: argparse.Namespace, url: str, work: Path) -> None:
                 "Lightning, compile, defaults",
                 batch,
                 f"{workers}+p",
-                lambda: run_epochs(config(arch, batch, False, workers, epochs)),
+                lambda arch=arch, epochs=epochs: run_epochs(config(arch, batch, False, workers, epochs)),
             )
             if "zoo-ray" in sections:
                 table.add(
@@ -1214,7 +1230,9 @@ def gpu_table(args: argparse.Namespace, url: str, work: Path) -> None:
                     "Ray TorchTrainer, compile, defaults",
                     batch,
                     f"{workers}+p",
-                    lambda: ray_epochs(config(arch, batch, False, workers, epochs), work, cores),
+                    lambda arch=arch, epochs=epochs: ray_epochs(
+                        config(arch, batch, False, workers, epochs), work, cores
+                    ),
                 )
     if "ray" in sections:  # the Ray row of "final" alone, against the compiled limit
         compiled_limit_then_ray()
@@ -1231,7 +1249,7 @@ def gpu_table(args: argparse.Namespace, url: str, work: Path) -> None:
                 "limit: fused (eager), torchvision",
                 256,
                 None,
-                lambda: limit(arch, 256, size, False, args.steps, args.warmup, fused=True, zoo=True),
+                lambda arch=arch: limit(arch, 256, size, False, args.steps, args.warmup, fused=True, zoo=True),
             )
             table.add(
                 arch,
@@ -1239,14 +1257,15 @@ def gpu_table(args: argparse.Namespace, url: str, work: Path) -> None:
                 "limit: fused, compile, torchvision",
                 256,
                 None,
-                lambda: limit(arch, 256, size, False, args.steps, args.warmup + 5, "default", True, zoo=True),
+                lambda arch=arch: limit(arch, 256, size, False, args.steps, args.warmup + 5, "default", True, zoo=True),
             )
 
 
 def cpu_comparison(args: argparse.Namespace, url: str, work: Path) -> None:
     cores = os.cpu_count() or 2
     print(
-        f"{args.images} images {args.size}x{args.size}, {args.arch}, batch {args.batch}, {args.epochs} epochs (the first is warm-up), "
+        f"{args.images} images {args.size}x{args.size}, {args.arch}, batch {args.batch}, {args.epochs} "
+        "epochs (the first is warm-up), "
         f"CPU, {cores} cores, {torch.get_num_threads()} torch threads"
     )
     config = train_config(url, args.size, args.arch, args.batch, args.epochs, args.loader_workers, gpu=False)
@@ -1284,7 +1303,10 @@ def main() -> None:
     parser.add_argument(
         "--sections",
         default="final",
-        help="GPU only: which parts of the table (also targets, diagnose, zoo-path, zoo-eager, zoo-ray; ladder, paths, loader, jpeg, zoo, resnet50, frozen, small, profile, compile: earlier tables')",
+        help=(
+            "GPU only: which parts of the table (also targets, diagnose, zoo-path, zoo-eager, zoo-ray; ladder, "
+            "paths, loader, jpeg, zoo, resnet50, frozen, small, profile, compile: earlier tables')"
+        ),
     )
     parser.add_argument(
         "--frozen-workers",

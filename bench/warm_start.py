@@ -87,8 +87,10 @@ def run(source: Path, workspace: Path, settings: list[str]) -> dict:
 
 def row(name: str, summary: dict) -> str:
     return (
-        f"{name:<22} {summary['test_accuracy']:>8.4f} {summary['epochs_run']:>6} {summary['fit_seconds']:>7.1f} {summary['stage_seconds']['train']:>9.1f} "
-        f"{summary['wall']:>7.1f}  {summary['warm_started_from']:>9}  v{summary['model_version']} -> {summary['model_alias']}"
+        f"{name:<22} {summary['test_accuracy']:>8.4f} {summary['epochs_run']:>6} "
+        f"{summary['fit_seconds']:>7.1f} {summary['stage_seconds']['train']:>9.1f} "
+        f"{summary['wall']:>7.1f}  {summary['warm_started_from']:>9}  v{summary['model_version']} -> "
+        f"{summary['model_alias']}"
     )
 
 
@@ -119,14 +121,17 @@ def main() -> None:
         warm = run(source, root / "ws-warm", [*args.overrides, "warm_start=true", f"max_epochs={args.warm_epochs}"])
         if warm["warm_started_from"] != first["model_version"]:
             sys.exit(
-                f"the warm run did not start from the champion v{first['model_version']}: warm_started_from {warm['warm_started_from']}"
+                f"the warm run did not start from the champion v{first['model_version']}: warm_started_from "
+                f"{warm['warm_started_from']}"
             )
         settings = ", ".join(args.overrides) or "default settings"
         print(
-            f"\ndemo digits, {settings}, {os.cpu_count()} cores; fit = Lightning's fit on rank 0; train = the train stage (Ray start-up included)"
+            f"\ndemo digits, {settings}, {os.cpu_count()} cores; fit = Lightning's fit on rank 0; train = "
+            "the train stage (Ray start-up included)"
         )
         print(
-            f"{'run':<22} {'test acc':>8} {'epochs':>6} {'fit s':>7} {'train s':>9} {'wall s':>7}  {'warm from':>9}  model"
+            f"{'run':<22} {'test acc':>8} {'epochs':>6} {'fit s':>7} {'train s':>9} {'wall s':>7}  "
+            f"{'warm from':>9}  model"
         )
         print(row("1: half A, scratch", first))
         print(row("2a: A+B, full retrain", full))

@@ -12,6 +12,7 @@ from typing import Any
 import typer
 
 from infra.settings import Settings, SettingsError, load_settings
+from tasks.rules.report import accuracy, count, counts, duration, in_split_order, margin
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Train image models on a lakehouse.")
 
@@ -96,7 +97,7 @@ JsonOption = typer.Option(False, "--json", help="Print the summary as one JSON o
 def run(
     source: str = typer.Option(..., "--source", help="Folder (or URI) of images laid out as <label>/<file>."),
     as_json: bool = JsonOption,
-    refresh: bool = typer.Option(False, "--refresh", help="Recompute every stage even where the cache holds a result."),
+    refresh: bool = typer.Option(False, "--refresh", help="Recompute every stage even where a stored result fits."),
     config: Path | None = ConfigOption,
     set_: list[str] | None = SetOption,
 ) -> None:
@@ -114,43 +115,64 @@ def recomputed(report: list[dict[str, str]]) -> str:
     """The stages that ran, grouped by why: '; ran: resize, write (table version changed 0 -> 1)'."""
     reasons: dict[str, list[str]] = {}
     for row in report:
-        if row["cache"] == "miss":
+        if row["result"] == "computed":
             reasons.setdefault(row["why"], []).append(row["stage"])
     return "".join(f"; ran: {', '.join(stages)} ({why})" for why, stages in reasons.items())
 
 
 def format_summary(summary: dict[str, Any]) -> str:
-    """A few lines a person reads after a run."""
+    """A few lines a person reads after a run, in the order of the run's report: the promotion decision first, then
+    the data, the training, the links and the stages."""
+    warm = summary.get("warm_started_from", "none")
+    quarantined = summary["quarantined"] or {}
     return "\n".join(
         [
             f"imagelake run {summary.get('flow_run_id')}"
             + (f"  ({summary['flow_run_url']})" if summary.get("flow_run_url") else ""),
-            f"  Delta table   {summary['delta_table']} v{summary['delta_version']} ({summary['rows']} images, "
-            f"{summary['rows_added']} added, {summary['rows_retired']} retired, writer {summary['delta_engine']})",
-            f"  files         {summary['files_decoded']} decoded, {summary['files_known']} already known, "
-            f"quarantined {summary['quarantined'] or 'none'}" + unread_line(summary),
-            f"  splits        {summary['split_counts']}",
-            f"  cache         {summary['cache_dir']}",
-            f"  stages        from cache: {', '.join(summary.get('cache_hits') or []) or 'none'}{recomputed(summary.get('cache', []))}",
-            f"  stage times   {timings(summary.get('stage_seconds') or {})}",
-            f"  training      {summary['epochs_run']} epochs, val accuracy {summary['val_accuracy']:.3f}, MLflow run {summary['mlflow_run_id']}"
+            f"  decision      {summary['model_name']} v{summary['model_version']} -> {summary['model_alias']}: "
+            f"{summary['promotion_decision']}",
+            f"  model         test accuracy {accuracy(summary['test_accuracy'])}{over_baseline(summary)}; "
+            f"champion is v{summary['champion_version']}",
+            f"  data          {summary['delta_table']} v{summary['delta_version']} ({count(summary['rows'])} images, "
+            f"{count(summary['rows_added'])} added, {count(summary['rows_retired'])} retired, "
+            f"writer {summary['delta_engine']})",
+            f"  files         {count(summary['files_decoded'])} decoded, "
+            f"{count(summary['files_known'])} already known, "
             + (
-                f", warm start from v{summary['warm_started_from']}"
-                if summary.get("warm_started_from", "none") != "none"
-                else ""
-            ),
-            f"  model         {summary['model_name']} v{summary['model_version']} -> {summary['model_alias']} "
-            f"(test accuracy {summary['test_accuracy']:.3f}{margin(summary)}; champion is v{summary['champion_version']})",
+                f"quarantined {count(sum(quarantined.values()))} ({counts(dict(sorted(quarantined.items())))})"
+                if quarantined
+                else "quarantined none"
+            )
+            + unread_line(summary),
+            f"  splits        {counts(in_split_order(summary['split_counts']))}",
+            f"  cache         {summary['cache_dir']}",
+            f"  training      {count(summary['epochs_run'])} epochs{training_time(summary)}, "
+            f"val accuracy {accuracy(summary['val_accuracy'])}"
+            + (f", warm start from v{warm}" if warm != "none" else ""),
+            f"  links         MLflow run {summary.get('mlflow_run_url') or summary['mlflow_run_id']}",
+            f"  stages        results reused: {', '.join(summary.get('results_reused') or []) or 'none'}"
+            f"{recomputed(summary.get('results', []))}",
+            f"  stage times   {timings(summary.get('stage_seconds') or {})}",
             f"  ran on        {engines(summary)}",
         ]
     )
 
 
-def margin(summary: dict[str, Any]) -> str:
+def training_time(summary: dict[str, Any]) -> str:
+    """' in 48.6 s' (the train stage's time), or ' (result reused)' where this run reused an earlier run's training."""
+    if "train" in (summary.get("results_reused") or []):
+        return " (result reused)"
+    seconds = (summary.get("stage_seconds") or {}).get("train")
+    return "" if seconds is None else f" in {duration(seconds)}"
+
+
+def over_baseline(summary: dict[str, Any]) -> str:
     """The model's margin over its run's plain baseline, where the run fitted one."""
     baseline = summary.get("baseline_accuracy")
     return (
-        "" if baseline is None else f", {summary['test_accuracy'] - baseline:+.3f} over its baseline's {baseline:.3f}"
+        ""
+        if baseline is None
+        else f", {margin(summary['test_accuracy'], baseline)} over its baseline's {accuracy(baseline)}"
     )
 
 
@@ -158,7 +180,8 @@ def unread_line(summary: dict[str, Any]) -> str:
     """Files no read could get (left out of this version, read again by the next run) and reads that were retried."""
     unread, retries = summary.get("files_unread") or {}, summary.get("read_retries") or 0
     text = (
-        f"; could not read {sum(unread.values())} ({', '.join(f'{k}: {v}' for k, v in sorted(unread.items()))}), the next run reads them"
+        f"; could not read {sum(unread.values())} ({', '.join(f'{k}: {v}' for k, v in sorted(unread.items()))}), "
+        "the next run reads them"
         if unread
         else ""
     )
@@ -166,8 +189,8 @@ def unread_line(summary: dict[str, Any]) -> str:
 
 
 def timings(seconds: dict[str, float]) -> str:
-    """Each stage's wall time, in pipeline order: 'ingest 0.4 s, resize 9.8 s, ...'."""
-    return ", ".join(f"{name} {value:.1f} s" for name, value in seconds.items()) or "-"
+    """Each stage's wall time, in pipeline order: 'ingest 0.4 s, resize 9.8 s, ..., train 2 min 5 s'."""
+    return ", ".join(f"{name} {duration(value)}" for name, value in seconds.items()) or "-"
 
 
 def engines(summary: dict[str, Any]) -> str:
@@ -220,11 +243,13 @@ def backfill(
         raise typer.Exit(1) from None
     for item in result["plan"]:
         typer.echo(
-            f"  {item['date']}  {item['status']:8} {item['files']} files, {item['new_or_changed']} new or changed, {item['gone']} gone"
+            f"  {item['date']}  {item['status']:8} {item['files']} files, {item['new_or_changed']} new or "
+            f"changed, {item['gone']} gone"
         )
     if "model_version" in result:
         typer.echo(
-            f"trained on table version {result['delta_version']}: model v{result['model_version']} -> {result['model_alias']}"
+            f"trained on table version {result['delta_version']}: model v{result['model_version']} -> "
+            f"{result['model_alias']}"
         )
     if as_json:
         typer.echo(json.dumps(result, sort_keys=True, default=str))
@@ -232,11 +257,12 @@ def backfill(
 
 @app.command()
 def maintain(config: Path | None = ConfigOption, set_: list[str] | None = SetOption) -> None:
-    """Compact and vacuum the Delta tables (keeping every registered model's table version)."""
+    """Compact and vacuum the Delta tables (keeping every registered model's table version), clean the Petastorm cache
+    and the workspace."""
     settings, overrides = _settings_or_exit(config, set_)
-    from flows.maintenance import maintenance
+    from flows.maintain import maintain as maintain_flow
 
-    report = _start(settings, maintenance, config_file=_file(config), overrides=overrides or None)
+    report = _start(settings, maintain_flow, config_file=_file(config), overrides=overrides or None)
     typer.echo(json.dumps(report, indent=2, default=str))
 
 
@@ -259,8 +285,9 @@ def requeue(
     if unknown:
         _fail(
             ValueError(
-                f"--reason {', '.join(unknown)}: no file in the quarantine table {settings.quarantine_uri} has that reason; "
-                f"its reasons now: {', '.join(f'{name} ({n})' for name, n in held.items()) or 'none (it is empty)'}"
+                f"--reason {', '.join(unknown)}: no file in the quarantine table {settings.quarantine_uri} has that "
+                "reason; its reasons now: "
+                f"{', '.join(f'{name} ({n})' for name, n in held.items()) or 'none (it is empty)'}"
             )
         )
     requeued = requeue_files(table, reason or None)
@@ -410,7 +437,8 @@ def history(
 
     for row in read_history(spark_session(settings), settings, model):
         typer.echo(
-            f"{row['at']:%Y-%m-%d %H:%M:%S} {row['who']:10} {row['alias']:18} v{row['from_version'] or '-'} -> v{row['to_version']}  [{row['action']}] {row['reason']}"
+            f"{row['at']:%Y-%m-%d %H:%M:%S} {row['who']:10} {row['alias']:18} v{row['from_version'] or '-'} "
+            f"-> v{row['to_version']}  [{row['action']}] {row['reason']}"
         )
 
 
@@ -446,7 +474,10 @@ def score(
     source: str = typer.Option(
         ...,
         "--source",
-        help="A folder or object-store prefix of images (any layout), or a Delta table of images: its URI, with @VERSION for an older version.",
+        help=(
+            "A folder or object-store prefix of images (any layout), or a Delta table of images: its URI, with "
+            "@VERSION for an older version."
+        ),
     ),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
     config: Path | None = ConfigOption,
@@ -474,10 +505,11 @@ def score(
         if result["predictions_version"] is not None
         else "nothing new to write"
     )
-    if result["cached"]:
+    if result["result_reused"]:
         where += " (the source has not changed since the last run with this version)"
     typer.echo(
-        f"{result['model']}: {result['answered']} of {result['images']} images answered ({result['errors']} not images) -> {where}"
+        f"{result['model']}: {result['answered']} of {result['images']} images answered ({result['errors']} "
+        f"not images) -> {where}"
     )
 
 
@@ -492,7 +524,8 @@ def demo_data(
         help="Real photographs instead: random crops of scikit-learn's two sample photos, 300-1,600 px JPEGs.",
     ),
 ) -> None:
-    """Write scikit-learn's handwritten digits as PNG files (or, with --photos, crops of its sample photos as JPEGs) in ImageFolder layout."""
+    """Write scikit-learn's handwritten digits as PNG files (or, with --photos, crops of its sample photos as JPEGs) in
+    ImageFolder layout."""
     from flows.demo_data import write_digits, write_photos
 
     count = (

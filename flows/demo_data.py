@@ -15,7 +15,7 @@ def write_digits(out: Path, size: int = 64, per_label: int | None = None) -> int
         raise ValueError(f"size must be at least 8 pixels, got {size}")
     digits = load_digits()
     written: dict[int, int] = {}
-    for index, (pixels, label) in enumerate(zip(digits.images, digits.target)):
+    for index, (pixels, label) in enumerate(zip(digits.images, digits.target, strict=True)):
         label = int(label)
         if per_label is not None and written.get(label, 0) >= per_label:
             continue
@@ -35,7 +35,7 @@ def write_photos(out: Path, per_label: int = 150, seed: int = 0, sizes: tuple[in
 
     samples = load_sample_images()
     rng = np.random.default_rng(seed)
-    for name, photo in zip(("china", "flower"), samples.images):
+    for name, photo in zip(("china", "flower"), samples.images, strict=False):
         folder = out / name
         folder.mkdir(parents=True, exist_ok=True)
         height, width = photo.shape[:2]

@@ -1,6 +1,6 @@
-"""The reference tables of the docs, rendered from the code: every setting, and what each stage's cache key holds.
+"""The reference tables of the docs, rendered from the code: every setting, and what each stage's key holds.
 
-A hand-kept table of settings or of cache keys falls behind the code as soon as a field or a stage's declaration
+A hand-kept table of settings or of stage keys falls behind the code as soon as a field or a stage's declaration
 changes, and a reader then trusts a default or a key that no longer holds. So both tables are rendered from the code
 itself (the fields and descriptions of `Settings`, the `@stage(settings=..., code=..., facts=...)` declarations) into
 marked regions of docs/settings.md and docs/caching.md, and tests/test_docs.py fails when a region differs from what
@@ -45,7 +45,8 @@ def start_marker(name: str) -> str:
 
 
 def type_text(annotation: Any) -> str:
-    """A field's type in words a settings file's author reads: `integer`, `number or unset`, `letterbox or center_crop`."""
+    """A field's type in words a settings file's author reads: `integer`, `number or unset`, `letterbox or
+    center_crop`."""
     origin, args = get_origin(annotation), get_args(annotation)
     if origin in (Union, UnionType):
         kinds = [type_text(arg) for arg in args if arg is not NoneType]
@@ -104,7 +105,8 @@ def default_text(name: str, field: FieldInfo) -> str:
 
 
 def from_runs_text(name: str) -> str:
-    """What a run started from a deployment may do with the setting (infra/settings.py: ALLOWED_FROM_RUNS, RUN_LIMITS)."""
+    """What a run started from a deployment may do with the setting (infra/settings.py: ALLOWED_FROM_RUNS,
+    RUN_LIMITS)."""
     if name not in ALLOWED_FROM_RUNS:
         return "no: the worker's"
     if name in RUN_LIMITS:
@@ -152,7 +154,8 @@ def group_heading(comment: str) -> str:
 
 
 def settings_table() -> str:
-    """Every field of Settings: its type and bounds, its default, whether a deployment run may set it, its description."""
+    """Every field of Settings: its type and bounds, its default, whether a deployment run may set it, its
+    description."""
     described = {name for name, field in Settings.model_fields.items() if field.description}
     out = []
     for comment, names in setting_groups():
@@ -164,7 +167,8 @@ def settings_table() -> str:
             kind = ", ".join(part for part in (type_text(field.annotation), limits_text(field)) if part)
             description = field.description or ""
             out.append(
-                f"| `{name}` | {cell(kind)} | {cell(default_text(name, field))} | {from_runs_text(name)} | {cell(description)} |"
+                f"| `{name}` | {cell(kind)} | {cell(default_text(name, field))} | {from_runs_text(name)} | "
+                f"{cell(description)} |"
             )
         out.append("")
     missing = sorted(set(Settings.model_fields) - described)
@@ -174,7 +178,7 @@ def settings_table() -> str:
     return "\n".join(out).rstrip("\n")
 
 
-# --- Cache keys -------------------------------------------------------------------------------------------------------
+# --- Stage keys -------------------------------------------------------------------------------------------------------
 
 
 def stage_modules() -> list[str]:
@@ -187,7 +191,8 @@ def stage_modules() -> list[str]:
 
 
 def stages() -> tuple[list[Any], list[Any]]:
-    """Every declared stage: those with a cache key (in the order a run meets them) and those never cached."""
+    """Every declared stage: those with a key, whose stored result a run may reuse (in the order a run meets them), and
+    those that run every time."""
     from prefect import Task
 
     from tasks.stage import StageKey
@@ -219,7 +224,7 @@ def facts_text(facts: Callable[..., Any] | None) -> str:
     if facts is None or not facts.__doc__:
         return ""
     text = " ".join(facts.__doc__.split())
-    text = re.sub(r"^Cache key part for [\w-]+[^:]*: ", "", text)
+    text = re.sub(r"^Key part for [\w-]+[^:]*: ", "", text)
     first = re.split(r"(?<=[.)])\s", text, maxsplit=1)[0].rstrip(".")
     return first[0].upper() + first[1:] if first else ""
 
@@ -228,8 +233,8 @@ def module_file(module: str) -> str:
     return f"`{module.replace('.', '/')}.py`"
 
 
-def cache_key_table() -> str:
-    """Each cached stage's key: the settings it declares, what it reads when the key is computed, the code it covers."""
+def stage_key_table() -> str:
+    """Each keyed stage's key: the settings it declares, what it reads when the key is computed, the code it covers."""
     cached, uncached = stages()
     out = ["| stage | settings in its key | read when the key is computed | code in its key |", "|---|---|---|---|"]
     derived: list[str] = []
@@ -250,7 +255,7 @@ def cache_key_table() -> str:
         out += [f"- `{name}`: {', '.join(f'`{field}`' for field in reads(name))}" for name in derived]
         out.append("")
     if uncached:
-        out.append(prose(f"Never cached (they run every time): {', '.join(task.name for task in uncached)}."))
+        out.append(prose(f"No stored result to reuse (they run every time): {', '.join(t.name for t in uncached)}."))
     return "\n".join(out).rstrip("\n")
 
 
@@ -258,7 +263,7 @@ def cache_key_table() -> str:
 
 REGIONS: dict[str, tuple[Path, Callable[[], str]]] = {
     "settings": (DOCS / "settings.md", settings_table),
-    "cache-keys": (DOCS / "caching.md", cache_key_table),
+    "stage-keys": (DOCS / "caching.md", stage_key_table),
 }
 
 

@@ -52,7 +52,8 @@ def _spark(settings: Settings) -> list[Check]:
 
         engine = choose_engine(settings, spark)
         delta = f"loaded; delta_writer={settings.delta_writer} gives " + (
-            "Spark's Delta: tables are read, merged, compacted and vacuumed by Spark, executors' files committed by delta-rs"
+            "Spark's Delta: tables are read, merged, compacted and vacuumed by Spark, executors' files "
+            "committed by delta-rs"
             if engine == "spark"
             else "delta-rs"
             + (
@@ -62,9 +63,15 @@ def _spark(settings: Settings) -> list[Check]:
             )
         )
     elif needed:
-        delta = "absent, but delta_writer=spark needs them: `make install` fetches them with mvn (or list them in IMAGELAKE_SPARK_JARS), or set delta_writer=auto"
+        delta = (
+            "absent, but delta_writer=spark needs them: `make install` fetches them with mvn (or list them in "
+            "IMAGELAKE_SPARK_JARS), or set delta_writer=auto"
+        )
     else:
-        delta = "absent: format('delta') is unavailable; Delta tables use delta-rs (deltalake). `make install` fetches the jars where mvn reaches Maven Central"
+        delta = (
+            "absent: format('delta') is unavailable; Delta tables use delta-rs (deltalake). `make install` "
+            "fetches the jars where mvn reaches Maven Central"
+        )
     checks = [
         Check(
             "spark", rows == 10, f"pyspark {pyspark.__version__}, master {spark.sparkContext.master}, a test job ran"
@@ -121,7 +128,10 @@ def _ray(settings: Settings) -> Check:
     cpus, gpus = resources.get("CPU", 0), resources.get("GPU", 0)
     ray.shutdown()
     needed = settings.num_workers * settings.cpus_per_worker
-    detail = f"ray {ray.__version__} ({where}): {cpus:g} CPU, {gpus:g} GPU; {settings.num_workers} workers need {needed:g} CPU"
+    detail = (
+        f"ray {ray.__version__} ({where}): {cpus:g} CPU, {gpus:g} GPU; {settings.num_workers} workers need "
+        f"{needed:g} CPU"
+    )
     if not settings.ray_address:
         detail += f" (logical CPUs on this machine's {os.cpu_count()} cores)"
     return Check("ray", cpus >= needed, detail)
@@ -170,7 +180,8 @@ def _prefect(settings: Settings) -> Check:
         return Check(
             "prefect",
             True,
-            f"prefect {prefect.__version__}; API: an ephemeral local server per run (set prefect_api_url to use a server)",
+            f"prefect {prefect.__version__}; API: an ephemeral local server per run (set prefect_api_url to "
+            "use a server)",
         )
     response = httpx.get(f"{url.rstrip('/')}/health", timeout=10)
     return Check(

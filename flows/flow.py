@@ -109,9 +109,10 @@ def arm_flow_deadline(settings: Settings) -> None:
     held[0].arm(
         hours * 3600,
         FlowTimedOut(
-            f"flow run {run.name!r} ({run.id}) of {context.flow.name} ran past flow_timeout_hours={hours:g} and was stopped; its Spark and Ray "
-            "are released as for a cancel. If it was working rather than stuck (on a hung mount, a Spark or Ray job that no longer moves), raise "
-            "flow_timeout_hours in the worker's settings (a run may set at most 24)"
+            f"flow run {run.name!r} ({run.id}) of {context.flow.name} ran past flow_timeout_hours={hours:g} "
+            "and was stopped; its Spark and Ray are released as for a cancel. If it was working rather than stuck "
+            "(on a hung mount, a Spark or Ray job that no longer moves), raise flow_timeout_hours in the worker's "
+            "settings (a run may set at most 24)"
         ),
     )
 

@@ -31,7 +31,7 @@ def train_and_promote(table: TableVersion, settings: Settings, resized: Resized 
     """Plan the splits of one table version, cache them, train, promote through the gate and summarise the run.
 
     Called inside a flow (under `stage_results`): its stages are task runs of that flow run, so one run page and one
-    cache report show every stage. `resized` is the run's own resize result, if it ingested anything.
+    results report show every stage. `resized` is the run's own resize result, if it ingested anything.
     """
     plan = split(table, settings)
     cached = cache(plan, settings)
@@ -46,7 +46,8 @@ def train_and_promote(table: TableVersion, settings: Settings, resized: Resized 
 def pipeline(
     source: str, config_file: str | None = None, overrides: dict[str, Any] | None = None, refresh: bool = False
 ) -> dict[str, Any]:
-    """Take a folder of labelled images to a registered, tested and (if better) promoted model; `refresh` recomputes every stage."""
+    """Take a folder of labelled images to a registered, tested and (if better) promoted model; `refresh` recomputes
+    every stage."""
     settings = run_settings(config_file, overrides)
     with stage_results(settings, refresh):
         if settings.requeue_reasons:
@@ -102,7 +103,7 @@ def form_model() -> type[BaseModel]:
     )
     fields["refresh"] = (
         bool,
-        Field(default=False, description="Recompute every stage even where the cache holds a result"),
+        Field(default=False, description="Recompute every stage even where a stored result fits"),
     )
     model = create_model("RunParameters", __module__=__name__, **fields)
     model.__doc__ = (
@@ -112,10 +113,11 @@ def form_model() -> type[BaseModel]:
 
 
 RunParameters = form_model()
+FORM_DEFAULTS = RunParameters()  # the ad-hoc form as it first shows: every field at its default
 
 
 @imagelake_flow("imagelake-adhoc")
-def adhoc(params: RunParameters = RunParameters()) -> dict[str, Any]:  # type: ignore[valid-type]
+def adhoc(params: RunParameters = FORM_DEFAULTS) -> dict[str, Any]:  # type: ignore[valid-type]
     """An ad-hoc run from the Prefect UI: the pipeline with the form's values."""
     overrides = params.model_dump(exclude={"source", "config_file", "refresh"}, exclude_none=True, mode="json")
     check_run_parameters(

@@ -24,7 +24,7 @@ each worker result into what the reader yields | `replace_petastorm_results_read
 module at call time to swap 127.0.0.1 for a routable address | `keep_ray_loopback` |
 `test_keep_ray_loopback_keeps_127_0_0_1` |
 | prefect 3.8.8 | `FlowRunContext.model_copy(update={"result_store": ...})` entered as a context manager | a copy of the
-flow run context, entered, becomes the current one: tasks inside it persist and look up cached results in its result
+flow run context, entered, becomes the current one: tasks inside it persist and look up stored results in its result
 store | `flow_run_context_with_result_storage` | `test_flow_run_context_swap_moves_task_results` |
 | petastorm 0.12.1 | the order `Reader._partition_row_groups` and `ConcurrentVentilator` hand a shard's row groups to
 the reader's threads | with a seed: all indexes shuffled by `random.Random(seed)`, those equal to the shard modulo the
@@ -60,7 +60,8 @@ PETASTORM_RESULTS_READER = "_results_queue_reader"
 
 
 def collect_arrow(frame: DataFrame) -> list[pa.RecordBatch]:
-    """The frame's rows on the driver as Arrow record batches (an empty list for no rows): Spark 3.5's private Arrow collect."""
+    """The frame's rows on the driver as Arrow record batches (an empty list for no rows): Spark 3.5's private Arrow
+    collect."""
     return frame._collect_as_arrow()  # noqa: SLF001
 
 
@@ -79,7 +80,8 @@ def active_spark_context() -> SparkContext | None:
 
 
 def load_jvm_class(spark: SparkSession, name: str) -> None:
-    """Load (and initialize) a JVM class through Spark's own class loader, which also sees spark.jars; raises if it is missing."""
+    """Load (and initialize) a JVM class through Spark's own class loader, which also sees spark.jars; raises if it is
+    missing."""
     spark._jvm.org.apache.spark.util.Utils.classForName(name, True, False)  # noqa: SLF001
 
 
@@ -87,7 +89,8 @@ def load_jvm_class(spark: SparkSession, name: str) -> None:
 
 
 def replace_petastorm_results_reader(reader: Any, new: Any) -> None:
-    """Make a Petastorm Reader turn worker results into rows with `new` (its `read_next(workers_pool, schema, ngram)`)."""
+    """Make a Petastorm Reader turn worker results into rows with `new` (its `read_next(workers_pool, schema,
+    ngram)`)."""
     if not hasattr(reader, PETASTORM_RESULTS_READER):
         raise RuntimeError("this Petastorm version's Reader has no _results_queue_reader: pin petastorm 0.12.1")
     setattr(reader, PETASTORM_RESULTS_READER, new)
@@ -98,7 +101,8 @@ def replace_petastorm_results_reader(reader: Any, new: Any) -> None:
 
 @contextlib.contextmanager
 def keep_ray_loopback() -> Iterator[None]:
-    """Within the block, Ray (`ray start` included) keeps 127.0.0.1 / localhost as given instead of swapping in a routable IP."""
+    """Within the block, Ray (`ray start` included) keeps 127.0.0.1 / localhost as given instead of swapping in a
+    routable IP."""
     from ray._private import services
 
     original = services.resolve_ip_for_localhost
@@ -116,7 +120,7 @@ def flow_run_context_with_result_storage(context: FlowRunContext, storage: Writa
     """A copy of the flow run context whose result store writes (results and their metadata) to `storage`.
 
     Enter it (`with ...:`) to make it the current context: the tasks run inside persist to, and
-    find cached results in, that storage; leaving the block puts the original context back.
+    find stored results in, that storage; leaving the block puts the original context back.
     """
     store = context.result_store.model_copy(update={"result_storage": storage, "metadata_storage": None})
     return context.model_copy(update={"result_store": store})

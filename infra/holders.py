@@ -25,7 +25,8 @@ from infra.lease import client_of
 
 
 class LockBusy(TimeoutError):
-    """A wait for a lock gave up: the message names who holds it and what to do. Never retried (the retry would wait as long)."""
+    """A wait for a lock gave up: the message names who holds it and what to do. Never retried (the retry would wait as
+    long)."""
 
 
 def holder_now() -> dict[str, Any]:
@@ -78,7 +79,8 @@ WAIT_SETTINGS = {"cache-": "cache_lock_wait_minutes", "train-": "train_lock_wait
 
 @contextlib.contextmanager
 def waiting_for(what: str, timeout: float | None, holder: Callable[[], dict[str, Any] | None]) -> Iterator[None]:
-    """Around the wait for the lock on WHAT (and nothing else): a TimeoutError there becomes LockBusy naming HOLDER()."""
+    """Around the wait for the lock on WHAT (and nothing else): a TimeoutError there becomes LockBusy naming
+    HOLDER()."""
     try:
         yield
     except TimeoutError as exc:
@@ -141,7 +143,8 @@ def file_lock(path: Path, what: str, timeout: float | None) -> Iterator[None]:
 
 
 def variable_name(limit: str) -> str:
-    """The Prefect variable holding the holder of concurrency limit LIMIT (variables take lowercase, digits, - and _)."""
+    """The Prefect variable holding the holder of concurrency limit LIMIT (variables take lowercase, digits, - and
+    _)."""
     return re.sub(r"[^a-z0-9_-]", "-", f"{limit}-holder".lower())[:255]
 
 
@@ -154,7 +157,8 @@ def shared_record(api: str, limit: str) -> dict[str, Any] | None:
 
 @contextlib.contextmanager
 def shared(api: str, limit: str) -> Iterator[None]:
-    """While the body holds the slot of LIMIT: this holder in a Prefect variable, removed before the slot is given back."""
+    """While the body holds the slot of LIMIT: this holder in a Prefect variable, removed before the slot is given
+    back."""
     holder = holder_now()
     _quietly(lambda: _publish(api, limit, holder))
     try:
@@ -175,7 +179,8 @@ def _publish(api: str, limit: str, holder: dict[str, Any] | None) -> None:
 
 
 def _withdraw(api: str, limit: str, holder: dict[str, Any]) -> None:
-    """Remove the record if it is still this holder's (a lease that lapsed may have let another holder write its own)."""
+    """Remove the record if it is still this holder's (a lease that lapsed may have let another holder write its
+    own)."""
     if shared_record(api, limit) != holder:
         return
     with client_of(api) as client:

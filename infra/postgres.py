@@ -67,8 +67,10 @@ def check_reachable(data: Path, user: str | None) -> None:
         info = folder.stat()
         if info.st_uid != uid and not info.st_mode & 0o001:
             raise PostgresError(
-                f"PostgreSQL runs as the user {user} (it refuses root), which cannot enter {folder} (mode {oct(info.st_mode & 0o777)}) "
-                f"on the way to its data folder {data}: use a folder others can enter (chmod o+x {folder}), or another folder"
+                f"PostgreSQL runs as the user {user} (it refuses root), which cannot enter {folder} (mode "
+                f"{oct(info.st_mode & 0o777)}) "
+                f"on the way to its data folder {data}: use a folder others can enter (chmod o+x {folder}), "
+                "or another folder"
             )
 
 

@@ -6,7 +6,8 @@ import contextlib
 import contextvars
 import hashlib
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from types import MappingProxyType
 
 from prefect.context import FlowRunContext
 from prefect.filesystems import LocalFileSystem, RemoteFileSystem, WritableFileSystem
@@ -104,8 +105,8 @@ def one_at_a_time(settings: Settings, what: str, timeout: float | None = 600) ->
 
 LEASE_SECONDS = 60  # a holder that cannot renew for this long loses the lock to the next caller
 
-# The Prefect leases this thread holds, by what they lock.
-_leases: contextvars.ContextVar[dict] = contextvars.ContextVar("imagelake_leases", default={})
+# The Prefect leases this thread holds, by what they lock (never changed in place: a new mapping is set).
+_leases: contextvars.ContextVar[Mapping] = contextvars.ContextVar("imagelake_leases", default=MappingProxyType({}))
 
 
 def fence(what: str) -> None:
@@ -118,7 +119,8 @@ def fence(what: str) -> None:
 
 
 def ensure_one_slot(limit: str) -> None:
-    """A Prefect global concurrency limit of one slot named LIMIT, created if missing (two creators at once: one wins)."""
+    """A Prefect global concurrency limit of one slot named LIMIT, created if missing (two creators at once: one
+    wins)."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
     from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
@@ -134,5 +136,6 @@ def ensure_one_slot(limit: str) -> None:
             return
     if found.limit != 1 or not found.active:
         raise RuntimeError(
-            f"Prefect's global concurrency limit {limit!r} must be active with 1 slot; it has {found.limit} (active: {found.active})"
+            f"Prefect's global concurrency limit {limit!r} must be active with 1 slot; it has {found.limit} "
+            f"(active: {found.active})"
         )

@@ -1,4 +1,5 @@
-"""The one typed settings model: IMAGELAKE_* environment variables, an optional config file, defaults for one machine."""
+"""The one typed settings model: IMAGELAKE_* environment variables, an optional config file, defaults for one
+machine."""
 
 from __future__ import annotations
 
@@ -166,7 +167,10 @@ class Settings(BaseSettings):
     )
     delta_writer: Literal["auto", "delta-rs", "spark"] = Field(
         default="auto",
-        description="Delta engine for reads, merges and maintenance: auto is delta-rs on an embedded Spark and Spark's Delta on a Spark cluster with Delta's jars",
+        description=(
+            "Delta engine for reads, merges, compaction and vacuum: auto is delta-rs on an embedded Spark and Spark's "
+            "Delta on a Spark cluster with Delta's jars"
+        ),
     )
     table_root: str | None = Field(default=None, description="Folder or object-store URI of the Delta tables")
     table_name: str = "images"
@@ -194,7 +198,9 @@ class Settings(BaseSettings):
     )
     requeue_reasons: list[str] = Field(
         default_factory=list,
-        description="Quarantine reasons whose files every run sends back through (as `imagelake requeue --reason` does once)",
+        description=(
+            "Quarantine reasons whose files every run sends back through (as `imagelake requeue --reason` does once)"
+        ),
     )
     max_image_pixels: int = Field(
         default=64_000_000, ge=1, description="Larger images are quarantined as decompression bombs"
@@ -202,7 +208,10 @@ class Settings(BaseSettings):
     max_decode_seconds: float = Field(
         default=30.0,
         gt=0,
-        description="A file whose decoding goes on longer is quarantined as decode_timeout (checked as the decoder reads the file)",
+        description=(
+            "A file whose decoding goes on longer is quarantined as decode_timeout (checked as the decoder reads "
+            "the file)"
+        ),
     )
     max_bad_fraction: float = Field(
         default=0.2, ge=0, le=1, description="A run with more bad files fails and writes nothing"
@@ -213,7 +222,10 @@ class Settings(BaseSettings):
     decode_in_driver_up_to: int = Field(
         default=1000,
         ge=0,
-        description="A run with at most this many files to decode decodes them in the driver, without Spark's Python workers (0: always on the executors)",
+        description=(
+            "A run with at most this many files to decode decodes them in the driver, without Spark's Python "
+            "workers (0: always on the executors)"
+        ),
     )
     quarantine_table_name: str = "quarantine"
     vacuum_retention_hours: float = Field(default=168, ge=0, description="Keep files of table versions this recent")
@@ -244,15 +256,25 @@ class Settings(BaseSettings):
     max_failures: int = Field(default=1, ge=-1, description="Worker failures a training run survives (-1: no limit)")
     ray_log_to_driver: bool = Field(
         default=False,
-        description="Show Ray workers' own output on the console too (it is always in Ray's session logs); progress lines come from the driver",
+        description=(
+            "Show Ray workers' own output on the console too (it is always in Ray's session logs); progress "
+            "lines come from the driver"
+        ),
     )
     model_arch: Literal[MODEL_ARCHS] = Field(  # type: ignore[valid-type]
         default="small_cnn",
-        description="small_cnn (a small CNN for tiny demos) or any torchvision classification model by name: resnet50, mobilenet_v3_large, efficientnet_b0, convnext_tiny, vit_b_16, ...",
+        description=(
+            "small_cnn (a small CNN for tiny demos) or any torchvision classification model by name: resnet50, "
+            "mobilenet_v3_large, efficientnet_b0, convnext_tiny, vit_b_16, ..."
+        ),
     )
     pretrained: str | None = Field(
         default=None,
-        description="Weights to start from: none, imagenet (the architecture's best torchvision weights, from torchvision's cache in TORCH_HOME or downloaded into it), a torchvision weights name (IMAGENET1K_V1, ResNet50_Weights.IMAGENET1K_V2), or the path or URI of a state dict",
+        description=(
+            "Weights to start from: none, imagenet (the architecture's best torchvision weights, from "
+            "torchvision's cache in TORCH_HOME or downloaded into it), a torchvision weights name "
+            "(IMAGENET1K_V1, ResNet50_Weights.IMAGENET1K_V2), or the path or URI of a state dict"
+        ),
     )
     freeze_backbone: bool = Field(
         default=False, description="Train only the classification head (a linear probe of the pretrained features)"
@@ -265,20 +287,31 @@ class Settings(BaseSettings):
     )
     augment: Literal["none", "light", "standard"] = Field(
         default="light",
-        description="Training images, drawn per image and epoch: light is a random crop of 60-100% of the area; standard a crop of 25-100% and colour jitter",
+        description=(
+            "Training images, drawn per image and epoch: light is a random crop of 60-100% of the area; standard "
+            "a crop of 25-100% and colour jitter"
+        ),
     )
     augment_flip: bool = Field(
         default=False,
-        description="Also mirror half the training images (for photos; a mirrored digit, letter or sign is another glyph)",
+        description=(
+            "Also mirror half the training images (for photos; a mirrored digit, letter or sign is another glyph)"
+        ),
     )
     label_smoothing: float = Field(default=0.1, ge=0, lt=1, description="Label smoothing of the training loss")
     class_weights: Literal["none", "balanced"] = Field(
         default="none",
-        description="balanced weighs each label's training loss by the inverse of its share of the train split (for imbalanced tables)",
+        description=(
+            "balanced weighs each label's training loss by the inverse of its share of the train split (for "
+            "imbalanced tables)"
+        ),
     )
     warm_start: bool = Field(
         default=False,
-        description="Start from the champion's weights when it was trained for the same labels (same order), image size, resize mode and model_arch; else from scratch",
+        description=(
+            "Start from the champion's weights when it was trained for the same labels (same order), image size, "
+            "resize mode and model_arch; else from scratch"
+        ),
     )
     max_epochs: int = Field(
         default=30,
@@ -304,7 +337,10 @@ class Settings(BaseSettings):
     early_stopping_threshold: float | None = Field(default=None, description="Stop once val_loss is below this")
     compile: bool | None = Field(
         default=None,
-        description="torch.compile the model for training steps; default: on with a GPU (faster for every model measured), off on CPU",
+        description=(
+            "torch.compile the model for training steps; default: on with a GPU (faster for every model "
+            "measured), off on CPU"
+        ),
     )
     compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = Field(
         default="default", description="torch.compile's mode when compiling (reduce-overhead adds CUDA graphs)"
@@ -314,7 +350,10 @@ class Settings(BaseSettings):
         default=None,
         ge=0,
         le=16,
-        description="Processes that make each training worker's batches (frees the worker's interpreter for the GPU; more feed faster models); 0: in its threads; default: 1 with a GPU, 0 on CPU",
+        description=(
+            "Processes that make each training worker's batches (frees the worker's interpreter for the GPU; "
+            "more feed faster models); 0: in its threads; default: 1 with a GPU, 0 on CPU"
+        ),
     )
     shuffle_buffer_batches: int = Field(default=4, ge=1, description="Rows shuffled across row groups, in batches")
     bf16: bool = Field(default=True, description="bf16 autocast on GPU (ignored on CPU)")
@@ -338,7 +377,10 @@ class Settings(BaseSettings):
         default=None,
         ge=-1,
         le=1,
-        description="A candidate whose test accuracy is not this much above its run's plain baseline (logistic regression on 32 px thumbnails) stays challenger; unset: the margin is shown, not enforced",
+        description=(
+            "A candidate whose test accuracy is not this much above its run's plain baseline (logistic "
+            "regression on 32 px thumbnails) stays challenger; unset: the margin is shown, not enforced"
+        ),
     )
     allow_pickle_models: bool = Field(
         default=False, description="Load registered models stored by pickling (unsafe for untrusted sources)"
@@ -355,25 +397,34 @@ class Settings(BaseSettings):
     # Orchestration.
     prefect_api_url: str | None = None
     results_root: str | None = Field(
-        default=None, description="Folder or URI where stage results are cached (default: workspace/prefect-results)"
+        default=None,
+        description="Folder or URI where stage results are stored for reuse (default: workspace/prefect-results)",
     )
     workspace_retention_hours: float = Field(
         default=168,
         ge=0,
-        description="After each run, remove staging files, cached stage results and training checkpoints unchanged for this long (keep it above the longest run)",
+        description=(
+            "After each run, remove staging files, stored stage results and training checkpoints unchanged for "
+            "this long (keep it above the longest run)"
+        ),
     )
 
     # Time limits: a hung mount or a stuck Spark or Ray job fails its run (TimedOut, its Spark and Ray released) instead
-    # of holding up every queued run behind it. Each is generous for its stage; none enters a cache key. none: no limit.
+    # of holding up every queued run behind it. Each is generous for its stage; none is in a stage key. none: no limit.
     flow_timeout_hours: float | None = Field(
         default=24,
         gt=0,
-        description="A flow run still going after this long fails TimedOut (a run may set at most 24: nightly runs go one at a time)",
+        description=(
+            "A flow run still going after this long fails TimedOut (a run may set at most 24: nightly runs go "
+            "one at a time)"
+        ),
     )
     stage_timeout_minutes: float | None = Field(
         default=360,
         gt=0,
-        description="Time limit of each stage without one of its own (split, summary, retention, requeue, maintenance, scoring)",
+        description=(
+            "Time limit of each stage without one of its own (split, summary, retention, requeue, maintain, scoring)"
+        ),
     )
     ingest_timeout_minutes: float | None = Field(
         default=240, gt=0, description="Time limit of the ingest stage (listing millions of source files)"
@@ -392,7 +443,10 @@ class Settings(BaseSettings):
     train_timeout_minutes: float | None = Field(
         default=720,
         gt=0,
-        description="Time limit of the train stage, its wait for another run training the same Ray run included (keep it above max_train_minutes)",
+        description=(
+            "Time limit of the train stage, its wait for another run training the same Ray run included (keep it "
+            "above max_train_minutes)"
+        ),
     )
     promote_timeout_minutes: float | None = Field(
         default=60, gt=0, description="Time limit of the promote stage (test predictions, the gate)"
@@ -400,12 +454,16 @@ class Settings(BaseSettings):
     cache_lock_wait_minutes: float | None = Field(
         default=180,
         gt=0,
-        description="How long the cache stage waits for another run caching the same line before it fails naming that run",
+        description=(
+            "How long the cache stage waits for another run caching the same line before it fails naming that run"
+        ),
     )
     train_lock_wait_minutes: float | None = Field(
         default=360,
         gt=0,
-        description="How long the train stage waits for another run training the same Ray run before it fails naming that run",
+        description=(
+            "How long the train stage waits for another run training the same Ray run before it fails naming that run"
+        ),
     )
 
     @model_validator(mode="before")
@@ -434,7 +492,8 @@ class Settings(BaseSettings):
             if isinstance(value, str) and "://" in value and _has_password(value):
                 raise ValueError(
                     f"{name} holds a password: give addresses without credentials and put those in the environment "
-                    "(MLFLOW_TRACKING_USERNAME/MLFLOW_TRACKING_PASSWORD or MLFLOW_TRACKING_TOKEN, PREFECT_API_KEY or PREFECT_API_AUTH_STRING, "
+                    "(MLFLOW_TRACKING_USERNAME/MLFLOW_TRACKING_PASSWORD or MLFLOW_TRACKING_TOKEN, "
+                    "PREFECT_API_KEY or PREFECT_API_AUTH_STRING, "
                     "PGPASSWORD or ~/.pgpass for a PostgreSQL store, AWS_* or your object store's own variables)"
                 )
         for key in self.spark_conf:
@@ -461,7 +520,8 @@ class Settings(BaseSettings):
             wait, limit = getattr(self, f"{stage}_lock_wait_minutes"), getattr(self, f"{stage}_timeout_minutes")
             if limit is not None and (wait is None or wait >= limit):
                 raise ValueError(
-                    f"{stage}_lock_wait_minutes={'none' if wait is None else f'{wait:g}'} must be below {stage}_timeout_minutes={limit:g}: "
+                    f"{stage}_lock_wait_minutes={'none' if wait is None else f'{wait:g}'} must be below "
+                    f"{stage}_timeout_minutes={limit:g}: "
                     f"set both, the wait shorter (e.g. {stage}_lock_wait_minutes={limit / 2:g})"
                 )
         return self
@@ -479,7 +539,8 @@ class Settings(BaseSettings):
         return init_settings, env_settings, _ConfigFileSource(settings_cls)
 
     def lock_wait_seconds(self, stage: str) -> float | None:
-        """How long STAGE (cache or train) waits for another run holding its lock, in seconds (None: as long as it takes)."""
+        """How long STAGE (cache or train) waits for another run holding its lock, in seconds (None: as long as it
+        takes)."""
         minutes = getattr(self, f"{stage}_lock_wait_minutes")
         return None if minutes is None else minutes * 60
 
@@ -545,7 +606,7 @@ class Settings(BaseSettings):
 
     @property
     def results_uri(self) -> str:
-        """Where every stage's cached result and cache-key record lives."""
+        """Where every stage's stored result and key record lives."""
         return (self.results_root or str(self.prefect_results_dir)).rstrip("/")
 
 
@@ -629,7 +690,7 @@ ALLOWED_FROM_RUNS = frozenset(
         "channels_last",
         "pin_memory",
         "seed",
-        # How the gate promotes, what scoring keeps, how much maintenance keeps (within RUN_LIMITS), how much Spark
+        # How the gate promotes, what scoring keeps, how much `maintain` keeps (within RUN_LIMITS), how much Spark
         # says.
         "promotion_metric",
         "promotion_margin",
@@ -716,7 +777,8 @@ ALLOW_FROM_RUNS_VARIABLE = "IMAGELAKE_ALLOW_FROM_RUNS"
 
 
 def _is_weights_name(value: Any) -> bool:
-    """No weights, imagenet or torchvision's weights by name: what a run may give as `pretrained` (a file or URL would be fetched and loaded)."""
+    """No weights, imagenet or torchvision's weights by name: what a run may give as `pretrained` (a file or URL would
+    be fetched and loaded)."""
     if value is None:
         return True
     # Exactly as Settings._no_weights and tasks/worker/model.py read them: anything else is taken for a file.
@@ -763,7 +825,8 @@ def refuse_unsafe(overrides: dict[str, Any] | None, where: str) -> dict[str, Any
     refused = {name: reason for name, reason in reasons.items() if reason}
     if refused:
         raise SettingsError(
-            f"{', '.join(refused.values())} cannot be set from {where}: a run may set what it ingests and how it trains, "
+            f"{', '.join(refused.values())} cannot be set from {where}: a run may set what it ingests and "
+            "how it trains, "
             "within limits that lose no data, not where the worker connects, keeps data or loads code from. "
             f"Set them in the worker's config file or IMAGELAKE_* environment, or allow them for runs with "
             f"{ALLOW_FROM_RUNS_VARIABLE}={','.join(refused)} on the worker."

@@ -1,9 +1,11 @@
-"""The MLflow client: tracking and registry URIs and the experiment, from settings; the code's git commit for provenance."""
+"""The MLflow client: tracking and registry URIs and the experiment, from settings; the code's git commit for
+provenance."""
 
 from __future__ import annotations
 
 import subprocess
 from pathlib import Path
+from urllib.parse import quote
 
 import mlflow
 from mlflow import MlflowClient
@@ -23,6 +25,13 @@ def mlflow_client(settings: Settings) -> MlflowClient:
 def run_url(client: MlflowClient, settings: Settings, run_id: str) -> str:
     """The MLflow UI's page of a run (at mlflow_ui_url), for links from Prefect."""
     return f"{settings.mlflow_ui_url.rstrip('/')}/#/experiments/{experiment_id(client, settings)}/runs/{run_id}"
+
+
+def model_version_url(settings: Settings, name: str, version: str) -> str:
+    """The MLflow UI's page of a registered model's version (at mlflow_ui_url), for links from Prefect."""
+    return (
+        f"{settings.mlflow_ui_url.rstrip('/')}/#/models/{quote(name, safe='')}/versions/{quote(str(version), safe='')}"
+    )
 
 
 def experiment_id(client: MlflowClient, settings: Settings) -> str:

@@ -38,7 +38,8 @@ def ui_secrets(folder: Path, database: str) -> dict[str, str]:
     found = read_env_file(env_file) if env_file.exists() else {}
     if database == "postgres" and (folder / "postgres" / "PG_VERSION").exists() and not found.get(PASSWORD):
         raise postgres.PostgresError(
-            f"the PostgreSQL data in {folder / 'postgres'} has no password in {env_file}: remove {folder / 'postgres'} to start afresh"
+            f"the PostgreSQL data in {folder / 'postgres'} has no password in {env_file}: remove "
+            f"{folder / 'postgres'} to start afresh"
         )
     wanted = [AUTH_STRING] + ([PASSWORD] if database == "postgres" else [])
     made = {
@@ -48,7 +49,10 @@ def ui_secrets(folder: Path, database: str) -> dict[str, str]:
     }
     if made:
         values = {**found, **made}
-        header = f"# The secrets of `make ui`'s servers (generated; keep them private). A client loads them with\n# set -a; . {env_file}; set +a\n"
+        header = (
+            "# The secrets of `make ui`'s servers (generated; keep them private). A client loads them with\n# "
+            f"set -a; . {env_file}; set +a\n"
+        )
         write_private(env_file, header + "".join(f"{name}={value}\n" for name, value in values.items()))
     return {**found, **made}
 
@@ -69,7 +73,8 @@ def database_urls(
 
 
 def prefect_server_env(env: dict[str, str], auth_string: str, port: int) -> dict[str, str]:
-    """The Prefect server's environment: its API behind the auth string, with CSRF checks, and CORS for its own UI only."""
+    """The Prefect server's environment: its API behind the auth string, with CSRF checks, and CORS for its own UI
+    only."""
     origin = f"http://127.0.0.1:{port}"
     return {
         **env,

@@ -6,7 +6,7 @@ files that hold that version's rows of the split. A new version adds a generatio
 files holding rows the version retired or replaced are rewritten without them (into the new generation); every
 other file is shared, never copied. A row's split follows from its content hash, so rows never move between
 splits. A version whose rows are those of a cached one (a compaction) gets that cache back as it was, so the
-stages after it (training, the gate) are cache hits. `maintain_cache` removes what no kept manifest names.
+stages after it (training, the gate) reuse their stored results. `maintain_cache` removes what no kept manifest names.
 """
 
 from __future__ import annotations
@@ -97,7 +97,8 @@ class CacheLine:
         )
 
     def read(self, version: int) -> dict[str, Any]:
-        """The manifest of every split of VERSION: files (relative to the line), generation and the CachedSplits it made."""
+        """The manifest of every split of VERSION: files (relative to the line), generation and the CachedSplits it
+        made."""
         return {split: json.loads(self.fs.cat_file(self.manifest(split, version))) for split in SPLITS}
 
     def cached(self, version: int, reused: bool) -> CachedSplits:
@@ -130,7 +131,8 @@ class CacheLine:
         )
 
     def problem(self, version: int) -> str | None:
-        """What is wrong with a cached version's files (one gone, or other rows than its manifest records); None if nothing."""
+        """What is wrong with a cached version's files (one gone, or other rows than its manifest records); None if
+        nothing."""
         from tasks.worker.loader import check_split  # the loader's own check (it imports Petastorm: only when asked)
 
         try:
@@ -155,7 +157,8 @@ def nearest(versions: list[int], version: int) -> int | None:
 
 
 def version_rows(spark: SparkSource, plan: SplitPlan, image_size: int, files: list[str] | None = None) -> DataFrame:
-    """The version's rows (those FILES hold, if given) as the cache stores them (image, label index, sha256) with their split."""
+    """The version's rows (those FILES hold, if given) as the cache stores them (image, label index, sha256) with their
+    split."""
     frame = ImageTable.of_version(spark, plan, image_size).with_split(
         plan.version, plan.val_fraction, plan.test_fraction, files
     )
@@ -199,7 +202,7 @@ def cache_splits(
         grown = files, generation, False
     files, generation, same_rows = grown
     if same_rows:
-        # The rows of a cached version (a compaction made this one): the same cache, so training is a cache hit too.
+        # The rows of a cached version (a compaction made this one): the same cache, so training reuses its result too.
         cached = line.cached(base, reused=True)
     else:
         cached = CachedSplits(
@@ -492,7 +495,8 @@ def clean_cache(
 
 
 def cached_files(cached: CachedSplits) -> list[str]:
-    """What a cache result names: each split's manifest and the files it lists (the first missing manifest ends the list)."""
+    """What a cache result names: each split's manifest and the files it lists (the first missing manifest ends the
+    list)."""
     from tasks.worker.loader import split_files  # it imports Petastorm: only when asked
 
     uris = []

@@ -121,7 +121,8 @@ def dataset_card_markdown(card: dict[str, Any], samples_link: str | None = None)
         else ""
     )
     return (
-        f"## Dataset card\n\nDelta table `{card['table']}` version {card['version']}, {card['image_size']} px images.\n\n"
+        f"## Dataset card\n\nDelta table `{card['table']}` version {card['version']}, {card['image_size']} "
+        "px images.\n\n"
         f"### Images per label and split\n\n{head}\n" + "\n".join(rows) + f"\n\n{imbalance}\n\n"
         f"### Quarantined files by reason\n\n| reason | files |\n|---|---|\n{quarantine}{samples}\n"
     )
@@ -167,10 +168,15 @@ def model_card(
     settings = "\n".join(f"| {key} | {value} |" for key, value in sorted(params.items()))
     scores = "\n".join(f"| {key} | {value:.4f} |" for key, value in metrics.items())
     if baseline is not None:
-        scores += f"\n| baseline accuracy ({BASELINE}) | {baseline:.4f} |\n| margin over the baseline | {metrics['accuracy'] - baseline:+.4f} |"
+        scores += (
+            f"\n| baseline accuracy ({BASELINE}) | {baseline:.4f} |\n| margin over the baseline | "
+            f"{metrics['accuracy'] - baseline:+.4f} |"
+        )
     return (
-        f"# {model_name} v{version}\n\n## Data\n\nDelta table `{data['table']}` version {data['version']}, {data['image_size']} px, "
-        f"rows per split {json.dumps(data['counts'], sort_keys=True)}, labels {', '.join(markdown_text(label) for label in data['labels'])}.\n\n"
+        f"# {model_name} v{version}\n\n## Data\n\nDelta table `{data['table']}` version {data['version']}, "
+        f"{data['image_size']} px, "
+        f"rows per split {json.dumps(data['counts'], sort_keys=True)}, labels "
+        f"{', '.join(markdown_text(label) for label in data['labels'])}.\n\n"
         f"## Training settings\n\n| setting | value |\n|---|---|\n{settings}\n\n"
         f"## Test metrics\n\n| metric | value |\n|---|---|\n{scores}\n\n{per_class_table(per_class)}\n\n"
         f"## Promotion\n\n**{alias}**: {decision}\n"

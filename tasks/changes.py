@@ -396,7 +396,8 @@ def changes_to_make(
 def diff_against_table(
     table: ImageTable, listed: Listed, scope: Scope, retire_deleted: bool, staging_dir: str
 ) -> ListingDiff:
-    """Keep what is new or changed in a listing since the tables' current versions (at its image size), and stage that list."""
+    """Keep what is new or changed in a listing since the tables' current versions (at its image size), and stage that
+    list."""
     basis, versions = diff_basis(listed, table, scope, retire_deleted), table_versions(table)
     key = state_key(table, scope, retire_deleted, listed.source_uri)
     fingerprint = hashlib.sha256(f"{basis}|{versions[0]}|{versions[1]}".encode()).hexdigest()

@@ -87,7 +87,8 @@ def _folder_entry(fs: Any, root: str, path: str, info: dict[str, Any], scope: Sc
 
 
 def modified_seconds(info: dict[str, Any]) -> float:
-    """Seconds since the epoch: local files give `mtime`; S3 `LastModified` (a datetime); 0.0 when the store gives neither."""
+    """Seconds since the epoch: local files give `mtime`; S3 `LastModified` (a datetime); 0.0 when the store gives
+    neither."""
     stamp = info.get("mtime") or info.get("LastModified") or info.get("updated") or info.get("last_modified") or 0
     if hasattr(stamp, "timestamp"):
         return float(stamp.timestamp())
@@ -98,7 +99,8 @@ def modified_seconds(info: dict[str, Any]) -> float:
 
 
 def stamp_of(fs: Any, path: str, info: dict[str, Any]) -> str | None:
-    """The store's change token for a file (tasks/rules/listing.py:change_stamp), or the SHA-256 of its content where it gives none."""
+    """The store's change token for a file (tasks/rules/listing.py:change_stamp), or the SHA-256 of its content where it
+    gives none."""
     stamp = change_stamp(info)
     if stamp is not None:
         return stamp
@@ -135,7 +137,8 @@ def lists_by_scandir(fs: Any) -> bool:
 def incomplete(fs: Any, folder: str, exc: OSError) -> ListingIncomplete:
     """The error of a folder that could not be listed, naming it and what the store said."""
     return ListingIncomplete(
-        f"could not list {fs.unstrip_protocol(folder)} ({type(exc).__name__}: {exc}); the run stops before it reads, writes or "
+        f"could not list {fs.unstrip_protocol(folder)} ({type(exc).__name__}: {exc}); the run stops before "
+        "it reads, writes or "
         "retires anything: make that folder readable and run again"
     )
 
@@ -223,7 +226,8 @@ def list_folder(uri: str, scope: Scope) -> Iterator[dict[str, Any]]:
 
 
 def list_manifest(uri: str, scope: Scope) -> Iterator[dict[str, Any]]:
-    """Files named by a manifest CSV (path,label[,date]), read a line at a time; relative paths are relative to the manifest."""
+    """Files named by a manifest CSV (path,label[,date]), read a line at a time; relative paths are relative to the
+    manifest."""
     fs, manifest = fsspec.core.url_to_fs(uri)
     base = manifest.rsplit("/", 1)[0]
     with fs.open(manifest, "r", encoding="utf-8", newline="") as handle:
@@ -245,7 +249,8 @@ def manifest_entries(uri: str, base: str, fs: Any, rows: csv.DictReader, scope: 
         file_path = posixpath.normpath(file_path)
         if not any(is_within(file_fs.unstrip_protocol(file_path), root) for root in roots):
             raise SourceError(
-                f"manifest {uri} line {number}: {row['path']!r} is outside the manifest's folder {fs.unstrip_protocol(base)}; "
+                f"manifest {uri} line {number}: {row['path']!r} is outside the manifest's folder "
+                f"{fs.unstrip_protocol(base)}; "
                 "name files under it, or add their folder to the setting manifest_roots"
             )
         if escapes_by_link(file_fs, file_path, roots):  # the rule of folder sources: quarantined, never read
@@ -321,7 +326,8 @@ def save_listing(uri: str, scope: Scope, staging_dir: str) -> Listed:
         if not listed:
             where = f" dated {scope.start or '...'} to {scope.end or '...'}" if (scope.start or scope.end) else ""
             raise SourceError(
-                f"no image files ({', '.join(scope.extensions)}){where} under {uri}: lay images out as [date=YYYY-MM-DD/]<label>/<file>"
+                f"no image files ({', '.join(scope.extensions)}){where} under {uri}: lay images out as "
+                "[date=YYYY-MM-DD/]<label>/<file>"
             )
         fingerprint = digest.hexdigest()
         manifest = f"{folder}/listing-{fingerprint[:20]}.parquet"
@@ -345,12 +351,12 @@ def write_manifest(entries: list[dict[str, Any]] | pa.Table, manifest: str) -> s
     return manifest
 
 
-# The listing that computing the ingest stage's cache key just saved, for the stage itself: a run lists its source once.
+# The listing that computing the ingest stage's key just saved, for the stage itself: a run lists its source once.
 _saved_for_key: dict[tuple[str, Scope, str], Listed] = {}
 
 
 def source_listing(inputs: dict[str, Any]) -> dict[str, str]:
-    """Cache key part for ingest: the listing itself, so new or changed files are a miss without reading them."""
+    """Key part for ingest: the listing itself, so the stage runs again for new or changed files, found unread."""
     settings: Settings = inputs["settings"]
     uri, scope = source_uri(inputs["source"]), scope_of(settings)
     try:

@@ -1,4 +1,5 @@
-"""Table upkeep: compact small files, vacuum old ones, never the files of a version a registered model was trained on."""
+"""Table upkeep: compact small files, vacuum old ones, never the files of a version a registered model was trained
+on."""
 
 from __future__ import annotations
 
@@ -14,14 +15,14 @@ from tasks.stage import stage
 
 
 class RegistryUnavailable(RuntimeError):
-    """The model registry did not answer: nothing is known to be safe to remove, so maintenance removes nothing."""
+    """The model registry did not answer: nothing is known to be safe to remove, so `maintain` removes nothing."""
 
 
 def protected_versions(client: MlflowClient, model_name: str, table_uri: str) -> list[int]:
     """Delta versions of this table that registered model versions were trained on (their `delta_version` tags).
 
     Every page of the registry's model versions is read and matched on the name here, so any name works (a filter
-    string would need the name quoted). No answer raises `RegistryUnavailable`: maintenance fails closed."""
+    string would need the name quoted). No answer raises `RegistryUnavailable`: `maintain` fails closed."""
     versions, token = [], None
     try:
         while True:
@@ -32,7 +33,8 @@ def protected_versions(client: MlflowClient, model_name: str, table_uri: str) ->
                 break
     except MlflowException as exc:
         raise RegistryUnavailable(
-            f"the model registry at {client.tracking_uri} did not say which versions of {table_uri} registered models of "
+            f"the model registry at {client.tracking_uri} did not say which versions of {table_uri} "
+            "registered models of "
             f"{model_name!r} were trained on, so nothing was compacted, vacuumed or removed: {exc}"
         ) from exc
     return sorted(

@@ -65,7 +65,8 @@ def label_files(
     max_pixels: int,
     batch_size: int = 64,
 ) -> list[dict]:
-    """Label and probability for every image under `source`, decoded and resized (`size`, `mode`) as the model's training data was."""
+    """Label and probability for every image under `source`, decoded and resized (`size`, `mode`) as the model's
+    training data was."""
 
     if not source.exists():
         raise FileNotFoundError(f"--source {source} does not exist: give an image file or a folder of images")
@@ -83,7 +84,7 @@ def label_files(
             probabilities = torch.softmax(
                 logits_of(model, np.stack([pixels for _, pixels in batch]), batch_size), dim=1
             ).numpy()
-            for (path, _), answer in zip(batch, answers(probabilities, labels, 1)):
+            for (path, _), answer in zip(batch, answers(probabilities, labels, 1), strict=True):
                 results.append({"path": str(path), "label": answer["label"], "probability": answer["probability"]})
             batch.clear()
 

@@ -81,14 +81,15 @@ def test_rows_at(settings: Settings, cached: CachedSplits) -> TestRowsAt:
         )
         path_of: dict[str, str] = {}
         for sha256, path in sorted(
-            zip(found.column("sha256").to_pylist(), found.column("path").to_pylist()), reverse=True
+            zip(found.column("sha256").to_pylist(), found.column("path").to_pylist(), strict=True), reverse=True
         ):
             path_of[sha256] = path  # the first path in order, where one content lies at several
         out = np.empty((len(hashes), size, size, 3), dtype=np.uint8)
         for row, sha256 in enumerate(hashes):
             if sha256 not in path_of:
                 raise LookupError(
-                    f"test row {sha256[:12]} is not in {cached.table_uri} v{cached.table_version} at {cached.image_size} px"
+                    f"test row {sha256[:12]} is not in {cached.table_uri} v{cached.table_version} at "
+                    f"{cached.image_size} px"
                 )
             data, _ = read_with_retries(path_of[sha256], settings.read_attempts, DecodeRules.read_backoff)
             if hashlib.sha256(data).hexdigest() != sha256:
@@ -200,7 +201,7 @@ def promote_model(
                 **{f"test_{key}": value for key, value in metrics.items()},
                 **{
                     f"test_{name}_{key}": row[name]
-                    for row, key in zip(per_class, metric_keys(cached.labels))
+                    for row, key in zip(per_class, metric_keys(cached.labels), strict=True)
                     for name in ("precision", "recall", "f1")
                 },
             }
@@ -279,6 +280,9 @@ def promote(trained: Trained, cached: CachedSplits, settings: Settings) -> Promo
     )
     link = run_url(mlflow_client(settings), settings, trained.mlflow_run_id)
     markdown = decision_markdown(promoted.model_name, promoted.model_version, decision, champion_version, link)
-    markdown += f"\n### Per class on the test split\n\n{per_class_table(per_class)}\n\nConfusion matrix: [confusion_matrix.png]({link}/artifacts/confusion_matrix.png)\n"
+    markdown += (
+        f"\n### Per class on the test split\n\n{per_class_table(per_class)}\n\nConfusion matrix: "
+        f"[confusion_matrix.png]({link}/artifacts/confusion_matrix.png)\n"
+    )
     create_markdown_artifact(markdown, key="imagelake-promotion")
     return promoted

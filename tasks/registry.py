@@ -1,4 +1,5 @@
-"""The model registry (MLflow adapter): safe loading, the quality gate, alias moves under a lock with their history, lineage."""
+"""The model registry (MLflow adapter): safe loading, the quality gate, alias moves under a lock with their history,
+lineage."""
 
 from __future__ import annotations
 
@@ -149,8 +150,10 @@ def load_model_folder(folder: Path, name: str, version: str, allow_pickle: bool 
             return torch.export.load(str(exported)).module()
     if not allow_pickle:
         raise UnsafeModel(
-            f"{name} v{version} is not a torch.export (pt2) model (flavors: {', '.join(meta.get('flavors') or {}) or 'none'}): "
-            "loading it would unpickle code. Re-register it in pt2 format, or set allow_pickle_models=true if you trust its source."
+            f"{name} v{version} is not a torch.export (pt2) model (flavors: "
+            f"{', '.join(meta.get('flavors') or {}) or 'none'}): "
+            "loading it would unpickle code. Re-register it in pt2 format, or set allow_pickle_models=true "
+            "if you trust its source."
         )
     return mlflow.pytorch.load_model(str(folder)) if flavor else mlflow.pyfunc.load_model(str(folder))
 
@@ -227,7 +230,8 @@ def champion_metric(
         if is_gone(exc):
             return ChampionCheck(None, unusable=f"{where}: {type(exc).__name__}: {exc}"[:300])
         raise ChampionUnreachable(
-            f"the champion {name} v{version} could not be fetched ({type(exc).__name__}: {str(exc)[:300]}); nothing was promoted "
+            f"the champion {name} v{version} could not be fetched ({type(exc).__name__}: {str(exc)[:300]}); "
+            "nothing was promoted "
             "and no alias moved. The stage retries; if the model store stays unreachable, run again once it answers."
         ) from exc
     try:  # the files are here: a failure to load them is the files', and happens again every time
@@ -259,9 +263,10 @@ def champion_metric(
         except Exception as exc:  # noqa: BLE001 - a file gone or changed since: no fair comparison, the champion stays
             return ChampionCheck(
                 None,
-                uncompared=f"{where} takes {own} images; the test rows could not be decoded at that size: {type(exc).__name__}: {exc}"[
-                    :400
-                ],
+                uncompared=(
+                    f"{where} takes {own} images; the test rows could not be decoded at that size: "
+                    f"{type(exc).__name__}: {exc}"
+                )[:400],
             )
     try:
         return ChampionCheck(evaluate(model, inputs, labels, classes)[settings.promotion_metric])
@@ -315,7 +320,8 @@ def registry_lock(settings: Settings, name: str) -> Iterator[None]:
 
 
 def lock_of(name: str) -> str:
-    """What the registry lock of model NAME locks: alias moves and history rows are fenced by it (infra/prefect_env.py:fence)."""
+    """What the registry lock of model NAME locks: alias moves and history rows are fenced by it
+    (infra/prefect_env.py:fence)."""
     return f"registry-{name}"
 
 
@@ -424,7 +430,8 @@ def carry_out(client: MlflowClient, settings: Settings, name: str, move: dict) -
 
 
 def finish_pending_move(client: MlflowClient, settings: Settings, name: str) -> bool:
-    """Carry out an alias move that a crash cut short, if there is one; whether there was. Caller holds the registry lock."""
+    """Carry out an alias move that a crash cut short, if there is one; whether there was. Caller holds the registry
+    lock."""
     try:
         pending = client.get_registered_model(name).tags.get(PENDING_MOVE)
     except MlflowException as exc:

@@ -86,7 +86,8 @@ def resize_images(
     if by_status.get("unread"):
         example = next(example for (status, _), (_, example) in counts.items() if status == "unread")
         stage_logger().warning(
-            f"resize: {by_status['unread']} file(s) could not be read after {rules.read_attempts} attempt(s) (e.g. {example}); "
+            f"resize: {by_status['unread']} file(s) could not be read after {rules.read_attempts} attempt(s) "
+            f"(e.g. {example}); "
             "this version leaves them out and the next run reads them again"
         )
     return Resized(
@@ -119,7 +120,8 @@ def decode_on_executors(
     table_uri: str,
     progress_seconds: float,
 ) -> dict[tuple[str, str | None], tuple[int, str]]:
-    """Run process_partition over the listed entries in balanced tasks; files per (status, reason), with an example path."""
+    """Run process_partition over the listed entries in balanced tasks; files per (status, reason), with an example
+    path."""
     # One task per core, more for a long list; each gets a fair share of the bytes to decode.
     cores = spark.sparkContext.defaultParallelism
     groups = balanced_partitions(listed, cores * max(1, math.ceil(len(listed) / (cores * ROWS_PER_DECODE_TASK))))
@@ -137,7 +139,8 @@ def decode_on_executors(
 
 
 def with_progress(total: int, staging_uri: str, decode: Callable[[], list]) -> list:
-    """Run DECODE with the driver's progress line every few seconds (from the decoders' progress files), and a last one."""
+    """Run DECODE with the driver's progress line every few seconds (from the decoders' progress files), and a last
+    one."""
     logger, started = stage_logger(), time.monotonic()
     with Every(
         lambda: logger.info(rate_line("resize", files_done(staging_uri), total, time.monotonic() - started, "files")),
@@ -158,7 +161,7 @@ def count_by_status(rows: Iterable[dict]) -> dict[tuple[str, str | None], tuple[
 
 
 def tables_now(inputs: dict[str, Any]) -> dict[str, str]:
-    """Cache key part for resize: the versions of the tables the diff reads, so new commits are a miss."""
+    """Key part for resize: the versions of the tables the diff reads, so new commits run the stage again."""
     settings: Settings = inputs["settings"]
     return {
         "table version": str(Table(settings.table_uri).version()),
@@ -167,7 +170,8 @@ def tables_now(inputs: dict[str, Any]) -> dict[str, str]:
 
 
 def staged_for_write(resized: Resized) -> list[str]:
-    """What a resize result names that its write reads: the staging folder of its bookkeeping rows, when it staged any."""
+    """What a resize result names that its write reads: the staging folder of its bookkeeping rows, when it staged
+    any."""
     return (
         [resized.staging_uri]
         if resized.decoded or resized.known or resized.retired or resized.bad or resized.unread_files
@@ -221,7 +225,10 @@ def resize(listed: Listed, settings: Settings) -> Resized:
     )
     # A folder of this run's own: an identical run started at the same time must not wipe the rows this one's write
     # reads.
-    folder = f"resize-{ingested.content_fingerprint[:16]}-{settings.image_size}-{settings.resize_mode}-{uuid.uuid4().hex[:12]}"
+    folder = (
+        f"resize-{ingested.content_fingerprint[:16]}-{settings.image_size}-{settings.resize_mode}-"
+        f"{uuid.uuid4().hex[:12]}"
+    )
     # Spark's Python workers take seconds to start; the driver decodes a short list in a fraction of that.
     return resize_images(
         table, ingested, rules, f"{settings.staging_uri}/{folder}", in_driver_up_to=settings.decode_in_driver_up_to

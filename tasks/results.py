@@ -1,7 +1,7 @@
 """What passes between stages: small, serialisable handles, never data.
 
 Fields marked `exclude=True` say what a run happened to do (rows added, a cache reused, where
-a staging copy sits), not what the data is: they stay out of the next stage's cache key.
+a staging copy sits), not what the data is: they stay out of the next stage's key.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
-"""Retention: the workspace's files handed between stages, cached stage results and training runs' checkpoints go once
+"""Retention: the workspace's files handed between stages, stored stage results and training runs' checkpoints go once
 they are older than `workspace_retention_hours`, so a workspace that runs every night stays the same size.
 
-What is removed is only ever a cache: a later run that wanted it recomputes it (a stage result that names a removed
-file is a cache miss, see `stage(needs=...)`). What a later run reads first is kept whatever its age: the listing the
-tables were last in step with, the newest split-count record of each table, the cache-key records, and each manifest's
-record of the paths it named (tasks/changes.py:record_named; no cache: without it the manifest retires nothing).
+What is removed can always be made again: a later run that wanted it recomputes it (a stage result that names a removed
+file is not reused, see `stage(needs=...)`). What a later run reads first is kept whatever its age: the listing the
+tables were last in step with, the newest split-count record of each table, the stages' key records, and each manifest's
+record of the paths it named (tasks/changes.py:record_named; not made again: without it the manifest retires nothing).
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ def prune_staging(uri: str, cutoff: float) -> list[str]:
 
 
 def prune_results(uri: str, cutoff: float) -> list[str]:
-    """Remove old cached stage results (each a file named after its stage and key); the cache-key records stay."""
+    """Remove old stored stage results (each a file named after its stage and key); the key records stay."""
     fs, root = fsspec.core.url_to_fs(uri)
     return remove(fs, old_entries(fs, [e for e in entries(fs, root) if e["type"] == "file"], cutoff))
 
@@ -132,7 +132,7 @@ def prune_workspace(settings: Settings, now: float | None = None) -> dict[str, i
 
 @stage("retention", cache_policy=NO_CACHE, retries=1)
 def retention(settings: Settings) -> dict[str, Any]:
-    """Prefect stage (never cached): apply the workspace's retention after a run, or in maintenance. Tidying that
+    """Prefect stage (runs every time): apply the workspace's retention after a run, or in `maintain`. Tidying that
     fails (a folder it may not write to) is a warning: the run's table, model and promotion stand."""
     try:
         return prune_workspace(settings)

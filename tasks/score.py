@@ -51,7 +51,8 @@ def table_source(source: str) -> tuple[str, int | None] | None:
         return uri, version
     if match:
         raise ScoreSourceError(
-            f"--source {source}: {uri} is not a Delta table, so it has no version {version}; give a table's folder@VERSION, or a folder of images"
+            f"--source {source}: {uri} is not a Delta table, so it has no version {version}; give a table's "
+            "folder@VERSION, or a folder of images"
         )
     return None
 
@@ -97,14 +98,16 @@ def score_images(source: str, model: str, settings: Settings) -> dict[str, Any]:
         total = frame.count()
         if not total:
             raise ScoreSourceError(
-                f"--source {source}: version {table_version} holds no images at the model's size {size}; score the source folder instead"
+                f"--source {source}: version {table_version} holds no images at the model's size {size}; "
+                "score the source folder instead"
             )
     else:
         uri, table_version, size = source_uri(source), None, None
         files = [path for path, _ in image_files(uri, settings.image_extensions)]
         if not files:
             raise ScoreSourceError(
-                f"--source {source} holds no image files ({', '.join(settings.image_extensions)}): give a folder or prefix of images, or a Delta table"
+                f"--source {source} holds no image files ({', '.join(settings.image_extensions)}): give a "
+                "folder or prefix of images, or a Delta table"
             )
         frame = spark.createDataFrame(
             [(path, None, None) for path in files], "path string, sha256 string, image binary"
@@ -147,12 +150,14 @@ def score_images(source: str, model: str, settings: Settings) -> dict[str, Any]:
 
 
 def served_meta(client: Any, name: str, version: str) -> dict[str, Any]:
-    """The served model's meta (labels, image size, resize mode) from its files; a version older than the served pyfunc is refused."""
+    """The served model's meta (labels, image size, resize mode) from its files; a version older than the served pyfunc
+    is refused."""
     folder = model_files(client, name, version)
     found = served_files(folder)
     if found is None:
         raise ScoreSourceError(
-            f"{name} version {version} was registered before models answered image bytes: register it again (imagelake retrain) to score with it"
+            f"{name} version {version} was registered before models answered image bytes: register it again "
+            "(imagelake retrain) to score with it"
         )
     return json.loads(found[1].read_text())
 
@@ -193,9 +198,10 @@ def unique_content(rows: pa.Table) -> pa.Table:
 
 
 def source_state(inputs: dict[str, Any]) -> dict[str, str]:
-    """Cache key part for score: the source as it is now (a table's version, or every image file's path, size and
+    """Key part for score: the source as it is now (a table's version, or every image file's path, size and
     modification time). A run answers all of its source that is new to the model version, so the same source and
-    version again (a hit) has nothing new to answer, as long as the predictions table is still there (`needs`)."""
+    version again (its result reused) has nothing new to answer, as long as the predictions table is still there
+    (`needs`)."""
     settings: Settings = inputs["settings"]
     try:
         table = table_source(inputs["source"])
@@ -239,5 +245,6 @@ def score_model(model: str, settings: Settings) -> str:
     ),
 )
 def score(source: str, model: str, settings: Settings) -> dict[str, Any]:
-    """Prefect stage: answer what is new in SOURCE to the model version MODEL (NAME/VERSION) into the predictions table."""
+    """Prefect stage: answer what is new in SOURCE to the model version MODEL (NAME/VERSION) into the predictions
+    table."""
     return score_images(source, model, settings)

@@ -79,7 +79,7 @@ def answer_rows(job: ScoreJob, items: list[tuple[str, str, Any]]) -> list[dict]:
             "top_k": answer["top_k"] or [],
             "error": answer["error"],
         }
-        for (path, sha, _), answer in zip(items, answers.to_dict("records"))
+        for (path, sha, _), answer in zip(items, answers.to_dict("records"), strict=True)
     ]
 
 

@@ -31,7 +31,8 @@ TOP_K = 3  # the default of the top_k parameter
 
 
 def table(rows: list[dict]) -> pd.DataFrame:
-    """The answer's columns; a bad row's probability stays None (JSON null), where pandas would make it NaN (not JSON)."""
+    """The answer's columns; a bad row's probability stays None (JSON null), where pandas would make it NaN (not
+    JSON)."""
     return pd.DataFrame(
         {
             column: pd.Series([row[column] for row in rows], dtype=object)
@@ -67,7 +68,8 @@ class ImageClassifierModel(mlflow.pyfunc.PythonModel):
         frame = model_input if isinstance(model_input, pd.DataFrame) else pd.DataFrame(model_input)
         if IMAGE not in frame.columns or frame.empty:
             raise MlflowException(
-                f"the request has no images: send a table with an {IMAGE!r} column, one image file's bytes per row (base64 in JSON)",
+                f"the request has no images: send a table with an {IMAGE!r} column, one image file's bytes "
+                "per row (base64 in JSON)",
                 error_code=BAD_REQUEST,
             )
         rows: list[dict | None] = [None] * len(frame)
@@ -82,7 +84,7 @@ class ImageClassifierModel(mlflow.pyfunc.PythonModel):
             decoded.append(pixels)
             places.append(place)
         if decoded:
-            for place, answer in zip(places, self._answer(np.stack(decoded), top_k)):
+            for place, answer in zip(places, self._answer(np.stack(decoded), top_k), strict=True):
                 rows[place] = answer
         return table(rows)
 

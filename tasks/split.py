@@ -1,4 +1,5 @@
-"""Split: plan a table version's train/val/test split by content hash, and the partition count the cache stage repartitions it into."""
+"""Split: plan a table version's train/val/test split by content hash, and the partition count the cache stage
+repartitions it into."""
 
 from __future__ import annotations
 
@@ -101,9 +102,11 @@ class PlanRecords:
         between = table.rows_between(base, version, ["sha256", "label"], max_bytes=DRIVER_BYTES)
         if between is None:
             return None
-        for side, sign in zip(between, (1, -1)):
+        for side, sign in zip(between, (1, -1), strict=True):
             for split, label in zip(
-                splits_of(side["sha256"], self.val_fraction, self.test_fraction).to_pylist(), side["label"].to_pylist()
+                splits_of(side["sha256"], self.val_fraction, self.test_fraction).to_pylist(),
+                side["label"].to_pylist(),
+                strict=True,
             ):
                 by_label = counts.setdefault(split, {})
                 by_label[label] = by_label.get(label, 0) + sign
@@ -113,7 +116,7 @@ class PlanRecords:
 
 
 def quarantine_now(inputs: dict) -> dict[str, str]:
-    """Cache key part for split: the quarantine table's version, which the dataset card reports."""
+    """Key part for split: the quarantine table's version, which the dataset card reports."""
     return {"table version (quarantine)": str(Table(inputs["settings"].quarantine_uri).version())}
 
 

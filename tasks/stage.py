@@ -1,12 +1,12 @@
-"""What every stage's Prefect task shares: retries with backoff, a time limit, and a cache key that says what it is made
-of.
+"""What every stage's Prefect task shares: retries with backoff, a time limit, and a key that says what its stored
+result is made of.
 
 A stage's key is built from named parts: the code of the module that does the work, each upstream
 result (which carries the Delta table version it read or wrote), the settings that change the
-stage's output (and no others: the Spark log level or the MLflow UI's address never make a miss),
+stage's output (and no others: the Spark log level or the MLflow UI's address never make a stage run again),
 and facts read when the key is computed (the source listing, the table's current version). The
-parts of the last key computed for each stage are kept beside the cached results, so a run can
-say why a stage was a cache miss. A stage's time limit (`timeout_setting`) is a setting too, but in
+parts of the last key computed for each stage are kept beside the stored results, so a run can
+say why a stage did not reuse its result. A stage's time limit (`timeout_setting`) is a setting too, but in
 no key: it changes no output.
 """
 
@@ -41,7 +41,7 @@ from infra.settings import Settings
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-# Per flow run and stage: why it may come from the cache, its final state name ("Cached" on a hit) and its wall time.
+# Per flow run and stage: why its stored result may be reused, its final state ("Cached": reused) and its wall time.
 _reasons: dict[str, dict[str, str]] = {}
 _outcomes: dict[str, dict[str, str]] = {}
 _seconds: dict[str, dict[str, float]] = {}
@@ -49,12 +49,13 @@ _lock = threading.Lock()
 
 
 def module_source(name: str) -> str:
-    """A module's source, read from its file: imported or not (tasks/served_model.py is run by MLflow, never imported)."""
+    """A module's source, read from its file: imported or not (tasks/served_model.py is run by MLflow, never
+    imported)."""
     if name in sys.modules:
         return inspect.getsource(sys.modules[name])
     spec = importlib.util.find_spec(name)
     if spec is None or not spec.origin:
-        raise ModuleNotFoundError(f"no module {name!r} to key a stage's cache on")
+        raise ModuleNotFoundError(f"no module {name!r} to key a stage's result on")
     return Path(spec.origin).read_text(encoding="utf-8")
 
 
@@ -66,7 +67,7 @@ def code_digest(*modules: str) -> str:
 def key_parts(
     fn: Callable[..., Any], inputs: dict[str, Any], settings_fields: tuple[str, ...], code: tuple[str, ...] = ()
 ) -> dict[str, str]:
-    """The named parts of a stage's cache key (values are short digests or the settings' own values)."""
+    """The named parts of a stage's key (values are short digests or the settings' own values)."""
     parts = {"code": code_digest(fn.__module__, *code)}
     settings = inputs.get("settings")
     for name, value in inputs.items():
@@ -80,9 +81,10 @@ def key_parts(
 
 
 def explain(previous: dict[str, Any] | None, key: str, parts: dict[str, str], refresh: bool) -> str:
-    """Why a stage with these key parts will be a hit or a miss, compared with the last key computed for it."""
+    """Why a stage with these key parts will reuse its stored result or compute it, compared with the last key computed
+    for it."""
     if refresh:
-        return "refresh requested: recomputed whatever the cache holds"
+        return "refresh requested: recomputed whatever results are stored"
     if previous is None:
         return "no earlier run of this stage in these results"
     if previous["key"] == key:
@@ -93,7 +95,7 @@ def explain(previous: dict[str, Any] | None, key: str, parts: dict[str, str], re
         if parts.get(name) != old.get(name):
             detail = (
                 f" {old.get(name)} -> {parts.get(name)}"
-                if name.startswith(("setting", "table", "warm start", "cached result"))
+                if name.startswith(("setting", "table", "warm start", "stored result"))
                 else ""
             )
             changed.append(f"{name} changed{detail}")
@@ -105,7 +107,8 @@ MAX_LINKS = 50  # results passed over before a stage stops looking for a usable 
 
 @dataclass
 class StageKey(CachePolicy):
-    """Cache key of one stage: code + upstream results + the settings that change its output + facts read now."""
+    """The key of one stage's stored result: code + upstream results + the settings that change its output + facts
+    read now."""
 
     stage: str = ""
     settings_fields: tuple[str, ...] = ()
@@ -128,11 +131,12 @@ class StageKey(CachePolicy):
         store = getattr(task_ctx, "result_store", None)
         why, links = not_reusable(store, key, self.needs, self.unfinished), 0
         while why is not None:
-            # A cached result whose files are gone, or that left work for the next run, is no result: the next key of
-            # a chain makes it a miss, and the report says why. A run that finds the same trouble again adds a link;
-            # the first usable result along the chain is the hit.
-            parts["cached result"], links = why, links + 1
-            key = f"{self.stage}-{hash_objects([parts, links] if links < MAX_LINKS else [parts, uuid.uuid4().hex], raise_on_failure=True)}"
+            # A stored result whose files are gone, or that left work for the next run, is no result: the next key of
+            # a chain is computed anew, and the report says why. A run that finds the same trouble again adds a link;
+            # the first usable result along the chain is reused.
+            parts["stored result"], links = why, links + 1
+            hashed = [parts, links] if links < MAX_LINKS else [parts, uuid.uuid4().hex]
+            key = f"{self.stage}-{hash_objects(hashed, raise_on_failure=True)}"
             why = not_reusable(store, key, self.needs, self.unfinished) if links < MAX_LINKS else None
         settings = inputs.get("settings")
         if settings is not None:
@@ -153,7 +157,7 @@ def not_reusable(
     needs: Callable[[Any], list[str]] | None,
     unfinished: Callable[[Any], str | None] | None = None,
 ) -> str | None:
-    """Why the result cached under KEY may not be reused, or None (no such result, or nothing against it): the first
+    """Why the result stored under KEY may not be reused, or None (no such result, or nothing against it): the first
     file or folder it names (NEEDS says which) that is gone (a cleaned disk, a moved workspace, a vacuum), or what
     UNFINISHED says the run that made it left for the next one."""
     if (needs is None and unfinished is None) or store is None or not store.exists(key):
@@ -170,13 +174,14 @@ def not_reusable(
 
 
 def note_key(results_uri: str, stage: str, key: str, parts: dict[str, str], flow_run_id: str, refresh: bool) -> None:
-    """Record why this key may hit or miss, and keep its parts as the stage's latest for the next run to compare with."""
+    """Record why this key's result may be reused or not, and keep its parts as the stage's latest for the next run to
+    compare with."""
     with _lock:
         if stage in _reasons.get(flow_run_id, {}):
             return  # a retry: the first attempt's reason stands, and the record is already this key's
         try:
             record_key(results_uri, stage, key, parts, flow_run_id, refresh)
-        except Exception as exc:  # the report is best effort: it must never cost the stage its cache
+        except Exception as exc:  # the report is best effort: it must never cost the stage its result
             _reasons.setdefault(flow_run_id, {})[stage] = f"(why unknown: {type(exc).__name__}: {exc})"
 
 
@@ -201,13 +206,13 @@ def note_outcome(flow_run_id: str, stage: str, state_name: str, seconds: float) 
 
 
 def stage_outcomes(flow_run_id: str) -> tuple[dict[str, str], dict[str, str]]:
-    """Each stage's final state name in this flow run, and why its cache key did or did not match the last run's."""
+    """Each stage's final state name in this flow run, and why its key did or did not match the last run's."""
     with _lock:
         return dict(_outcomes.get(flow_run_id, {})), dict(_reasons.get(flow_run_id, {}))
 
 
 def stage_seconds(flow_run_id: str) -> dict[str, float]:
-    """Each stage's wall time in this flow run, cache hits included (the key's facts are read even then)."""
+    """Each stage's wall time in this flow run, reused results included (the key's facts are read even then)."""
     with _lock:
         return dict(_seconds.get(flow_run_id, {}))
 
@@ -237,12 +242,13 @@ class Stage(Task):
     that stops, failing TimedOut, once it runs past its time limit (`timeout_setting`)."""
 
     def __call__(self, *args: Any, return_state: bool = False, **kwargs: Any) -> Any:
-        # The limit covers the whole call: the cache key's facts (a listing of the source) may hang on a mount too.
+        # The limit covers the whole call: the key's facts (a listing of the source) may hang on a mount too.
         with deadline(*self.time_limit(args, kwargs)):
             return self.reported(*args, return_state=return_state, **kwargs)
 
     def time_limit(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[float | None, StageTimedOut | None]:
-        """This call's limit in seconds, and the error past it, from the settings it is given (none without settings)."""
+        """This call's limit in seconds, and the error past it, from the settings it is given (none without
+        settings)."""
         try:
             settings = inspect.signature(self.fn).bind_partial(*args, **kwargs).arguments.get("settings")
         except TypeError:  # a call that does not fit the stage: Prefect says so
@@ -252,8 +258,9 @@ class Stage(Task):
         if minutes is None:
             return None, None
         return minutes * 60, StageTimedOut(
-            f"stage {self.name} ran past {name}={minutes:g} (minutes) and was stopped; its run fails and releases its Spark and Ray. "
-            f"If it was working rather than stuck (on a hung mount, a Spark or Ray job that no longer moves), raise {name}"
+            f"stage {self.name} ran past {name}={minutes:g} (minutes) and was stopped; its run fails and releases its "
+            "Spark and Ray. If it was working rather than stuck (on a hung mount, a Spark or Ray job that no longer "
+            f"moves), raise {name}"
         )
 
     def reported(self, *args: Any, return_state: bool = False, **kwargs: Any) -> Any:
@@ -267,7 +274,7 @@ class Stage(Task):
         state = super().__call__(*args, return_state=True, **kwargs)
         seconds = time.perf_counter() - start
         note_outcome(str(context.flow_run.id), self.name, state.name, seconds)
-        ended = {"Cached": "from the cache", "Completed": "done", "TimedOut": "timed out"}.get(
+        ended = {"Cached": "result reused", "Completed": "done", "TimedOut": "timed out"}.get(
             state.name, state.name.lower()
         )
         logger.info(f"{self.name}: {ended} in {seconds:.1f} s")
@@ -335,14 +342,14 @@ def stage(
     backoff: float = 2.0,
     cache_policy: CachePolicy | None = None,
 ) -> Callable[[F], F]:
-    """Declare a pipeline stage: a Prefect task that retries with jittered exponential backoff, caches its result, and
-    fails TimedOut past the time limit its settings give it (`timeout_setting`: never retried).
+    """Declare a pipeline stage: a Prefect task that retries with jittered exponential backoff, stores its result
+    (reused while its key holds), and fails TimedOut past the time limit its settings give it (`timeout_setting`: never
+    retried).
 
     `settings` names the settings fields that change the stage's output; `facts` adds key parts read at call time;
     `code` names other modules whose code the stage runs; `needs` gives the files and folders a result of the stage
-    names,
-    so that a cached result whose files are gone is a miss; `unfinished` says why a result is not to be reused (work
-    it left for the next run), or None.
+    names, so that a stored result whose files are gone is computed anew; `unfinished` says why a result is not to be
+    reused (work it left for the next run), or None.
     """
 
     def declare(fn: F) -> F:

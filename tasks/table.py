@@ -58,7 +58,8 @@ class ImageTable:
 
     @classmethod
     def of(cls, settings: Settings, engine: Engine | None = None) -> ImageTable:
-        """The settings' tables at the settings' image size (Spark started on first use); the engine is chosen here unless given."""
+        """The settings' tables at the settings' image size (Spark started on first use); the engine is chosen here
+        unless given."""
         images = Table.open(settings.table_uri, settings, engine)
         return cls(images, Table(settings.quarantine_uri, images.session, images.engine), settings.image_size)
 

@@ -82,7 +82,8 @@ def warm_start_of(client: MlflowClient, settings: Settings, cached: CachedSplits
 
 
 def warm_start_key(inputs: dict[str, Any]) -> dict[str, str]:
-    """Cache key part for train with warm_start on: the champion version it would start from, so a new champion is a miss."""
+    """Key part for train with warm_start on: the champion version it would start from, so a new champion trains
+    anew."""
     settings: Settings = inputs["settings"]
     if not settings.warm_start:
         return {}
@@ -165,7 +166,8 @@ def balanced_weights(cached: CachedSplits) -> list[float]:
 
 
 def kill_worker_from_env() -> dict | None:
-    """Fault injection for tests: IMAGELAKE_KILL_WORKER=RANK:EPOCH:MARKER_FILE makes that rank exit once at that epoch."""
+    """Fault injection for tests: IMAGELAKE_KILL_WORKER=RANK:EPOCH:MARKER_FILE makes that rank exit once at that
+    epoch."""
     spec = os.environ.get("IMAGELAKE_KILL_WORKER")
     if not spec:
         return None
@@ -294,7 +296,7 @@ def training_run(client: MlflowClient, settings: Settings, cached: CachedSplits,
 def learning_curves(client: MlflowClient, run_id: str) -> Figure:
     """Loss and accuracy per epoch, train and validation, from the run's own metric history."""
     figure = Figure(figsize=(9, 3.5))
-    for axis, metric in zip(figure.subplots(1, 2), ("loss", "acc")):
+    for axis, metric in zip(figure.subplots(1, 2), ("loss", "acc"), strict=True):
         for split in ("train", "val"):
             history = sorted(client.get_metric_history(run_id, f"{split}_{metric}"), key=lambda m: m.step)
             axis.plot([m.step for m in history], [m.value for m in history], marker="o", label=split)
@@ -319,7 +321,8 @@ class EpochReport:
         if resumed is not None and not self.resume_shown:
             self.resume_shown = True
             out.append(
-                f"train: resumes after epoch {int(resumed) + 1} of {self.max_epochs} from the interrupted run's checkpoint"
+                f"train: resumes after epoch {int(resumed) + 1} of {self.max_epochs} from the interrupted "
+                "run's checkpoint"
             )
         history = {
             name: {m.step: m.value for m in self.client.get_metric_history(self.run_id, name)}
@@ -374,7 +377,8 @@ def log_baseline(client: MlflowClient, run_id: str, cached: CachedSplits, settin
         ],
     )
     stage_logger().info(
-        f"train: baseline ({BASELINE}, {found.train_rows} training rows): test accuracy {found.accuracy:.3f} in {found.seconds:.1f} s"
+        f"train: baseline ({BASELINE}, {found.train_rows} training rows): test accuracy {found.accuracy:.3f} "
+        f"in {found.seconds:.1f} s"
     )
 
 
@@ -399,7 +403,8 @@ def train_model(
         done = finished_training(client, settings, name, warm)
         if done is not None:
             logger.info(
-                f"train: Ray run {name} was trained by another run of the same data, settings and code: its result is used"
+                f"train: Ray run {name} was trained by another run of the same data, settings and code: its "
+                "result is used"
             )
             return done
         return train_in(cached, settings, client, name, warm, on_start)
@@ -417,7 +422,8 @@ def train_in(
     logger = stage_logger()
     run_id = training_run(client, settings, cached, name)
     logger.info(
-        f"train: MLflow run {run_url(client, settings, run_id)} ({settings.num_workers} Ray worker(s), up to {settings.max_epochs} epochs)"
+        f"train: MLflow run {run_url(client, settings, run_id)} ({settings.num_workers} Ray worker(s), up to "
+        f"{settings.max_epochs} epochs)"
     )
     if settings.warm_start:
         logger.info(

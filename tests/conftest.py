@@ -140,7 +140,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    """`engine`: both Delta engines for a test marked both_engines (the engine changes what it checks), else delta-rs."""
+    """`engine`: both Delta engines for a test marked both_engines (the engine changes what it checks), else
+    delta-rs."""
     if "engine" in metafunc.fixturenames:
         metafunc.parametrize(
             "engine", ENGINES if metafunc.definition.get_closest_marker("both_engines") else ENGINES[:1]
@@ -166,7 +167,8 @@ QUICK_ONLY = pytest.StashKey[bool]()
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """--shuffle's seed, drawn once: pytest-xdist's processes take the controller's (each must collect the same order)."""
+    """--shuffle's seed, drawn once: pytest-xdist's processes take the controller's (each must collect the same
+    order)."""
     seed = config.getoption("--shuffle")
     if seed is not None:
         given = getattr(config, "workerinput", {}).get("shuffle_seed")

@@ -75,14 +75,15 @@ class Lake:
 
     def rows(self, version: int | None = None) -> dict[str, str]:
         data = self.read(self.table, ["path", "sha256"], version)
-        return dict(zip(data["path"], data["sha256"]))
+        return dict(zip(data["path"], data["sha256"], strict=True))
 
     def quarantined(self) -> dict[str, str]:
-        """File name -> reason of the files the quarantine holds (not those requeued, which the next run reads again)."""
+        """File name -> reason of the files the quarantine holds (not those requeued, which the next run reads
+        again)."""
         requeued = "requeued_at" in Table(self.quarantine).columns()
         data = self.read(self.quarantine, ["path", "reason", *(["requeued_at"] if requeued else [])])
         held = [not requeued or at is None for at in data.get("requeued_at", data["path"])]
-        return {Path(p).name: r for p, r, keep in zip(data["path"], data["reason"], held) if keep}
+        return {Path(p).name: r for p, r, keep in zip(data["path"], data["reason"], held, strict=True) if keep}
 
 
 def copy_digits(

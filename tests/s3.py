@@ -1,4 +1,5 @@
-"""S3 for tests: S3Proxy (from Maven Central, fetched by `make install`) on 127.0.0.1, and an endpoint that only throttles."""
+"""S3 for tests: S3Proxy (from Maven Central, fetched by `make install`) on 127.0.0.1, and an endpoint that only
+throttles."""
 
 from __future__ import annotations
 

@@ -24,7 +24,8 @@ def wait_http(url: str, timeout: float, process: subprocess.Popen | None = None,
     while time.monotonic() < deadline:
         if process is not None and process.poll() is not None:
             raise RuntimeError(
-                f"{process.args[0]} exited {process.returncode} before {url} answered:\n{log.read_text()[-4000:] if log else ''}"
+                f"{process.args[0]} exited {process.returncode} before {url} "
+                f"answered:\n{log.read_text()[-4000:] if log else ''}"
             )
         try:
             with urllib.request.urlopen(url, timeout=2) as response:
@@ -188,7 +189,8 @@ class MlflowServer:
 
 
 def custom_run_body(deployment: dict, parameters: dict, name: str) -> dict:
-    """The body the Prefect UI (v2) POSTs to /deployments/{id}/create_flow_run when its "Custom run" form is submitted."""
+    """The body the Prefect UI (v2) POSTs to /deployments/{id}/create_flow_run when its "Custom run" form is
+    submitted."""
     return {
         "name": name,
         "work_queue_name": deployment["work_queue_name"],
@@ -217,6 +219,7 @@ def custom_run_body(deployment: dict, parameters: dict, name: str) -> dict:
 
 
 def form_defaults(deployment: dict) -> dict:
-    """The adhoc form's fields with the defaults of the deployment's parameter schema (what the UI shows before any edit)."""
+    """The adhoc form's fields with the defaults of the deployment's parameter schema (what the UI shows before any
+    edit)."""
     fields = deployment["parameter_openapi_schema"]["definitions"]["RunParameters"]["properties"]
     return {name: field.get("default") for name, field in fields.items()}

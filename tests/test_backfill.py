@@ -1,4 +1,5 @@
-"""Backfills: a dry-run plan, dates ingested as subflows with a failing date that does not stop the others, no work twice."""
+"""Backfills: a dry-run plan, dates ingested as subflows with a failing date that does not stop the others, no work
+twice."""
 
 from __future__ import annotations
 

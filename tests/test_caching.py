@@ -1,4 +1,5 @@
-"""Caches that are right: keyed on data (table version, listing), code and the settings that matter; refresh; a report of why."""
+"""Stage results that are reused when right: keyed on data (table version, listing), code and the settings that matter;
+refresh; a report of why."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from flows.score import score_flow
 from infra.settings import load_settings
 from infra.spark import spark_asks
 from tasks.stage import StageKey, code_digest, explain, key_parts, stage_outcomes
-from tasks.summary import cache_report
+from tasks.summary import RENAMED_KEYS, results_keys, results_report
 from tests.lake import copy_digits
 
 ALL = ["ingest", "resize", "write", "split", "cache", "train", "promote"]
@@ -66,21 +67,31 @@ def test_every_stage_s_code_key_reads_its_modules_imported_or_not(monkeypatch: p
     assert "tasks.served_model" not in sys.modules, "read, not imported"
 
 
-def test_cache_report_says_hit_or_miss_and_why() -> None:
+def test_results_report_says_reused_or_computed_and_why() -> None:
     states = {"ingest": "Cached", "resize": "Completed", "write": "Completed", "summarize": "Running"}
     reasons = {
         "ingest": "same code, inputs and settings as the last run",
         "resize": "table version changed None -> 0",
         "write": "same code, inputs and settings as the last run",
     }
-    report = cache_report(states, reasons)
-    assert [(row["stage"], row["cache"]) for row in report] == [
+    report = results_report(states, reasons)
+    assert [(row["stage"], row["result"]) for row in report] == [
+        ("ingest", "reused"),
+        ("resize", "computed"),
+        ("write", "computed"),
+    ]
+    assert report[1]["why"] == "table version changed None -> 0"
+    assert "left no result" in report[2]["why"]
+    keys = results_keys(report)
+    assert keys["results"] == report and keys["results_reused"] == ["ingest"]
+    # The summary's old keys stay, in their old form, and the summary says what they became.
+    assert keys["deprecated_keys"] == RENAMED_KEYS == {"cache": "results", "cache_hits": "results_reused"}
+    assert keys["cache_hits"] == ["ingest"]
+    assert [(row["stage"], row["cache"]) for row in keys["cache"]] == [
         ("ingest", "hit"),
         ("resize", "miss"),
         ("write", "miss"),
     ]
-    assert report[1]["why"] == "table version changed None -> 0"
-    assert "left no result" in report[2]["why"]
 
 
 def cache_line(summary: dict):
@@ -113,7 +124,7 @@ def rows_cached(summary: dict) -> dict[str, int]:
 
 def run(source: Path, overrides: dict, **kwargs) -> tuple[dict, dict[str, str]]:
     summary = pipeline(str(source), overrides=overrides, **kwargs)
-    return summary, {row["stage"]: row["why"] for row in summary["cache"] if row["cache"] == "miss"}
+    return summary, {row["stage"]: row["why"] for row in summary["results"] if row["result"] == "computed"}
 
 
 def asked_for_spark_since(before: dict[str, int]) -> dict[str, int]:
@@ -141,17 +152,17 @@ def test_same_data_hits_new_file_reruns_from_ingest_new_size_from_resize(
     }
 
     first, missed = run(source, overrides)
-    assert sorted(missed) == sorted(ALL) and first["cache_hits"] == []
+    assert sorted(missed) == sorted(ALL) and first["results_reused"] == []
     assert all(why == "no earlier run of this stage in these results" for why in missed.values())
     assert (results / "cache-keys" / "train.json").is_file() and len(list(results.iterdir())) > len(ALL), (
         "results persist where configured"
     )
 
     # The run that follows a first write: the listing is the same, but the table moved to v0, so resize checks again
-    # (decoding nothing); everything downstream of the unchanged table version is served from the cache.
+    # (decoding nothing); everything downstream of the unchanged table version reuses its stored result.
     asked = spark_asks()
     second, missed = run(source, overrides)
-    assert second["cache_hits"] == ["ingest", "split", "cache", "train", "promote"], second["cache"]
+    assert second["results_reused"] == ["ingest", "split", "cache", "train", "promote"], second["results"]
     # Resize finds the tables in step with the listing and write has nothing to land: no stage asks for Spark, so a
     # run in a process of its own (a scheduled run) starts none.
     assert asked_for_spark_since(asked) == {}
@@ -162,9 +173,9 @@ def test_same_data_hits_new_file_reruns_from_ingest_new_size_from_resize(
         first["model_version"],
     )
 
-    # Same data again, with a setting that changes no stage's output: every stage is a hit.
+    # Same data again, with a setting that changes no stage's output: every stage reuses its result.
     third, missed = run(source, {**overrides, "spark_log_level": "WARN"})
-    assert third["cache_hits"] == ALL and missed == {}
+    assert third["results_reused"] == ALL and missed == {}
     assert third["model_version"] == first["model_version"]
 
     # A part file of the cached train split cut short, then one deleted (a cleaned disk): the cache stage's result is
@@ -176,21 +187,21 @@ def test_same_data_hits_new_file_reruns_from_ingest_new_size_from_resize(
     ):
         damage(part_files(damaged, "train")[0])
         damaged, missed = run(source, overrides)
-        assert re.search(f"cached result changed .* -> {why}", missed["cache"]), damaged["cache"]
+        assert re.search(f"stored result changed .* -> {why}", missed["cache"]), damaged["results"]
         assert damaged["split_counts"] == third["split_counts"] and damaged["model_version"] == third["model_version"]
         assert rows_cached(damaged) == damaged["split_counts"], "the cache holds every planned row again"
 
     # One new file: ingest onward re-runs, and only that file is decoded.
     shutil.copy(sorted((digits_dir / "5").glob("*.png"))[0], source / "4" / "new.png")
     fourth, missed = run(source, overrides)
-    assert sorted(missed) == sorted(ALL), fourth["cache"]
+    assert sorted(missed) == sorted(ALL), fourth["results"]
     assert missed["ingest"] == "source listing changed"
     assert (fourth["files_decoded"], fourth["delta_version"]) == (1, first["delta_version"] + 1)
     assert fourth["model_version"] != first["model_version"]
 
     # A new image size: the listing is reused, resize onward re-runs.
     fifth, missed = run(source, {**overrides, "image_size": 20})
-    assert fifth["cache_hits"] == ["ingest"]
+    assert fifth["results_reused"] == ["ingest"]
     assert sorted(missed) == sorted(set(ALL) - {"ingest"})
     assert "setting image_size changed 16 -> 20" in missed["resize"]
     assert fifth["files_decoded"] == fourth["rows"]
@@ -199,10 +210,10 @@ def test_same_data_hits_new_file_reruns_from_ingest_new_size_from_resize(
         "promotion_decision"
     ]
 
-    # refresh: every stage recomputes though the cache holds all of them.
+    # refresh: every stage recomputes though a stored result of each is there.
     sixth, missed = run(source, {**overrides, "image_size": 20}, refresh=True)
-    assert sixth["cache_hits"] == [] and set(missed.values()) == {
-        "refresh requested: recomputed whatever the cache holds"
+    assert sixth["results_reused"] == [] and set(missed.values()) == {
+        "refresh requested: recomputed whatever results are stored"
     }
     # Training really ran again, from scratch: a new Ray run and MLflow run, not a resume of the cached one.
     assert (
@@ -224,13 +235,18 @@ def test_same_data_hits_new_file_reruns_from_ingest_new_size_from_resize(
         return state.result(), outcomes["score"]
 
     scored, outcome = score(landing)
-    assert scored["model"].startswith("digits-cache/") and (scored["answered"], scored["cached"], outcome) == (
+    assert scored["model"].startswith("digits-cache/") and (scored["answered"], scored["result_reused"], outcome) == (
         6,
         False,
         "Completed",
     )
     again, outcome = score(landing)
-    assert (again["answered"], again["predictions_version"], again["cached"], outcome) == (0, None, True, "Cached")
+    assert (again["answered"], again["predictions_version"], again["result_reused"], outcome) == (
+        0,
+        None,
+        True,
+        "Cached",
+    )
     shutil.copy(sorted((digits_dir / "9").glob("*.png"))[0], landing / "new.png")
     grown, outcome = score(landing)
     assert (grown["answered"], grown["predictions_version"], outcome) == (

@@ -1,15 +1,14 @@
 """Cancellation and crashes of adhoc deployment runs on a real `prefect server start` with a process worker.
 
 A cancel from the API stops the run's Spark and Ray within 30 s and ends it Cancelled; a run whose worker is killed
-ends Crashed and a re-run resumes from the cached stages; a run whose worker and flow-run process both vanish is
-marked Crashed by the heartbeat automation. Processes of a run are found by a marker in their environment: the
+ends Crashed and a re-run reuses the stored results of the stages done; a run whose worker and flow-run process both
+vanish is marked Crashed by the heartbeat automation. Processes of a run are found by a marker in their environment: the
 worker gets it, and everything started for its runs inherits it.
 """
 
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
 import time
@@ -42,6 +41,7 @@ from infra.lifecycle import (
     processes_with,
 )
 from tests.servers import WORKER_GRACE, PrefectServer, stop_group
+from tests.test_summary import report_facts
 
 pytestmark = [pytest.mark.slow, pytest.mark.alone, pytest.mark.xdist_group("alone-cancel")]
 
@@ -90,11 +90,13 @@ class Worker:
     log: Path
 
     def run_processes(self) -> list[psutil.Process]:
-        """Everything started for this worker's runs (the flow-run process, Spark's JVM and daemons, Ray's processes)."""
+        """Everything started for this worker's runs (the flow-run process, Spark's JVM and daemons, Ray's
+        processes)."""
         return [p for p in marked(self.marker) if p.pid != self.process.pid]
 
     def compute_processes(self) -> list[psutil.Process]:
-        """The run's own processes, less the short-lived one in which Prefect's runner imports the flow to run its hooks."""
+        """The run's own processes, less the short-lived one in which Prefect's runner imports the flow to run its
+        hooks."""
         return [p for p in self.run_processes() if not _is_hook_runner(p)]
 
 
@@ -153,7 +155,7 @@ class Deployed:
         return {run.name.rsplit("-", 1)[0]: run.state.name for run in runs if run.state is not None}
 
     def summary(self, flow_run_id: uuid.UUID) -> dict[str, str]:
-        """The items of the pipeline's run-summary artifact (a markdown table)."""
+        """The figures of the pipeline's run-summary artifact (its report), under the JSON summary's names."""
         subflow = self.subflow(flow_run_id)
         found = self.client.read_artifacts(
             artifact_filter=ArtifactFilter(
@@ -162,7 +164,7 @@ class Deployed:
             )
         )
         assert len(found) == 1, found
-        return dict(re.findall(r"^\| (\w+) \| (.*?) \|$", found[0].data, flags=re.MULTILINE))
+        return report_facts(found[0].data)
 
     def wait_final(self, flow_run_id: uuid.UUID, timeout: float, worker: Worker | None = None) -> State:
         try:
@@ -260,7 +262,8 @@ def test_a_cancel_stops_spark_and_ray_within_30_s_and_the_run_ends_cancelled(
     final = deployed.wait_final(flow_run.id, timeout=90, worker=worker)
     cancelled_after = time.monotonic() - started
     print(
-        f"\ncancel during {stage}: {len(before)} processes gone after {stopped_after:.1f} s, run {final.name} after {cancelled_after:.1f} s"
+        f"\ncancel during {stage}: {len(before)} processes gone after {stopped_after:.1f} s, run "
+        f"{final.name} after {cancelled_after:.1f} s"
     )
     assert final.is_cancelled(), f"{final!r}\n{_tail(worker)}"
     assert not worker.run_processes(), describe(worker.run_processes())
@@ -301,7 +304,8 @@ def test_a_run_whose_worker_is_killed_ends_crashed_and_a_rerun_resumes_from_the_
     crashed_after = time.monotonic() - started
     wait_for("the run's processes gone", lambda: not marked(worker.marker), timeout=STOP_BOUND)
     print(
-        f"\nworker killed: run {final.name} ({final.message}) after {crashed_after:.1f} s; processes gone after {time.monotonic() - started:.1f} s"
+        f"\nworker killed: run {final.name} ({final.message}) after {crashed_after:.1f} s; processes gone "
+        f"after {time.monotonic() - started:.1f} s"
     )
     assert final.is_crashed(), repr(final)
 
@@ -357,7 +361,8 @@ def test_a_run_whose_worker_and_process_vanish_is_marked_crashed_by_the_heartbea
     )  # the last beat may be a period old, and the trigger is checked every few s
     final = deployed.wait_final(flow_run.id, timeout=bound)
     print(
-        f"\nworker and flow-run process killed: processes gone after {gone_after:.1f} s, run {final.name} after {time.monotonic() - started:.1f} s"
+        f"\nworker and flow-run process killed: processes gone after {gone_after:.1f} s, run {final.name} "
+        f"after {time.monotonic() - started:.1f} s"
     )
     assert final.is_crashed(), repr(final)
     assert "heartbeat" in (final.message or ""), final.message

@@ -69,11 +69,12 @@ def test_per_class_metrics_of_a_class_never_seen_or_predicted_are_zero_not_error
 def test_label_text_reaches_the_cards_markdown_escaped() -> None:
     """A label is any folder name: in a card's tables it stays one cell, and it opens no HTML, link or emphasis."""
     from tasks.summary import summary_markdown
+    from tests.test_summary import built_summary
 
     label = "a|b <img src=x onerror=alert(1)> *x* [y](z)\nnext"
     per_class = per_class_table([{"label": label, "precision": 1.0, "recall": 1.0, "f1": 1.0, "support": 3}])
     card = dataset_card_markdown(dataset_card("t", 0, 8, {"train": {label: 2}, "val": {label: 1}}, {}))
-    summary = summary_markdown({"mlflow_run_id": "r", "labels": [label]}, "link")
+    summary = summary_markdown(built_summary(labels=[label]), "link")
     for markdown in (per_class, card, summary):
         rows = [line for line in markdown.splitlines() if "img" in line]
         assert rows and all("<" not in row and "\\|" in row for row in rows), rows
@@ -124,7 +125,8 @@ def test_model_card_names_data_settings_metrics_and_decision() -> None:
 def test_learning_rate_warms_up_then_decays_to_zero() -> None:
     factors = [warmup_cosine(step, 100, 10) for step in range(101)]
     assert factors[0] == pytest.approx(0.1) and factors[9] == pytest.approx(1.0) and factors[10] == pytest.approx(1.0)
-    assert all(a >= b for a, b in zip(factors[10:], factors[11:])) and factors[100] == pytest.approx(0.0, abs=1e-12)
+    assert all(a >= b for a, b in zip(factors[10:], factors[11:], strict=False))
+    assert factors[100] == pytest.approx(0.0, abs=1e-12)
     assert factors[55] == pytest.approx(0.5 * (1 + math.cos(math.pi * 0.5)))
     assert warmup_cosine(5, 0, 0) == 1.0, "a module without a schedule keeps its learning rate"
 

@@ -1,4 +1,5 @@
-"""The cluster settings files of infra/clusters (docs/operations.md, "Running on a cluster"): each parses and holds no secret."""
+"""The cluster settings files of infra/clusters (docs/operations.md, "Running on a cluster"): each parses and holds no
+secret."""
 
 from __future__ import annotations
 
@@ -164,3 +165,18 @@ def test_spark_masters_on_loopback_are_told_apart_from_remote_ones() -> None:
         and not on_loopback("k8s://https://kubernetes.default.svc:443")
         and not on_loopback("yarn")
     )
+
+
+def test_a_driver_turns_on_spark_authentication_for_a_standalone_master_with_the_secret_in_its_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from infra.spark import SPARK_AUTH_SECRET, authentication_conf
+
+    monkeypatch.delenv(SPARK_AUTH_SECRET, raising=False)
+    assert authentication_conf("spark://127.0.0.1:7077") == {}
+    monkeypatch.setenv(SPARK_AUTH_SECRET, "the-cluster-secret")
+    conf = authentication_conf("spark://127.0.0.1:7077")
+    assert conf["spark.authenticate"] == "true"
+    # The configuration (which pyspark puts on spark-submit's command line) never holds the secret itself.
+    assert "the-cluster-secret" not in "".join(conf.values())
+    assert authentication_conf("local[2]") == {} and authentication_conf("k8s://https://k:443") == {}

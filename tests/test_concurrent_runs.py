@@ -1,4 +1,5 @@
-"""Two runs of the same data at once (a nightly run and an ad-hoc one): each completes, and neither mixes with the other."""
+"""Two runs of the same data at once (a nightly run and an ad-hoc one): each completes, and neither mixes with the
+other."""
 
 from __future__ import annotations
 

@@ -76,7 +76,8 @@ def test_a_mutated_file_is_decoded_or_quarantined_never_an_error_of_another_kind
             outcome = exc.reason
         except Exception as exc:  # noqa: BLE001 - what the test is about
             pytest.fail(
-                f"{kind} mutation {i}: {type(exc).__name__}: {exc} (not an ImageDecodeError: the resize stage would fail)"
+                f"{kind} mutation {i}: {type(exc).__name__}: {exc} (not an ImageDecodeError: the resize "
+                "stage would fail)"
             )
         outcomes[outcome] = outcomes.get(outcome, 0) + 1
     assert sum(outcomes.values()) == MUTATIONS_PER_FORMAT and len(outcomes) > 1, outcomes

@@ -33,7 +33,7 @@ def rows(paths: list[str], salt: str = "", action: str = "upsert") -> pa.Table:
 
 def state(table: Table, version: int | None = None) -> dict[str, str]:
     data = table.read(["path", "sha256"], version=version)
-    return dict(zip(data.column("path").to_pylist(), data.column("sha256").to_pylist()))
+    return dict(zip(data.column("path").to_pylist(), data.column("sha256").to_pylist(), strict=True))
 
 
 def test_the_jars_are_installed_and_spark_loads_them(spark) -> None:
@@ -126,7 +126,8 @@ def test_commit_versions_are_exact_while_another_writer_commits(tmp_path: Path) 
     stop = tmp_path / "stop"
     other = subprocess.Popen(
         [sys.executable, "-c", "import pathlib, sys, pyarrow as pa; from deltalake import write_deltalake\n"
-         "while not pathlib.Path(sys.argv[2]).exists(): write_deltalake(sys.argv[1], pa.table({'x': [1]}), mode='append')",
+         "while not pathlib.Path(sys.argv[2]).exists(): "
+         "write_deltalake(sys.argv[1], pa.table({'x': [1]}), mode='append')",
          uri, str(stop)]
     )  # fmt: skip
     try:

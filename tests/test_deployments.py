@@ -40,6 +40,19 @@ def test_every_deployment_points_at_a_flow_and_its_parameters_validate(monkeypat
     assert nightly["schedules"][0]["cron"] == "0 2 * * *"
 
 
+def test_the_flow_maintenance_is_maintain_under_its_old_name_with_a_warning(monkeypatch, caplog, tmp_path) -> None:
+    import flows.maintenance
+    from flows.maintain import maintain
+
+    monkeypatch.setattr(flows.maintenance, "maintain_all", lambda settings: {"workspace": str(settings.workspace)})
+    with pytest.warns(DeprecationWarning, match="now imagelake-maintain, deployed as maintain"):
+        report = flows.maintenance.maintenance.fn(overrides={"workspace": str(tmp_path)})
+    assert report == {"workspace": str(tmp_path)}
+    assert "deprecated" in caplog.text and "imagelake maintain" in caplog.text
+    assert (maintain.name, flows.maintenance.maintenance.name) == ("imagelake-maintain", "imagelake-maintenance")
+    assert maintain.parameters.model_dump() == flows.maintenance.maintenance.parameters.model_dump()
+
+
 def test_the_ad_hoc_form_declares_each_setting_as_settings_does() -> None:
     # The form's fields are Settings' own: a limit, default or choice changed in Settings changes the form too.
     from flows.pipeline import FORM_SETTINGS, RunParameters
@@ -67,7 +80,8 @@ DEPLOYMENT_FILES = deployment_files()
 
 
 def shared_pools(text: str) -> set[int]:
-    """The node ids of the `work_pool` mappings of TEXT's deployments: one id when they all alias one anchored mapping."""
+    """The node ids of the `work_pool` mappings of TEXT's deployments: one id when they all alias one anchored
+    mapping."""
     document = yaml.compose(text)
     top = {key.value: value for key, value in document.value}
     pools = set()
@@ -111,8 +125,12 @@ def test_every_deployment_arms_crash_detection_says_where_it_runs_and_never_over
                 deployment["concurrency_limit"]["limit"] == 1
                 and deployment["concurrency_limit"]["collision_strategy"] == "ENQUEUE"
             ), f"{name}: a slow run would overlap the next scheduled one"
-    maintenance = [d for d in deployments.values() if d["entrypoint"] == "flows/maintenance.py:maintenance"]
-    assert maintenance and all(d.get("schedules") for d in maintenance), (
-        f"{path.name}: maintenance has no scheduled deployment"
-    )
+    maintain = [d for d in deployments.values() if d["entrypoint"] == "flows/maintain.py:maintain"]
+    assert maintain and all(d.get("schedules") for d in maintain), f"{path.name}: maintain has no scheduled deployment"
+    # The name before the rename stays for whoever starts it, paused: deploying it stops the schedule it had.
+    deprecated = [d for d in deployments.values() if d["entrypoint"] == "flows/maintenance.py:maintenance"]
+    assert deprecated and all(
+        d["paused"] is True and not d.get("schedules") and d["description"].startswith("Deprecated: renamed maintain")
+        for d in deprecated
+    ), f"{path.name}: the deprecated maintenance deployment is missing, scheduled or not paused"
     assert any(d["entrypoint"] == "flows/pipeline.py:pipeline" and d.get("schedules") for d in deployments.values())

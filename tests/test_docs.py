@@ -1,4 +1,4 @@
-"""The docs' reference tables hold what the code holds: every setting, and what each stage's cache key is made of.
+"""The docs' reference tables hold what the code holds: every setting, and what each stage's key is made of.
 
 Both tables are rendered from the code (flows/docs_reference.py) into marked regions of docs/settings.md and
 docs/caching.md. A setting added, renamed or described anew, or a stage that declares other settings, changes what
@@ -26,10 +26,10 @@ def test_every_setting_has_a_row_with_its_default() -> None:
     assert "| `image_size` | integer, >= 8, <= 2048 | `224` | yes |" in table
 
 
-def test_every_cached_stage_has_a_row_with_the_settings_it_declares() -> None:
+def test_every_keyed_stage_has_a_row_with_the_settings_it_declares() -> None:
     cached, _ = docs_reference.stages()
     assert [task.name for task in cached][:7] == ["ingest", "resize", "write", "split", "cache", "train", "promote"]
-    table = docs_reference.cache_key_table()
+    table = docs_reference.stage_key_table()
     for task in cached:
         row = next(line for line in table.splitlines() if line.startswith(f"| {task.name} |"))
         assert all(f"`{name}`" in row for name in task.cache_policy.settings_fields), task.name

@@ -282,13 +282,13 @@ def test_a_compaction_keeps_the_cache_and_so_the_model(lake: Lake, digits_dir: P
     _, after = cached_version(lake, after_write, settings, root)
     # The same cache (key, version, files): the train stage's key, made of it, is a hit, and the model stays.
     assert after.model_dump() == before.model_dump() and after.reused
-    # Maintenance keeps the manifests that cache hands out, though their version is no longer the newest.
+    # `maintain` keeps the manifests that cache hands out, though their version is no longer the newest.
     clean_cache(str(root), {}, retention_hours=0)
     assert split_keys(after) == {s: sorted(k) for s, k in by_split(lake, after_write.version).items()}
 
 
 @pytest.mark.both_engines
-def test_maintenance_removes_cache_files_no_kept_version_needs(
+def test_maintain_removes_cache_files_no_kept_version_needs(
     lake: Lake, digits_dir: Path, tmp_path: Path, settings
 ) -> None:
     source, root = tmp_path / "src", tmp_path / "cache"
@@ -499,7 +499,10 @@ def test_a_cached_split_missing_a_file_is_rebuilt_and_never_trained_on(
     pq.write_table(pq.read_table(short).slice(1), short)
     with pytest.raises(
         ValueError,
-        match=rf"cached train split .* holds {again.counts['train'] - 1} rows where its table version has {again.counts['train']}",
+        match=(
+            rf"cached train split .* holds {again.counts['train'] - 1} rows where its table version has "
+            rf"{again.counts['train']}"
+        ),
     ):
         train_model(again, settings)
     assert cache_splits(lake.spark, plan, 24, str(root)).reused is False, "the cache stage writes it again"

@@ -39,7 +39,10 @@ def test_the_rules_and_the_results_import_no_engine() -> None:
         f"tasks.rules.{path.stem}" for path in (REPO / "tasks" / "rules").glob("*.py") if path.stem != "__init__"
     )
     modules.append("tasks.results")
-    code = f"import importlib, json, sys; [importlib.import_module(m) for m in {modules!r}]; print(json.dumps(sorted(sys.modules)))"
+    code = (
+        f"import importlib, json, sys; [importlib.import_module(m) for m in {modules!r}]; "
+        "print(json.dumps(sorted(sys.modules)))"
+    )
     loaded = set(
         json.loads(
             subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True).stdout

@@ -21,7 +21,8 @@ SCOPE = Scope((".png", ".jpg"))
 
 
 def whole_folder_walk(fs: Any, folder: str) -> Iterator[tuple[str, dict[str, Any]]]:
-    """The walk as it was: each folder's entries all described by fsspec's ls, then sorted (a folder's name with a slash)."""
+    """The walk as it was: each folder's entries all described by fsspec's ls, then sorted (a folder's name with a
+    slash)."""
     for info in sorted(
         fs.ls(folder, detail=True), key=lambda item: item["name"] + ("/" if item["type"] == "directory" else "")
     ):

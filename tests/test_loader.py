@@ -1,4 +1,5 @@
-"""The training loader: rows shuffled when cached, batches a function of seed, shard and epoch, whatever the reader threads do."""
+"""The training loader: rows shuffled when cached, batches a function of seed, shard and epoch, whatever the reader
+threads do."""
 
 from __future__ import annotations
 
@@ -282,7 +283,7 @@ def test_several_loader_processes_share_each_batch_every_row_once_the_same_for_t
         # Each row's pixels and label still belong to its key (rows are made from the key's index).
         for images, labels, keys in epoch:
             pixels = np.frombuffer(images, dtype=np.uint8).reshape(len(keys), -1)
-            assert [(int(row[0]), label) for row, label in zip(pixels, labels)] == [
+            assert [(int(row[0]), label) for row, label in zip(pixels, labels, strict=True)] == [
                 (int(key, 16) % 251, int(key, 16) * 10 // 200) for key in keys
             ]
     assert expected[0] != expected[1] != expected[2]
@@ -299,7 +300,7 @@ def test_several_loader_processes_share_each_batch_every_row_once_the_same_for_t
 )
 def test_each_loader_process_makes_its_share_of_every_batch_and_all_its_rows(sizes: list[int], rows: list[int]) -> None:
     pieces = piece_sizes(sizes, rows)
-    assert [sum(column) for column in zip(*pieces)] == sizes
+    assert [sum(column) for column in zip(*pieces, strict=True)] == sizes
     assert [sum(piece) for piece in pieces] == rows
     assert all(piece >= 0 for process in pieces for piece in process)
     # Shares follow the rows: no process is more than a batch's share ahead or behind its rows' pace.

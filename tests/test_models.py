@@ -183,9 +183,7 @@ def test_a_frozen_backbone_moves_only_the_head_and_a_pretrained_one_learns_slowe
     ] * 2
 
 
-def test_augmentation_is_the_same_for_a_seed_and_epoch_differs_across_epochs_and_ranks_and_keeps_the_batch_as_it_was() -> (
-    None
-):
+def test_augmentation_is_the_same_for_a_seed_and_epoch_differs_across_epochs_and_ranks_and_keeps_the_batch_as_it_was():
     images = (
         torch.arange(32 * 32 * 3, dtype=torch.int64)
         .remainder(251)
@@ -201,7 +199,10 @@ def test_augmentation_is_the_same_for_a_seed_and_epoch_differs_across_epochs_and
         )
         mirrored = augment(images, level, epoch_generator(7, 3, 0), flip=True)
         # The same draws with flips: each image is its unflipped crop, or that crop mirrored (some of each).
-        kinds = [0 if torch.equal(m, f) else 1 if torch.equal(m, f.flip(1)) else None for m, f in zip(mirrored, first)]
+        kinds = [
+            0 if torch.equal(m, f) else 1 if torch.equal(m, f.flip(1)) else None
+            for m, f in zip(mirrored, first, strict=True)
+        ]
         assert None not in kinds and 0 < sum(kinds) < len(kinds), kinds
         assert not torch.equal(first, augment(images, level, epoch_generator(7, 4, 0))), "another epoch: other crops"
         assert not torch.equal(first, augment(images, level, epoch_generator(7, 3, 1))), "another rank: other crops"

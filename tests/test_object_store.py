@@ -40,7 +40,7 @@ def test_a_source_and_tables_on_s3_land_rerun_cached_and_are_maintained(
     # A re-run lists the bucket again and decodes nothing.
     ingested, resized, written = lake.run(f"{prefix}/src")
     assert (ingested.candidates, resized.decoded, written.rows) == (0, 0, 0)
-    # Maintenance runs on the bucket with the same engine.
+    # `maintain` runs on the bucket with the same engine.
     report = maintain_table(Table(lake.table, spark, engine), 0, [])
     assert report["engine"] == engine and Table(lake.table, spark, engine).frame().count() == 40
     # The credentials stay in the environment: not in Spark's configuration, not in anything written to the bucket.
@@ -103,7 +103,7 @@ def test_the_whole_pipeline_runs_on_s3_and_a_rerun_is_cached(
         0,
         "1",
     )
-    assert {"split", "cache", "train", "promote"} <= set(again["cache_hits"])
+    assert {"split", "cache", "train", "promote"} <= set(again["results_reused"])
 
     # The credentials were only ever in the environment.
     texts = {"output": first.stdout + first.stderr + second.stdout + second.stderr}

@@ -20,6 +20,7 @@ from mlflow import MlflowClient
 from PIL import Image, ImageOps
 
 from flows.demo_data import write_digits
+from tasks.rules.report import margin
 from tasks.worker.loader import split_files
 from tests.conftest import cli_env
 
@@ -80,7 +81,7 @@ def assert_shows_what_it_does(summary: dict, console: str, logs: list[str]) -> N
     assert summary["stage_seconds"]["train"] > 1
     for text in (console, "\n".join(logs)):
         for stage in STAGES:
-            assert f"{stage}: started" in text and re.search(rf"{stage}: (done|from the cache) in \d+\.\d s", text), (
+            assert f"{stage}: started" in text and re.search(rf"{stage}: (done|result reused) in \d+\.\d s", text), (
                 stage
             )
         epochs = re.findall(
@@ -132,7 +133,8 @@ def quarantine_artifact(flow_run_id: str) -> list[dict]:
 
 
 def assert_knows_the_data_and_the_model(summary: dict, client: MlflowClient, description: str) -> None:
-    """The dataset card (Prefect and MLflow) counts what the cache holds; per-class test metrics add up; the model card."""
+    """The dataset card (Prefect and MLflow) counts what the cache holds; per-class test metrics add up; the model
+    card."""
     run_id, labels = summary["mlflow_run_id"], summary["labels"]
     card = json.loads(
         Path(mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path="dataset/card.json")).read_text()
@@ -205,8 +207,8 @@ def test_pipeline_end_to_end_then_everything_is_cached(first_run: FirstRun) -> N
     )
     assert_shows_what_it_does(first, first_run.console, flow_logs(first["flow_run_id"]))
     assert (
-        f"{first['test_accuracy'] - first['baseline_accuracy']:+.3f} over its baseline's {first['baseline_accuracy']:.3f}"
-        in first_run.console
+        f"{margin(first['test_accuracy'], first['baseline_accuracy'])} over its baseline's "
+        f"{first['baseline_accuracy']:.3f}" in first_run.console
     )
 
     # Delta: one version holding every image.
@@ -252,7 +254,7 @@ def test_pipeline_end_to_end_then_everything_is_cached(first_run: FirstRun) -> N
     assert f"/runs/{first['mlflow_run_id']}" in flow_artifact(first["flow_run_id"], "imagelake-mlflow-run").data
     assert_knows_the_data_and_the_model(first, client, champion.description)
 
-    # Second run on unchanged data: every stage is a cache hit; no new Delta version, no new model version.
+    # Second run on unchanged data: every stage reuses its stored result; no new Delta version, no new model version.
     second, second_seconds = run_pipeline(source, workspace, env)
     print(f"first run {first_seconds:.0f} s, cached run {second_seconds:.0f} s")
     assert DeltaTable(first["delta_table"]).version() == 0

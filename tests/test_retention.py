@@ -1,4 +1,4 @@
-"""Retention: staging, cached stage results and checkpoints older than workspace_retention_hours go after a run;
+"""Retention: staging, stored stage results and checkpoints older than workspace_retention_hours go after a run;
 what the next run reads first stays, whatever its age."""
 
 from __future__ import annotations
@@ -146,17 +146,17 @@ def test_a_run_removes_what_retention_lets_go_and_the_next_run_still_hits_its_ca
     # What the second run left is what a third run on the same data reads: the same hits as any run after a write
     # (resize and write check the new table version), training and promotion among them.
     third = pipeline(str(source), overrides={**overrides, "workspace_retention_hours": 1})
-    assert third["cache_hits"] == ["ingest", "split", "cache", "train", "promote"], third["cache"]
+    assert third["results_reused"] == ["ingest", "split", "cache", "train", "promote"], third["results"]
     assert third["model_version"] == second["model_version"]
 
 
-def test_maintenance_applies_the_workspace_retention_too(prefect_api: str, tmp_path: Path) -> None:
-    from flows.maintenance import maintenance
+def test_maintain_applies_the_workspace_retention_too(prefect_api: str, tmp_path: Path) -> None:
+    from flows.maintain import maintain
 
     overrides = {"workspace": str(tmp_path / "ws"), "workspace_retention_hours": 24}
     settings = load_settings(overrides=overrides)
     old = put(Path(settings.staging_uri) / "ingest-aaaa.parquet", 48)
     young = put(Path(settings.results_uri) / "write-0123", 1)
-    report = maintenance(overrides=overrides)
+    report = maintain(overrides=overrides)
     assert report["workspace"] == {"staging": 1, "stage_results": 0, "training_runs": 0}
     assert not old.exists() and young.exists()

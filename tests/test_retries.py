@@ -117,8 +117,8 @@ def test_a_cached_result_whose_file_is_gone_is_a_miss_that_says_why(prefect_api:
     output.unlink()  # a cleaned disk, a moved workspace
     again = file_flow(str(output), settings)
     assert again["state"] == "Completed" and output.exists()
-    assert again["why"] == f"cached result changed None -> needs {output}, which is gone"
-    assert file_flow(str(output), settings)["state"] == "Cached", "the new result is the cache from then on"
+    assert again["why"] == f"stored result changed None -> needs {output}, which is gone"
+    assert file_flow(str(output), settings)["state"] == "Cached", "the new result is reused from then on"
     assert len(output.with_suffix(".calls").read_text().splitlines()) == 2
 
 
@@ -144,10 +144,10 @@ def test_a_cached_result_that_left_files_unread_is_a_miss_until_none_are(prefect
     assert reading_flow(str(left), settings)["state"] == "Completed"
     again = reading_flow(str(left), settings)
     assert again["state"] == "Completed", "a result that left files unread is not reused: the next run reads them"
-    assert again["why"] == "cached result changed None -> 2 file(s) could not be read then; read again"
+    assert again["why"] == "stored result changed None -> 2 file(s) could not be read then; read again"
     left.write_text("0")  # the store is back
     assert reading_flow(str(left), settings)["state"] == "Completed"
-    assert reading_flow(str(left), settings)["state"] == "Cached", "a complete result is the cache from then on"
+    assert reading_flow(str(left), settings)["state"] == "Cached", "a complete result is reused from then on"
     assert len(left.with_suffix(".calls").read_text().splitlines()) == 3
 
 
@@ -232,7 +232,8 @@ def test_a_file_deleted_between_its_listing_and_its_read_is_permanent(tmp_path: 
 
 
 def test_a_key_deleted_on_s3_between_its_listing_and_its_read_is_permanent(s3) -> None:
-    """The same gap on S3 (S3Proxy answers 404 NoSuchKey) is the same failure as on a disk, whichever client meets it."""
+    """The same gap on S3 (S3Proxy answers 404 NoSuchKey) is the same failure as on a disk, whichever client meets
+    it."""
     for reader, error in deleted_after_listing(f"s3://lake/{uuid.uuid4().hex[:12]}").items():
         assert is_permanent(error), (
             f"{reader}: {type(error).__module__}.{type(error).__name__} ({error}) would be retried"

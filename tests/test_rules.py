@@ -1,4 +1,5 @@
-"""Pure decisions: split by hash, steps per epoch and batch sizes, content hash, cache keys (the promotion rule is in test_registry)."""
+"""Pure decisions: split by hash, steps per epoch and batch sizes, content hash, stage keys (the promotion rule is in
+test_registry)."""
 
 from __future__ import annotations
 
@@ -63,7 +64,7 @@ def test_batch_sizes_refuse_a_shard_too_small_for_the_steps() -> None:
         batch_sizes(3, 4)
 
 
-def test_what_a_run_did_stays_out_of_the_next_cache_key() -> None:
+def test_what_a_run_did_stays_out_of_the_next_stage_key() -> None:
     from prefect.utilities.hashing import hash_objects
 
     from tasks.results import Written

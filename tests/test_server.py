@@ -1,4 +1,5 @@
-"""The deployments of prefect.yaml on a real `prefect server start` with a process worker: custom runs the way the UI makes them, in the UI itself, and the nightly schedule."""
+"""The deployments of prefect.yaml on a real `prefect server start` with a process worker: custom runs the way the UI
+makes them, in the UI itself, and the nightly schedule."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import pytest
 
 from infra.lifecycle import processes_with
 from tests.servers import PrefectServer, custom_run_body, form_defaults
+from tests.test_summary import report_facts
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("prefect-server")]
 
@@ -75,7 +77,8 @@ class Deployed:
         return "\n".join(f"{log['level']} {log['message']}" for log in found.json())
 
     def family(self, flow_run_id: str) -> list[str]:
-        """The run and its subflow runs (the adhoc flow runs the pipeline as a subflow, which publishes the artifacts)."""
+        """The run and its subflow runs (the adhoc flow runs the pipeline as a subflow, which publishes the
+        artifacts)."""
         ids, frontier = [flow_run_id], [flow_run_id]
         while frontier:
             children = self.flow_runs({"flow_runs": {"parent_flow_run_id": {"any_": frontier}}})
@@ -92,11 +95,13 @@ class Deployed:
                 break
             time.sleep(2)
         print(
-            f"flow run {run['name']} {run['state_type']} after {time.monotonic() - started:.0f} s (run time {run['total_run_time']:.0f} s)"
+            f"flow run {run['name']} {run['state_type']} after {time.monotonic() - started:.0f} s (run time "
+            f"{run['total_run_time']:.0f} s)"
         )
         assert run["state_type"] == "COMPLETED", (
             f"flow run {run['name']} is {run['state_name']} after {time.monotonic() - started:.0f} s\n"
-            f"--- run logs ---\n{self.logs(self.family(flow_run_id))[-6000:]}\n--- worker log ---\n{self.worker_log.read_text()[-4000:]}"
+            f"--- run logs ---\n{self.logs(self.family(flow_run_id))[-6000:]}\n--- worker log "
+            f"---\n{self.worker_log.read_text()[-4000:]}"
         )
         return run
 
@@ -116,7 +121,7 @@ class Deployed:
 
 
 def ran(record: dict) -> tuple[datetime, datetime] | None:
-    """When a flow or task run ran, from its API record; None if it never ran (a cache hit) or has not ended."""
+    """When a flow or task run ran, from its API record; None if it never ran (its result reused) or has not ended."""
     if not record.get("start_time") or not record.get("end_time"):
         return None
     start, end = (datetime.fromisoformat(record[key].replace("Z", "+00:00")) for key in ("start_time", "end_time"))
@@ -163,7 +168,8 @@ def processes_of(prefect_home: Path) -> list[psutil.Process]:
 
 @pytest.fixture(scope="module")
 def deployed(tmp_path_factory: pytest.TempPathFactory, digits_dir: Path):
-    """`prefect server start`, the imagelake-process pool, `prefect deploy --all` and one process worker; all stopped afterwards."""
+    """`prefect server start`, the imagelake-process pool, `prefect deploy --all` and one process worker; all stopped
+    afterwards."""
     root = tmp_path_factory.mktemp("prefect-server")
     server = PrefectServer(root)
     api = httpx.Client(base_url=server.api_url, timeout=30)
@@ -284,7 +290,10 @@ def test_a_deployment_run_may_not_set_what_runs_code_or_loads_pickles(deployed: 
 def test_nor_through_a_settings_file_it_names_outside_the_code(deployed: Deployed, tmp_path: Path) -> None:
     planted = tmp_path / "planted.yaml"
     planted.write_text("allow_pickle_models: true\nmax_epochs: 1\nimage_size: 32\n")
-    expected = f"allow_pickle_models cannot be set from the settings file {planted}, named by the parameters of a deployment run"
+    expected = (
+        f"allow_pickle_models cannot be set from the settings file {planted}, named by the parameters of a "
+        "deployment run"
+    )
     nightly = deployed.deployment("imagelake-pipeline", "nightly")
     logs = refused(
         deployed,
@@ -316,13 +325,13 @@ def test_a_custom_run_through_the_ui_api_call_completes_and_publishes_its_summar
     assert run["deployment_id"] == adhoc["id"] and run["parameters"] == {"params": params}
     artifacts = deployed.summary_artifacts(run["id"])
     assert len(artifacts) == 1, artifacts
-    summary = artifacts[0]["data"]
-    assert "| epochs_run | 1 |" in summary, summary
+    summary = report_facts(artifacts[0]["data"])
+    assert summary["epochs_run"] == "1", artifacts[0]["data"]
     # The table the run wrote holds every image of its source once. (Other tests of this file land images of their own
     # in the same workspace, before or after this one: the table's total depends on the order.)
     from deltalake import DeltaTable
 
-    version = int(re.search(r"\| delta_version \| (\d+) \|", summary).group(1))
+    version = int(summary["delta_version"])
     paths = (
         DeltaTable(str(deployed.workspace / "tables" / "images"), version=version)
         .to_pyarrow_table(columns=["path"])
@@ -332,7 +341,7 @@ def test_a_custom_run_through_the_ui_api_call_completes_and_publishes_its_summar
     mine = [path for path in paths if f"{deployed.source}/" in path]
     assert len(mine) == len(set(mine)) == 300, (len(mine), len(set(mine)), summary)
     # The worker's IMAGELAKE_WORKSPACE took the run's output, not the repository's .imagelake.
-    assert str(deployed.workspace) in summary and (deployed.workspace / "mlflow.db").is_file()
+    assert str(deployed.workspace) in artifacts[0]["data"] and (deployed.workspace / "mlflow.db").is_file()
 
 
 @pytest.fixture(scope="module")
@@ -342,7 +351,8 @@ def chromium() -> Path:
         if os.environ.get("IMAGELAKE_SKIP_BROWSER") == "1":
             pytest.skip(f"IMAGELAKE_SKIP_BROWSER=1 and no {CHROMIUM}")
         pytest.fail(
-            f"no {CHROMIUM}: run `make browser` (installs Debian's chromium and chromium-driver), or set IMAGELAKE_SKIP_BROWSER=1 to skip this test"
+            f"no {CHROMIUM}: run `make browser` (installs Debian's chromium and chromium-driver), or set "
+            "IMAGELAKE_SKIP_BROWSER=1 to skip this test"
         )
     return CHROMIUM
 
@@ -498,16 +508,17 @@ def test_a_backfill_and_the_nightly_run_at_once_count_every_image_once_and_leave
         if row["alias"] == CHAMPION
     ]
     chain = sorted(crowned, key=lambda row: row["at"])
-    assert all(before["to_version"] == after["from_version"] for before, after in zip(chain, chain[1:])), (
-        "each crowning replaced the champion before it"
-    )
+    assert all(
+        before["to_version"] == after["from_version"] for before, after in zip(chain, chain[1:], strict=False)
+    ), "each crowning replaced the champion before it"
     assert chain[-1]["to_version"] == alias_version(client, settings.model_name, CHAMPION)
 
 
 def test_a_nightly_and_an_ad_hoc_run_of_the_same_data_at_once_train_once_and_never_mix(
     spark, deployed: Deployed, tmp_path: Path
 ) -> None:
-    """Two whole flows with the same stage keys (one source, the same settings), each in its own process of the worker."""
+    """Two whole flows with the same stage keys (one source, the same settings), each in its own process of the
+    worker."""
     import numpy as np
     from PIL import Image
 
@@ -543,7 +554,7 @@ def test_a_nightly_and_an_ad_hoc_run_of_the_same_data_at_once_train_once_and_nev
     for created in runs:
         deployed.wait_for_run(created.json()["id"], timeout=2 * RUN_TIMEOUT)
         [artifact] = deployed.summary_artifacts(created.json()["id"])
-        summaries.append(dict(re.findall(r"^\| (\w+) \| (.*) \|$", artifact["data"], re.M)))
+        summaries.append(report_facts(artifact["data"]))
     stages = ran_at_once(deployed, *(created.json()["id"] for created in runs))
     print(f"{len(stages)} pairs of stages ran at once, e.g. {stages[:3]}")
     first, second = summaries

@@ -115,7 +115,7 @@ def test_mlflow_s_own_loader_takes_image_files_and_answers_label_names(champion)
     assert list(as_bytes["label"]) == [label for _, _, label in given], (
         "PNG and JPEG of each colour: its name, commas, quotes and all"
     )
-    for top, probability in zip(as_bytes["top_k"], as_bytes["probability"]):
+    for top, probability in zip(as_bytes["top_k"], as_bytes["probability"], strict=True):
         assert [entry["probability"] for entry in top] == sorted((entry["probability"] for entry in top), reverse=True)
         assert len(top) == 3 and top[0]["probability"] == probability and 1 / 3 < probability <= 1
         assert sorted(entry["label"] for entry in top) == sorted(LABELS)

@@ -91,7 +91,10 @@ def test_settings_that_run_code_are_refused_from_runs_unless_the_worker_allows_t
     assert refuse_unsafe({"max_epochs": 2}, "a run") == {"max_epochs": 2}
     with pytest.raises(
         SettingsError,
-        match=r"allow_pickle_models, spark_jars cannot be set from a run: .*IMAGELAKE_ALLOW_FROM_RUNS=allow_pickle_models,spark_jars",
+        match=(
+            r"allow_pickle_models, spark_jars cannot be set from a run: "
+            r".*IMAGELAKE_ALLOW_FROM_RUNS=allow_pickle_models,spark_jars"
+        ),
     ):
         refuse_unsafe({"spark_jars": ["/tmp/x.jar"], "allow_pickle_models": True, "max_epochs": 2}, "a run")
     monkeypatch.setenv("IMAGELAKE_ALLOW_FROM_RUNS", "spark_jars, allow_pickle_models")
@@ -115,7 +118,10 @@ def test_a_settings_file_named_by_a_run_may_not_set_what_runs_code_unless_it_shi
     planted.write_text("allow_pickle_models: true\nmax_epochs: 2\n")
     with pytest.raises(
         SettingsError,
-        match=rf"allow_pickle_models cannot be set from the settings file {planted}, named by a run and outside the code folder",
+        match=(
+            rf"allow_pickle_models cannot be set from the settings file {planted}, named by a run and outside "
+            r"the code folder"
+        ),
     ):
         refuse_unsafe_file(planted, "a run")
     # A relative path that climbs out of the code folder is outside it too.
@@ -201,7 +207,10 @@ def test_a_run_may_name_torchvision_weights_but_no_path_or_url(monkeypatch, name
     from infra.settings import refuse_unsafe
 
     monkeypatch.delenv("IMAGELAKE_ALLOW_FROM_RUNS", raising=False)
-    expected = rf"^{name}='{given}' \(a run may set none, imagenet or a torchvision weights name, not a path or URL\) cannot be set from a run"
+    expected = (
+        rf"^{name}='{given}' \(a run may set none, imagenet or a torchvision weights name, not a path or URL\) "
+        r"cannot be set from a run"
+    )
     with pytest.raises(SettingsError, match=expected):
         refuse_unsafe({name: given}, "a run")
 
@@ -310,7 +319,10 @@ def test_a_run_may_not_go_past_the_limits_that_keep_data(monkeypatch, name: str,
     from infra.settings import refuse_unsafe
 
     monkeypatch.delenv("IMAGELAKE_ALLOW_FROM_RUNS", raising=False)
-    expected = rf"^{name}={re.escape(repr(value))} \(a run may set {limit}\) cannot be set from a run: .*IMAGELAKE_ALLOW_FROM_RUNS={name} "
+    expected = (
+        rf"^{name}={re.escape(repr(value))} \(a run may set {limit}\) cannot be set from a run: "
+        rf".*IMAGELAKE_ALLOW_FROM_RUNS={name} "
+    )
     with pytest.raises(SettingsError, match=expected):
         refuse_unsafe({name: value}, "a run")
 
@@ -324,7 +336,10 @@ def test_the_worker_may_open_one_setting_to_runs_and_only_that_one(monkeypatch) 
     assert refuse_unsafe({"pretrained_weights": "/shared/weights.pth"}, "a run"), (
         "the old name of an opened setting is open too"
     )
-    expected = r"^mlflow_tracking_uri, spark_master cannot be set from a run: .*IMAGELAKE_ALLOW_FROM_RUNS=mlflow_tracking_uri,spark_master "
+    expected = (
+        r"^mlflow_tracking_uri, spark_master cannot be set from a run: "
+        r".*IMAGELAKE_ALLOW_FROM_RUNS=mlflow_tracking_uri,spark_master "
+    )
     with pytest.raises(SettingsError, match=expected):
         refuse_unsafe({**opened, "spark_master": "spark://x:7077", "mlflow_tracking_uri": "http://x:5000"}, "a run")
 
@@ -335,7 +350,10 @@ def test_a_settings_file_a_run_names_outside_the_code_follows_the_same_rule(monk
     monkeypatch.delenv("IMAGELAKE_ALLOW_FROM_RUNS", raising=False)
     planted = tmp_path / "mine.yaml"
     planted.write_text("ray_address: ray://elsewhere:10001\nvacuum_retention_hours: 0\nmax_epochs: 2\n")
-    expected = rf"^ray_address, vacuum_retention_hours=0 \(a run may set at least 168\) cannot be set from the settings file {planted}, named by"
+    expected = (
+        r"^ray_address, vacuum_retention_hours=0 \(a run may set at least 168\) cannot be set from the settings "
+        rf"file {planted}, named by"
+    )
     with pytest.raises(SettingsError, match=expected):
         refuse_unsafe_file(planted, "a run")
     # The deployments' own files set addresses, folders and a state dict's path: they ship with the code.

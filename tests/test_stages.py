@@ -92,7 +92,7 @@ def test_date_partitions_limit_a_run_and_rerunning_a_date_replaces_exactly_it(
     assert len(lake.rows()) == 10
     lake.run(source, scope=second)
     dates = lake.read(lake.table, ["date", "label"])
-    assert sorted(set(zip(dates["date"], dates["label"]))) == [
+    assert sorted(set(zip(dates["date"], dates["label"], strict=True))) == [
         (date(2024, 1, 1), "0"),
         (date(2024, 1, 1), "1"),
         (date(2024, 1, 2), "2"),
@@ -112,7 +112,7 @@ def test_a_manifest_csv_lists_files_labels_and_dates(lake: Lake, digits_dir: Pat
     # Paths relative to the manifest, absolute ones and file:// URIs, all under the manifest's folder.
     spelled = [(f.relative_to(tmp_path), f, f"file://{f}")[i % 3] for i, f in enumerate(files)]
     lines = ["path,label,date"] + [
-        f"{s},{f.parent.name},2024-02-0{i % 2 + 1}" for i, (s, f) in enumerate(zip(spelled, files))
+        f"{s},{f.parent.name},2024-02-0{i % 2 + 1}" for i, (s, f) in enumerate(zip(spelled, files, strict=True))
     ]
     (tmp_path / "list.csv").write_text("\n".join(lines) + "\n")
     lake.run(tmp_path / "list.csv")
@@ -367,7 +367,7 @@ def test_the_table_records_each_jpegs_own_size_on_either_decode_path(
     _, resized, _ = lake.run(source, in_driver_up_to=in_driver_up_to)
     assert resized.decoded == 2
     data = lake.read(lake.table, ["path", "width", "height"])
-    assert {Path(p).name: (w, h) for p, w, h in zip(data["path"], data["width"], data["height"])} == {
+    assert {Path(p).name: (w, h) for p, w, h in zip(data["path"], data["width"], data["height"], strict=True)} == {
         "wide.jpg": (198, 188),
         "tall.jpg": (188, 198),
     }
@@ -389,7 +389,7 @@ def test_one_table_holds_two_image_sizes_each_counted_changed_and_retired_on_its
     _, resized, written = lake.run(source, rules=large)  # the same files at another size: rows of their own
     assert (resized.decoded, written.rows, per_size()) == (10, 10, {24: 10, 32: 10})
     data = lake.read(lake.table, ["image_size", "image"])
-    assert {(size, len(image)) for size, image in zip(data["image_size"], data["image"])} == {
+    assert {(size, len(image)) for size, image in zip(data["image_size"], data["image"], strict=True)} == {
         (24, 24 * 24 * 3),
         (32, 32 * 32 * 3),
     }
@@ -524,7 +524,8 @@ def test_a_read_that_fails_is_retried_and_never_quarantined(lake: Lake, digits_d
     from fsspec.implementations.local import LocalFileSystem
 
     class Hiccups(LocalFileSystem):
-        """The local file system, but reads of chosen files time out a given number of times (an NFS hiccup, a store's timeout)."""
+        """The local file system, but reads of chosen files time out a given number of times (an NFS hiccup, a store's
+        timeout)."""
 
         protocol = ("hiccups",)
         root_marker = "/"
@@ -638,7 +639,7 @@ def test_a_moved_file_and_a_renamed_label_folder_relabel_their_rows(
         "the row follows the file, in one commit"
     )
     by_path = lake.read(lake.table, ["path", "label"])
-    assert dict(zip(by_path["path"], by_path["label"]))[f"file://{source}/dog/{moved.name}"] == "dog"
+    assert dict(zip(by_path["path"], by_path["label"], strict=True))[f"file://{source}/dog/{moved.name}"] == "dog"
 
     (source / "cat").rename(source / "feline")
     _, _, written = lake.run(source, retire=retire)

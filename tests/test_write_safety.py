@@ -125,7 +125,8 @@ def kill_at(root: Path, resized: dict, engine: str, lake_root: str, phase: str) 
 
 
 def kill_writers_and_rerun(spark, source: Path, tmp_path: Path, engine: str, lake: Callable[[str], str]) -> None:
-    """For each phase of a write: resize, start a writer, kill it at that phase, then write again; the tables end whole."""
+    """For each phase of a write: resize, start a writer, kill it at that phase, then write again; the tables end
+    whole."""
     for phase in WRITE_PHASES:
         root, lake_root = tmp_path / phase, lake(phase)
         root.mkdir()

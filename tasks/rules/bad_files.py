@@ -1,4 +1,5 @@
-"""Rules for bad input: how large a share of a run's files may be bad, or of a date's rows retired, before the run writes nothing."""
+"""Rules for bad input: how large a share of a run's files may be bad, or of a date's rows retired, before the run
+writes nothing."""
 
 from __future__ import annotations
 
@@ -48,7 +49,9 @@ def check_retire_fraction(
     if over:
         listed = ", ".join(f"{n} of {total} rows of {day or 'rows without a date'}" for day, n, total in over[:5])
         raise TooManyRetired(
-            f"the run would retire {listed} (their files are not listed), over max_retire_fraction={max_retire_fraction}; nothing was "
-            "written. If those files are really gone, run again with max_retire_fraction=1 (`--set max_retire_fraction=1`, or "
+            f"the run would retire {listed} (their files are not listed), over "
+            f"max_retire_fraction={max_retire_fraction}; nothing was "
+            "written. If those files are really gone, run again with max_retire_fraction=1 (`--set "
+            "max_retire_fraction=1`, or "
             "IMAGELAKE_MAX_RETIRE_FRACTION=1 on the worker: a deployment run may only lower it)."
         )

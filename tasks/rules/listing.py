@@ -24,7 +24,8 @@ class SourceError(ValueError):
 
 @dataclass(frozen=True)
 class Scope:
-    """Which files a run looks at: the extensions, an optional date range, the size limit, where a manifest may point."""
+    """Which files a run looks at: the extensions, an optional date range, the size limit, where a manifest may
+    point."""
 
     extensions: tuple[str, ...]
     start: date | None = None
@@ -104,7 +105,8 @@ def parse_day(text: str) -> date | None:
 
 
 def listing_fingerprint(entries: Iterable[dict[str, Any]]) -> str:
-    """A hash of the listing (paths, sizes, stamps, labels, dates): changes when a file is added, removed or rewritten."""
+    """A hash of the listing (paths, sizes, stamps, labels, dates): changes when a file is added, removed or
+    rewritten."""
     digest = hashlib.sha256()
     add_to_fingerprint(digest, entries)
     return digest.hexdigest()

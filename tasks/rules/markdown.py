@@ -13,7 +13,8 @@ _SPECIAL = re.compile(r"([\\`*_\[\]|~])")  # what changes text inside a line (# 
 
 
 def markdown_text(text: object) -> str:
-    """TEXT for a markdown table cell or sentence: markdown's punctuation backslash-escaped, `<`, `>` and `&` as entities."""
+    """TEXT for a markdown table cell or sentence: markdown's punctuation backslash-escaped, `<`, `>` and `&` as
+    entities."""
     plain = " ".join(str(text).split("\n"))
     plain = plain.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
     return _SPECIAL.sub(r"\\\1", plain)

@@ -7,7 +7,8 @@ ROWS_PER_DECODE_TASK = 2048
 
 
 def balanced_partitions(rows: list[dict], partitions: int) -> list[list[dict]]:
-    """Deal the files largest first, in a snake order, so every task gets a similar count and a similar number of bytes."""
+    """Deal the files largest first, in a snake order, so every task gets a similar count and a similar number of
+    bytes."""
     groups: list[list[dict]] = [[] for _ in range(partitions)]
     for index, row in enumerate(sorted(rows, key=lambda r: -(r["size"] or 0))):
         turn, position = divmod(index, partitions)

@@ -55,7 +55,8 @@ def decide_promotion(
     if champion_uncompared:
         return Decision(
             False,
-            f"the champion was not compared ({champion_uncompared}): it stays champion and the candidate ({metric} {candidate:.4f}) is "
+            f"the champion was not compared ({champion_uncompared}): it stays champion and the candidate "
+            f"({metric} {candidate:.4f}) is "
             "kept as challenger. Compare them by hand and use `imagelake promote` to crown it anyway",
             metric,
             candidate,
@@ -70,7 +71,8 @@ def decide_promotion(
     direction = "higher" if higher else "lower"
     return Decision(
         better,
-        f"candidate {metric} {candidate:.4f} {verb} champion {champion:.4f} by more than {margin:.4f} ({direction} is better)",
+        f"candidate {metric} {candidate:.4f} {verb} champion {champion:.4f} by more than {margin:.4f} "
+        f"({direction} is better)",
         metric,
         candidate,
         champion,
@@ -90,7 +92,8 @@ def held_by_baseline(
         return None
     return Decision(
         False,
-        f"candidate accuracy {accuracy:.4f} is {accuracy - baseline:+.4f} over its baseline's {baseline:.4f} ({BASELINE}, "
+        f"candidate accuracy {accuracy:.4f} is {accuracy - baseline:+.4f} over its baseline's {baseline:.4f} "
+        f"({BASELINE}, "
         f"same split), less than min_margin_over_baseline {min_margin:.4f}: kept as challenger",
         metric,
         candidate[metric],

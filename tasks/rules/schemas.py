@@ -1,4 +1,5 @@
-"""The Arrow schemas of what the pipeline writes: the source listing, the resize stage's staged rows, the images table."""
+"""The Arrow schemas of what the pipeline writes: the source listing, the resize stage's staged rows, the images
+table."""
 
 from __future__ import annotations
 

@@ -44,7 +44,8 @@ def labels_tag(labels: list[str]) -> str:
 
 
 def labels_of_tag(text: str) -> list[str]:
-    """The label names of a labels tag: a JSON list, or the comma-joined names of a version registered before it was one."""
+    """The label names of a labels tag: a JSON list, or the comma-joined names of a version registered before it was
+    one."""
     if text.startswith("["):
         try:
             found = json.loads(text)
@@ -88,7 +89,8 @@ def decide_warm_start(wanted: WeightsShape, champion: Champion | None) -> WarmSt
     if champion.shape is None:
         return WarmStart(
             None,
-            f"champion v{champion.version} does not record the labels, image size and model it was trained for (not registered by the pipeline)",
+            f"champion v{champion.version} does not record the labels, image size and model it was trained "
+            "for (not registered by the pipeline)",
         )
     changes = []
     for field in fields(WeightsShape):

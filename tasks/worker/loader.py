@@ -113,12 +113,14 @@ def check_split(url: str, split: str, expected_rows: int) -> None:
     for path in files:
         if not fs.exists(path):
             raise FileNotFoundError(
-                f"the cached {split} split {url} names {fs.unstrip_protocol(path)}, which is gone: run again (the cache stage rebuilds it)"
+                f"the cached {split} split {url} names {fs.unstrip_protocol(path)}, which is gone: run again "
+                "(the cache stage rebuilds it)"
             )
     rows = sum(rows for rows, _ in row_groups(url))
     if rows != expected_rows:
         raise ValueError(
-            f"the cached {split} split {url} holds {rows} rows where its table version has {expected_rows}: run again (the cache stage rebuilds it)"
+            f"the cached {split} split {url} holds {rows} rows where its table version has {expected_rows}: "
+            "run again (the cache stage rebuilds it)"
         )
 
 
@@ -193,7 +195,8 @@ class ShardBatches:
     ) -> None:
         if not isinstance(processes, int) or processes < 0:
             raise ValueError(
-                f"loader_processes is {processes!r}: 0 (read in the training process) or the number of loader processes (1 or more)"
+                f"loader_processes is {processes!r}: 0 (read in the training process) or the number of "
+                "loader processes (1 or more)"
             )
         self.spec = dict(
             url=url,
@@ -417,8 +420,9 @@ def piece_sizes(sizes: list[int], rows: list[int]) -> list[list[int]]:
     made = 0
     for size in sizes:
         made += size
-        due = [row * made / total - had for row, had in zip(rows, taken)]  # what each is owed by the end of this batch
-        share = [max(0, min(int(owed), row - had)) for owed, row, had in zip(due, rows, taken)]
+        # what each is owed by the end of this batch
+        due = [row * made / total - had for row, had in zip(rows, taken, strict=True)]
+        share = [max(0, min(int(owed), row - had)) for owed, row, had in zip(due, rows, taken, strict=True)]
         while sum(share) < size:  # the most owed that has rows left
             j = max(
                 (j for j in range(len(rows)) if share[j] < rows[j] - taken[j]), key=lambda j: (due[j] - share[j], -j)
@@ -467,7 +471,7 @@ class BatchProcesses:
             pieces = piece_sizes(sizes, [sum(group_rows[shard :: spec["shard_count"] * count]) for shard in shards])
             specs = [
                 {**spec, "shard": shard, "shard_count": spec["shard_count"] * count, "sizes": piece}
-                for shard, piece in zip(shards, pieces)
+                for shard, piece in zip(shards, pieces, strict=True)
             ]
         self.slots = [
             torch.empty((max(sizes), image_size, image_size, 3), dtype=torch.uint8).share_memory_()
@@ -498,7 +502,7 @@ class BatchProcesses:
                     daemon=True,
                 )
             )
-            offsets = [offset + piece for offset, piece in zip(offsets, piece_spec.get("sizes", sizes))]
+            offsets = [offset + piece for offset, piece in zip(offsets, piece_spec.get("sizes", sizes), strict=True)]
         for process in self.processes:
             process.start()
 
@@ -521,7 +525,8 @@ class BatchProcesses:
             except queue.Empty:
                 if not self.processes[j].is_alive():
                     raise RuntimeError(
-                        f"the loader process reading {self.where} ended (exit code {self.processes[j].exitcode}) in the middle of an epoch"
+                        f"the loader process reading {self.where} ended (exit code "
+                        f"{self.processes[j].exitcode}) in the middle of an epoch"
                     ) from None
 
     def next(self) -> tuple[int, int, np.ndarray, list | None] | None:
@@ -542,7 +547,8 @@ class BatchProcesses:
         slot = self.batch % self.SLOTS
         if any(item[0] != slot for item in items):
             raise RuntimeError(
-                f"the loader processes reading {self.where} filled slots {[item[0] for item in items]} for batch {self.batch}: they are out of step"
+                f"the loader processes reading {self.where} filled slots {[item[0] for item in items]} for "
+                f"batch {self.batch}: they are out of step"
             )
         self.batch += 1
         labels = np.concatenate([item[2] for item in items])
@@ -574,7 +580,7 @@ class BatchProcesses:
             self.close()
 
     def close(self) -> None:
-        for process, commands in zip(self.processes, self.commands):
+        for process, commands in zip(self.processes, self.commands, strict=True):
             if process.is_alive():
                 commands.put(None)
         for process in self.processes:
@@ -603,17 +609,17 @@ def _make_batches(
             available.add(free.get())
         available.remove(slot)
 
+    # `into` reads the epoch's `held` and `made_pieces`, which the loop below sets afresh for each epoch.
+    def into(size: int) -> torch.Tensor:
+        slot = made_pieces % len(slots)  # batch k goes in slot k % SLOTS, in every process
+        take(slot)
+        held.append(slot)
+        offset = offsets[made_pieces]
+        return slots[slot][offset : offset + size]
+
     while (epoch := commands.get()) is not None:
         held: list[int] = []
         made_pieces = 0
-
-        def into(size: int) -> torch.Tensor:
-            slot = made_pieces % len(slots)  # batch k goes in slot k % SLOTS, in every process
-            take(slot)
-            held.append(slot)
-            offset = offsets[made_pieces]
-            return slots[slot][offset : offset + size]
-
         made = None
         try:
             batches = batches or ShardBatches(**spec)

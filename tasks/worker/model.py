@@ -57,7 +57,8 @@ _NO_AUX = ("googlenet", "inception_v3")
 def check_arch(arch: str) -> str:
     if arch not in MODEL_ARCHS:
         raise ValueError(
-            f"unknown model_arch {arch!r}: choose small_cnn or one of torchvision.models.list_models() (resnet50, efficientnet_b0, ...)"
+            f"unknown model_arch {arch!r}: choose small_cnn or one of torchvision.models.list_models() "
+            "(resnet50, efficientnet_b0, ...)"
         )
     return arch
 
@@ -70,7 +71,8 @@ _WEIGHTS_NAME = re.compile(r"^(?:[A-Za-z0-9_]+_Weights\.)?[A-Z][A-Z0-9_]*$")
 
 
 def is_weights_name(pretrained: str | None) -> bool:
-    """Whether `pretrained` names torchvision weights (imagenet, DEFAULT, IMAGENET1K_V2, ResNet50_Weights.IMAGENET1K_V2) rather than a file."""
+    """Whether `pretrained` names torchvision weights (imagenet, DEFAULT, IMAGENET1K_V2, ResNet50_Weights.IMAGENET1K_V2)
+    rather than a file."""
     return bool(pretrained) and (pretrained == "imagenet" or bool(_WEIGHTS_NAME.match(pretrained)))
 
 
@@ -78,7 +80,8 @@ def weights_of(arch: str, pretrained: str) -> torchvision.models.WeightsEnum:
     """The torchvision weights `pretrained` names for `arch`: imagenet is the architecture's default (best) weights."""
     if arch == SMALL_CNN:
         raise ValueError(
-            f"pretrained={pretrained}: small_cnn has no torchvision weights; choose a torchvision model_arch (e.g. resnet50) or give a state dict's path"
+            f"pretrained={pretrained}: small_cnn has no torchvision weights; choose a torchvision model_arch "
+            "(e.g. resnet50) or give a state dict's path"
         )
     family = torchvision.models.get_model_weights(arch)
     name = "DEFAULT" if pretrained == "imagenet" else pretrained
@@ -86,17 +89,20 @@ def weights_of(arch: str, pretrained: str) -> torchvision.models.WeightsEnum:
         enum, _, name = name.partition(".")
         if enum != family.__name__:
             raise ValueError(
-                f"pretrained={pretrained} are weights of another model: {arch}'s are {family.__name__} ({', '.join(family.__members__)})"
+                f"pretrained={pretrained} are weights of another model: {arch}'s are {family.__name__} "
+                f"({', '.join(family.__members__)})"
             )
     if name not in family.__members__:
         raise ValueError(
-            f"pretrained={pretrained}: {arch} has no such weights; choose imagenet or one of {', '.join(family.__members__)}"
+            f"pretrained={pretrained}: {arch} has no such weights; choose imagenet or one of "
+            f"{', '.join(family.__members__)}"
         )
     return family[name]
 
 
 def weights_file(weights: torchvision.models.WeightsEnum) -> str:
-    """Where torchvision's cache keeps (or would keep) these weights: $TORCH_HOME/hub/checkpoints/<the URL's file name>."""
+    """Where torchvision's cache keeps (or would keep) these weights: $TORCH_HOME/hub/checkpoints/<the URL's file
+    name>."""
     return os.path.join(torch.hub.get_dir(), "checkpoints", os.path.basename(weights.url))
 
 
@@ -120,21 +126,26 @@ def build_net(
         net = torchvision.models.get_model(arch, weights=weights, **options)
     except URLError as error:
         raise WeightsUnavailable(
-            f"pretrained={pretrained}: {weights} for {arch} are not in torchvision's cache ({weights_file(weights)}) and could not be "
-            f"downloaded from {weights.url} ({error.reason}). Download that file where the internet is reachable and put it at "
-            f"{weights_file(weights)} (set TORCH_HOME for another cache folder), or set pretrained to the path or URI of a state dict"
+            f"pretrained={pretrained}: {weights} for {arch} are not in torchvision's cache "
+            f"({weights_file(weights)}) and could not be "
+            f"downloaded from {weights.url} ({error.reason}). Download that file where the internet is "
+            "reachable and put it at "
+            f"{weights_file(weights)} (set TORCH_HOME for another cache folder), or set pretrained to the "
+            "path or URI of a state dict"
         ) from None
     except ValueError as error:
         if weights is None:
             raise
         raise ValueError(
-            f"pretrained={pretrained}: {weights} cannot build {arch} here ({error}); set image_size to the size they were trained at"
+            f"pretrained={pretrained}: {weights} cannot build {arch} here ({error}); set image_size to the "
+            "size they were trained at"
         ) from None
     except (RuntimeError, pickle.UnpicklingError, EOFError) as error:  # a garbled file in the cache
         if weights is None:
             raise
         raise WeightsUnavailable(
-            f"pretrained={pretrained}: the cached file {weights_file(weights)} does not load ({error}); delete it, then run again to download it afresh"
+            f"pretrained={pretrained}: the cached file {weights_file(weights)} does not load ({error}); "
+            "delete it, then run again to download it afresh"
         ) from None
     return net, replace_head(net, num_classes)
 
@@ -163,13 +174,15 @@ def replace_head(net: nn.Module, num_classes: int) -> str:
 
 
 def load_state_dict(uri: str, what: str = "pretrained") -> dict[str, torch.Tensor]:
-    """A state dict from a local path or any fsspec URI, loaded without unpickling arbitrary objects; `what` names it in errors."""
+    """A state dict from a local path or any fsspec URI, loaded without unpickling arbitrary objects; `what` names it in
+    errors."""
     try:
         with fsspec.open(uri, "rb") as handle:
             state = torch.load(io.BytesIO(handle.read()), map_location="cpu", weights_only=True)
     except FileNotFoundError:
         raise FileNotFoundError(
-            f"{what} {uri} does not exist: give a local path or URI of a saved state dict, or imagenet for torchvision's weights"
+            f"{what} {uri} does not exist: give a local path or URI of a saved state dict, or imagenet for "
+            "torchvision's weights"
         ) from None
     state = state.get("state_dict", state) if isinstance(state, dict) else state
     if not isinstance(state, dict):
@@ -228,7 +241,8 @@ class ImageModel(nn.Module):
         misfits = [name for name in backbone if name in state and state[name].shape != own[name].shape]
         if misfits:
             raise ValueError(
-                f"pretrained weights do not fit this model: {len(misfits)} layers have other shapes (e.g. {', '.join(misfits[:3])}); "
+                f"pretrained weights do not fit this model: {len(misfits)} layers have other shapes (e.g. "
+                f"{', '.join(misfits[:3])}); "
                 "they are for another model_arch or image_size"
             )
         usable = {name: tensor for name, tensor in state.items() if name in own and own[name].shape == tensor.shape}
@@ -246,7 +260,8 @@ class ImageModel(nn.Module):
         )
         if wrong:
             raise ValueError(
-                f"the warm start weights do not fit this model ({len(wrong)} mismatched, e.g. {', '.join(wrong[:3])}): the champion was trained "
+                f"the warm start weights do not fit this model ({len(wrong)} mismatched, e.g. "
+                f"{', '.join(wrong[:3])}): the champion was trained "
                 "for other labels or another model_arch; set warm_start=false to train from scratch"
             )
         self.load_state_dict(state)

@@ -1,4 +1,5 @@
-"""What each Ray Train worker runs: Lightning on its own Petastorm shard, DDP through Ray, resuming from the last checkpoint."""
+"""What each Ray Train worker runs: Lightning on its own Petastorm shard, DDP through Ray, resuming from the last
+checkpoint."""
 
 from __future__ import annotations
 
@@ -42,8 +43,10 @@ def ray_lightning_problem(strategy: type = RayDDPStrategy) -> str | None:
     if issubclass(strategy, pl.strategies.Strategy):
         return None
     return (
-        f"Ray Train's {strategy.__name__} comes from {strategy.__mro__[1].__module__.split('.')[0]}, not pytorch_lightning: the `lightning` "
-        "package is installed beside `pytorch-lightning`, and Ray's Lightning integration then uses it. imagelake trains with "
+        f"Ray Train's {strategy.__name__} comes from {strategy.__mro__[1].__module__.split('.')[0]}, not "
+        "pytorch_lightning: the `lightning` "
+        "package is installed beside `pytorch-lightning`, and Ray's Lightning integration then uses it. "
+        "imagelake trains with "
         "pytorch_lightning: uninstall `lightning` (pip uninstall lightning) where the driver and the Ray workers run"
     )
 
@@ -85,7 +88,8 @@ def resume_point(latest: str | None, run_path: str | None) -> tuple[str | None, 
         if epoch is not None:
             return path, epoch
     raise CheckpointUnusable(
-        f"the run at {run_path or latest} was interrupted, but none of its checkpoints can be read ({', '.join(candidates)}); "
+        f"the run at {run_path or latest} was interrupted, but none of its checkpoints can be read "
+        f"({', '.join(candidates)}); "
         "delete that folder to train from scratch on purpose"
     )
 
@@ -109,7 +113,8 @@ class MlflowEpochMetrics(Callback):
 
 
 class KillWorkerOnce(Callback):
-    """Fault injection for the worker-loss test: this rank's process exits at the start of `epoch`, once (a marker file records it)."""
+    """Fault injection for the worker-loss test: this rank's process exits at the start of `epoch`, once (a marker file
+    records it)."""
 
     def __init__(self, epoch: int, marker: str) -> None:
         self.epoch, self.marker = epoch, marker
@@ -202,7 +207,8 @@ def compile_mode(config: dict[str, Any]) -> str | None:
 
 
 def make_model(config: dict[str, Any], steps_per_epoch: int = 0) -> ImageClassifier:
-    """The classifier; with `steps_per_epoch`, its learning rate warms up over the first epoch and decays to 0 by the last."""
+    """The classifier; with `steps_per_epoch`, its learning rate warms up over the first epoch and decays to 0 by the
+    last."""
     total = steps_per_epoch * config["max_epochs"]
     model = ImageClassifier(
         config["num_classes"],
