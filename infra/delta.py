@@ -24,6 +24,8 @@ from deltalake import Schema as DeltaSchema
 from deltalake.exceptions import CommitFailedError, DeltaError, TableNotFoundError
 from deltalake.transaction import AddAction, RemoveAction, create_table_with_add_actions
 from pyspark.sql import Column, DataFrame, SparkSession
+from pyspark.sql import functions as F
+from pyspark.sql.pandas.types import from_arrow_schema
 from pyspark.sql.types import StructType
 
 from infra.compat import collect_arrow, delta_log_commits, delta_log_mentions
@@ -108,20 +110,80 @@ IMAGE_WRITER = WriterProperties(
     column_properties={"image": ColumnProperties(dictionary_enabled=False, statistics_enabled="NONE")}
 )
 CONFLICT_RETRIES = 8
+# A merge's source is read for delta-rs this many rows at a time (the resize stage writes row groups of 16 images).
+STREAM_ROWS = 16
 
 
-def merge_arrow(table_uri: str, changes: pa.Table) -> int:
+@dataclass(frozen=True)
+class FileRows:
+    """A merge's source where the run left it: the rows of ROWS (a `path` and the `data_file`, named relative to the
+    table's folder, that holds it: data files already written there, in SCHEMA) are upserted, then the rows at DELETES
+    (of IMAGE_SIZE) deleted. Spark's executors read the files themselves, so the new rows' pixels never reach the
+    driver. delta-rs is handed them as a stream, a row group at a time, but gathers a merge's source (and any write's
+    rows) in the driver's memory before it writes: only the copies a table built for it took are spared."""
+
+    schema: pa.Schema
+    rows: pa.Table
+    deletes: list[str]
+    image_size: int
+
+    @property
+    def files(self) -> list[str]:
+        return sorted(set(self.rows.column("data_file").to_pylist()))
+
+    def batches(self, table_uri: str, actions: bool = True) -> pa.RecordBatchReader:
+        """The rows as a stream, with an `_action` column ('upsert' or 'delete'); without ACTIONS, the upserts alone."""
+        fs, folder = fsspec.core.url_to_fs(table_uri)
+        schema = self.schema.append(pa.field("_action", pa.string())) if actions else self.schema
+
+        def stream():
+            for name in self.files:
+                wanted = self.rows.filter(pc.equal(self.rows["data_file"], name)).column("path").combine_chunks()
+                with fs.open(f"{folder}/{name}", "rb") as handle:
+                    for batch in pq.ParquetFile(handle).iter_batches(STREAM_ROWS, columns=self.schema.names):
+                        batch = batch.filter(pc.is_in(batch.column("path"), wanted))
+                        action = [pa.array(["upsert"] * batch.num_rows, pa.string())] if actions else []
+                        yield pa.RecordBatch.from_arrays([*batch.columns, *action], schema=schema)
+            if actions and self.deletes:
+                gone = [{"path": path, "image_size": self.image_size, "_action": "delete"} for path in self.deletes]
+                yield pa.RecordBatch.from_pylist(gone, schema=schema)
+
+        return pa.RecordBatchReader.from_batches(schema, stream())
+
+    def frame(self, spark: SparkSession, table_uri: str) -> DataFrame:
+        """The rows as a Spark DataFrame whose plan reads the files (on the executors), with an `_action` column."""
+        schema = from_arrow_schema(self.schema)
+        uris = [f"{table_uri.rstrip('/')}/{name}" for name in self.files]
+        rows = spark.read.schema(schema).parquet(*uris) if uris else spark.createDataFrame([], schema)
+        wanted = spark.createDataFrame(self.rows.select(["path"]).to_pandas(), "path string")
+        upserts = rows.join(F.broadcast(wanted), "path", "left_semi").withColumn("_action", F.lit("upsert"))
+        values = {"image_size": F.lit(self.image_size)}
+        gone = spark.createDataFrame([(path,) for path in self.deletes], "path string").select(
+            *[
+                F.col("path") if f.name == "path" else values.get(f.name, F.lit(None)).cast(f.dataType).alias(f.name)
+                for f in schema.fields
+            ],
+            F.lit("delete").alias("_action"),
+        )
+        return upserts.unionByName(gone)
+
+
+def merge_arrow(table_uri: str, changes: pa.Table | FileRows) -> int:
     """Upsert and delete rows keyed on (path, image_size) with delta-rs in one commit; return its version.
 
-    `changes` carries an `_action` column ('upsert' or 'delete'). Concurrent writers conflict
-    only at commit time: the losing one re-reads the table and merges again.
+    `changes` carries an `_action` column ('upsert' or 'delete'), or is a FileRows, streamed to delta-rs. Concurrent
+    writers conflict only at commit time: the losing one re-reads the table and merges again.
     """
     write_id = uuid.uuid4().hex
     properties = CommitProperties(custom_metadata={WRITE_ID_KEY: write_id})
     for attempt in range(CONFLICT_RETRIES):
         try:
             if not table_exists(table_uri):
-                rows = changes.filter(pc.equal(changes["_action"], "upsert")).drop_columns(["_action"])
+                rows = (
+                    changes.batches(table_uri, actions=False)
+                    if isinstance(changes, FileRows)
+                    else changes.filter(pc.equal(changes["_action"], "upsert")).drop_columns(["_action"])
+                )
                 write_deltalake(
                     table_uri,
                     rows,
@@ -134,7 +196,7 @@ def merge_arrow(table_uri: str, changes: pa.Table) -> int:
                 (
                     _rs(table_uri)
                     .merge(
-                        changes,
+                        changes.batches(table_uri) if isinstance(changes, FileRows) else changes,
                         MERGE_KEY,
                         source_alias="s",
                         target_alias="t",
@@ -204,7 +266,8 @@ def uncommit_files(table_uri: str, files: list[str]) -> int:
 
 
 def ever_committed(table_uri: str, files: list[str]) -> set[str]:
-    """Which of these data files any commit in the table's log added (the log's JSON commits are searched for their names)."""
+    """Which of these data files any commit in the table's log added (the log's JSON commits are searched for their
+    names)."""
     if not files or not table_exists(table_uri):
         return set()
     return delta_log_mentions(table_uri, files)
@@ -251,12 +314,16 @@ def _is_conflict(exc: Exception) -> bool:
 _spark_commits = threading.Lock()  # userMetadata is a session setting: one Spark commit at a time per process
 
 
-def merge_spark(spark: SparkSession, table_uri: str, changes: pa.Table) -> int:
-    """The same merge through Spark's Delta (`DeltaTable.merge`); return its version."""
+def merge_spark(spark: SparkSession, table_uri: str, changes: pa.Table | FileRows) -> int:
+    """The same merge through Spark's Delta (`DeltaTable.merge`); return its version. A FileRows source is read by
+    the executors from its files."""
     from delta.tables import DeltaTable as SparkDeltaTable
 
-    columns = [c for c in changes.column_names if c != "_action"]
-    source = spark.createDataFrame(changes.to_pandas())
+    if isinstance(changes, FileRows):
+        columns, source = changes.schema.names, changes.frame(spark, table_uri)
+    else:
+        columns = [c for c in changes.column_names if c != "_action"]
+        source = spark.createDataFrame(changes.to_pandas())
     write_id = uuid.uuid4().hex
     with _spark_commits, _session_conf(spark, "spark.databricks.delta.commitInfo.userMetadata", write_id):
         if not SparkDeltaTable.isDeltaTable(spark, table_uri):
@@ -459,7 +526,8 @@ def read_current(
 
 
 def sql_in(column: str, values: list[str]) -> str:
-    """A predicate for `Table.delete_where` and `update_where`: COLUMN is one of VALUES (quoted as SQL string literals)."""
+    """A predicate for `Table.delete_where` and `update_where`: COLUMN is one of VALUES (quoted as SQL string
+    literals)."""
     if not values:
         return "FALSE"
     return f"{column} IN (" + ", ".join("'" + value.replace("'", "''") + "'" for value in values) + ")"
@@ -480,17 +548,18 @@ def _files_problem(table: DeltaTable, table_uri: str) -> str | None:
     mode = table.metadata().configuration.get("delta.columnMapping.mode", "none")
     if mode != "none":
         return (
-            f"it uses column mapping (mode '{mode}': its data files name columns by id), which imagelake does not read. Copy it into a "
-            f"table without column mapping (in Spark: CREATE TABLE delta.`<new folder>` AS SELECT * FROM delta.`{table_uri}`) and set "
-            "table_root to that table's folder"
+            f"it uses column mapping (mode '{mode}': its data files name columns by id), which imagelake does not "
+            "read. Copy it into a table without column mapping (in Spark: CREATE TABLE delta.`<new folder>` AS "
+            f"SELECT * FROM delta.`{table_uri}`) and set table_root to that table's folder"
         )
     if "deletionVectors" in set(table.protocol().reader_features or []):
         carrying = pa.table(table.deletion_vectors()).num_rows  # the data files that have one
         if carrying:
             return (
-                f"{carrying} of its data files carry deletion vectors (rows deleted without rewriting their file), which imagelake "
-                f"does not apply. Rewrite those files (in Spark: REORG TABLE delta.`{table_uri}` APPLY (PURGE)), and to keep it so, "
-                f"ALTER TABLE delta.`{table_uri}` SET TBLPROPERTIES ('delta.enableDeletionVectors' = 'false'); then run again"
+                f"{carrying} of its data files carry deletion vectors (rows deleted without rewriting their file), "
+                f"which imagelake does not apply. Rewrite those files (in Spark: REORG TABLE delta.`{table_uri}` "
+                f"APPLY (PURGE)), and to keep it so, ALTER TABLE delta.`{table_uri}` SET TBLPROPERTIES "
+                "('delta.enableDeletionVectors' = 'false'); then run again"
             )
     return None
 
@@ -584,7 +653,8 @@ class Table:
         return table_version(self.uri)
 
     def frame(self, version: int | None = None, files: list[str] | None = None) -> DataFrame:
-        """The table at VERSION (default: the current one) as a Spark DataFrame; with FILES, only the rows those data files hold."""
+        """The table at VERSION (default: the current one) as a Spark DataFrame; with FILES, only the rows those data
+        files hold."""
         version = _rs(self.uri).version() if version is None else version
         if files is not None:
             return read_files(self._reader(), self.uri, version, files)
@@ -604,7 +674,8 @@ class Table:
         return version_files(self.uri, version)
 
     def read_files_arrow(self, files: list[str], schema: pa.Schema) -> pa.Table | None:
-        """SCHEMA's columns of some data files, read without Spark; None where this pyarrow cannot open one (see `read_files_arrow`)."""
+        """SCHEMA's columns of some data files, read without Spark; None where this pyarrow cannot open one (see
+        `read_files_arrow`)."""
         return read_files_arrow(self.uri, files, schema)
 
     def read(self, columns: list[str], where: Column | None = None, version: int | None = None) -> pa.Table:
@@ -627,11 +698,13 @@ class Table:
         return int(_rs(self.uri).delete(predicate).get("num_deleted_rows") or 0)
 
     def update_where(self, predicate: str, values: dict[str, object]) -> int:
-        """Set columns to VALUES in the rows PREDICATE selects, in one commit (delta-rs, as `delete_where`); return how many."""
+        """Set columns to VALUES in the rows PREDICATE selects, in one commit (delta-rs, as `delete_where`); return how
+        many."""
         return int(_rs(self.uri).update(new_values=values, predicate=predicate).get("num_updated_rows") or 0)
 
-    def merge(self, changes: pa.Table) -> int:
-        """Upsert and delete rows keyed on (path, image_size) (`_action` column) in one commit; return its version."""
+    def merge(self, changes: pa.Table | FileRows) -> int:
+        """Upsert and delete rows keyed on (path, image_size) (`_action` column) in one commit; return its version.
+        A FileRows source (rows of a run's data files) is read by Spark's executors, or streamed to delta-rs."""
         return (
             merge_spark(self._reader(), self.uri, changes) if self.engine == "spark" else merge_arrow(self.uri, changes)
         )
@@ -646,7 +719,8 @@ class Table:
         return ever_committed(self.uri, files)
 
     def history(self) -> list[dict]:
-        """The commits, newest first: version, timestamp (UTC), operation, and the write id this project gives its commits."""
+        """The commits, newest first: version, timestamp (UTC), operation, and the write id this project gives its
+        commits."""
         return history_spark(self._reader(), self.uri) if self.engine == "spark" else history_rs(self.uri)
 
     def compact(self) -> dict:

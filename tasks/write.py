@@ -18,10 +18,9 @@ import fsspec
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
-import pyarrow.parquet as pq
 from prefect.cache_policies import NO_CACHE
 
-from infra.delta import Table, sql_in
+from infra.delta import FileRows, Table, sql_in
 from infra.errors import PermanentError
 from infra.settings import Settings
 from tasks.changes import mark_in_sync
@@ -48,14 +47,15 @@ def check_staged(resized: Resized) -> None:
     if fs.exists(folder):
         fs.rm(folder, recursive=True)
     raise StagingIncomplete(
-        f"write: the resize stage's staging folder {resized.staging_uri} holds {staged} row(s) but resize accounted for {reported} file(s); "
-        "something removed part of it (a cleanup of the workspace's staging while the run went on?). Nothing was written; "
-        "run again and resize decodes those files anew."
+        f"write: the resize stage's staging folder {resized.staging_uri} holds {staged} row(s) but resize accounted "
+        f"for {reported} file(s); something removed part of it (a cleanup of the workspace's staging while the run "
+        "went on?). Nothing was written; run again and resize decodes those files anew."
     )
 
 
 def staged_rows(resized: Resized) -> ds.Dataset:
-    """The resize stage's bookkeeping rows (a folder of small Parquet files, possibly none: an object store then has no folder)."""
+    """The resize stage's bookkeeping rows (a folder of small Parquet files, possibly none: an object store then has no
+    folder)."""
     fs, folder = fsspec.core.url_to_fs(resized.staging_uri)
     if not fs.exists(folder):
         return ds.dataset(STAGED_ARROW_SCHEMA.empty_table())
@@ -127,10 +127,10 @@ def moved_content(present: pa.Table, upserts: pa.Table, deletes: pa.ChunkedArray
     held = present.filter(pc.is_in(present["sha256"], upserts["sha256"]))
     if not held.num_rows:
         return pa.array([], pa.string()), []
-    new_content = dict(zip(upserts["path"].to_pylist(), upserts["sha256"].to_pylist()))
+    new_content = dict(zip(upserts["path"].to_pylist(), upserts["sha256"].to_pylist(), strict=True))
     retired = set(deletes.to_pylist())
     holders: dict[str, list[str]] = {}
-    for path, sha in zip(held["path"].to_pylist(), held["sha256"].to_pylist()):
+    for path, sha in zip(held["path"].to_pylist(), held["sha256"].to_pylist(), strict=True):
         holders.setdefault(sha, []).append(path)
     unsure = [path for paths in holders.values() for path in paths if path not in retired and path not in new_content]
     still_there = existing(unsure)
@@ -162,22 +162,12 @@ def existing(paths: list[str]) -> set[str]:
     return found
 
 
-def image_changes(resized: Resized, table_uri: str, changes: Changes) -> pa.Table:
-    """The merge's source: the upserted rows read back from the run's data files, then one row per deleted path."""
-    fs, folder = fsspec.core.url_to_fs(table_uri)
-    parts = []
-    for name in changes.files:
-        with fs.open(f"{folder}/{name}", "rb") as handle:
-            part = pq.read_table(handle, schema=IMAGE_TABLE_SCHEMA)
-        wanted = changes.upserts.filter(pc.equal(changes.upserts["data_file"], name)).column("path")
-        parts.append(part.filter(pc.is_in(part["path"], wanted)))
-    upserts = pa.concat_tables(parts) if parts else IMAGE_TABLE_SCHEMA.empty_table()
-    upserts = upserts.append_column("_action", pa.array(["upsert"] * upserts.num_rows, pa.string()))
-    gone = pa.Table.from_pylist(
-        [{"path": path, "image_size": resized.image_size, "_action": "delete"} for path in changes.deletes],
-        schema=upserts.schema,
+def image_changes(resized: Resized, changes: Changes) -> FileRows:
+    """The merge's source: the upserted rows, left in the run's data files for the engine to read (Spark's executors
+    read them, so their pixels never reach the driver; delta-rs is streamed them), then one delete per retired path."""
+    return FileRows(
+        IMAGE_TABLE_SCHEMA, changes.upserts.select(["path", "data_file"]), changes.deletes, resized.image_size
     )
-    return pa.concat_tables([upserts, gone])
 
 
 QUARANTINE_EXTRA = pa.schema(
@@ -289,8 +279,8 @@ def write_images(
     table_uri, engine = table.uri, table.engine
     if table_uri.rstrip("/") != resized.table_uri.rstrip("/"):
         raise ValueError(
-            f"write_images: table {table_uri} is not the table {resized.table_uri} that the resize stage wrote its files into; "
-            "run resize with the same table_root and table_name"
+            f"write_images: table {table_uri} is not the table {resized.table_uri} that the resize stage wrote its "
+            "files into; run resize with the same table_root and table_name"
         )
     check_staged(resized)
     bad = quarantine_rows(table, resized)
@@ -337,7 +327,7 @@ def write_images(
         if version != (0 if changes.read_version is None else changes.read_version + 1):
             version = settle_concurrent_append(table, resized, changes, version)
     else:
-        version = table.images.merge(image_changes(resized, table_uri, changes))
+        version = table.images.merge(image_changes(resized, changes))
         remove_uncommitted(table_uri, changes.files)
     reached("images-committed")
     mark_if_in_step(table, resized, before, (next_version(changes.read_version, 1), expected[1]))
@@ -398,8 +388,8 @@ def settle_concurrent_append(table: ImageTable, resized: Resized, changes: Chang
     if len(seen) == len(paths):
         return version
     table.images.uncommit_files(changes.files)
-    source = image_changes(resized, table.uri, plan_changes(table, resized))
-    return table.images.merge(source) if source.num_rows else table.images.version()
+    planned = plan_changes(table, resized)
+    return table.images.version() if planned.empty else table.images.merge(image_changes(resized, planned))
 
 
 def require_files(table_uri: str, files: list[str]) -> None:
@@ -409,8 +399,8 @@ def require_files(table_uri: str, files: list[str]) -> None:
     if missing:
         raise FileNotFoundError(
             f"{len(missing)} data file(s) that the resize stage wrote into {table_uri} are gone (e.g. {missing[0]}); "
-            "a vacuum with a short retention may have removed them. Re-run with refresh (imagelake run --refresh, or refresh: true) "
-            "so resize decodes again."
+            "a vacuum with a short retention may have removed them. Re-run with refresh (imagelake run --refresh, or "
+            "refresh: true) so resize decodes again."
         )
 
 
@@ -435,7 +425,8 @@ def run_files(resized: Resized) -> list[str]:
 
 
 def discard_run_files(resized: Resized) -> None:
-    """A run that writes nothing takes back the data files its resize stage wrote (and the table folder, if that is all it held)."""
+    """A run that writes nothing takes back the data files its resize stage wrote (and the table folder, if that is all
+    it held)."""
     remove_uncommitted(resized.table_uri, run_files(resized))
     fs, folder = fsspec.core.url_to_fs(resized.table_uri)
     if fs.exists(folder) and not fs.ls(folder):
@@ -444,7 +435,8 @@ def discard_run_files(resized: Resized) -> None:
 
 @stage("requeue", settings=("quarantine_uri", "requeue_reasons"), cache_policy=NO_CACHE)
 def requeue_by_setting(settings: Settings) -> dict[str, int]:
-    """Prefect stage (never cached): send the files quarantined for a reason in the setting requeue_reasons back through."""
+    """Prefect stage (never cached): send the files quarantined for a reason in the setting requeue_reasons back
+    through."""
     return requeue(ImageTable.of(settings), settings.requeue_reasons)
 
 

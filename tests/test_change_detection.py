@@ -71,12 +71,13 @@ def test_a_local_file_rewritten_with_the_same_size_and_mtime_is_replaced(
     assert lake.run(source)[0].candidates == 0
 
 
-def test_an_object_replaced_on_s3_by_one_of_the_same_size_is_replaced(spark, s3, tmp_path: Path) -> None:
+@pytest.mark.both_engines  # a replace is a merge: Spark's executors read its new rows from the bucket
+def test_an_object_replaced_on_s3_by_one_of_the_same_size_is_replaced(spark, s3, tmp_path: Path, engine: str) -> None:
     fs = s3.filesystem()
     prefix = f"lake/{os.urandom(6).hex()}"
     fs.pipe(f"{prefix}/src/a/noise.png", noise_png(1))
     fs.pipe(f"{prefix}/src/b/other.png", noise_png(3))
-    lake = Lake(spark, f"s3://{prefix}/lake")
+    lake = Lake(spark, f"s3://{prefix}/lake", engine)
     lake.run(f"s3://{prefix}/src")
     entry = [e for e in list_source(f"s3://{prefix}/src", SCOPE) if e["path"].endswith("noise.png")][0]
     assert entry["stamp"].startswith("etag:")
@@ -119,7 +120,7 @@ def test_a_table_from_before_stamps_gains_the_column_without_reading_everything_
     assert (ingested.candidates, written.rows) == (2, 2)
     table = Table(old.table, spark, engine)
     assert "stamp" in table.columns()
-    stamps = dict(zip(*table.read(["path", "stamp"]).to_pydict().values()))
+    stamps = dict(zip(*table.read(["path", "stamp"]).to_pydict().values(), strict=True))
     assert (
         stamps[f"file://{changed}"].startswith("ctime:")
         and stamps[f"file://{source}/0/{sorted(os.listdir(source / '0'))[0]}"] is None
