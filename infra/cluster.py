@@ -1,12 +1,12 @@
 """A whole cluster on this machine, 127.0.0.1 only: what `make cluster-up` / `make cluster-down` run.
 
-Spark standalone (a master and two workers, from the pyspark installation's own launch classes), Ray (a head and
-one more node, `ray start`), a PostgreSQL server (infra/postgres.py, its data in <folder>/postgres), an MLflow
-tracking server (runs in PostgreSQL, an artifacts folder, basic authentication) and a Prefect server (its database
-in PostgreSQL, with an API auth string). `--database sqlite` keeps both servers on SQLite files in the folder
-instead. Every process it starts is in a session the folder's state.json records, and carries
-IMAGELAKE_CLUSTER=<folder> in its environment, so `down` finds and stops all of them, the Spark executors and Ray
-workers they started included.
+Spark standalone (a master and two workers, from the pyspark installation's own launch classes, with Spark's shared
+secret authentication), Ray (a head and one more node, `ray start`, with Ray's token authentication), a PostgreSQL
+server (infra/postgres.py, its data in <folder>/postgres), an MLflow tracking server (runs in PostgreSQL, an
+artifacts folder, basic authentication) and a Prefect server (its database in PostgreSQL, with an API auth string).
+`--database sqlite` keeps both servers on SQLite files in the folder instead. Every process it starts is in a
+session the folder's state.json records, and carries IMAGELAKE_CLUSTER=<folder> in its environment, so `down` finds
+and stops all of them, the Spark executors and Ray workers they started included.
 
 The addresses and the generated credentials go to <folder>/cluster.env (mode 0600), for a shell to load (the
 PostgreSQL password is for the servers alone: clients get everything else, `client_env`):
@@ -44,6 +44,9 @@ LOOPBACK_RAY = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 MLFLOW_USER = "imagelake"  # the pipeline's own MLflow user (not the admin)
 PREFECT_USER = "imagelake"
 POSTGRES_PASSWORD = "IMAGELAKE_CLUSTER_POSTGRES_PASSWORD"  # in cluster.env and the servers' environment, nowhere else
+# Spark's shared secret (spark.authenticate), in Spark's own variable: the master's, the workers' and the driver's
+# environment (infra/spark.py); each worker hands it to the executors it starts in the same variable.
+SPARK_AUTH_SECRET = "_SPARK_AUTH_SECRET"
 DATABASES = ("postgres", "sqlite")
 
 
@@ -145,7 +148,13 @@ class Cluster:
         """The generated credentials, as the clients read them from the environment."""
         return read_env_file(
             self.env_file,
-            only=("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "PREFECT_API_AUTH_STRING", "RAY_AUTH_TOKEN"),
+            only=(
+                "MLFLOW_TRACKING_USERNAME",
+                "MLFLOW_TRACKING_PASSWORD",
+                "PREFECT_API_AUTH_STRING",
+                "RAY_AUTH_TOKEN",
+                SPARK_AUTH_SECRET,
+            ),
         )
 
     def client_env(self) -> dict[str, str]:
@@ -235,7 +244,9 @@ def _base_env(root: Path) -> dict[str, str]:
     env = dict(os.environ)
     for name in list(env):
         # A developer's own Prefect, MLflow or imagelake settings must not leak into the cluster's servers.
-        if name.startswith(("PREFECT_", "MLFLOW_", "IMAGELAKE_", "RAY_ADDRESS", "RAY_AUTH", LOOPBACK_RAY)):
+        if name.startswith(
+            ("PREFECT_", "MLFLOW_", "IMAGELAKE_", "RAY_ADDRESS", "RAY_AUTH", LOOPBACK_RAY, SPARK_AUTH_SECRET)
+        ):
             env.pop(name)
     env[CLUSTER_VARIABLE] = str(root)
     env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
@@ -362,8 +373,8 @@ def up(
     database_password = (cluster.postgres_data / "PG_VERSION").exists() and earlier.get(POSTGRES_PASSWORD)
     if database == "postgres" and (cluster.postgres_data / "PG_VERSION").exists() and not database_password:
         raise ClusterError(
-            f"the PostgreSQL data in {cluster.postgres_data} is from an earlier cluster whose password {cluster.env_file} "
-            f"no longer holds: remove {root} to start afresh"
+            f"the PostgreSQL data in {cluster.postgres_data} is from an earlier cluster whose password "
+            f"{cluster.env_file} no longer holds: remove {root} to start afresh"
         )
     database_password = database_password or secrets.token_urlsafe(24)
     if database == "postgres":
@@ -373,6 +384,9 @@ def up(
     # Ray's own token authentication: every node, driver and Ray Client must present it (the nodes hold the MLflow
     # password).
     ray_auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
+    # Spark's own authentication (spark.authenticate): the master, the workers, their executors and every driver share
+    # this secret; the master refuses a driver or worker without it.
+    spark_secret = secrets.token_hex(32)
     write_private(
         cluster.env_file,
         "# imagelake local cluster (written by `make cluster-up`; holds credentials, keep it private)\n"
@@ -380,12 +394,14 @@ def up(
         + f"MLFLOW_TRACKING_USERNAME={MLFLOW_USER}\nMLFLOW_TRACKING_PASSWORD={mlflow_password}\n"
         + f"PREFECT_API_AUTH_STRING={PREFECT_USER}:{prefect_token}\n"
         + "".join(f"{name}={value}\n" for name, value in ray_auth.items())
-        + "# The servers' database password (the MLflow and Prefect servers use it; clients need not and do not get it).\n"
+        + (f"{SPARK_AUTH_SECRET}={spark_secret}\n" if compute else "")
+        + "# The servers' database password (the MLflow and Prefect servers use it; clients need not and do not "
+        + "get it).\n"
         + f"{POSTGRES_PASSWORD}={database_password}\n",
     )
     try:
         if compute:
-            _start_spark(cluster, timeout)
+            _start_spark(cluster, timeout, spark_secret)
             _start_ray(
                 cluster,
                 timeout,
@@ -402,7 +418,9 @@ def up(
     return cluster
 
 
-def _start_spark(cluster: Cluster, timeout: float) -> None:
+def _start_spark(cluster: Cluster, timeout: float, secret: str) -> None:
+    """The master and the workers, with Spark's authentication on: the secret in their environment (never a command
+    line), where Spark reads it first; the setting that turns it on in a properties file."""
     import pyspark
 
     root = Path(cluster.root)
@@ -416,6 +434,9 @@ def _start_spark(cluster: Cluster, timeout: float) -> None:
         SPARK_NO_DAEMONIZE="1",
         PYSPARK_PYTHON=sys.executable,
     )
+    env[SPARK_AUTH_SECRET] = secret
+    properties = root / "spark.conf"
+    write_private(properties, "spark.authenticate true\n")
     spark_class = str(spark_home / "bin" / "spark-class")
     master = _spawn(
         "spark-master",
@@ -428,6 +449,8 @@ def _start_spark(cluster: Cluster, timeout: float) -> None:
             str(cluster.ports.spark),
             "--webui-port",
             str(cluster.ports.spark_ui),
+            "--properties-file",
+            str(properties),
         ],
         root,
         env,
@@ -453,6 +476,8 @@ def _start_spark(cluster: Cluster, timeout: float) -> None:
                 str(ui_port),
                 "--work-dir",
                 str(work),
+                "--properties-file",
+                str(properties),
             ],
             root,
             env,
@@ -531,7 +556,8 @@ def _start_ray(cluster: Cluster, timeout: float, node_env: dict[str, str]) -> No
 
 
 def ray_start_loopback(args: list[str]) -> int:
-    """`ray start ARGS` for a node joining a head on this machine, keeping 127.0.0.1 as given (the CLI would swap it)."""
+    """`ray start ARGS` for a node joining a head on this machine, keeping 127.0.0.1 as given (the CLI would swap
+    it)."""
     from ray.scripts.scripts import main as ray_main
 
     from infra.compat import keep_ray_loopback
@@ -544,9 +570,9 @@ def ray_start_loopback(args: list[str]) -> int:
 def ray_nodes(cluster: Cluster) -> list[str]:
     """The ids of the Ray cluster's live nodes (asked through a short-lived driver)."""
     code = (
-        "import json, ray; ray.init(address=%r, logging_level='ERROR', log_to_driver=False); "
+        f"import json, ray; ray.init(address={cluster.ray_address!r}, logging_level='ERROR', log_to_driver=False); "
         "print(json.dumps([n['NodeID'] for n in ray.nodes() if n['Alive']]))"
-    ) % cluster.ray_address
+    )
     env = _base_env(Path(cluster.root))
     env.pop(CLUSTER_VARIABLE)
     env[LOOPBACK_RAY] = "0"
@@ -760,7 +786,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"MLflow {cluster.mlflow_url}, Prefect {cluster.prefect_url}, their database {database}"
             )
             print(
-                f"addresses and credentials: {cluster.env_file} (load it with: set -a; . {cluster.env_file}; set +a; unset {POSTGRES_PASSWORD})"
+                f"addresses and credentials: {cluster.env_file} (load it with: set -a; . {cluster.env_file}; "
+                f"set +a; unset {POSTGRES_PASSWORD})"
             )
         elif args.command == "down":
             stopped = down(args.root)

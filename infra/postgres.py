@@ -242,16 +242,18 @@ def postmaster_pid(data: Path) -> int | None:
 
 def stop(data: Path, timeout: float = 30) -> bool:
     """Fast shutdown (SIGINT: sessions end, a checkpoint is written); say whether the server stopped in time."""
+    import psutil
+
     pid = postmaster_pid(data)
     if pid is None:
         return True
     try:
-        os.kill(pid, signal.SIGINT)
-    except ProcessLookupError:
+        # The postmaster and every process it started: the last of them (the checkpointer) writes the shutdown's
+        # final log line, after the postmaster has removed its pid file.
+        server = psutil.Process(pid)
+        processes = [server, *server.children(recursive=True)]
+        server.send_signal(signal.SIGINT)
+    except psutil.NoSuchProcess:
         return True
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if postmaster_pid(data) is None:
-            return True
-        time.sleep(0.2)
-    return False
+    _, alive = psutil.wait_procs(processes, timeout=timeout)
+    return not alive

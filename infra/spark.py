@@ -9,7 +9,6 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
-from typing import Union
 
 from pyspark.sql import SparkSession
 
@@ -21,6 +20,12 @@ from infra.settings import Settings
 
 DELTA_EXTENSION = "io.delta.sql.DeltaSparkSessionExtension"
 DELTA_CATALOG = "org.apache.spark.sql.delta.catalog.DeltaCatalog"
+# Spark's own variable for its shared secret (spark.authenticate): standalone workers hand it to their executors in
+# it, and every Spark process reads it before its configuration's spark.authenticate.secret.
+SPARK_AUTH_SECRET = "_SPARK_AUTH_SECRET"
+# What the driver's configuration holds for the secret, which a driver for a standalone master must set: the value
+# Spark uses is the environment's (pyspark puts the configuration on spark-submit's command line, which `ps` shows).
+SECRET_IN_ENVIRONMENT = "in-the-environment"
 
 _lock = threading.Lock()
 _started_in: list[float] = []  # seconds this process took to start its SparkSession (empty: none started)
@@ -28,7 +33,7 @@ _started_by: list[str] = []  # the stage that started it
 _asked: Counter[str] = Counter()  # calls of spark_session, by the stage that made them
 
 # A session, or a function that gets (or starts) one when first called: what a stage hands on where it may need none.
-SparkSource = Union[SparkSession, Callable[[], SparkSession]]
+SparkSource = SparkSession | Callable[[], SparkSession]
 
 
 def spark_startup_seconds() -> float | None:
@@ -37,7 +42,8 @@ def spark_startup_seconds() -> float | None:
 
 
 def spark_started_by() -> str | None:
-    """The stage (Prefect task) in which this process started its SparkSession ("-": outside one; None: none started)."""
+    """The stage (Prefect task) in which this process started its SparkSession ("-": outside one; None: none
+    started)."""
     return _started_by[-1] if _started_by else None
 
 
@@ -132,6 +138,8 @@ def spark_session(settings: Settings) -> SparkSession:
             builder = builder.config(key, value)
         for key, value in settings.spark_conf.items():
             builder = builder.config(key, value)
+        for key, value in authentication_conf(settings.spark_master).items():
+            builder = builder.config(key, value)
         session = builder.getOrCreate()
         session.sparkContext.setLogLevel(settings.spark_log_level)
         # One empty job: the first job of a session waits for its executors and loads the classes every job needs,
@@ -140,6 +148,18 @@ def spark_session(settings: Settings) -> SparkSession:
         _started_in.append(round(time.perf_counter() - started, 3))
         _started_by.append(asking)
         return session
+
+
+def authentication_conf(master: str) -> dict[str, str]:
+    """Spark's authentication (spark.authenticate) for a standalone master, when this process's environment holds the
+    cluster's shared secret in _SPARK_AUTH_SECRET (the local cluster's cluster.env does); nothing otherwise.
+
+    The secret stays in the environment, which the driver's JVM inherits and reads before its configuration (the
+    cluster run in tests/test_cluster.py depends on that order); settings never hold it.
+    """
+    if not master.startswith("spark://") or not os.environ.get(SPARK_AUTH_SECRET):
+        return {}
+    return {"spark.authenticate": "true", "spark.authenticate.secret": SECRET_IN_ENVIRONMENT}
 
 
 def on_loopback(master: str) -> bool:

@@ -16,7 +16,7 @@ import sys
 import tempfile
 import time
 import urllib.error
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import quote
 
@@ -39,7 +39,7 @@ class ClusterRun:
     workspace: Path
     summary: dict
     output: str
-    credentials: dict[str, str]
+    credentials: dict[str, str] = field(repr=False)  # a failing test's report shows the fixture's repr
 
     @property
     def mlflow_auth(self) -> tuple[str, str]:
@@ -65,6 +65,7 @@ class ClusterRun:
             self.credentials["MLFLOW_TRACKING_PASSWORD"],
             self.credentials["PREFECT_API_AUTH_STRING"].split(":", 1)[1],
             self.database_password,
+            self.credentials[local_cluster.SPARK_AUTH_SECRET],
         ]
 
 
@@ -174,19 +175,29 @@ def test_a_driver_outside_the_ray_cluster_joins_through_ray_client(cluster_run: 
     # cluster.
     code = (
         "import json, ray; from infra.settings import load_settings; from infra.ray_runtime import connect_ray; "
-        "connect_ray(load_settings(None, {'ray_address': %r})); "
-        "print(json.dumps([ray.get(ray.remote(lambda: ray.get_runtime_context().get_node_id()).remote()), len(ray.nodes())]))"
+        "connect_ray(load_settings(None, {'ray_address': %r})); print(json.dumps([ray.get(ray.remote(lambda: "
+        "ray.get_runtime_context().get_node_id()).remote()), len(ray.nodes())]))"
     )
     token = local_cluster.read_env_file(cluster_run.cluster.env_file, only=local_cluster.RAY_AUTH)
+    # A Ray Client driver without the token, trying once: the server's answer to its first request is the refusal,
+    # which Ray Client logs (at debug level) before it gives up. connect_ray would try three times, and Ray Client
+    # three times in each, waiting longer each time: over a minute and a half to say the same.
+    refusal = (
+        "import logging, ray; logging.getLogger('ray.util.client.worker').setLevel(logging.DEBUG); "
+        f"ray.util.connect({cluster_run.cluster.ray_client_address.removeprefix('ray://')!r}, connection_retries=1)"
+    )
+    tokenless = {name: value for name, value in cli_env().items() if not name.startswith("RAY_AUTH")}
     refused = subprocess.run(
-        [sys.executable, "-c", code % cluster_run.cluster.ray_client_address],
+        [sys.executable, "-c", refusal],
         cwd=REPO,
-        env=cli_env(),
+        # How long Ray Client waits after a refused request before it gives up (5 s unless set).
+        env={**tokenless, "RAY_CLIENT_INITIAL_CONNECTION_TIMEOUT_S": "1"},
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert refused.returncode != 0, "Ray refuses a driver without the cluster's token"
+    assert "Invalid or missing authentication token" in refused.stdout + refused.stderr, refused.stderr[-3000:]
     done = subprocess.run(
         [sys.executable, "-c", code % cluster_run.cluster.ray_client_address],
         cwd=REPO,
@@ -198,6 +209,74 @@ def test_a_driver_outside_the_ray_cluster_joins_through_ray_client(cluster_run: 
     assert done.returncode == 0, done.stderr[-3000:] + ray_client_logs(cluster_run.cluster)
     node, count = json.loads(done.stdout.strip().splitlines()[-1])
     assert count == 2 and node in local_cluster.ray_nodes(cluster_run.cluster)
+
+
+def test_a_spark_driver_without_the_cluster_s_secret_is_refused_by_the_master(cluster_run: ClusterRun) -> None:
+    # A session as infra/spark.py starts one, from a process without the cluster's Spark secret and from one with a
+    # wrong secret: the master refuses the driver's connection (the pipeline's driver, which has the secret from
+    # cluster.env, ran its application). Each attempt stops at the driver's first refusal (it would retry for a minute).
+    cluster = cluster_run.cluster
+    overrides = {"spark_master": cluster.spark_master, "spark_driver_memory": "512m"}
+    code = (
+        "from infra.settings import load_settings; from infra.spark import spark_session; "
+        f"spark_session(load_settings(None, {overrides!r})); print('connected', flush=True)"
+    )
+    secret = local_cluster.SPARK_AUTH_SECRET
+    without = {name: value for name, value in cli_env().items() if name != secret}
+    master_log = Path(cluster.root) / "logs" / "spark-master.log"
+    assert "SecurityManager: authentication enabled" in master_log.read_text(errors="replace")
+    for case, env in (("no secret", without), ("a wrong secret", {**without, secret: "not-the-cluster-secret"})):
+        apps = spark_applications(cluster)
+        logged = master_log.stat().st_size
+        output = spark_driver_until_refused(code, env)
+        assert "connected" not in output.splitlines(), (
+            f"the master accepted a Spark driver with {case}:\n{output[-3000:]}"
+        )
+        assert "Failed to connect to master" in output, output[-3000:]
+        with master_log.open(errors="replace") as log:
+            log.seek(logged)
+            said = log.read()
+        assert "sasl" in said.lower(), f"the master's log does not say why it refused the driver with {case}:\n{said}"
+        assert spark_applications(cluster) == apps, "the refused driver registered an application"
+
+
+def spark_applications(cluster: local_cluster.Cluster) -> set[str]:
+    master = local_cluster.http_json(f"{cluster.spark_ui}/json/")
+    return {app["id"] for app in master["activeapps"] + master["completedapps"]}
+
+
+def spark_driver_until_refused(code: str, env: dict[str, str]) -> str:
+    """Run CODE (a Spark driver) until it prints `connected`, says it failed to connect to the master, or ends; stop
+    it and its JVM; return its output."""
+    import signal
+    import threading
+
+    lines: list[str] = []
+    with subprocess.Popen(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
+    ) as driver:
+        # A bound on a driver that says neither (its log is then the failure's message).
+        bound = threading.Timer(300, os.killpg, (driver.pid, signal.SIGKILL))
+        bound.start()
+        try:
+            for line in driver.stdout:
+                lines.append(line)
+                if line.strip() == "connected" or "Failed to connect to master" in line:
+                    break
+        finally:
+            bound.cancel()
+            try:
+                os.killpg(driver.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    return "".join(lines)
 
 
 def ray_client_logs(cluster: local_cluster.Cluster) -> str:
