@@ -98,7 +98,7 @@ doctor: install
 # UI_DATABASE=postgres keeps both servers' records in a PostgreSQL of their own ($(WORKSPACE)/ui/postgres).
 ui: install $(if $(filter postgres,$(UI_DATABASE)),postgres)
 	@echo "Prefect UI: http://127.0.0.1:4200   MLflow UI: http://127.0.0.1:5000   records: $(UI_DATABASE)   (Ctrl-C stops both)"
-	$(BIN)/python -m infra.ui --workspace $(WORKSPACE) --database $(UI_DATABASE)
+	$(BIN)/python -m infra.local.ui --workspace $(WORKSPACE) --database $(UI_DATABASE)
 
 # A process worker for the deployments in prefect.yaml (after `make ui`, from another shell).
 # The API's auth string: the caller's own, else the one `make ui` generated.
@@ -112,19 +112,19 @@ worker: install
 
 # A Spark standalone master and 2 workers, 2 Ray nodes, PostgreSQL, an MLflow server (basic auth) and a Prefect server, on 127.0.0.1.
 cluster-up: install $(if $(filter postgres,$(CLUSTER_DATABASE)),postgres)
-	$(BIN)/python -m infra.cluster up --root $(CLUSTER) --database $(CLUSTER_DATABASE)
+	$(BIN)/python -m infra.local.cluster up --root $(CLUSTER) --database $(CLUSTER_DATABASE)
 
 cluster-status: install
-	$(BIN)/python -m infra.cluster status --root $(CLUSTER)
+	$(BIN)/python -m infra.local.cluster status --root $(CLUSTER)
 
 # The pipeline on that cluster: settings from infra/clusters/local.yaml, addresses and credentials from cluster.env.
 cluster-run: install demo-data
 	set -a; . $(CLUSTER)/cluster.env; set +a; unset IMAGELAKE_CLUSTER_POSTGRES_PASSWORD; $(BIN)/imagelake run --config infra/clusters/local.yaml --source $(DEMO)
 
 cluster-down:
-	$(BIN)/python -m infra.cluster down --root $(CLUSTER)
+	$(BIN)/python -m infra.local.cluster down --root $(CLUSTER)
 
 clean:
 	@# A running cluster first: its state (which processes to stop) lives in the workspace.
-	@if [ -x $(BIN)/python ]; then $(BIN)/python -m infra.cluster down --root $(CLUSTER); fi
+	@if [ -x $(BIN)/python ]; then $(BIN)/python -m infra.local.cluster down --root $(CLUSTER); fi
 	rm -rf $(WORKSPACE) .pytest_cache

@@ -31,13 +31,13 @@ from sklearn.datasets import load_sample_images
 from infra.settings import Settings
 from infra.spark import delta_jars_loaded, spark_session
 from tasks.changes import ingest_listing
-from tasks.ingest import source_uri
-from tasks.resize import resize_images
+from tasks.listing import source_uri
 from tasks.resize_executor import DecodeRules
 from tasks.rules.images import resize_image
 from tasks.rules.listing import Scope
+from tasks.stages.resize import resize_images
+from tasks.stages.write import write_images
 from tasks.table import ImageTable
-from tasks.write import write_images
 
 
 def write_photos(out: Path, count: int, seed: int = 0) -> None:

@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/load.py [--scenario full|small] [--database postgres sqlite] [--keep DIR]
 
-For each database: the servers of `make cluster-up` (infra/cluster.py: the MLflow tracking server with basic
+For each database: the servers of `make cluster-up` (infra/local/cluster.py: the MLflow tracking server with basic
 authentication and the Prefect server, on PostgreSQL or on SQLite files; each run brings its own Spark and Ray, as
 a run of `make run` does), the deployments of prefect.yaml, one process worker, and a landing folder of
 YYYY-MM-DD date folders of random images (so that no image repeats another's content). Then, at once: a backfill of
@@ -39,8 +39,8 @@ import httpx  # noqa: E402
 import numpy as np  # noqa: E402
 from PIL import Image  # noqa: E402
 
-from infra import cluster as servers  # noqa: E402
 from infra.lifecycle import processes_with  # noqa: E402
+from infra.local import cluster as servers  # noqa: E402
 from tests.servers import custom_run_body, form_defaults, stop_group  # noqa: E402
 
 BIN = Path(sys.executable).parent

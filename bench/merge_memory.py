@@ -8,7 +8,7 @@ and each engine, in a folder of its own: a table of 10 rows, then what the resiz
 directly (decoding is not what is measured): IMAGES new rows of SIDE x SIDE RGB pixels in uncommitted data files in
 the table's folder (2,048 rows a file, row groups of 16, as the executors write them) and the staged bookkeeping rows,
 with one row of the table retired. A fresh process with that checkout's code (and, for Spark's Delta, its Spark
-session started first) then runs tasks.write.write_images, a merge. It prints the growth of the driver's peak
+session started first) then runs tasks.stages.write.write_images, a merge. It prints the growth of the driver's peak
 resident memory over the write (the Python process: its peak is reset through /proc/self/clear_refs where Linux
 allows, else ru_maxrss), in MB and in bytes per new image; for Spark's Delta also the JVM's peak, which on an
 embedded Spark (local[2]) holds the executors too. Then (b) over (a).
@@ -36,7 +36,10 @@ CHILD = r"""
 import json, os, resource, sys, time
 sys.path.insert(0, sys.argv[1])
 args = json.loads(sys.argv[2])
-import tasks.write
+try:
+    import tasks.stages.write as write
+except ImportError:  # a checkout from before the stages had a folder of their own
+    import tasks.write as write
 from infra.settings import Settings
 from infra.spark import on_demand, spark_session
 from tasks.results import Resized
@@ -63,12 +66,12 @@ reset = reset_peak("self") and (jvm is None or reset_peak(jvm))
 before, jvm_before = status("self")["VmRSS"], status(jvm)["VmRSS"] if jvm else 0
 maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 started = time.perf_counter()
-written = tasks.write.write_images(table, resized, 1.0)
+written = write.write_images(table, resized, 1.0)
 seconds = time.perf_counter() - started
 peak = status("self")["VmHWM"] - before if reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - maxrss
 print(json.dumps({
     "peak_kb": peak, "jvm_peak_kb": status(jvm)["VmHWM"] - jvm_before if jvm and reset else None,
-    "reset": reset, "seconds": seconds, "rows": written.rows, "retired": written.retired, "code": tasks.write.__file__,
+    "reset": reset, "seconds": seconds, "rows": written.rows, "retired": written.retired, "code": write.__file__,
 }), flush=True)
 sys.stderr.flush()
 os._exit(0)  # no teardown: Arrow's thread pool can abort it, which says nothing about the write

@@ -9,8 +9,8 @@ Then, each --runs times:
   forward    the exported program on (N, size, size, 3) uint8 batches already decoded, in this process with torch's
              default threads, the best of three passes: the model's limit here
   pyfunc     mlflow.pyfunc.load_model(...).predict on the files' bytes, one process: decode + forward + answers
-  score      tasks.score.score_images on the folder: Spark's local executors, each Python worker loading the model
-             once, into a fresh predictions table (Spark's start is not counted: the session is started first)
+  score      tasks.stages.score.score_images on the folder: Spark's local executors, each Python worker loading the
+             model once, into a fresh predictions table (Spark's start is not counted: the session is started first)
   re-run     the same again: nothing new to answer (every file is still read and hashed)
 Printed: each path's images/s (min, median, max) and its median over the forward pass's.
 """
@@ -92,7 +92,7 @@ def main() -> None:
     from infra.settings import load_settings
     from infra.spark import spark_session
     from tasks.rules.images import resize_image
-    from tasks.score import score_images
+    from tasks.stages.score import score_images
 
     work = Path(tempfile.mkdtemp(prefix="imagelake-score-"))
     try:

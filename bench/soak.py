@@ -3,7 +3,7 @@
     .venv/bin/python bench/soak.py [--runs 50] [--start 300] [--growth 0.02] [--retention-hours 0.05] [--out
     bench/results/soak] [--keep DIR]
 
-The servers of `make cluster-up` without Spark and Ray (infra/cluster.py, compute=False: PostgreSQL, the MLflow
+The servers of `make cluster-up` without Spark and Ray (infra/local/cluster.py, compute=False: PostgreSQL, the MLflow
 server with basic authentication, the Prefect server) stay up throughout. The source starts with --start demo digits
 (PNGs, every label) and gains --growth of its size in new digits before each run after the first. Each run is
 `imagelake run ... --json` in its own process, as a scheduled run is (32 px, 1 epoch, one worker), with
@@ -36,7 +36,7 @@ sys.path.insert(0, str(REPO))
 import psutil  # noqa: E402
 
 from flows.demo_data import write_digits  # noqa: E402
-from infra import cluster as servers  # noqa: E402
+from infra.local import cluster as servers  # noqa: E402
 
 IMAGELAKE = str(Path(sys.executable).with_name("imagelake"))
 SMALL = ("image_size=32", "max_epochs=1", "batch_size=16", "num_workers=1")

@@ -14,12 +14,13 @@ from flows.pipeline import train_and_promote
 from infra.prefect_env import stage_results
 from infra.settings import Settings
 from tasks.changes import date_counts
-from tasks.ingest import ingest, save_listing, source_uri
-from tasks.resize import resize
+from tasks.listing import save_listing, source_uri
 from tasks.results import TableVersion
 from tasks.rules.listing import Scope, date_plan
+from tasks.stages.ingest import ingest
+from tasks.stages.resize import resize
+from tasks.stages.write import requeue_by_setting, write
 from tasks.table import ImageTable
-from tasks.write import requeue_by_setting, write
 
 
 class BackfillFailed(RuntimeError):

@@ -276,8 +276,8 @@ def requeue(
 ) -> None:
     """Send quarantined files back through: the next run reads them again (a file still bad is quarantined again)."""
     settings, _ = _settings_or_exit(config, set_)
+    from tasks.stages.write import requeue as requeue_files
     from tasks.table import ImageTable
-    from tasks.write import requeue as requeue_files
 
     table = ImageTable.of(settings)
     held = table.quarantined_by_reason()

@@ -182,10 +182,10 @@ def settings_table() -> str:
 
 
 def stage_modules() -> list[str]:
-    """The modules of tasks/ that declare a stage (read as text first: tasks/served_model.py must never be imported)."""
+    """The modules of tasks/stages/ that declare a stage (read as text first, as every module that declares one is)."""
     return sorted(
-        f"tasks.{path.stem}"
-        for path in (REPO / "tasks").glob("*.py")
+        f"tasks.stages.{path.stem}"
+        for path in (REPO / "tasks" / "stages").glob("*.py")
         if "\n@stage(" in path.read_text(encoding="utf-8")
     )
 

@@ -7,8 +7,8 @@ from typing import Any
 
 from flows.flow import imagelake_flow, run_settings
 from infra.settings import Settings
-from tasks.maintain import maintain_cache, maintain_images, maintain_quarantine
-from tasks.retention import retention
+from tasks.stages.maintain import maintain_cache, maintain_images, maintain_quarantine
+from tasks.stages.retention import retention
 
 
 @imagelake_flow("imagelake-maintain")

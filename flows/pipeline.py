@@ -15,16 +15,16 @@ from flows.flow import check_run_parameters, imagelake_flow, run_settings
 from infra.delta import Table
 from infra.prefect_env import stage_results
 from infra.settings import Settings
-from tasks.cache import cache
-from tasks.ingest import ingest
-from tasks.promote import promote
-from tasks.resize import resize
 from tasks.results import Resized, TableVersion
-from tasks.retention import retention
-from tasks.split import split
-from tasks.summary import summarize
-from tasks.train import train
-from tasks.write import requeue_by_setting, write
+from tasks.stages.cache import cache
+from tasks.stages.ingest import ingest
+from tasks.stages.promote import promote
+from tasks.stages.resize import resize
+from tasks.stages.retention import retention
+from tasks.stages.split import split
+from tasks.stages.summary import summarize
+from tasks.stages.train import train
+from tasks.stages.write import requeue_by_setting, write
 
 
 def train_and_promote(table: TableVersion, settings: Settings, resized: Resized | None = None) -> dict[str, Any]:

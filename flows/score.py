@@ -7,7 +7,7 @@ from typing import Any
 
 from flows.flow import imagelake_flow, run_settings
 from infra.prefect_env import stage_results
-from tasks.score import score, score_model
+from tasks.stages.score import score, score_model
 
 RENAMED = {"cached": "result_reused"}  # keys of the result renamed, old -> new
 

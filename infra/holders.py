@@ -73,7 +73,7 @@ def busy_message(what: str, timeout: float | None, holder: dict[str, Any] | None
     )
 
 
-# Locks whose wait is a setting, by the start of what they lock (tasks/cache.py, tasks/train.py).
+# Locks whose wait is a setting, by the start of what they lock (tasks/stages/cache.py, tasks/stages/train.py).
 WAIT_SETTINGS = {"cache-": "cache_lock_wait_minutes", "train-": "train_lock_wait_minutes"}
 
 

@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 import torch
 import torch.nn.functional as F
 
-from tasks.worker.loader import pixel_rows, split_files
+from tasks.cache_files import pixel_rows, split_files
 
 THUMBNAIL = 32
 MAX_ROWS = 20_000

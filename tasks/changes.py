@@ -25,7 +25,7 @@ from pyspark.sql import functions as F
 from pyspark.sql.pandas.types import from_arrow_schema
 
 from infra.compat import collect_arrow
-from tasks.ingest import LISTING_BATCH, canonical_uri, is_manifest, save_listing, write_manifest
+from tasks.listing import LISTING_BATCH, canonical_uri, is_manifest, save_listing, write_manifest
 from tasks.results import Listed, ListingDiff
 from tasks.rules.listing import Scope
 from tasks.rules.schemas import CHANGES_SCHEMA, LISTING_SCHEMA

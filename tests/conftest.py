@@ -81,8 +81,8 @@ DIGITS = tuple(str(d) for d in range(10))
 @pytest.fixture
 def digits_cached(spark, lake, digits_dir: Path, tmp_path: Path, settings):
     """100 digits at 24x24, split and cached (a CachedSplits, what the train stage takes)."""
-    from tasks.cache import cache_splits
-    from tasks.split import plan_splits
+    from tasks.stages.cache import cache_splits
+    from tasks.stages.split import plan_splits
     from tests.lake import copy_digits
 
     copy_digits(digits_dir, tmp_path / "src", labels=DIGITS, per_label=10)

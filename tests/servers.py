@@ -12,7 +12,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from infra.cluster import free_port
+from infra.local.cluster import free_port
 from tests.conftest import REPO, cli_env
 
 BIN = Path(sys.executable).parent

@@ -13,7 +13,7 @@ from deltalake import DeltaTable
 from flows.backfill import BackfillFailed, backfill
 from infra.delta import read_version
 from infra.tracking import mlflow_client
-from tasks.ingest import ListingIncomplete
+from tasks.listing import ListingIncomplete
 from tests.lake import LostMount, copy_digits
 
 pytestmark = pytest.mark.slow

@@ -14,7 +14,7 @@ from flows.score import score_flow
 from infra.settings import load_settings
 from infra.spark import spark_asks
 from tasks.stage import StageKey, code_digest, explain, key_parts, stage_outcomes
-from tasks.summary import RENAMED_KEYS, results_keys, results_report
+from tasks.stages.summary import RENAMED_KEYS, results_keys, results_report
 from tests.lake import copy_digits
 
 ALL = ["ingest", "resize", "write", "split", "cache", "train", "promote"]
@@ -56,7 +56,7 @@ def test_every_stage_s_code_key_reads_its_modules_imported_or_not(monkeypatch: p
     stages = [
         value
         for name in ("ingest", "resize", "write", "split", "cache", "train", "promote")
-        for value in vars(importlib.import_module(f"tasks.{name}")).values()
+        for value in vars(importlib.import_module(f"tasks.stages.{name}")).values()
         if isinstance(value, Task) and isinstance(value.cache_policy, StageKey)
     ]
     assert {task.name for task in stages} >= {"ingest", "resize", "write", "split", "cache", "train", "promote"}
@@ -96,7 +96,7 @@ def test_results_report_says_reused_or_computed_and_why() -> None:
 
 def cache_line(summary: dict):
     """The cache line of SUMMARY's run and each split's manifest for the run's table version."""
-    from tasks.cache import CacheLine
+    from tasks.cache_files import CacheLine
 
     line = CacheLine(summary["cache_dir"])
     return line, line.read(summary["delta_version"])

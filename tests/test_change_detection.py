@@ -20,7 +20,7 @@ from deltalake import write_deltalake
 from PIL import Image
 
 from infra.delta import Table
-from tasks.ingest import list_source
+from tasks.listing import list_source
 from tasks.rules.listing import is_changed
 from tasks.rules.schemas import IMAGE_TABLE_SCHEMA
 from tests.lake import SCOPE, Lake, copy_digits

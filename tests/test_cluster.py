@@ -1,6 +1,6 @@
 """The same pipeline on a cluster: Spark standalone, two Ray nodes, an MLflow server with basic auth, a Prefect server.
 
-The module starts the cluster of `make cluster-up` (infra/cluster.py) on free loopback ports, with the MLflow and
+The module starts the cluster of `make cluster-up` (infra/local/cluster.py) on free loopback ports, with the MLflow and
 Prefect servers on its PostgreSQL, runs `imagelake run` against it with infra/clusters/local.yaml and the cluster's
 environment file, checks where the work ran, where the servers kept it and that no credential leaked, and stops
 the cluster.
@@ -24,7 +24,7 @@ import httpx
 import psutil
 import pytest
 
-from infra import cluster as local_cluster
+from infra.local import cluster as local_cluster
 from tests.conftest import REPO, cli_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster, pytest.mark.alone, pytest.mark.xdist_group("alone-cluster")]
@@ -321,7 +321,7 @@ def test_the_flow_run_is_on_the_prefect_server(cluster_run: ClusterRun) -> None:
 def test_the_mlflow_and_prefect_servers_keep_their_records_in_postgresql(cluster_run: ClusterRun) -> None:
     import psycopg2
 
-    from infra import postgres
+    from infra.local import postgres
 
     root, port = Path(cluster_run.cluster.root), cluster_run.cluster.ports.postgres
     with psycopg2.connect(
@@ -517,7 +517,7 @@ def test_the_ui_servers_on_postgresql_keep_their_records_there_and_stop_with_it(
 
     import psycopg2
 
-    from infra import postgres, ui
+    from infra.local import postgres, ui
 
     workspace = Path(tempfile.mkdtemp(prefix="imagelake-ui-"))
     os.chmod(workspace, 0o711)
@@ -538,7 +538,7 @@ def test_the_ui_servers_on_postgresql_keep_their_records_there_and_stop_with_it(
     env["PREFECT_HOME"] = str(workspace / "prefect-home")
     with (workspace / "ui.log").open("w") as log:
         served = subprocess.Popen(
-            [sys.executable, "-m", "infra.ui", *args],
+            [sys.executable, "-m", "infra.local.ui", *args],
             cwd=REPO,
             env=env,
             stdout=log,

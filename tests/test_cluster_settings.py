@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from infra.cluster import Ports
+from infra.local.cluster import Ports
 from infra.settings import Settings, SettingsError, load_settings
 from infra.spark import on_loopback
 from tests.conftest import REPO

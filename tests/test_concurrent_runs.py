@@ -15,8 +15,9 @@ import pytest
 
 from infra.settings import load_settings
 from infra.tracking import mlflow_client
-from tasks.cache import CacheLine, cache_one_at_a_time, cache_splits, line_key
-from tasks.split import plan_splits
+from tasks.cache_files import CacheLine
+from tasks.stages.cache import cache_one_at_a_time, cache_splits, line_key
+from tasks.stages.split import plan_splits
 from tests.conftest import REPO, cli_env
 from tests.lake import Lake, copy_digits
 from tests.servers import MlflowServer

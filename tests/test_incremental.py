@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from infra.delta import Table
-from tasks.cache import cache_splits, clean_cache
+from tasks.cache_files import clean_cache, split_files
 from tasks.changes import (
     NotInPathOrder,
     changes_between,
@@ -23,11 +23,12 @@ from tasks.changes import (
     merged_listing_changes,
     read_listing,
 )
-from tasks.ingest import source_uri, write_manifest
+from tasks.listing import source_uri, write_manifest
 from tasks.rules.splits import split_of
-from tasks.split import plan_splits
+from tasks.stages.cache import cache_splits
+from tasks.stages.split import plan_splits
 from tasks.table import ImageTable
-from tasks.worker.loader import shard_rows, split_files
+from tasks.worker.loader import shard_rows
 from tests.lake import SCOPE, Lake, copy_digits
 
 
@@ -374,8 +375,8 @@ def test_new_rows_cached_by_the_driver_have_the_layout_spark_writes(spark, tmp_p
     import fsspec
     import pyarrow as pa
 
-    from tasks.cache import GENERATION_BITS, write_split, write_split_arrow
-    from tasks.worker.loader import row_groups
+    from tasks.cache_files import GENERATION_BITS, row_groups
+    from tasks.stages.cache import write_split, write_split_arrow
 
     shas = [hashlib.sha256(str(i).encode()).hexdigest() for i in range(300)]
     rows = pa.table(
@@ -472,8 +473,8 @@ def test_a_cached_split_missing_a_file_is_rebuilt_and_never_trained_on(
 ) -> None:
     import pyarrow.parquet as pq
 
-    from tasks.train import train_model
-    from tasks.worker.loader import check_split
+    from tasks.cache_files import check_split
+    from tasks.stages.train import train_model
 
     source, root = tmp_path / "src", tmp_path / "cache"
     copy_digits(digits_dir, source, per_label=10)

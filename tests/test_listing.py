@@ -13,8 +13,8 @@ import pyarrow.parquet as pq
 import pytest
 from fsspec.implementations.local import LocalFileSystem
 
-import tasks.ingest as ingest
-from tasks.ingest import ListingIncomplete, list_source, local_info, save_listing, walk_files
+import tasks.listing as listing
+from tasks.listing import ListingIncomplete, list_source, local_info, save_listing, walk_files
 from tasks.rules.listing import Scope, listing_fingerprint
 
 SCOPE = Scope((".png", ".jpg"))
@@ -76,13 +76,13 @@ def test_a_folder_listing_streams_in_path_order_with_the_rows_and_fingerprint_of
                 assert local_info(fs._strip_protocol(entry.path)) == fs.info(entry), entry.path
 
     with monkeypatch.context() as patch:
-        patch.setattr(ingest, "walk_files", whole_folder_walk)
+        patch.setattr(listing, "walk_files", whole_folder_walk)
         whole = list_source(uri, SCOPE)
     walk = walk_files(fs, str(source))
     assert isinstance(walk, Iterator), "the walk is lazy: a generator, not a list"
     assert [path for path, _ in walk] == [path for path, _ in whole_folder_walk(fs, str(source))]
 
-    monkeypatch.setattr(ingest, "LISTING_BATCH", 4)
+    monkeypatch.setattr(listing, "LISTING_BATCH", 4)
     listed = save_listing(uri, SCOPE, str(tmp_path / "staging"))
     rows = pq.read_table(listed.manifest_uri.removeprefix("file://")).to_pylist()
     assert len(whole) > 4 * 3 and rows == whole

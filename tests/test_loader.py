@@ -13,8 +13,9 @@ import pytest
 from petastorm import make_batch_reader
 
 from infra.compat import petastorm_ventilation_order as ventilation_order
-from tasks.cache import write_split
-from tasks.worker.loader import POSITION, ShardBatches, piece_sizes, row_groups, shard_rows
+from tasks.cache_files import POSITION, row_groups
+from tasks.stages.cache import write_split
+from tasks.worker.loader import ShardBatches, piece_sizes, shard_rows
 
 SIZE = 4  # 4x4 RGB: 48 bytes an image
 

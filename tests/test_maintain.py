@@ -12,7 +12,7 @@ from mlflow import MlflowClient
 from PIL import Image
 
 from infra.delta import Table, read_version
-from tasks.maintain import maintain_table, protected_versions
+from tasks.stages.maintain import maintain_table, protected_versions
 from tests.lake import Lake, copy_digits
 
 

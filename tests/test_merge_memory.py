@@ -14,9 +14,9 @@ import numpy as np
 from PIL import Image
 
 from tasks.changes import ingest_listing
-from tasks.ingest import source_uri
-from tasks.resize import resize_images
+from tasks.listing import source_uri
 from tasks.resize_executor import DecodeRules
+from tasks.stages.resize import resize_images
 from tasks.table import ImageTable
 from tests.conftest import REPO
 from tests.lake import SCOPE, Lake, copy_digits
@@ -33,7 +33,7 @@ from infra.settings import Settings
 from infra.spark import on_demand
 from tasks.results import Resized
 from tasks.table import ImageTable
-from tasks.write import write_images
+from tasks.stages.write import write_images
 args = json.loads(sys.argv[1])
 resized = Resized.model_validate(args["resized"])
 spark = on_demand(Settings(workspace=args["workspace"], spark_master="local[1]"))

@@ -12,7 +12,7 @@ import torchvision
 
 from infra.settings import MODEL_ARCHS, Settings
 from tasks.results import CachedSplits
-from tasks.train import balanced_weights
+from tasks.stages.train import balanced_weights
 from tasks.worker.augment import augment, epoch_generator
 from tasks.worker.model import ImageClassifier, ImageModel, WeightsUnavailable, weights_file
 from tasks.worker.train_loop import make_model, make_trainer

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from infra.delta import Table
-from tasks.maintain import maintain_table
+from tasks.stages.maintain import maintain_table
 from tests.conftest import cli_env
 from tests.lake import Lake, copy_digits
 

@@ -20,8 +20,8 @@ from mlflow import MlflowClient
 from PIL import Image, ImageOps
 
 from flows.demo_data import write_digits
+from tasks.cache_files import split_files
 from tasks.rules.report import margin
-from tasks.worker.loader import split_files
 from tests.conftest import cli_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("e2e")]  # one process runs the shared first run

@@ -565,8 +565,8 @@ def test_the_promote_stage_retries_a_champion_the_store_cannot_serve_and_then_co
     from prefect import flow
 
     from infra.prefect_env import stage_results
-    from tasks.promote import promote
-    from tasks.train import train_model
+    from tasks.stages.promote import promote
+    from tasks.stages.train import train_model
     from tests.servers import MlflowServer
 
     settings = settings.model_copy(

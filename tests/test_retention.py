@@ -14,7 +14,7 @@ import pytest
 
 from flows.pipeline import pipeline
 from infra.settings import load_settings
-from tasks.retention import is_old, prune_workspace, remove
+from tasks.stages.retention import is_old, prune_workspace, remove
 from tests.lake import copy_digits
 
 HOUR = 3600.0

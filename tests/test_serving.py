@@ -23,7 +23,7 @@ from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
 from PIL import Image
 
-from infra.cluster import free_port
+from infra.local.cluster import free_port
 from infra.settings import load_settings
 from tasks.registry import load_registered_model, served_model
 from tasks.rules.images import resize_image
@@ -282,7 +282,7 @@ def test_score_answers_a_folder_a_prefix_and_a_table_version_on_spark_once_per_c
     from deltalake import DeltaTable
 
     from tasks.rules.schemas import IMAGE_TABLE_SCHEMA
-    from tasks.score import ScoreSourceError, score_images
+    from tasks.stages.score import ScoreSourceError, score_images
 
     store, _ = champion
     settings = load_settings(overrides={"workspace": str(tmp_path / "ws"), "mlflow_tracking_uri": store})

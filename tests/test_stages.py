@@ -14,17 +14,18 @@ from PIL import Image, ImageOps
 
 from infra.delta import Table, read_version
 from infra.settings import load_settings
-from tasks.cache import cache_splits
+from tasks.cache_files import split_files
 from tasks.changes import ingest_listing
-from tasks.ingest import source_uri
-from tasks.resize import resize_images
+from tasks.listing import source_uri
 from tasks.resize_executor import DecodeRules, files_done
 from tasks.rules.bad_files import TooManyBadFiles
 from tasks.rules.listing import Scope, SourceError
 from tasks.rules.splits import split_of
-from tasks.split import plan_splits
+from tasks.stages.cache import cache_splits
+from tasks.stages.resize import resize_images
+from tasks.stages.split import plan_splits
 from tasks.table import ImageTable, split_column
-from tasks.worker.loader import ShardBatches, shard_rows, split_files
+from tasks.worker.loader import ShardBatches, shard_rows
 from tests.lake import RULES, SCOPE, Lake, copy_digits
 
 
@@ -127,7 +128,7 @@ def test_a_manifest_row_that_leaves_its_folder_by_a_link_is_quarantined_as_a_fol
     """A manifest's rows are checked on their real paths too: a file, or a folder on the way, that links outside the
     manifest's folder and manifest_roots is quarantined (symlink_outside_source), never read; a link into a root is
     fine."""
-    from tasks.ingest import list_manifest
+    from tasks.listing import list_manifest
     from tasks.rules.listing import Scope
 
     base, outside, extra = tmp_path / "base", tmp_path / "outside", tmp_path / "extra"
@@ -152,7 +153,7 @@ def test_a_manifest_row_that_leaves_its_folder_by_a_link_is_quarantined_as_a_fol
 def test_a_manifest_row_outside_its_folder_is_refused_naming_the_line(
     lake: Lake, digits_dir: Path, tmp_path: Path, spelling: str
 ) -> None:
-    from tasks.ingest import list_source
+    from tasks.listing import list_source
     from tasks.rules.listing import Scope, SourceError
 
     inside, outside = tmp_path / "landing", tmp_path / "elsewhere"
@@ -412,7 +413,7 @@ def test_one_table_holds_two_image_sizes_each_counted_changed_and_retired_on_its
 def test_a_folder_that_cannot_be_listed_stops_the_run_and_retires_nothing(
     lake: Lake, digits_dir: Path, tmp_path: Path, monkeypatch
 ) -> None:
-    from tasks.ingest import ListingIncomplete, list_source
+    from tasks.listing import ListingIncomplete, list_source
     from tests.lake import LostMount
 
     source = tmp_path / "src"
@@ -571,7 +572,7 @@ def test_requeue_sends_quarantined_files_back_through(lake: Lake, digits_dir: Pa
     from typer.testing import CliRunner
 
     from flows.cli import app
-    from tasks.write import requeue_by_setting
+    from tasks.stages.write import requeue_by_setting
 
     source = tmp_path / "src"
     copy_digits(digits_dir, source, labels=("0", "1"), per_label=5)
@@ -667,9 +668,9 @@ def test_two_identical_runs_at_once_keep_their_own_staging_and_a_short_one_write
 ) -> None:
     from deltalake import DeltaTable
 
-    from tasks.ingest import ingest
-    from tasks.resize import resize
-    from tasks.write import StagingIncomplete, write
+    from tasks.stages.ingest import ingest
+    from tasks.stages.resize import resize
+    from tasks.stages.write import StagingIncomplete, write
 
     source = tmp_path / "src"
     copy_digits(digits_dir, source, labels=("0", "1"), per_label=4)

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from flows.cli import format_summary
-from tasks.summary import summary_markdown
+from tasks.stages.summary import summary_markdown
 
 LABEL = "a|b <img src=x> *x*"
 RUN_LINK = "http://127.0.0.1:5000/#/experiments/1/runs/23b04eb6136a489d8faa99bc6bf2af8b"

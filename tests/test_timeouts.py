@@ -201,7 +201,7 @@ def test_no_timeout_or_lock_wait_enters_a_cache_key_or_a_ray_run_name() -> None:
             "retention",
             "maintain",
         )
-        for value in vars(importlib.import_module(f"tasks.{name}")).values()
+        for value in vars(importlib.import_module(f"tasks.stages.{name}")).values()
         if isinstance(value, Task) and isinstance(value.cache_policy, StageKey)
     ]
     for task in stages:

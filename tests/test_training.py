@@ -10,10 +10,10 @@ import ray.train
 import torch
 
 from infra.tracking import mlflow_client
-from tasks.cache import cache_splits
 from tasks.rules.training import scaled_learning_rate
-from tasks.split import plan_splits
-from tasks.train import run_name, train_model
+from tasks.stages.cache import cache_splits
+from tasks.stages.split import plan_splits
+from tasks.stages.train import run_name, train_model
 from tasks.worker.train_loop import (
     CheckpointUnusable,
     make_model,
@@ -155,7 +155,7 @@ def test_the_baseline_fits_a_random_sample_of_the_same_split_and_beats_chance(ca
     import torch.nn.functional as F
 
     from tasks.baseline import fit_baseline, thumbnails
-    from tasks.promote import read_split
+    from tasks.stages.promote import read_split
 
     whole = fit_baseline(cached.splits["train"], cached.splits["test"], 24, cached.counts, seed=0)
     assert (whole.train_rows, whole.test_rows) == (cached.counts["train"], cached.counts["test"])
@@ -261,8 +261,8 @@ def test_a_compiled_model_trains_its_own_weights_checkpoints_under_the_plain_nam
     # Registered as the promote stage registers: the plain model of the checkpoint, a pt2 program in the served pyfunc.
     import mlflow
 
-    from tasks.promote import load_trained_model
     from tasks.registry import served_model
+    from tasks.stages.promote import load_trained_model
 
     exported = load_trained_model(str(tmp_path / "compiled.ckpt"))
     labels = [str(n) for n in range(10)]

@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from infra.tracking import mlflow_client
-from tasks.promote import promote_model
 from tasks.registry import load_registered_model
 from tasks.rules.promotion import CHAMPION
 from tasks.rules.warm_start import Champion, WeightsShape, decide_warm_start, shape_from_tags
-from tasks.train import train_model, warm_start_key, warm_start_of
+from tasks.stages.promote import promote_model
+from tasks.stages.train import train_model, warm_start_key, warm_start_of
 from tasks.worker.model import ImageModel
 from tests.conftest import DIGITS
 

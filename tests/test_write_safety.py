@@ -16,14 +16,14 @@ import pytest
 
 from infra.delta import Table, commit_files, read_version
 from tasks.changes import ingest_listing
-from tasks.ingest import source_uri
-from tasks.resize import resize_images
+from tasks.listing import source_uri
 from tasks.resize_executor import DecodeRules
 from tasks.results import Resized
 from tasks.rules.listing import Scope
 from tasks.rules.schemas import IMAGE_TABLE_SCHEMA
+from tasks.stages.resize import resize_images
+from tasks.stages.write import WRITE_PHASES, plan_changes, settle_concurrent_append, write_images
 from tasks.table import ImageTable
-from tasks.write import WRITE_PHASES, plan_changes, settle_concurrent_append, write_images
 from tests.conftest import REPO
 from tests.lake import copy_digits
 
@@ -51,7 +51,7 @@ def writer(
     stop_at: str | None = None,
 ) -> subprocess.Popen:
     """A writer process for the tables under LAKE (default: ROOT), its workspace and log under ROOT; with STOP_AT, it
-    prints each phase of its write (tasks/write.py: WRITE_PHASES) and waits at that one to be killed."""
+    prints each phase of its write (tasks/stages/write.py: WRITE_PHASES) and waits at that one to be killed."""
     lake = lake or str(root)
     args = {
         "workspace": str(root / "ws"),

@@ -9,9 +9,9 @@ import time
 from pathlib import Path
 
 from infra.settings import load_settings
-from tasks.promote import promote_model
 from tasks.results import CachedSplits
-from tasks.train import train_model
+from tasks.stages.promote import promote_model
+from tasks.stages.train import train_model
 
 
 def main(cached_json: str, go: str, out: str) -> None:

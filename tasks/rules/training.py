@@ -23,7 +23,7 @@ def scaled_learning_rate(base_lr: float, num_workers: int, rule: str = "linear")
 
 # The settings that change what training produces: they name the Ray run and key the train stage's cache
 # (loader_processes too: two or more processes make other batches than one, though the same for the same seed).
-# With warm_start on, the champion's version it starts from does too (tasks/train.py:warm_start_key).
+# With warm_start on, the champion's version it starts from does too (tasks/stages/train.py:warm_start_key).
 TRAINING_SETTINGS = (
     "model_arch",
     "pretrained",

@@ -11,7 +11,6 @@ and held until its turn in the order Petastorm ventilated them (seeded, see infr
 
 from __future__ import annotations
 
-import json
 import math
 import queue
 import threading
@@ -22,8 +21,6 @@ from typing import Any, Self
 
 import fsspec
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 import torch
 from fsspec.implementations.local import LocalFileSystem
 from petastorm import make_batch_reader
@@ -32,6 +29,7 @@ from petastorm.workers_pool import EmptyResultError
 from pyarrow.filesystem import DaskFileSystem
 
 from infra.compat import petastorm_ventilation_order, replace_petastorm_results_reader
+from tasks.cache_files import POSITION, pixel_rows, row_group_sizes, row_groups, split_urls
 
 # Petastorm is pinned with pyarrow 14 on purpose (see pyproject.toml): its legacy-API notices are known and noise.
 warnings.filterwarnings("ignore", category=FutureWarning, module=r"petastorm(\.|$)")
@@ -39,9 +37,6 @@ warnings.filterwarnings("ignore", category=FutureWarning, module=r"petastorm(\.|
 
 class ShardTooSmall(ValueError):
     """A worker's shard has fewer rows than the steps every worker must take."""
-
-
-POSITION = "position"  # the cache's row id: names the row group a row came from
 
 
 @lru_cache(maxsize=32)
@@ -69,64 +64,6 @@ class _LegacyFsspec(DaskFileSystem):
 
     def walk(self, path: str):
         return self.fs.walk(path)
-
-
-def split_files(url: str) -> tuple[Any, list[str]]:
-    """A cached split's filesystem and Parquet files, sorted: those its manifest names (a .json file, names relative
-    to its folder; see tasks/cache.py) or those in a folder."""
-    fs, path = fsspec.core.url_to_fs(url)
-    if path.endswith(".json"):
-        folder = path.rsplit("/", 1)[0]
-        return fs, sorted(f"{folder}/{name}" for name in json.loads(fs.cat_file(path))["files"])
-    return fs, sorted(
-        p for p in fs.find(path) if p.endswith(".parquet") and not p.rsplit("/", 1)[-1].startswith(("_", "."))
-    )
-
-
-def split_urls(url: str) -> list[str]:
-    """A cached split's Parquet files as URIs (what Petastorm and pyarrow are given)."""
-    fs, files = split_files(url)
-    return [fs.unstrip_protocol(path) for path in files]
-
-
-def row_groups(url: str) -> tuple[tuple[int, int | None], ...]:
-    """(rows, first position) of each row group of a cached split, in the order Petastorm numbers them
-    (files by path, then row groups). The first position is None where the files have no position column."""
-    fs, files = split_files(url)
-    groups: list[tuple[int, int | None]] = []
-    for path in files:
-        with fs.open(path, "rb") as handle:
-            meta = pq.ParquetFile(handle).metadata
-        column = meta.schema.names.index(POSITION) if POSITION in meta.schema.names else None
-        for i in range(meta.num_row_groups):
-            group = meta.row_group(i)
-            stats = group.column(column).statistics if column is not None else None
-            # Positions rise through a file, so a group's minimum is its first row's.
-            groups.append((group.num_rows, int(stats.min) if stats is not None and stats.has_min_max else None))
-    return tuple(groups)
-
-
-def check_split(url: str, split: str, expected_rows: int) -> None:
-    """A cached split must hold the rows its plan counted: every file its manifest names is there, and their rows add
-    up. Training never runs on a partial split (a part file deleted by hand, a cleaned disk)."""
-    fs, files = split_files(url)
-    for path in files:
-        if not fs.exists(path):
-            raise FileNotFoundError(
-                f"the cached {split} split {url} names {fs.unstrip_protocol(path)}, which is gone: run again "
-                "(the cache stage rebuilds it)"
-            )
-    rows = sum(rows for rows, _ in row_groups(url))
-    if rows != expected_rows:
-        raise ValueError(
-            f"the cached {split} split {url} holds {rows} rows where its table version has {expected_rows}: "
-            "run again (the cache stage rebuilds it)"
-        )
-
-
-def row_group_sizes(url: str) -> tuple[int, ...]:
-    """Rows of each row group of a Parquet folder, in Petastorm's order."""
-    return tuple(rows for rows, _ in row_groups(url))
 
 
 def shard_rows(url: str, shard_count: int) -> list[int]:
@@ -772,22 +709,6 @@ class InOrder:
         return self.waiting.pop(wanted)[:3]
 
 
-def pixel_rows(images: pa.ChunkedArray, pixels: int, where: str) -> np.ndarray:
-    """A binary column of images, `pixels` bytes each, as one (rows, pixels) uint8 view of its Arrow data buffer.
-
-    A single chunk is used as it is (combine_chunks would copy); `where` names the data in the error.
-    """
-    column = images.chunk(0) if images.num_chunks == 1 else images.combine_chunks()
-    offsets = np.frombuffer(column.buffers()[1], dtype=np.int32, count=len(column) + 1, offset=column.offset * 4)
-    if column.null_count or np.any(np.diff(offsets) != pixels):
-        raise ValueError(
-            f"{where} holds images that are not {pixels} bytes each: rebuild the cache for this image_size"
-        )
-    # Binary values lie back to back: one frombuffer over the data buffer reads them all.
-    data = np.frombuffer(column.buffers()[2], dtype=np.uint8, count=len(column) * pixels, offset=int(offsets[0]))
-    return data.reshape(len(column), pixels)
-
-
 class PixelRowGroups(ArrowReaderWorkerResultsQueueReader):
     """Petastorm's results for one row group, with the image column as one (rows, pixels) uint8 view of the Arrow data
     buffer.
@@ -860,31 +781,3 @@ class RowPool:
         for group_id in set(self.groups) - set(np.unique(self.group_of).tolist()):
             del self.groups[group_id]
         return labels, keys
-
-
-def label_samples(
-    url: str, image_size: int, labels: list[str], per_label: int = 8, max_groups: int = 64
-) -> dict[str, np.ndarray]:
-    """The first `per_label` images of each label of a cached split (its rows are in a seeded random order),
-    from at most `max_groups` row groups: a rare label may show fewer."""
-    fs, files = split_files(url)
-    found: dict[int, list[np.ndarray]] = {index: [] for index in range(len(labels))}
-    read = 0
-    for path in files:
-        with fs.open(path, "rb") as handle:
-            parquet = pq.ParquetFile(handle)
-            for group in range(parquet.num_row_groups):
-                if read >= max_groups or all(len(images) >= per_label for images in found.values()):
-                    break
-                read += 1
-                table = parquet.read_row_group(group, columns=["image", "label"])
-                pixels = pixel_rows(table.column("image"), image_size * image_size * 3, f"cached split {url}")
-                for row, label in enumerate(table.column("label").to_numpy()):
-                    if len(found[int(label)]) < per_label:
-                        found[int(label)].append(
-                            pixels[row].reshape(image_size, image_size, 3).copy()
-                        )  # not a view that keeps the group
-    return {
-        labels[index]: np.stack(images) if images else np.zeros((0, image_size, image_size, 3), np.uint8)
-        for index, images in found.items()
-    }

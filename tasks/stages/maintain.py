@@ -10,7 +10,7 @@ from prefect.cache_policies import NO_CACHE
 from infra.delta import Table
 from infra.settings import Settings
 from infra.tracking import mlflow_client
-from tasks.cache import clean_cache
+from tasks.cache_files import clean_cache
 from tasks.stage import stage
 
 

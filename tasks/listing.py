@@ -1,9 +1,8 @@
-"""Ingest: list the source (a folder tree or a manifest CSV, through fsspec) and keep the listing in staging, named by
-its
-fingerprint. Which files count, and with which label, date and problem, is decided by tasks/rules/listing.py.
+"""Listing a source: a folder tree or a manifest CSV, through fsspec, streamed into one Parquet file in staging, named
+by its fingerprint. Which files count, and with which label, date and problem, is decided by tasks/rules/listing.py.
 
-The ingest stage only lists: what is new or changed depends on the image size, so the resize stage diffs the listing
-against the table (tasks/changes.py). The listing rules are in tasks/rules/listing.py.
+The ingest stage lists with it; the resize stage diffs what it listed against the table (tasks/changes.py); scoring,
+backfills and retention read sources and staging through it too.
 """
 
 from __future__ import annotations
@@ -24,7 +23,6 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from fsspec.implementations.local import LocalFileSystem
 
-from infra.settings import Settings
 from tasks.results import Listed
 from tasks.rules.listing import (
     DATE_FOLDER,
@@ -33,12 +31,9 @@ from tasks.rules.listing import (
     add_to_fingerprint,
     change_stamp,
     file_entry,
-    listing_fingerprint,
     parse_day,
-    scope_of,
 )
 from tasks.rules.schemas import LISTING_SCHEMA
-from tasks.stage import stage
 
 
 def source_uri(source: str) -> str:
@@ -349,35 +344,3 @@ def write_manifest(entries: list[dict[str, Any]] | pa.Table, manifest: str) -> s
             entries if isinstance(entries, pa.Table) else pa.Table.from_pylist(entries, schema=LISTING_SCHEMA), out
         )
     return manifest
-
-
-# The listing that computing the ingest stage's key just saved, for the stage itself: a run lists its source once.
-_saved_for_key: dict[tuple[str, Scope, str], Listed] = {}
-
-
-def source_listing(inputs: dict[str, Any]) -> dict[str, str]:
-    """Key part for ingest: the listing itself, so the stage runs again for new or changed files, found unread."""
-    settings: Settings = inputs["settings"]
-    uri, scope = source_uri(inputs["source"]), scope_of(settings)
-    try:
-        listed = save_listing(uri, scope, settings.staging_uri)
-    except SourceError:  # the stage itself raises it, where the run reports a stage's failure
-        return {"source listing": listing_fingerprint([])}
-    _saved_for_key.clear()
-    _saved_for_key[(uri, scope, settings.staging_uri)] = listed
-    return {"source listing": listed.listing_fingerprint}
-
-
-@stage(
-    "ingest",
-    settings=("image_extensions", "start_date", "end_date", "max_file_bytes", "manifest_roots", "staging_uri"),
-    facts=source_listing,
-    code=("tasks.rules.listing", "tasks.rules.schemas"),
-    needs=lambda listed: [listed.manifest_uri],
-)
-def ingest(source: str, settings: Settings) -> Listed:
-    """Prefect stage: list the source (what changed since the table is resize's to find, at its image size)."""
-    uri, scope = source_uri(source), scope_of(settings)
-    return _saved_for_key.pop((uri, scope, settings.staging_uri), None) or save_listing(
-        uri, scope, settings.staging_uri
-    )

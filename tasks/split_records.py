@@ -1,5 +1,5 @@
-"""Split: plan a table version's train/val/test split by content hash, and the partition count the cache stage
-repartitions it into."""
+"""The split stage's records in staging: each table version's split counts, kept so that the next version's plan
+counts only what changed. The split stage writes and reads them; retention keeps each table's newest."""
 
 from __future__ import annotations
 
@@ -11,43 +11,9 @@ import fsspec
 
 from infra.delta import Table
 from infra.settings import Settings
-from infra.spark import SparkSource, on_demand
-from tasks.results import SplitPlan, TableVersion
-from tasks.rules.splits import SPLITS, check_splits
-from tasks.stage import stage
+from tasks.results import TableVersion
+from tasks.rules.splits import SPLITS
 from tasks.table import DRIVER_BYTES, ImageTable, splits_of
-
-
-def plan_splits(spark: SparkSource, written: TableVersion, settings: Settings) -> SplitPlan:
-    """Count each split and the labels at the written version; fail early if a split or label set is unusable.
-
-    The counts of an earlier version planned with the same fractions (recorded in staging) are brought forward by the
-    rows of the data files that changed since (`ImageTable.rows_between`, no Spark job); otherwise one Spark query
-    counts.
-    SPARK may be a function that starts the session: only that query calls it."""
-    table = ImageTable.of_version(spark, written, settings.image_size, settings.quarantine_uri)
-    records = PlanRecords(settings, written)
-    label_counts = records.carried_forward(table, written.version)
-    if label_counts is None:
-        label_counts = {split: {} for split in SPLITS}
-        frame = table.with_split(written.version, settings.val_fraction, settings.test_fraction)
-        for row in frame.groupBy("split", "label").count().collect():
-            label_counts[row["split"]][row["label"]] = row["count"]
-    counts, labels = check_splits(label_counts, f"{written.table_uri} v{written.version}", settings.image_size)
-    records.save(written.version, label_counts)
-    return SplitPlan(
-        table_uri=written.table_uri,
-        version=written.version,
-        engine=written.engine,
-        labels=labels,
-        counts={split: counts[split] for split in SPLITS},
-        num_partitions=settings.partitions_per_worker * settings.num_workers,
-        val_fraction=settings.val_fraction,
-        test_fraction=settings.test_fraction,
-        label_counts={split: dict(sorted(label_counts[split].items())) for split in SPLITS},
-        quarantined=table.quarantined_by_reason(),
-    )
-
 
 SPLIT_COUNTS = "split-counts"  # staging's folder of PlanRecords, one folder per key
 
@@ -113,19 +79,3 @@ class PlanRecords:
         if any(n < 0 for by_label in counts.values() for n in by_label.values()):
             return None  # not the record of this table's history (a table made anew at the same place): count again
         return {split: {label: n for label, n in counts.get(split, {}).items() if n} for split in SPLITS}
-
-
-def quarantine_now(inputs: dict) -> dict[str, str]:
-    """Key part for split: the quarantine table's version, which the dataset card reports."""
-    return {"table version (quarantine)": str(Table(inputs["settings"].quarantine_uri).version())}
-
-
-@stage(
-    "split",
-    settings=("image_size", "val_fraction", "test_fraction", "partitions_per_worker", "num_workers"),
-    facts=quarantine_now,
-    code=("tasks.rules.splits",),
-)
-def split(table: TableVersion, settings: Settings) -> SplitPlan:
-    """Prefect stage: plan the split and the partition count of one table version."""
-    return plan_splits(on_demand(settings), table, settings)

@@ -18,9 +18,9 @@ from prefect.cache_policies import NO_CACHE
 
 from infra.settings import Settings
 from tasks.changes import IN_SYNC
-from tasks.ingest import modified_seconds
+from tasks.listing import modified_seconds
 from tasks.progress import stage_logger
-from tasks.split import SPLIT_COUNTS, record_version
+from tasks.split_records import SPLIT_COUNTS, record_version
 from tasks.stage import stage
 
 # Staging's files, by the stage that writes them: ingest's listings (and a crashed listing's file set aside), the

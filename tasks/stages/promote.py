@@ -20,6 +20,7 @@ from pyspark.sql import functions as F
 from infra.delta import Table
 from infra.settings import Settings
 from infra.tracking import git_commit, mlflow_client, run_url
+from tasks.cache_files import pixel_rows, split_files
 from tasks.cards import confusion_matrix, metric_keys, model_card, per_class_metrics, per_class_table
 from tasks.predict import predict
 from tasks.registry import TestRowsAt, gate, registry_lock, served_model
@@ -30,7 +31,6 @@ from tasks.rules.promotion import CHALLENGER, CHAMPION, Decision, decision_markd
 from tasks.rules.warm_start import labels_tag
 from tasks.stage import stage
 from tasks.table import matching
-from tasks.worker.loader import pixel_rows, split_files
 from tasks.worker.model import ImageClassifier, ImageModel
 
 
@@ -270,6 +270,7 @@ def promote_model(
         "tasks.cards",
         "tasks.resize_executor",
         "tasks.table",
+        "tasks.cache_files",
     ),
     retries=1,
 )

@@ -1,12 +1,14 @@
 """Cache: the Petastorm-readable Parquet files of each split of a table version, grown version by version.
 
-A cache line (one per table, image size, partitioning, split fractions, labels and seed) keeps its files under
+Its layout is tasks/cache_files.py's: a cache line (one per table, image size, partitioning, split fractions, labels
+and seed) keeps its files under
 `data/<split>/g<generation>/` and one manifest per cached table version, `<split>-v<version>.json`, naming the
 files that hold that version's rows of the split. A new version adds a generation holding only its new rows;
 files holding rows the version retired or replaced are rewritten without them (into the new generation); every
 other file is shared, never copied. A row's split follows from its content hash, so rows never move between
 splits. A version whose rows are those of a cached one (a compaction) gets that cache back as it was, so the
-stages after it (training, the gate) reuse their stored results. `maintain_cache` removes what no kept manifest names.
+stages after it (training, the gate) reuse their stored results. `clean_cache` (tasks/cache_files.py) removes what
+no kept manifest names.
 """
 
 from __future__ import annotations
@@ -14,11 +16,9 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import time
 import uuid
 from typing import Any
 
-import fsspec
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -29,17 +29,13 @@ from infra.compat import collect_arrow
 from infra.prefect_env import fence, one_at_a_time
 from infra.settings import Settings
 from infra.spark import SparkSource, on_demand, session_of
-from tasks.ingest import modified_seconds
+from tasks.cache_files import GENERATION_BITS, LAYOUT, CacheLine, cached_files, damaged_split, nearest
 from tasks.progress import stage_logger
 from tasks.results import CachedSplits, SplitPlan
 from tasks.rules.splits import SPLITS
 from tasks.stage import stage
 from tasks.table import DRIVER_BYTES, ImageTable, splits_of
 
-# The cache's layout: manifests over generations of files, rows in a seeded order with a `position` column.
-LAYOUT = 3
-# A generation's positions start at generation << GENERATION_BITS, above every partition and row of Spark's ids.
-GENERATION_BITS = 48
 ROW_KEY = ("sha256", "label")
 
 
@@ -73,87 +69,6 @@ def write_split(frame: DataFrame, uri: str, partitions: int, seed: int, generati
         .option("parquet.block.size", 8 * 1024 * 1024)
         .parquet(uri)
     )
-
-
-class CacheLine:
-    """One cache line's folder: its generations of files and its manifests, one per cached table version."""
-
-    def __init__(self, root: str) -> None:
-        self.uri = root.rstrip("/")
-        self.fs, self.root = fsspec.core.url_to_fs(self.uri)
-
-    def manifest(self, split: str, version: int) -> str:
-        return f"{self.root}/{split}-v{version}.json"
-
-    def versions(self) -> list[int]:
-        """Table versions with a complete manifest (the test split's is written last)."""
-        if not self.fs.exists(self.root):
-            return []
-        names = [path.rsplit("/", 1)[-1] for path in self.fs.ls(self.root, detail=False)]
-        return sorted(
-            int(name[len("test-v") : -len(".json")])
-            for name in names
-            if name.startswith("test-v") and name.endswith(".json")
-        )
-
-    def read(self, version: int) -> dict[str, Any]:
-        """The manifest of every split of VERSION: files (relative to the line), generation and the CachedSplits it
-        made."""
-        return {split: json.loads(self.fs.cat_file(self.manifest(split, version))) for split in SPLITS}
-
-    def cached(self, version: int, reused: bool) -> CachedSplits:
-        """The CachedSplits a version's manifest records (what the cache stage returned for it)."""
-        return CachedSplits.model_validate(
-            {**json.loads(self.fs.cat_file(self.manifest("test", version)))["cached"], "reused": reused}
-        )
-
-    def write(self, version: int, files: dict[str, list[str]], generation: int, cached: CachedSplits) -> None:
-        for split in SPLITS:  # test last: its manifest's presence means the version is complete
-            record = {
-                "files": sorted(files[split]),
-                "generation": generation,
-                "cached": cached.model_dump(mode="json"),
-                "rows": cached.counts[split],
-            }
-            aside = f"{self.manifest(split, version)}.{uuid.uuid4().hex}"
-            self.fs.pipe_file(aside, json.dumps(record, indent=1).encode())
-            self.fs.mv(aside, self.manifest(split, version))
-
-    def generation_folder(self, split: str, generation: int) -> str:
-        return f"data/{split}/g{generation:06d}"
-
-    def files_in(self, folder: str) -> list[str]:
-        found = self.fs.find(f"{self.root}/{folder}")
-        return sorted(
-            p[len(self.root) + 1 :]
-            for p in found
-            if p.endswith(".parquet") and not p.rsplit("/", 1)[-1].startswith(("_", "."))
-        )
-
-    def problem(self, version: int) -> str | None:
-        """What is wrong with a cached version's files (one gone, or other rows than its manifest records); None if
-        nothing."""
-        from tasks.worker.loader import check_split  # the loader's own check (it imports Petastorm: only when asked)
-
-        try:
-            for split, manifest in self.read(version).items():
-                check_split(self.fs.unstrip_protocol(self.manifest(split, version)), split, manifest["rows"])
-        except (FileNotFoundError, ValueError) as exc:
-            return str(exc)
-        return None
-
-    def rows_in(self, files: list[str]) -> int:
-        total = 0
-        for name in files:
-            with self.fs.open(f"{self.root}/{name}", "rb") as handle:
-                total += pq.ParquetFile(handle).metadata.num_rows
-        return total
-
-
-def nearest(versions: list[int], version: int) -> int | None:
-    """The cached version to grow from: the latest at or before VERSION, else the earliest after it."""
-    before = [v for v in versions if v <= version]
-    return before[-1] if before else (versions[0] if versions else None)
 
 
 def version_rows(spark: SparkSource, plan: SplitPlan, image_size: int, files: list[str] | None = None) -> DataFrame:
@@ -446,75 +361,6 @@ def rewrite_without(line: CacheLine, split: str, generation: int, old_files: lis
     return keep
 
 
-def clean_cache(
-    cache_root: str, keep_versions: dict[str, list[int]], retention_hours: float, now: float | None = None
-) -> dict[str, int]:
-    """Remove manifests and files that no kept version needs, in every cache line under CACHE_ROOT.
-
-    Kept: each line's newest version, the versions in KEEP_VERSIONS (by table URI: what registered models were
-    trained on), and manifests younger than the retention. A file goes when no kept manifest names it and it is
-    older than the retention (a cache stage writing now has files no manifest names yet).
-    """
-    fs, root = fsspec.core.url_to_fs(cache_root)
-    now = time.time() if now is None else now
-    removed = {"manifests": 0, "files": 0, "bytes": 0}
-    if not fs.exists(root):
-        return removed
-    for folder in fs.ls(root, detail=False):
-        line = CacheLine(fs.unstrip_protocol(folder))
-        versions = line.versions()
-        if not versions:
-            continue  # not a cache line of this layout
-        table_uri = line.read(versions[-1])["test"]["cached"]["table_uri"]
-        kept = {versions[-1], *keep_versions.get(table_uri, [])}
-        # A version with a cached version's rows (a compaction) hands out that version's manifests: they stay with it.
-        kept |= {line.cached(version, reused=True).table_version for version in versions if version in kept}
-        needed: set[str] = set()
-        for version in versions:
-            young = now - modified_seconds(fs.info(line.manifest("test", version))) < retention_hours * 3600
-            if version in kept or young:
-                needed.update(name for manifest in line.read(version).values() for name in manifest["files"])
-                continue
-            for split in SPLITS:
-                fs.rm(line.manifest(split, version))
-                removed["manifests"] += 1
-        for path, info in fs.find(f"{line.root}/data", detail=True).items():
-            name = path[len(line.root) + 1 :]
-            if (
-                name.endswith(".parquet")
-                and name not in needed
-                and now - modified_seconds(info) >= retention_hours * 3600
-            ):
-                folder, base = path.rsplit("/", 1)
-                fs.rm(path)
-                if fs.exists(f"{folder}/.{base}.crc"):  # the checksum Hadoop's local file system writes beside it
-                    fs.rm(f"{folder}/.{base}.crc")
-                removed["files"] += 1
-                removed["bytes"] += int(info.get("size") or 0)
-    return removed
-
-
-def cached_files(cached: CachedSplits) -> list[str]:
-    """What a cache result names: each split's manifest and the files it lists (the first missing manifest ends the
-    list)."""
-    from tasks.worker.loader import split_files  # it imports Petastorm: only when asked
-
-    uris = []
-    for uri in cached.splits.values():
-        fs, path = fsspec.core.url_to_fs(uri)
-        if not fs.exists(path):
-            return [*uris, uri]
-        uris += [uri, *(fs.unstrip_protocol(name) for name in split_files(uri)[1])]
-    return uris
-
-
-def damaged_split(cached: CachedSplits) -> str | None:
-    """Why a cache result whose files are all there is no result: what CacheLine.problem finds in its version (a split
-    whose files hold other rows than the plan counted, a part file rewritten or cut short). The stage then writes it
-    again."""
-    return CacheLine(cached.cache_dir).problem(cached.table_version)
-
-
 def cache_one_at_a_time(spark: SparkSource, plan: SplitPlan, settings: Settings) -> CachedSplits:
     """cache_splits under the lock of its cache line. Two runs caching one line at once (the nightly run and an ad-hoc
     one) would write the same generation's folder and each list the other's files in its manifest: the second waits,
@@ -528,7 +374,7 @@ def cache_one_at_a_time(spark: SparkSource, plan: SplitPlan, settings: Settings)
 @stage(
     "cache",
     settings=("image_size", "cache_uri", "seed"),
-    code=("tasks.table",),
+    code=("tasks.table", "tasks.cache_files"),
     needs=cached_files,
     unfinished=damaged_split,
 )

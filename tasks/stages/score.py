@@ -26,7 +26,7 @@ from infra.delta import Table, table_exists
 from infra.settings import Settings
 from infra.spark import spark_session
 from infra.tracking import mlflow_client
-from tasks.ingest import source_uri, walk_files
+from tasks.listing import source_uri, walk_files
 from tasks.progress import Every, rate_line, stage_logger
 from tasks.registry import model_files, resolve, served_files
 from tasks.resize_executor import PROGRESS_FOLDER, files_done

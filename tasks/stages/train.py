@@ -30,6 +30,7 @@ from infra.ray_runtime import connect_ray
 from infra.settings import Settings
 from infra.tracking import experiment_id, mlflow_client, run_url
 from tasks.baseline import fit_baseline
+from tasks.cache_files import check_split, label_samples
 from tasks.cards import dataset_card_markdown, dataset_card_of, sample_grid
 from tasks.progress import Every, stage_logger
 from tasks.registry import champion_of, champion_state_dict
@@ -38,7 +39,6 @@ from tasks.rules.promotion import BASELINE
 from tasks.rules.training import TRAINING_SETTINGS, logged_params, scaled_learning_rate
 from tasks.rules.warm_start import WarmStart, WeightsShape, decide_warm_start
 from tasks.stage import code_digest, stage
-from tasks.worker.loader import check_split, label_samples
 from tasks.worker.train_loop import (
     FIT_SECONDS,
     WORKER_NODES_TAG,
@@ -60,6 +60,7 @@ def run_name(cached: CachedSplits, settings: Settings, fresh: str | None = None,
         "tasks.worker.model",
         "tasks.worker.augment",
         "tasks.worker.loader",
+        "tasks.cache_files",
         "infra.compat",
     )
     parts = [
@@ -452,7 +453,7 @@ def train_in(
     "train",
     settings=TRAINING_SETTINGS,
     facts=warm_start_key,
-    code=("tasks.rules.training", "tasks.rules.warm_start", "tasks.baseline"),
+    code=("tasks.rules.training", "tasks.rules.warm_start", "tasks.baseline", "tasks.cache_files"),
     retries=1,
     needs=lambda trained: [trained.checkpoint_path],
 )

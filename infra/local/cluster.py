@@ -2,7 +2,7 @@
 
 Spark standalone (a master and two workers, from the pyspark installation's own launch classes, with Spark's shared
 secret authentication), Ray (a head and one more node, `ray start`, with Ray's token authentication), a PostgreSQL
-server (infra/postgres.py, its data in <folder>/postgres), an MLflow tracking server (runs in PostgreSQL, an
+server (infra/local/postgres.py, its data in <folder>/postgres), an MLflow tracking server (runs in PostgreSQL, an
 artifacts folder, basic authentication) and a Prefect server (its database in PostgreSQL, with an API auth string).
 `--database sqlite` keeps both servers on SQLite files in the folder instead. Every process it starts is in a
 session the folder's state.json records, and carries IMAGELAKE_CLUSTER=<folder> in its environment, so `down` finds
@@ -32,9 +32,9 @@ from base64 import b64encode
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from infra import postgres
 from infra.java import ensure_java
 from infra.lifecycle import processes_with, stop_processes
+from infra.local import postgres
 
 CLUSTER_VARIABLE = "IMAGELAKE_CLUSTER"
 BIN = Path(sys.executable).parent
@@ -216,7 +216,9 @@ def load(root: Path = DEFAULT_ROOT) -> Cluster:
     """The cluster last started in ROOT."""
     path = _state_file(root.resolve())
     if not path.exists():
-        raise ClusterError(f"no cluster state in {path}: start one with `make cluster-up` (python -m infra.cluster up)")
+        raise ClusterError(
+            f"no cluster state in {path}: start one with `make cluster-up` (python -m infra.local.cluster up)"
+        )
     data = json.loads(path.read_text())
     ports = data.pop("ports")
     ports["spark_workers_ui"] = tuple(ports["spark_workers_ui"])
@@ -532,7 +534,7 @@ def _start_ray(cluster: Cluster, timeout: float, node_env: dict[str, str]) -> No
     node = [
         sys.executable,
         "-m",
-        "infra.cluster",
+        "infra.local.cluster",
         "ray-start-loopback",
         "--address",
         cluster.ray_address,
@@ -762,7 +764,7 @@ def status(root: Path = DEFAULT_ROOT) -> dict:
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m infra.cluster", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m infra.local.cluster", description=__doc__.split("\n\n")[0])
     if argv is None and sys.argv[1:2] == ["ray-start-loopback"]:
         return ray_start_loopback(sys.argv[2:])
     parser.add_argument("command", choices=("up", "down", "status"))
