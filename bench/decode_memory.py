@@ -3,10 +3,9 @@
     .venv/bin/python bench/decode_memory.py [--side 8000]
 
 Writes a --side x --side 16-bit greyscale PNG (a smooth gradient: a small file, well inside max_file_bytes), then
-decodes it to 224 px in two fresh
-processes: (a) the earlier way, the pixels widened to int64, clipped and shifted (each a copy), (b)
-tasks.rules.images.decode_square as it is. Each prints its peak resident memory above the process's own after its
-imports and the file's read (ru_maxrss), in MB and in bytes per pixel; then (b) over (a).
+decodes it to 224 px in two fresh processes: (a) the earlier way, the pixels widened to int64, clipped and shifted (each
+a copy), (b) tasks.rules.images.decode_square as it is. Each prints its peak resident memory above the process's own
+after its imports and the file's read (ru_maxrss), in MB and in bytes per pixel; then (b) over (a).
 """
 
 from __future__ import annotations

@@ -10,8 +10,7 @@ its key call) in a fresh process per checkout: (a) the code under --against (an 
 worktree of HEAD), (b) this tree. Each prints its peak resident memory above the process's own after its imports
 and a one-file listing (ru_maxrss; the first listing pages in some 45 MB of Arrow's and Parquet's code, whatever its
 size), in MB and in bytes per listed file, and its seconds; then (b) over (a), whether both listings have one
-fingerprint, and
-whether (b) stays within --bound-mb (the exit status is 1 when it does not).
+fingerprint, and whether (b) stays within --bound-mb (the exit status is 1 when it does not).
 
 Creating the files is the slow part (about 10-30 s per million on a local disk): --keep DIR builds them there once
 and re-uses them on the next run with the same --files and --labels; without it they go in a temp folder, removed after.

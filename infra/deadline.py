@@ -1,11 +1,11 @@
 """Time limits of flow runs and stages: past its deadline, the work is interrupted and fails with an error of its own.
 
 Why not Prefect's `timeout_seconds` (Prefect 3.8, prefect/_internal/concurrency/cancellation.py): the limits are
-settings,
-known only once a run has read its config file and overrides, after Prefect has started the flow; only the outermost
-Prefect timeout of the main thread may use SIGALRM, and an inner one (a stage under a flow's) injects its exception
-between two bytecodes, which never ends a call blocked in C (a sleep, a socket read, a lock); and what a SIGALRM handler
-raises inside `ray.get()` is dropped, since Ray lets only KeyboardInterrupt and SystemExit out of a signal handler.
+settings, known only once a run has read its config file and overrides, after Prefect has started the flow; only the
+outermost Prefect timeout of the main thread may use SIGALRM, and an inner one (a stage under a flow's) injects its
+exception between two bytecodes, which never ends a call blocked in C (a sleep, a socket read, a lock); and what a
+SIGALRM handler raises inside `ray.get()` is dropped, since Ray lets only KeyboardInterrupt and SystemExit out of a
+signal handler.
 
 So a deadline interrupts its thread as Ctrl-C does: SIGINT to the main thread (a blocked call returns with EINTR,
 pyspark's handler cancels the running Spark jobs first, ray.get passes the KeyboardInterrupt on), or a KeyboardInterrupt

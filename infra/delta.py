@@ -476,10 +476,9 @@ def version_files(table_uri: str, version: int) -> list[str]:
 
 def read_files_arrow(table_uri: str, files: list[str], schema: pa.Schema) -> pa.Table | None:
     """SCHEMA's columns of these data files (URIs as `version_files` gives them) read by this process's pyarrow, no
-    Spark job;
-    None if one of them is in a form this pyarrow cannot open (delta-rs' merges and compactions store Arrow view types
-    in
-    the Parquet metadata, which pyarrow 14 rejects): the caller then reads them with Spark. Files that lack a column
+    Spark job; None if one of them is in a form this pyarrow cannot open (delta-rs' merges and compactions store Arrow
+    view types in the Parquet metadata, which pyarrow 14 rejects): the caller then reads them with Spark. Files that
+    lack a column
     (written before it was added) give nulls."""
     fs, _ = fsspec.core.url_to_fs(table_uri)
     parts = []

@@ -126,8 +126,7 @@ def recorded(path: Path) -> Iterator[None]:
 @contextlib.contextmanager
 def file_lock(path: Path, what: str, timeout: float | None) -> Iterator[None]:
     """Hold the file lock PATH (waiting up to TIMEOUT seconds; None: as long as it takes), recorded beside it; a wait
-    that
-    gives up raises LockBusy naming the holder."""
+    that gives up raises LockBusy naming the holder."""
     lock = FileLock(str(path), timeout=-1 if timeout is None else timeout)
     record = path.with_suffix(".holder")
     with waiting_for(what, timeout, lambda: read_record(record)):

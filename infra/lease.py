@@ -1,11 +1,9 @@
 """One slot of a Prefect global concurrency limit, held under a lease this process renews, with a fence.
 
 A lease lapses when it is not renewed in time (the Prefect server or the network away for longer than the lease), and
-the
-server then gives the slot to the next caller while the first holder may still be working. So what the lock protects
+the server then gives the slot to the next caller while the first holder may still be working. So what the lock protects
 (an alias move, a commit) is fenced: `HeldLease.check()` renews the lease at once and raises LeaseLost when the server
-no
-longer knows it, or when it cannot be renewed and may have lapsed. Only the Prefect client's public methods are used.
+no longer knows it, or when it cannot be renewed and may have lapsed. Only the Prefect client's public methods are used.
 """
 
 from __future__ import annotations

@@ -27,8 +27,8 @@ heartbeats in a row have not arrived. `make worker` runs `python -m infra.lifecy
 in prefect.yaml set PREFECT_FLOWS_HEARTBEAT_FREQUENCY=30 in their runs' environment (job variables), so their runs
 beat often enough whatever worker starts them; flows beating at Prefect's default (every 180 s) would be marked
 Crashed while they are fine. Only deployment runs are watched, because `imagelake run` flows beat at that default.
-Subflow runs carry no
-deployment, so after a lost machine the pipeline subflow run stays Running under its Crashed parent.
+Subflow runs carry no deployment, so after a lost machine the pipeline subflow run stays Running under its Crashed
+parent.
 """
 
 from __future__ import annotations

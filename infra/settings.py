@@ -840,8 +840,7 @@ CODE_ROOT = Path(__file__).resolve().parents[1]
 
 def refuse_unsafe_file(config_file: str | Path | None, where: str) -> None:
     """Refuse a settings file named by WHERE (a run's parameters) that sets what refuse_unsafe refuses, unless it lies
-    in
-    CODE_ROOT (infra/clusters/*.yaml: part of the deployment) or IMAGELAKE_ALLOW_FROM_RUNS allows those settings."""
+    in CODE_ROOT (infra/clusters/*.yaml: part of the deployment) or IMAGELAKE_ALLOW_FROM_RUNS allows those settings."""
     if not config_file:
         return
     path = Path(config_file)

@@ -56,8 +56,8 @@ class PlanRecords:
 
     def carried_forward(self, table: ImageTable, version: int) -> dict[str, dict[str, int]] | None:
         """VERSION's counts from the latest recorded version before it and the rows of the files that changed since;
-        None
-        if there is none, or the change cannot be read without Spark or its new files hold more than DRIVER_BYTES."""
+        None if there is none, or the change cannot be read without Spark or its new files hold more than
+        DRIVER_BYTES."""
         earlier = [v for v in self.versions() if v <= version]
         if not earlier:
             return None

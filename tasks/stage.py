@@ -225,8 +225,7 @@ def timeout_setting(stage: str) -> str:
 
 def interruptible(fn: F) -> F:
     """FN as a stage's Prefect task runs it: past the stage's or its flow's deadline, what the interrupt leaves comes
-    out
-    as that deadline's error (infra/deadline.py), which Prefect records as TimedOut rather than as a crash or a
+    out as that deadline's error (infra/deadline.py), which Prefect records as TimedOut rather than as a crash or a
     result."""
 
     @functools.wraps(fn)

@@ -1,6 +1,5 @@
 """Real servers for tests: a `prefect server start` (SQLite) and process workers, on 127.0.0.1 only, stopped by the
-tests;
-the requests the Prefect UI sends (also used by bench/load.py)."""
+tests; the requests the Prefect UI sends (also used by bench/load.py)."""
 
 from __future__ import annotations
 

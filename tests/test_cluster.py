@@ -475,8 +475,7 @@ def http_status(
 
 def check_ui_api_is_closed(prefect: str, auth_string: str, mlflow: str) -> None:
     """`make ui`'s Prefect API answers only with its auth string, takes state changes only with a CSRF token, and
-    answers
-    CORS requests from its own origin only; its MLflow server refuses requests from another origin."""
+    answers CORS requests from its own origin only; its MLflow server refuses requests from another origin."""
     import base64
 
     basic = {"Authorization": "Basic " + base64.b64encode(auth_string.encode()).decode()}

@@ -523,8 +523,7 @@ def test_an_alias_move_under_a_lapsed_lease_is_refused_while_another_holder_is_i
     prefect_api: str, spark, registry
 ) -> None:
     """The registry lock's Prefect lease lapses (the server drops it, as it does when a holder cannot renew in time) and
-    a
-    second host takes the lock: the first holder's alias move and history row are fenced off, and nothing moves."""
+    a second host takes the lock: the first holder's alias move and history row are fenced off, and nothing moves."""
     from infra.lease import LeaseLost, acquire, client_of
     from infra.prefect_env import _leases, lock_name
     from tasks.registry import lock_of, registry_lock

@@ -91,9 +91,8 @@ def test_colour_modes_convert_to_the_right_rgb(image: Image.Image, fmt: str, che
 
 def test_a_large_16_bit_image_is_narrowed_in_strips_with_its_values_and_a_byte_a_pixel() -> None:
     """A 16-bit image (a gradient over every value, 1000 wide and 3000 tall, cut in uneven strips) narrows to its top 8
-    bits with
-    under two bytes a pixel of memory beside Pillow's own image (numpy's and Python's, traced): it once took 24
-    (int64, copied twice)."""
+    bits with under two bytes a pixel of memory beside Pillow's own image (numpy's and Python's, traced): it once took
+    24 (int64, copied twice)."""
     import tracemalloc
 
     from tasks.rules.images import to_rgb

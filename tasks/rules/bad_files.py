@@ -37,10 +37,8 @@ def check_retire_fraction(
     retired: dict[date | None, int], rows: dict[date | None, int], max_retire_fraction: float
 ) -> None:
     """Fail before writing anything when a run would retire more than MAX_RETIRE_FRACTION of any date's rows (RETIRED
-    and
-    ROWS by date; None: rows without a date). A folder that vanished looks like this; files really deleted are let
-    through
-    by raising the setting for that run."""
+    and ROWS by date; None: rows without a date). A folder that vanished looks like this; files really deleted are let
+    through by raising the setting for that run."""
     over = [
         (day, n, rows.get(day, 0))
         for day, n in sorted(retired.items(), key=lambda item: str(item[0]))

@@ -36,8 +36,8 @@ class DecodeTimeout(Exception):
 
 class TimedBytes(io.BytesIO):
     """A file's bytes as Pillow's decoders read them, a chunk at a time: a read past the deadline raises DecodeTimeout,
-    so
-    a file that keeps a decoder going round its chunks is stopped between two of them (a decoder stuck inside one call
+    so a file that keeps a decoder going round its chunks is stopped between two of them (a decoder stuck inside one
+    call
     of its C code is not: only a process of its own could bound that)."""
 
     def __init__(self, data: bytes, deadline: float) -> None:

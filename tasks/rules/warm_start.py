@@ -82,8 +82,7 @@ def labels_change(old: tuple[str, ...], new: tuple[str, ...]) -> str:
 
 def decide_warm_start(wanted: WeightsShape, champion: Champion | None) -> WarmStart:
     """Start from the champion only if it was trained for exactly this shape: the same labels in the same order, image
-    size,
-    resize mode and model_arch. Otherwise from scratch, with the reason."""
+    size, resize mode and model_arch. Otherwise from scratch, with the reason."""
     if champion is None:
         return WarmStart(None, "no champion to start from")
     if champion.shape is None:

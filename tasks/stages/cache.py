@@ -1,12 +1,11 @@
 """Cache: the Petastorm-readable Parquet files of each split of a table version, grown version by version.
 
 Its layout is tasks/cache_files.py's: a cache line (one per table, image size, partitioning, split fractions, labels
-and seed) keeps its files under
-`data/<split>/g<generation>/` and one manifest per cached table version, `<split>-v<version>.json`, naming the
-files that hold that version's rows of the split. A new version adds a generation holding only its new rows;
-files holding rows the version retired or replaced are rewritten without them (into the new generation); every
-other file is shared, never copied. A row's split follows from its content hash, so rows never move between
-splits. A version whose rows are those of a cached one (a compaction) gets that cache back as it was, so the
+and seed) keeps its files under `data/<split>/g<generation>/` and one manifest per cached table version,
+`<split>-v<version>.json`, naming the files that hold that version's rows of the split. A new version adds a generation
+holding only its new rows; files holding rows the version retired or replaced are rewritten without them (into the new
+generation); every other file is shared, never copied. A row's split follows from its content hash, so rows never move
+between splits. A version whose rows are those of a cached one (a compaction) gets that cache back as it was, so the
 stages after it (training, the gate) reuse their stored results. `clean_cache` (tasks/cache_files.py) removes what
 no kept manifest names.
 """
@@ -85,8 +84,8 @@ def cache_splits(
     spark: SparkSource, plan: SplitPlan, image_size: int, cache_root: str, seed: int = 42, lock: str | None = None
 ) -> CachedSplits:
     """The cache of every split of the plan's version: reused if cached, grown from the nearest cached version, or
-    written
-    whole. The manifest that commits it is written under LOCK's fence (infra/prefect_env.py:fence), if given. SPARK may
+    written whole. The manifest that commits it is written under LOCK's fence (infra/prefect_env.py:fence), if given.
+    SPARK may
     be a function that starts the session: a reuse, or a growth the driver makes alone, never calls it."""
     key = line_key(plan, image_size, seed)
     line = CacheLine(f"{cache_root.rstrip('/')}/{key}")
@@ -144,9 +143,8 @@ def row_changes(
     spark: SparkSource, line: CacheLine, manifests: dict[str, Any], plan: SplitPlan, image_size: int
 ) -> pa.Table:
     """Keys (sha256, label) of the rows the version has and the base's cache lacks (`split` and the `data_file` that
-    holds
-    each) and of those the cache holds and the version lost (the cache `file` that holds each): one join of keys, no
-    pixels,
+    holds each) and of those the cache holds and the version lost (the cache `file` that holds each): one join of keys,
+    no pixels,
     and only the differences reach the driver."""
     old_files = [f"{line.uri}/{name}" for split in SPLITS for name in manifests[split]["files"]]
     now = version_rows(spark, plan, image_size).select(*ROW_KEY, "split", F.input_file_name().alias("data_file"))
@@ -193,9 +191,9 @@ def log_changes(
     table: ImageTable, line: CacheLine, manifests: dict[str, Any], base: int, plan: SplitPlan
 ) -> pa.Table | None:
     """`row_changes` from the Delta log instead of a join (`ImageTable.rows_between`): keys of the rows in the data
-    files
-    the plan's version has and BASE lacks, less those in the files BASE has and it lacks, and the reverse (a rewritten
-    file's unchanged rows cancel out); no Spark job, no unchanged file read. None where that cannot be had (then the
+    files the plan's version has and BASE lacks, less those in the files BASE has and it lacks, and the reverse (a
+    rewritten file's unchanged rows cancel out); no Spark job, no unchanged file read. None where that cannot be had
+    (then the
     join runs)."""
     between = table.rows_between(base, plan.version, ["sha256", "label"], max_bytes=DRIVER_BYTES)
     if between is None:
@@ -280,8 +278,7 @@ def grow(
     spark: SparkSource, line: CacheLine, base: int, plan: SplitPlan, image_size: int, seed: int
 ) -> tuple[dict[str, list[str]], int, bool] | None:
     """Files for the plan's version made from BASE's: its new rows in a new generation (read from the data files that
-    hold
-    them alone), files that hold rows it lost rewritten without them. None if the result would not hold exactly the
+    hold them alone), files that hold rows it lost rewritten without them. None if the result would not hold exactly the
     plan's rows (then it is written whole).
 
     What changed comes from the Delta log and is cached by the driver when that is little (`log_changes`), else from
