@@ -1,10 +1,11 @@
 """Write: land new and changed images in the Delta table, retire what the source lost, quarantine bad files.
 
-A run that only adds rows commits, in one Delta commit, the data files the resize stage's
-executors wrote into the table's folder. A run that also replaces or retires rows merges
-instead, keyed on (path, image_size), skipping rows whose content hash the table already holds
-for that path. Either way a re-run after a crash at any point adds nothing twice: before the
-commit no reader sees the files, after it the rows are there and are skipped.
+One straight path, `write_images`: plan (what lands, retires and goes to the quarantine, refused before any commit),
+commit, mark (the in-sync marker, where nobody else wrote meanwhile). A run that only adds rows commits, in one Delta
+commit, the data files the resize stage's executors wrote into the table's folder. A run that also replaces or retires
+rows merges instead, keyed on (path, image_size), skipping rows whose content hash the table already holds for that
+path. Either way a re-run after a crash at any point adds nothing twice: before the commit no reader sees the files,
+after it the rows are there and are skipped.
 """
 
 from __future__ import annotations
@@ -268,78 +269,92 @@ def reached(phase: str) -> None:
         on_phase(phase)
 
 
+@dataclass
+class WritePlan:
+    """Everything one write does, worked out before it commits anything."""
+
+    quarantine: Quarantine
+    changes: Changes
+    versions_read: tuple[int | None, int | None]  # (images, quarantine) as the plan read them
+
+
+@dataclass
+class Landed:
+    """What the commits of one write left."""
+
+    version: int | None  # the images table's version the write reports
+    expected: tuple[int | None, int | None]  # (images, quarantine) if no other writer committed meanwhile
+
+
 def write_images(
     table: ImageTable, resized: Resized, max_bad_fraction: float, max_retire_fraction: float = 1.0
 ) -> Written:
-    """Check the bad share, then land the images and append the quarantine; return the images table's version.
+    """Plan, commit, mark: land the images and append the quarantine; return the images table's version.
 
     A run that only adds rows commits the data files its executors wrote, as they are. A run
     that replaces or deletes rows merges them instead (with the table's engine).
     """
-    table_uri, engine = table.uri, table.engine
-    if table_uri.rstrip("/") != resized.table_uri.rstrip("/"):
+    plan = plan_write(table, resized, max_bad_fraction, max_retire_fraction)
+    reached("planned")
+    landed = commit_write(table, resized, plan)
+    mark_if_in_step(table, resized, plan.versions_read, landed.expected)
+    return Written(
+        table_uri=table.uri,
+        version=landed.version,
+        engine=table.engine,
+        rows=plan.changes.upserts.num_rows,
+        retired=len(plan.changes.deletes),
+        quarantined=plan.quarantine.rows.num_rows,
+        unread=resized.unread_files,
+    )
+
+
+def plan_write(table: ImageTable, resized: Resized, max_bad_fraction: float, max_retire_fraction: float) -> WritePlan:
+    """Work out the write from the staged rows and the tables' keys, and refuse it before any commit: staged rows
+    missing, too many bad files, too many rows retired (a refused write takes back the run's data files), or nothing
+    usable for a table that does not exist yet."""
+    if table.uri.rstrip("/") != resized.table_uri.rstrip("/"):
         raise ValueError(
-            f"write_images: table {table_uri} is not the table {resized.table_uri} that the resize stage wrote its "
+            f"write_images: table {table.uri} is not the table {resized.table_uri} that the resize stage wrote its "
             "files into; run resize with the same table_root and table_name"
         )
     check_staged(resized)
     bad = quarantine_rows(table, resized)
     try:
         check_bad_fraction(resized, max_bad_fraction, bad.known)
-    except TooManyBadFiles:
-        discard_run_files(resized)
-        raise
-    changes = plan_changes(table, resized)
-    try:
+        changes = plan_changes(table, resized)
         check_retired_share(table, changes, max_retire_fraction)
-    except TooManyRetired:
+    except (TooManyBadFiles, TooManyRetired):
         discard_run_files(resized)
         raise
     if changes.empty and not table.images.exists():
         raise TooManyBadFiles(
-            f"no image could be written to {table_uri}: no file of this run is a usable image ({resized.quarantined})"
+            f"no image could be written to {table.uri}: no file of this run is a usable image ({resized.quarantined})"
         )
-    quarantine_before = table.quarantine.version()
-    reached("planned")
-    commits = land_quarantine(table, bad)
+    return WritePlan(bad, changes, (changes.read_version, table.quarantine.version()))
+
+
+def commit_write(table: ImageTable, resized: Resized, plan: WritePlan) -> Landed:
+    """Commit the plan: the quarantine's rows, then the images in one commit of the run's data files, or one merge
+    where rows are replaced or retired; a write with no change takes back the run's data files instead."""
+    images_read, quarantine_read = plan.versions_read
+    quarantine_now = next_version(quarantine_read, land_quarantine(table, plan.quarantine))
     reached("quarantine-committed")
-    added, removed = changes.upserts.num_rows, len(changes.deletes)
-    before, expected = (
-        (changes.read_version, quarantine_before),
-        (changes.read_version, next_version(quarantine_before, commits)),
-    )
+    changes = plan.changes
     if changes.empty:
-        remove_uncommitted(table_uri, run_files(resized))
-        mark_if_in_step(table, resized, before, expected)
-        return Written(
-            table_uri=table_uri,
-            version=table.images.version(),
-            engine=engine,
-            rows=0,
-            retired=0,
-            quarantined=bad.rows.num_rows,
-            unread=resized.unread_files,
-        )
-    require_files(table_uri, changes.files)
+        remove_uncommitted(table.uri, run_files(resized))
+        return Landed(table.images.version(), (images_read, quarantine_now))
+    require_files(table.uri, changes.files)
     table.images.add_columns(IMAGE_TABLE_SCHEMA)  # a table from before a column was added gets it first
     if changes.whole_files and not changes.replaces and not changes.deletes:
         version = table.images.commit_files(IMAGE_TABLE_SCHEMA, changes.files)
-        if version != (0 if changes.read_version is None else changes.read_version + 1):
+        if version != (0 if images_read is None else images_read + 1):
             version = settle_concurrent_append(table, resized, changes, version)
     else:
         version = table.images.merge(image_changes(resized, changes))
-        remove_uncommitted(table_uri, changes.files)
+        remove_uncommitted(table.uri, changes.files)
     reached("images-committed")
-    mark_if_in_step(table, resized, before, (next_version(changes.read_version, 1), expected[1]))
-    return Written(
-        table_uri=table_uri,
-        version=version,
-        engine=engine,
-        rows=added,
-        retired=removed,
-        quarantined=bad.rows.num_rows,
-        unread=resized.unread_files,
-    )
+    return Landed(version, (next_version(images_read, 1), quarantine_now))
 
 
 def check_retired_share(table: ImageTable, changes: Changes, max_retire_fraction: float) -> None:
