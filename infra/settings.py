@@ -150,11 +150,19 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="IMAGELAKE_", extra="forbid", validate_default=True)
 
     # Where everything embedded lives.
-    workspace: Path = Path(".imagelake")
+    workspace: Path = Field(
+        default=Path(".imagelake"),
+        description="Folder of everything embedded: tables, cache, staging, stage results, MLflow's store, unless set",
+    )
 
     # Spark and Delta.
-    spark_master: str = "local[*]"
-    spark_driver_memory: str = "4g"
+    spark_master: str = Field(
+        default="local[*]",
+        description="Spark master URL: local[*] embedded, spark://host:port for a standalone cluster",
+    )
+    spark_driver_memory: str = Field(
+        default="4g", description="Memory of an embedded Spark's driver JVM (Spark's form: 4g)"
+    )
     spark_log_level: Literal["ALL", "DEBUG", "INFO", "WARN", "ERROR", "FATAL", "OFF"] = Field(
         default="ERROR", description="Spark's own log level"
     )
@@ -173,13 +181,17 @@ class Settings(BaseSettings):
         ),
     )
     table_root: str | None = Field(default=None, description="Folder or object-store URI of the Delta tables")
-    table_name: str = "images"
+    table_name: str = Field(default="images", description="Name of the images table under table_root")
 
     # Images.
     image_size: int = Field(default=224, ge=8, le=2048, description="Side of the square images stored and trained on")
-    resize_mode: Literal["letterbox", "center_crop"] = "letterbox"
+    resize_mode: Literal["letterbox", "center_crop"] = Field(
+        default="letterbox",
+        description="How an image becomes a square: letterbox pads the short side, center_crop cuts the long one",
+    )
     image_extensions: list[str] = Field(
-        default_factory=lambda: [".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff"]
+        default_factory=lambda: [".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff"],
+        description="File endings that count as images (any case); other files are left out of the listing",
     )
 
     # Incremental runs, backfills and bad input.
@@ -227,14 +239,22 @@ class Settings(BaseSettings):
             "workers (0: always on the executors)"
         ),
     )
-    quarantine_table_name: str = "quarantine"
+    quarantine_table_name: str = Field(
+        default="quarantine", description="Name of the table of bad files (path, reason) under table_root"
+    )
     vacuum_retention_hours: float = Field(default=168, ge=0, description="Keep files of table versions this recent")
 
     # Split and cache.
-    val_fraction: float = Field(default=0.1, gt=0, lt=1)
-    test_fraction: float = Field(default=0.1, gt=0, lt=1)
-    partitions_per_worker: int = Field(default=2, ge=2)
-    cache_root: str | None = None
+    val_fraction: float = Field(
+        default=0.1, gt=0, lt=1, description="Share of images in the validation split (by hash)"
+    )
+    test_fraction: float = Field(default=0.1, gt=0, lt=1, description="Share of images in the test split (by hash)")
+    partitions_per_worker: int = Field(
+        default=2, ge=2, description="Cache files of each split per training worker (each worker reads its own share)"
+    )
+    cache_root: str | None = Field(
+        default=None, description="Folder or URI of the Petastorm cache of the splits (default: workspace/cache)"
+    )
     staging_root: str | None = Field(default=None, description="Folder or URI for files handed between stages")
 
     # Training.
@@ -250,8 +270,8 @@ class Settings(BaseSettings):
         description="Folder where Ray Train keeps checkpoints; shared by every node (default: workspace/ray_results)",
     )
     num_workers: int = Field(default=2, ge=1, description="Ray Train workers")
-    use_gpu: bool = False
-    cpus_per_worker: float = Field(default=1, gt=0)
+    use_gpu: bool = Field(default=False, description="Train on GPUs: one a worker (gpus_per_worker), bf16")
+    cpus_per_worker: float = Field(default=1, gt=0, description="CPUs Ray reserves for each training worker")
     gpus_per_worker: float = Field(default=1, gt=0, description="With use_gpu")
     max_failures: int = Field(default=1, ge=-1, description="Worker failures a training run survives (-1: no limit)")
     ray_log_to_driver: bool = Field(
@@ -333,7 +353,9 @@ class Settings(BaseSettings):
         ge=0,
         description="Epochs without a better val_loss before training stops (default: half of max_epochs, at least 3)",
     )
-    early_stopping_min_delta: float = Field(default=0.0, ge=0)
+    early_stopping_min_delta: float = Field(
+        default=0.0, ge=0, description="Smallest fall of val_loss that counts as better for early stopping"
+    )
     early_stopping_threshold: float | None = Field(default=None, description="Stop once val_loss is below this")
     compile: bool | None = Field(
         default=None,
@@ -359,14 +381,22 @@ class Settings(BaseSettings):
     bf16: bool = Field(default=True, description="bf16 autocast on GPU (ignored on CPU)")
     channels_last: bool = Field(default=True, description="channels_last memory format on GPU (ignored on CPU)")
     pin_memory: bool = Field(default=True, description="Pinned host batches on GPU (ignored on CPU)")
-    seed: int = 42
+    seed: int = Field(
+        default=42, description="Seed of the cache's row order, the loader, augmentation and the model's weights"
+    )
 
     # Tracking and registry.
-    mlflow_tracking_uri: str | None = None
-    mlflow_registry_uri: str | None = None
-    mlflow_experiment: str = "imagelake"
+    mlflow_tracking_uri: str | None = Field(
+        default=None, description="MLflow tracking server or store (default: a SQLite file in the workspace)"
+    )
+    mlflow_registry_uri: str | None = Field(
+        default=None, description="MLflow model registry (default: the tracking URI)"
+    )
+    mlflow_experiment: str = Field(default="imagelake", description="MLflow experiment of the training runs")
     mlflow_ui_url: str = Field(default="http://127.0.0.1:5000", description="MLflow UI that Prefect artifacts link to")
-    model_name: str = "imagelake-classifier"
+    model_name: str = Field(
+        default="imagelake-classifier", description="Registered model the gate promotes versions of"
+    )
     promotion_metric: Literal["accuracy", "macro_f1", "loss"] = Field(
         default="accuracy", description="What the promotion gate compares"
     )
@@ -395,7 +425,9 @@ class Settings(BaseSettings):
     )
 
     # Orchestration.
-    prefect_api_url: str | None = None
+    prefect_api_url: str | None = Field(
+        default=None, description="Prefect API of the runs (default: Prefect's own setting, else a server per run)"
+    )
     results_root: str | None = Field(
         default=None,
         description="Folder or URI where stage results are stored for reuse (default: workspace/prefect-results)",
