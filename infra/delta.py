@@ -4,6 +4,7 @@ place where the two engines differ; below it, the delta-rs commits, merges and r
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import random
@@ -72,6 +73,14 @@ def engine_without_spark(settings: Settings) -> Engine | None:
     ):
         return "delta-rs"
     return None
+
+
+def spark_merge_bound(settings: Settings) -> int | None:
+    """Where delta_writer=auto makes delta-rs the engine (an embedded Spark), the most new rows a merge leaves to
+    delta-rs, which gathers them in the driver: a larger one goes through Spark's Delta (`Table.merge`). None elsewhere:
+    an engine named, or Spark's Delta already, takes every merge."""
+    auto_rs = settings.delta_writer == "auto" and engine_without_spark(settings) == "delta-rs"
+    return settings.spark_merge_min_rows if auto_rs else None
 
 
 def storage_options(table_uri: str) -> dict[str, str] | None:
@@ -601,9 +610,10 @@ class Table:
 
     With engine "spark", reads go through Spark's Delta source (versionAsOf), merges through `DeltaTable.merge`,
     compaction, vacuum and history through Spark's `DeltaTable`. With "delta-rs", Spark reads the files the delta-rs
-    log lists and delta-rs does the rest. Either way, appends of small tables and commits of data files the executors
-    already wrote are delta-rs commits: Spark's Delta has no public API for the latter, and both engines read the
-    result.
+    log lists and delta-rs does the rest, but for a merge of a run's files with more new rows than `spark_merge_above`
+    (delta_writer=auto on an embedded Spark), which Spark's Delta takes where its jars load. Either way, appends of
+    small tables and commits of data files the executors already wrote are delta-rs commits: Spark's Delta has no
+    public API for the latter, and both engines read the result.
     """
 
     uri: str
@@ -611,13 +621,15 @@ class Table:
     # here.
     session: SparkSource | None = None
     engine: Engine = "delta-rs"
+    # With delta-rs: a merge of more new rows of a run's files than this goes through Spark's Delta (None: none does).
+    spark_merge_above: int | None = None
 
     @classmethod
     def open(cls, uri: str, settings: Settings, engine: Engine | None = None) -> Table:
         """The table at URI with this process's Spark session, started only when a read or a Spark merge first needs it:
         a run that finds nothing to do starts no Spark. The engine is the settings' choice unless given."""
         session = on_demand(settings)
-        return cls(uri, session, engine or choose_engine(settings, session))
+        return cls(uri, session, engine or choose_engine(settings, session), spark_merge_bound(settings))
 
     @property
     def spark(self) -> SparkSession | None:
@@ -704,9 +716,25 @@ class Table:
     def merge(self, changes: pa.Table | FileRows) -> int:
         """Upsert and delete rows keyed on (path, image_size) (`_action` column) in one commit; return its version.
         A FileRows source (rows of a run's data files) is read by Spark's executors, or streamed to delta-rs."""
-        return (
-            merge_spark(self._reader(), self.uri, changes) if self.engine == "spark" else merge_arrow(self.uri, changes)
+        if self._merge_engine(changes) == "spark":
+            return merge_spark(self._reader(), self.uri, changes)
+        return merge_arrow(self.uri, changes)
+
+    def _merge_engine(self, changes: pa.Table | FileRows) -> Engine:
+        """The table's engine, but Spark's Delta for a FileRows merge of more new rows than `spark_merge_above` where
+        Spark loads Delta's jars: delta-rs would gather every new row in the driver. Where Spark cannot, delta-rs
+        merges, and says what that holds."""
+        bound, rows = self.spark_merge_above, changes.rows.num_rows if isinstance(changes, FileRows) else 0
+        if self.engine == "spark" or bound is None or rows <= bound:
+            return self.engine
+        if delta_jars_loaded(self._reader()):
+            return "spark"
+        logging.getLogger("imagelake").warning(
+            f"merging {rows} new rows into {self.uri} with delta-rs, which holds them all in the driver (about 620 KB "
+            "a 224 px image): Spark cannot load Delta's jars, whose executors would read them. `make install` fetches "
+            "them (or list them in IMAGELAKE_SPARK_JARS); spark_merge_min_rows=none says nothing of it"
         )
+        return "delta-rs"
 
     def commit_files(self, schema: pa.Schema, files: list[str]) -> int:
         return commit_files(self.uri, schema, files)

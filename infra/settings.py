@@ -180,6 +180,15 @@ class Settings(BaseSettings):
             "Delta on a Spark cluster with Delta's jars"
         ),
     )
+    spark_merge_min_rows: int | None = Field(
+        default=2000,
+        ge=1,
+        description=(
+            "With delta_writer=auto on an embedded Spark: a merge of more new rows than this goes through Spark's "
+            "Delta where its jars load, whose executors read them (delta-rs holds a merge's rows in the driver); "
+            "none: never"
+        ),
+    )
     table_root: str | None = Field(default=None, description="Folder or object-store URI of the Delta tables")
     table_name: str = Field(default="images", description="Name of the images table under table_root")
 
@@ -509,10 +518,10 @@ class Settings(BaseSettings):
             del data["pretrained_weights"]
         return data
 
-    @field_validator("pretrained", mode="before")
+    @field_validator("pretrained", "spark_merge_min_rows", mode="before")
     @classmethod
     def _no_weights(cls, value: Any) -> Any:
-        # none means no weights, as augment's and class_weights' none do; never a file named none.
+        # none means no weights, as augment's and class_weights' none do, never a file named none; and no bound.
         return None if isinstance(value, str) and value.strip().lower() in ("", "none") else value
 
     @model_validator(mode="after")
@@ -768,6 +777,7 @@ REFUSED_FROM_RUNS = frozenset(
         "spark_jars",
         "spark_conf",
         "delta_writer",
+        "spark_merge_min_rows",
         "ray_address",
         "mlflow_tracking_uri",
         "mlflow_registry_uri",

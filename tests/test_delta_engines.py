@@ -109,8 +109,13 @@ def test_the_engine_is_chosen_without_spark_where_its_jars_do_not_matter(tmp_pat
     ):
         settings = Settings(workspace=tmp_path, **given)
         assert choose_engine(settings, never(settings.spark_master)) == "delta-rs"
-        assert Table.open(f"{tmp_path}/t", settings).engine == "delta-rs"
+        table = Table.open(f"{tmp_path}/t", settings)
+        # auto's delta-rs leaves merges of more new rows than spark_merge_min_rows to Spark's Delta; a named one none.
+        assert (table.engine, table.spark_merge_above) == ("delta-rs", None if given else 2000)
     assert asked == []
+    assert (
+        Table.open(f"{tmp_path}/t", Settings(workspace=tmp_path, spark_merge_min_rows="none")).spark_merge_above is None
+    )
 
 
 def test_commit_versions_are_exact_while_another_writer_commits(tmp_path: Path) -> None:
