@@ -129,7 +129,7 @@ def spark_session(settings: Settings) -> SparkSession:
             builder = (
                 builder.config("spark.sql.extensions", DELTA_EXTENSION)
                 .config("spark.sql.catalog.spark_catalog", DELTA_CATALOG)
-                # Retention is the maintenance stage's own setting (vacuum_retention_hours), checked there.
+                # Retention is `maintain`'s own setting (vacuum_retention_hours), checked there.
                 .config("spark.databricks.delta.retentionDurationCheck.enabled", "false")
                 # The log is replayed in this many tasks (50 unless set), whatever its size: as many as shuffles use.
                 .config("spark.databricks.delta.snapshotPartitions", partitions)

@@ -3,7 +3,7 @@
 A cache line (one per table, image size, partitioning, split fractions, labels and seed) keeps its files under
 `data/<split>/g<generation>/` and one manifest per cached table version, `<split>-v<version>.json`, naming the files
 that hold that version's rows of the split; rows carry a `position` column (generation, then file, then row). The
-cache stage writes them (tasks/cache.py); training, the gate, the cards and the worker's loader read them through
+cache stage writes them (tasks/stages/cache.py); training, the gate, the cards and the worker's loader read them through
 this module, which imports no Petastorm and no Spark.
 """
 
@@ -182,7 +182,7 @@ POSITION = "position"  # the cache's row id: names the row group a row came from
 
 def split_files(url: str) -> tuple[Any, list[str]]:
     """A cached split's filesystem and Parquet files, sorted: those its manifest names (a .json file, names relative
-    to its folder; see tasks/cache.py) or those in a folder."""
+    to its folder; see tasks/stages/cache.py) or those in a folder."""
     fs, path = fsspec.core.url_to_fs(url)
     if path.endswith(".json"):
         folder = path.rsplit("/", 1)[0]

@@ -38,8 +38,8 @@ class StagingIncomplete(PermanentError):
 
 def check_staged(resized: Resized) -> None:
     """Every file resize accounted for has its staged row; else fail, and remove the partial folder so that the next
-    run's resize is no cache hit and decodes again (a write from a short count would commit too little and then mark
-    the tables in step with the listing, so that no later run would look at the missing files again)."""
+    run's resize reuses no stored result and decodes again (a write from a short count would commit too little and
+    then mark the tables in step with the listing, so that no later run would look at the missing files again)."""
     reported = resized.decoded + resized.known + resized.retired + resized.bad + resized.unread_files
     staged = staged_rows(resized).count_rows()
     if staged == reported:
@@ -450,8 +450,8 @@ def discard_run_files(resized: Resized) -> None:
 
 @stage("requeue", settings=("quarantine_uri", "requeue_reasons"), cache_policy=NO_CACHE)
 def requeue_by_setting(settings: Settings) -> dict[str, int]:
-    """Prefect stage (never cached): send the files quarantined for a reason in the setting requeue_reasons back
-    through."""
+    """Prefect stage (its result never reused): send the files quarantined for a reason in the setting
+    requeue_reasons back through."""
     return requeue(ImageTable.of(settings), settings.requeue_reasons)
 
 
