@@ -520,8 +520,9 @@ class Settings(BaseSettings):
 
     @field_validator("pretrained", "spark_merge_min_rows", mode="before")
     @classmethod
-    def _no_weights(cls, value: Any) -> Any:
-        # none means no weights, as augment's and class_weights' none do, never a file named none; and no bound.
+    def _none_is_none(cls, value: Any) -> Any:
+        # none (or nothing) means unset, as augment's and class_weights' none do: no weights (never a file named none),
+        # no bound.
         return None if isinstance(value, str) and value.strip().lower() in ("", "none") else value
 
     @model_validator(mode="after")
@@ -823,7 +824,7 @@ def _is_weights_name(value: Any) -> bool:
     be fetched and loaded)."""
     if value is None:
         return True
-    # Exactly as Settings._no_weights and tasks/worker/model.py read them: anything else is taken for a file.
+    # Exactly as Settings._none_is_none and tasks/worker/model.py read them: anything else is taken for a file.
     return isinstance(value, str) and (
         value.strip().lower() in ("", "none") or value == "imagenet" or bool(_WEIGHTS_NAME.match(value))
     )

@@ -14,15 +14,20 @@ LAYERS = {"flows": 3, "tasks": 2, "infra": 1}
 ENGINES = ("pyspark", "ray", "mlflow", "prefect", "deltalake", "delta", "torch", "petastorm", "pytorch_lightning")
 
 
-def imported_packages(path: Path) -> set[str]:
-    """The top-level names every import in a file (function bodies included) reaches."""
+def imported_modules(path: Path) -> set[str]:
+    """The full module names every import in a file (function bodies included) names."""
     names: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
-            names |= {alias.name.split(".")[0] for alias in node.names}
+            names |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module.split(".")[0])
+            names |= {node.module, *(f"{node.module}.{alias.name}" for alias in node.names)}
     return names
+
+
+def imported_packages(path: Path) -> set[str]:
+    """The top-level names every import in a file (function bodies included) reaches."""
+    return {name.split(".")[0] for name in imported_modules(path)}
 
 
 def test_no_import_runs_up_a_layer() -> None:
@@ -52,17 +57,6 @@ def test_the_rules_and_the_results_import_no_engine() -> None:
     assert not {name.split(".")[0] for name in loaded} & set(ENGINES), sorted(
         name for name in loaded if name.split(".")[0] in ENGINES
     )
-
-
-def imported_modules(path: Path) -> set[str]:
-    """The full module names every import in a file (function bodies included) names."""
-    names: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            names |= {alias.name for alias in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names |= {node.module, *(f"{node.module}.{alias.name}" for alias in node.names)}
-    return names
 
 
 def test_the_stages_have_a_room_of_their_own_and_no_helper_or_stage_imports_a_stage() -> None:
