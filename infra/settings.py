@@ -264,6 +264,16 @@ class Settings(BaseSettings):
     cache_root: str | None = Field(
         default=None, description="Folder or URI of the Petastorm cache of the splits (default: workspace/cache)"
     )
+    cache_format: Literal["raw", "jpeg"] = Field(
+        default="raw",
+        description=(
+            "How the cache holds each image: raw pixels (no decoding when training) or JPEG (several times fewer "
+            "bytes, decoded when read)"
+        ),
+    )
+    cache_jpeg_quality: int = Field(
+        default=95, ge=50, le=100, description="JPEG quality of a cache_format=jpeg cache (higher: closer, larger)"
+    )
     staging_root: str | None = Field(default=None, description="Folder or URI for files handed between stages")
 
     # Training.
@@ -698,6 +708,8 @@ ALLOWED_FROM_RUNS = frozenset(
         "val_fraction",
         "test_fraction",
         "partitions_per_worker",
+        "cache_format",
+        "cache_jpeg_quality",
         # How it trains, and on how much of the worker's cluster.
         "ray_placement_strategy",
         "num_workers",

@@ -12,11 +12,12 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 import torch.nn.functional as F
 
-from tasks.cache_files import pixel_rows, split_files
+from tasks.cache_files import pixel_rows, split_files, split_format
 
 THUMBNAIL = 32
 MAX_ROWS = 20_000
@@ -35,6 +36,7 @@ def thumbnails(uri: str, image_size: int, rows: int, limit: int, seed: int) -> t
     their labels. Read a row group at a time: only the chosen rows' thumbnails are kept."""
     chosen = np.sort(np.random.default_rng(seed).choice(rows, size=min(rows, limit), replace=False))
     fs, files = split_files(uri)
+    image_format = split_format(uri)
     images, labels, start = [], [], 0
     for path in files:
         with fs.open(path, "rb") as handle:
@@ -44,7 +46,12 @@ def thumbnails(uri: str, image_size: int, rows: int, limit: int, seed: int) -> t
                 lo, hi = np.searchsorted(chosen, [start, start + table.num_rows])
                 if hi > lo:
                     take = chosen[lo:hi] - start
-                    pixels = pixel_rows(table.column("image"), image_size * image_size * 3, f"cached split {uri}")[take]
+                    pixels = pixel_rows(  # only the chosen rows: a JPEG cache decodes no other
+                        table.column("image").take(pa.array(take)),
+                        image_size * image_size * 3,
+                        f"cached split {uri}",
+                        image_format,
+                    )
                     batch = torch.from_numpy(pixels.reshape(-1, image_size, image_size, 3)).permute(0, 3, 1, 2).float()
                     images.append(F.adaptive_avg_pool2d(batch, THUMBNAIL).flatten(1).numpy() / 255)
                     labels.append(table.column("label").to_numpy()[take])

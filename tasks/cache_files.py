@@ -9,7 +9,9 @@ this module, which imports no Petastorm and no Spark.
 
 from __future__ import annotations
 
+import io
 import json
+import math
 import time
 import uuid
 from typing import Any
@@ -18,6 +20,7 @@ import fsspec
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+from PIL import Image, UnidentifiedImageError
 
 from tasks.listing import modified_seconds
 from tasks.results import CachedSplits
@@ -238,13 +241,28 @@ def row_group_sizes(url: str) -> tuple[int, ...]:
     return tuple(rows for rows, _ in row_groups(url))
 
 
-def pixel_rows(images: pa.ChunkedArray, pixels: int, where: str) -> np.ndarray:
-    """A binary column of images, `pixels` bytes each, as one (rows, pixels) uint8 view of its Arrow data buffer.
+def one_chunk(images: pa.ChunkedArray | pa.Array) -> pa.Array:
+    """A binary column as one array: a single chunk as it is (combine_chunks would copy)."""
+    if isinstance(images, pa.Array):
+        return images
+    return images.chunk(0) if images.num_chunks == 1 else images.combine_chunks()
 
-    A single chunk is used as it is (combine_chunks would copy); `where` names the data in the error.
+
+def value_offsets(column: pa.Array) -> np.ndarray:
+    """Where each value of a binary array starts in its data buffer, and where the last ends."""
+    return np.frombuffer(column.buffers()[1], dtype=np.int32, count=len(column) + 1, offset=column.offset * 4)
+
+
+def pixel_rows(images: pa.ChunkedArray | pa.Array, pixels: int, where: str, image_format: str = "raw") -> np.ndarray:
+    """A binary column of images, `pixels` bytes each, as one (rows, pixels) uint8 view of its Arrow data buffer; a
+    column of JPEG files (`image_format="jpeg"`, see encode_jpeg) decoded into a new array of the same shape.
+
+    `where` names the data in the error.
     """
-    column = images.chunk(0) if images.num_chunks == 1 else images.combine_chunks()
-    offsets = np.frombuffer(column.buffers()[1], dtype=np.int32, count=len(column) + 1, offset=column.offset * 4)
+    if image_format == "jpeg":
+        return decoded_rows(images, pixels, where)
+    column = one_chunk(images)
+    offsets = value_offsets(column)
     if column.null_count or np.any(np.diff(offsets) != pixels):
         raise ValueError(
             f"{where} holds images that are not {pixels} bytes each: rebuild the cache for this image_size"
@@ -254,12 +272,62 @@ def pixel_rows(images: pa.ChunkedArray, pixels: int, where: str) -> np.ndarray:
     return data.reshape(len(column), pixels)
 
 
+# How a cache may hold its images: raw pixels (rows of image_size x image_size x 3 bytes), or one JPEG file per image.
+IMAGE_FORMATS = ("raw", "jpeg")
+
+
+def encode_jpeg(images: pa.ChunkedArray | pa.Array, image_size: int, quality: int) -> pa.Array:
+    """Raw pixel rows (image_size x image_size RGB) as JPEG files of that QUALITY, one per row. Chroma is kept at full
+    resolution (4:4:4): a small image's colour edges are what 4:2:0 would blur."""
+    side = (image_size, image_size)
+    encoded = []
+    for row in pixel_rows(images, image_size * image_size * 3, "the rows to cache"):
+        out = io.BytesIO()
+        Image.frombuffer("RGB", side, row, "raw", "RGB", 0, 1).save(out, "JPEG", quality=quality, subsampling=0)
+        encoded.append(out.getvalue())
+    return pa.array(encoded, pa.binary())
+
+
+def decoded_rows(images: pa.ChunkedArray | pa.Array, pixels: int, where: str) -> np.ndarray:
+    """A binary column of JPEG files (encode_jpeg's) as (rows, pixels) uint8 pixels, read straight from the Arrow data
+    buffer."""
+    column = one_chunk(images)
+    side = math.isqrt(pixels // 3)
+    out = np.empty((len(column), pixels), dtype=np.uint8)
+    if column.null_count:
+        raise ValueError(f"{where} holds a row with no image: rebuild the cache")
+    offsets, data = value_offsets(column), memoryview(column.buffers()[2])
+    for row in range(len(column)):
+        try:
+            with Image.open(io.BytesIO(data[offsets[row] : offsets[row + 1]]), formats=["JPEG"]) as image:
+                if image.size != (side, side) or image.mode != "RGB":
+                    raise ValueError(f"a {image.mode} image of {image.size[0]}x{image.size[1]}")
+                out[row] = np.asarray(image).reshape(-1)
+        except UnidentifiedImageError:  # its own message names the in-memory buffer, which tells the user nothing
+            raise ValueError(f"{where} holds an image that is not a JPEG: rebuild the cache") from None
+        except (OSError, ValueError) as exc:
+            raise ValueError(
+                f"{where} holds an image that is not a {side}x{side} RGB JPEG ({exc}): rebuild the cache"
+            ) from None
+    return out
+
+
+def split_format(url: str) -> str:
+    """How a cached split holds its images, as its manifest records ("raw" for a folder, or a manifest written before
+    JPEG caches)."""
+    fs, path = fsspec.core.url_to_fs(url)
+    if not path.endswith(".json"):
+        return "raw"
+    return json.loads(fs.cat_file(path)).get("cached", {}).get("image_format", "raw")
+
+
 def label_samples(
     url: str, image_size: int, labels: list[str], per_label: int = 8, max_groups: int = 64
 ) -> dict[str, np.ndarray]:
     """The first `per_label` images of each label of a cached split (its rows are in a seeded random order),
     from at most `max_groups` row groups: a rare label may show fewer."""
     fs, files = split_files(url)
+    image_format = split_format(url)
     found: dict[int, list[np.ndarray]] = {index: [] for index in range(len(labels))}
     read = 0
     for path in files:
@@ -270,7 +338,9 @@ def label_samples(
                     break
                 read += 1
                 table = parquet.read_row_group(group, columns=["image", "label"])
-                pixels = pixel_rows(table.column("image"), image_size * image_size * 3, f"cached split {url}")
+                pixels = pixel_rows(
+                    table.column("image"), image_size * image_size * 3, f"cached split {url}", image_format
+                )
                 for row, label in enumerate(table.column("label").to_numpy()):
                     if len(found[int(label)]) < per_label:
                         found[int(label)].append(

@@ -6,6 +6,8 @@ a staging copy sits), not what the data is: they stay out of the next stage's ke
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, Field
 
 
@@ -114,6 +116,7 @@ class CachedSplits(BaseModel):
     reused: bool = Field(exclude=True)
     label_counts: dict[str, dict[str, int]] = {}
     quarantined: dict[str, int] = Field(default_factory=dict, exclude=True)
+    image_format: Literal["raw", "jpeg"] = "raw"  # how the cached files hold each image (tasks/cache_files.py)
 
 
 class Trained(BaseModel):

@@ -16,6 +16,8 @@ import hashlib
 import json
 import math
 import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
@@ -28,7 +30,7 @@ from infra.compat import collect_arrow
 from infra.prefect_env import fence, one_at_a_time
 from infra.settings import Settings
 from infra.spark import SparkSource, on_demand, session_of
-from tasks.cache_files import GENERATION_BITS, LAYOUT, CacheLine, cached_files, damaged_split, nearest
+from tasks.cache_files import GENERATION_BITS, LAYOUT, CacheLine, cached_files, damaged_split, encode_jpeg, nearest
 from tasks.progress import stage_logger
 from tasks.results import CachedSplits, SplitPlan
 from tasks.rules.splits import SPLITS
@@ -38,7 +40,48 @@ from tasks.table import DRIVER_BYTES, ImageTable, splits_of
 ROW_KEY = ("sha256", "label")
 
 
-def line_key(plan: SplitPlan, image_size: int, seed: int) -> str:
+@dataclass(frozen=True)
+class Stored:
+    """How a cache holds its images: raw pixels, or JPEG files of a quality (tasks/cache_files.py:IMAGE_FORMATS)."""
+
+    image_format: str = "raw"
+    quality: int = 95
+
+    @classmethod
+    def of(cls, settings: Settings) -> Stored:
+        return cls(settings.cache_format, settings.cache_jpeg_quality)
+
+    def key(self) -> list[Any]:
+        """What the line's key adds: nothing for raw pixels (the key lines had before JPEG caches), else the codec."""
+        return [] if self.image_format == "raw" else [self.image_format, self.quality]
+
+    def rows(self, rows: pa.Table, image_size: int) -> pa.Table:
+        """ROWS (raw pixels in `image`) as the cache stores them."""
+        if self.image_format == "raw":
+            return rows
+        return rows.set_column(
+            rows.schema.get_field_index("image"), "image", encode_jpeg(rows["image"], image_size, self.quality)
+        )
+
+    def frame(self, frame: DataFrame, image_size: int) -> DataFrame:
+        """FRAME's rows (raw pixels in `image`) as the cache stores them, encoded by Spark's Python workers."""
+        if self.image_format == "raw":
+            return frame
+        quality, column = self.quality, frame.columns.index("image")
+
+        def encode(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+            for batch in batches:
+                arrays = list(batch.columns)
+                arrays[column] = encode_jpeg(arrays[column], image_size, quality)
+                yield pa.RecordBatch.from_arrays(arrays, schema=batch.schema)
+
+        return frame.mapInArrow(encode, frame.schema)
+
+
+RAW = Stored()
+
+
+def line_key(plan: SplitPlan, image_size: int, seed: int, stored: Stored = RAW) -> str:
     """Everything a cache line's bytes depend on besides the table version, hashed."""
     parts = [
         plan.table_uri,
@@ -49,6 +92,7 @@ def line_key(plan: SplitPlan, image_size: int, seed: int) -> str:
         plan.labels,
         seed,
         LAYOUT,
+        *stored.key(),
     ]
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:20]
 
@@ -81,13 +125,19 @@ def version_rows(spark: SparkSource, plan: SplitPlan, image_size: int, files: li
 
 
 def cache_splits(
-    spark: SparkSource, plan: SplitPlan, image_size: int, cache_root: str, seed: int = 42, lock: str | None = None
+    spark: SparkSource,
+    plan: SplitPlan,
+    image_size: int,
+    cache_root: str,
+    seed: int = 42,
+    lock: str | None = None,
+    stored: Stored = RAW,
 ) -> CachedSplits:
-    """The cache of every split of the plan's version: reused if cached, grown from the nearest cached version, or
-    written whole. The manifest that commits it is written under LOCK's fence (infra/prefect_env.py:fence), if given.
-    SPARK may
-    be a function that starts the session: a reuse, or a growth the driver makes alone, never calls it."""
-    key = line_key(plan, image_size, seed)
+    """The cache of every split of the plan's version, its images as STORED says: reused if cached, grown from the
+    nearest cached version, or written whole. The manifest that commits it is written under LOCK's fence
+    (infra/prefect_env.py:fence), if given. SPARK may be a function that starts the session: a reuse, or a growth the
+    driver makes alone, never calls it."""
+    key = line_key(plan, image_size, seed, stored)
     line = CacheLine(f"{cache_root.rstrip('/')}/{key}")
     versions = line.versions()
     if plan.version in versions:
@@ -99,14 +149,14 @@ def cache_splits(
     base = nearest(versions, plan.version)
     if base is not None and line.problem(base) is not None:
         base = None  # a damaged version is not grown from
-    grown = grow(spark, line, base, plan, image_size, seed) if base is not None else None
+    grown = grow(spark, line, base, plan, image_size, seed, stored) if base is not None else None
     if grown is None:  # nothing cached to grow from, or the grown files do not hold the plan's rows
         generation = 1 + max((line.read(v)["test"]["generation"] for v in versions), default=-1)
         rows, files = version_rows(spark, plan, image_size), {}
         for split in SPLITS:
             folder = line.generation_folder(split, generation)
             write_split(
-                rows.where(F.col("split") == split).drop("split"),
+                stored.frame(rows.where(F.col("split") == split).drop("split"), image_size),
                 f"{line.uri}/{folder}",
                 plan.num_partitions,
                 seed,
@@ -132,6 +182,7 @@ def cache_splits(
             reused=False,
             label_counts=plan.label_counts,
             quarantined=plan.quarantined,
+            image_format=stored.image_format,
         )
     if lock is not None:
         fence(lock)  # the line's lock lapsed: another run may be writing this version's manifest; commit nothing
@@ -275,7 +326,7 @@ def write_split_arrow(rows: pa.Table, fs: Any, folder: str, partitions: int, see
 
 
 def grow(
-    spark: SparkSource, line: CacheLine, base: int, plan: SplitPlan, image_size: int, seed: int
+    spark: SparkSource, line: CacheLine, base: int, plan: SplitPlan, image_size: int, seed: int, stored: Stored
 ) -> tuple[dict[str, list[str]], int, bool] | None:
     """Files for the plan's version made from BASE's: its new rows in a new generation (read from the data files that
     hold them alone), files that hold rows it lost rewritten without them. None if the result would not hold exactly the
@@ -309,7 +360,7 @@ def grow(
             )
             if isinstance(fresh, pa.Table):
                 write_split_arrow(
-                    fresh.filter(pc.equal(fresh["split"], split)),
+                    stored.rows(fresh.filter(pc.equal(fresh["split"], split)), image_size),
                     line.fs,
                     f"{line.root}/{folder}",
                     partitions,
@@ -318,7 +369,7 @@ def grow(
                 )
             else:
                 write_split(
-                    fresh.where(F.col("split") == split).drop("split"),
+                    stored.frame(fresh.where(F.col("split") == split).drop("split"), image_size),
                     f"{line.uri}/{folder}",
                     partitions,
                     seed,
@@ -363,14 +414,15 @@ def cache_one_at_a_time(spark: SparkSource, plan: SplitPlan, settings: Settings)
     one) would write the same generation's folder and each list the other's files in its manifest: the second waits,
     then reuses (or grows from) what the first wrote. It waits cache_lock_wait_minutes at most, then fails naming the
     first."""
-    lock = f"cache-{line_key(plan, settings.image_size, settings.seed)}"
+    stored = Stored.of(settings)
+    lock = f"cache-{line_key(plan, settings.image_size, settings.seed, stored)}"
     with one_at_a_time(settings, lock, timeout=settings.lock_wait_seconds("cache")):
-        return cache_splits(spark, plan, settings.image_size, settings.cache_uri, settings.seed, lock)
+        return cache_splits(spark, plan, settings.image_size, settings.cache_uri, settings.seed, lock, stored)
 
 
 @stage(
     "cache",
-    settings=("image_size", "cache_uri", "seed"),
+    settings=("image_size", "cache_uri", "seed", "cache_format", "cache_jpeg_quality"),
     code=("tasks.table", "tasks.cache_files"),
     needs=cached_files,
     unfinished=damaged_split,

@@ -20,7 +20,7 @@ from pyspark.sql import functions as F
 from infra.delta import Table
 from infra.settings import Settings
 from infra.tracking import git_commit, mlflow_client, run_url
-from tasks.cache_files import pixel_rows, split_files
+from tasks.cache_files import pixel_rows, split_files, split_format
 from tasks.cards import confusion_matrix, metric_keys, model_card, per_class_metrics, per_class_table
 from tasks.predict import predict
 from tasks.registry import TestRowsAt, gate, registry_lock, served_model
@@ -49,7 +49,7 @@ def read_split(uri: str, image_size: int) -> tuple[np.ndarray, np.ndarray]:
         with fs.open(path, "rb") as handle:
             parts.append(pq.read_table(handle, columns=["image", "label"]))
     table = pa.concat_tables(parts)
-    pixels = pixel_rows(table.column("image"), image_size * image_size * 3, f"cached split {uri}")
+    pixels = pixel_rows(table.column("image"), image_size * image_size * 3, f"cached split {uri}", split_format(uri))
     return pixels.reshape(len(pixels), image_size, image_size, 3), table.column("label").to_numpy()
 
 

@@ -29,7 +29,7 @@ from petastorm.workers_pool import EmptyResultError
 from pyarrow.filesystem import DaskFileSystem
 
 from infra.compat import petastorm_ventilation_order, replace_petastorm_results_reader
-from tasks.cache_files import POSITION, pixel_rows, row_group_sizes, row_groups, split_urls
+from tasks.cache_files import POSITION, pixel_rows, row_group_sizes, row_groups, split_format, split_urls
 
 # Petastorm is pinned with pyarrow 14 on purpose (see pyproject.toml): its legacy-API notices are known and noise.
 warnings.filterwarnings("ignore", category=FutureWarning, module=r"petastorm(\.|$)")
@@ -153,6 +153,7 @@ class ShardBatches:
         self.image_size, self.seed, self.shuffle, self.workers = image_size, seed, shuffle, workers
         self.buffer_rows = max(1, buffer_batches) * batch_size
         self.key_field, self.pin_memory = key_field, pin_memory
+        self.image_format = split_format(url)  # a JPEG cache's images are decoded as their row groups arrive
         if sizes is None:
             rows = shard_rows(url, shard_count)
             self.rows = rows[shard]
@@ -309,7 +310,9 @@ class ShardBatches:
             workers_count=self.workers,
             filesystem=petastorm_filesystem(self.url),
         )
-        replace_petastorm_results_reader(self._reader, PixelRowGroups(self.image_size, self.key_field, ordered))
+        replace_petastorm_results_reader(
+            self._reader, PixelRowGroups(self.image_size, self.key_field, ordered, self.image_format)
+        )
         pool = RowPool(
             self.image_size * self.image_size * 3,
             np.random.default_rng([self.seed, self.shard, epoch]) if self.shuffle else None,
@@ -711,21 +714,24 @@ class InOrder:
 
 class PixelRowGroups(ArrowReaderWorkerResultsQueueReader):
     """Petastorm's results for one row group, with the image column as one (rows, pixels) uint8 view of the Arrow data
-    buffer.
+    buffer (of a JPEG cache: its images decoded into one such array).
 
     Petastorm's own conversion makes a Python bytes object of every image; this makes none.
     """
 
-    def __init__(self, image_size: int, key_field: str | None, positions: bool = False) -> None:
+    def __init__(
+        self, image_size: int, key_field: str | None, positions: bool = False, image_format: str = "raw"
+    ) -> None:
         super().__init__()
         self.pixels, self.key_field, self.positions = image_size * image_size * 3, key_field, positions
+        self.image_format = image_format
 
     def read_next(self, workers_pool: Any, schema: Any, ngram: Any) -> tuple:
         try:
             table = workers_pool.get_results()
         except EmptyResultError:
             raise StopIteration from None
-        images = pixel_rows(table.column("image"), self.pixels, "the cached split")
+        images = pixel_rows(table.column("image"), self.pixels, "the cached split", self.image_format)
         labels = table.column("label").to_numpy().astype(np.int64, copy=False)
         keys = table.column(self.key_field).to_pylist() if self.key_field else None
         first = table.column(POSITION)[0].as_py() if self.positions and len(table) else None
