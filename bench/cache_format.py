@@ -119,7 +119,8 @@ def main() -> None:
                 folder = work / image_format
                 write_cache(stored.rows(rows, args.size), folder)
                 url = manifest_for(folder, image_format)
-                table = pq.read_table(folder, columns=["image", "sha256"]).sort_by("sha256")
+                parts = sorted(folder.rglob("*.parquet"))
+                table = pq.read_table(parts, columns=["image", "sha256"]).sort_by("sha256")
                 pixels = pixel_rows(table["image"], args.size * args.size * 3, name, image_format)
                 measured[image_format] = {
                     "bytes": sum(p.stat().st_size for p in folder.rglob("*.parquet")) / len(files),
