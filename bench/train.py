@@ -92,6 +92,41 @@ def write_cache(out: Path, images: int, size: int, files: int, seed: int = 0) ->
     return f"file://{out}"
 
 
+def write_photo_caches(work: Path, images: int, size: int, files: int, quality: int = 95) -> dict[str, str]:
+    """The same `images` crops of real photographs (4,096 at most, repeated) in the cache's layout twice, raw pixels and
+    JPEG of `quality` (the cache stage's own encoding), each with a manifest recording its format as the cache stage's
+    do: {format: the manifest's URI}."""
+    from tasks.cache_files import encode_jpeg
+
+    crops, _ = photo_crops(min(images, 4096), size)
+    pixels = np.stack([np.asarray(crop).reshape(-1) for crop in crops])
+    labels = np.random.default_rng(0).integers(0, 10, images)
+    manifests = {}
+    for image_format in ("raw", "jpeg"):
+        out = work / f"photos-{image_format}"
+        out.mkdir(parents=True)
+        names = []
+        for file, rows in enumerate(np.array_split(np.arange(images), files)):
+            column = pa.array([pixels[row % len(pixels)].tobytes() for row in rows.tolist()], pa.binary())
+            if image_format == "jpeg":
+                column = encode_jpeg(column, size, quality)
+            table = pa.table(
+                {
+                    "image": column,
+                    "label": pa.array(labels[rows], pa.int64()),
+                    "sha256": pa.array([f"{i:064x}" for i in rows.tolist()]),
+                    "position": pa.array((file << 33) + np.arange(len(rows), dtype=np.int64)),
+                }
+            )
+            names.append(f"part-{file:05d}.parquet")
+            per_row = max(1, table.nbytes // max(1, len(rows)))
+            pq.write_table(table, out / names[-1], row_group_size=max(1, ROW_GROUP_BYTES // per_row))
+        manifest = out / "train-v0.json"
+        manifest.write_text(json.dumps({"files": names, "cached": {"image_format": image_format}}))
+        manifests[image_format] = f"file://{manifest}"
+    return manifests
+
+
 class Steady(DataWait):
     """DataWait counting from the second epoch on (the first is warm-up: reader start, cuDNN's algorithm search,
     the allocator); also the process's CPU time, the GPU's utilisation and its peak memory over those epochs."""
@@ -704,6 +739,7 @@ def gpu_table(args: argparse.Namespace, url: str, work: Path) -> None:
             "diagnose",
             "targets",
             "zoo-path",
+            "jpeg-path",
         }:  # the earlier tables' sections, as their code ran: eager, reader threads, epoch by epoch
             more = {"compile": False, "loader_processes": 0, "next_epoch_ahead": False, **more}
         return train_config(url, size, arch, batch, epochs, workers, gpu=True, freeze_backbone=frozen, **more)
@@ -1241,6 +1277,37 @@ def gpu_table(args: argparse.Namespace, url: str, work: Path) -> None:
             jpeg_section(table, size)
         except Exception as error:
             table.say(f"JPEG section FAILED: {type(error).__name__}: {error}")
+    if "jpeg-path" in sections:  # the training path over real photos cached as raw pixels and as JPEG (cache_format)
+        batch = args.gpu_batch
+        caches = write_photo_caches(work, args.images, size, args.files)
+        for image_format, uri in caches.items():
+            files = list(Path(uri.removeprefix("file://")).parent.glob("*.parquet"))
+            per_image = sum(f.stat().st_size for f in files) / args.images
+            table.say(f"  photos, {image_format}: {per_image:,.0f} bytes/image")
+        paths = (
+            ("raw", "Lightning, compile, photos: raw", {}, f"{workers}+p"),
+            ("jpeg", "Lightning, compile, photos: JPEG, nvJPEG", {"jpeg_decode": "device"}, workers),
+            (
+                "jpeg",
+                "Lightning, compile, photos: JPEG, 4 loader processes",
+                {"jpeg_decode": "loader", "loader_processes": 4},
+                f"{workers}+4p",
+            ),
+        )
+        for arch, frozen in (("resnet50", False), ("resnet50", True), ("small_cnn", False)):
+            epochs = epochs_for(table.limits.get((arch, frozen, batch, True), 1000.0), args.images, args.seconds)
+            for image_format, path, more, readers in paths:
+                uris = {"train_uri": caches[image_format], "val_uri": caches[image_format]}
+                table.add(
+                    arch,
+                    frozen,
+                    path,
+                    batch,
+                    readers,
+                    lambda arch=arch, frozen=frozen, more=more, uris=uris, epochs=epochs: run_epochs(
+                        {**config(arch, batch, frozen, workers, epochs, **more), **uris}
+                    ),
+                )
     if "zoo" in sections:  # torchvision's models: what compile gives each
         for arch in ("efficientnet_b0", "vit_b_16"):
             table.add(
@@ -1304,8 +1371,8 @@ def main() -> None:
         "--sections",
         default="final",
         help=(
-            "GPU only: which parts of the table (also targets, diagnose, zoo-path, zoo-eager, zoo-ray; ladder, "
-            "paths, loader, jpeg, zoo, resnet50, frozen, small, profile, compile: earlier tables')"
+            "GPU only: which parts of the table (also targets, diagnose, zoo-path, zoo-eager, zoo-ray, jpeg-path; "
+            "ladder, paths, loader, jpeg, zoo, resnet50, frozen, small, profile, compile: earlier tables')"
         ),
     )
     parser.add_argument(

@@ -393,10 +393,18 @@ class Settings(BaseSettings):
         le=16,
         description=(
             "Processes that make each training worker's batches (frees the worker's interpreter for the GPU; "
-            "more feed faster models); 0: in its threads; default: 1 with a GPU, 0 on CPU"
+            "more feed faster models); 0: in its threads; default: 1 with a GPU (0 where a JPEG cache is decoded on "
+            "it), 0 on CPU"
         ),
     )
     shuffle_buffer_batches: int = Field(default=4, ge=1, description="Rows shuffled across row groups, in batches")
+    jpeg_decode: Literal["auto", "loader", "device"] = Field(
+        default="auto",
+        description=(
+            "Where a cache_format=jpeg cache's images are decoded: in the loader, on CPU; or on the training device "
+            "by torchvision, a batch at a time (nvJPEG on a GPU); auto: the device when training on a GPU"
+        ),
+    )
     bf16: bool = Field(default=True, description="bf16 autocast on GPU (ignored on CPU)")
     channels_last: bool = Field(default=True, description="channels_last memory format on GPU (ignored on CPU)")
     pin_memory: bool = Field(default=True, description="Pinned host batches on GPU (ignored on CPU)")
@@ -740,6 +748,7 @@ ALLOWED_FROM_RUNS = frozenset(
         "loader_workers",
         "loader_processes",
         "shuffle_buffer_batches",
+        "jpeg_decode",
         "bf16",
         "channels_last",
         "pin_memory",

@@ -312,6 +312,16 @@ def decoded_rows(images: pa.ChunkedArray | pa.Array, pixels: int, where: str) ->
     return out
 
 
+def encoded_rows(images: pa.ChunkedArray | pa.Array) -> list[np.ndarray]:
+    """A binary column's values (a JPEG cache's files) as uint8 views of its Arrow data buffer, one per row."""
+    column = one_chunk(images)
+    if column.null_count:
+        raise ValueError("the cached split holds a row with no image: rebuild the cache")
+    offsets = value_offsets(column)
+    data = np.frombuffer(column.buffers()[2], dtype=np.uint8)
+    return [data[offsets[row] : offsets[row + 1]] for row in range(len(column))]
+
+
 def split_format(url: str) -> str:
     """How a cached split holds its images, as its manifest records ("raw" for a folder, or a manifest written before
     JPEG caches)."""

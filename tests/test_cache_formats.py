@@ -4,6 +4,7 @@ processes, the gate, the cards, the baseline) gets pixels close to the raw ones,
 
 from __future__ import annotations
 
+import json
 import threading
 from pathlib import Path
 
@@ -61,7 +62,9 @@ def image_bytes(cached) -> int:
     )
 
 
-def epochs(cached, processes: int, first_epoch: int = 0, count: int = 2) -> list[list[tuple[bytes, list, list]]]:
+def epochs(
+    cached, processes: int, first_epoch: int = 0, count: int = 2, decode_device: str | None = None
+) -> list[list[tuple[bytes, list, list]]]:
     """Epochs of the train split's batches as plain values (pixels, labels, keys); the loader's threads and processes
     are gone when it returns."""
     before = set(threading.enumerate())
@@ -75,6 +78,7 @@ def epochs(cached, processes: int, first_epoch: int = 0, count: int = 2) -> list
         shuffle=True,
         key_field="sha256",
         processes=processes,
+        decode_device=decode_device,
     ) as loader:
         loader.epoch = first_epoch  # as a resume sets it
         made = [[(i.numpy().tobytes(), la.tolist(), k) for i, la, k in loader] for _ in range(count)]
@@ -113,6 +117,10 @@ def test_a_jpeg_cache_holds_the_raw_caches_rows_in_fewer_bytes_grows_and_reads_t
     # epoch is the one a whole run makes.
     raw_epochs, threads, process = epochs(raw, 0), epochs(jpeg, 0), epochs(jpeg, 1)
     assert threads == process
+    # Decoded a batch at a time by torchvision (on the CPU here; with nvJPEG on a GPU): the same batches.
+    assert epochs(jpeg, 0, decode_device="cpu") == threads
+    with pytest.raises(ValueError, match="jpeg_decode=device .* set loader_processes=0"):
+        epochs(jpeg, 1, decode_device="cpu")
     assert [[(labels, keys) for _, labels, keys in epoch] for epoch in threads] == [
         [(labels, keys) for _, labels, keys in epoch] for epoch in raw_epochs
     ]
@@ -144,3 +152,27 @@ def test_a_jpeg_cache_holds_the_raw_caches_rows_in_fewer_bytes_grows_and_reads_t
             cache_splits(lake.spark, plan1, SIZE, raw_settings.cache_uri, raw_settings.seed).splits[split]
         )
         read_split(grown.splits[split], SIZE)
+
+
+def test_a_jpeg_cache_is_decoded_on_the_training_device_where_the_settings_say(tmp_path: Path, monkeypatch) -> None:
+    import torch
+
+    from tasks.worker.train_loop import jpeg_decode_device
+
+    manifests = {}
+    for image_format in ("raw", "jpeg"):
+        manifests[image_format] = tmp_path / f"{image_format}.json"
+        manifests[image_format].write_text(json.dumps({"files": [], "cached": {"image_format": image_format}}))
+
+    def where(image_format: str, jpeg_decode: str | None, use_gpu: bool = False) -> str | None:
+        config = {"train_uri": str(manifests[image_format]), "jpeg_decode": jpeg_decode, "use_gpu": use_gpu}
+        return jpeg_decode_device(config)
+
+    assert where("raw", "device") is None, "raw pixels have nothing to decode"
+    assert (where("jpeg", "auto"), where("jpeg", None), where("jpeg", "loader")) == (None, None, None)
+    assert where("jpeg", "device") == "cpu"
+    # Without a GPU here, use_gpu trains on the CPU: auto keeps decoding in the loader.
+    assert where("jpeg", "auto", use_gpu=True) is None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the one thing that cannot exist here: a GPU
+    assert (where("jpeg", "auto", use_gpu=True), where("jpeg", "device", use_gpu=True)) == ("cuda", "cuda")
+    assert (where("jpeg", "loader", use_gpu=True), where("raw", "auto", use_gpu=True)) == (None, None)

@@ -11,7 +11,7 @@ import torch
 
 from infra.tracking import mlflow_client
 from tasks.rules.training import scaled_learning_rate
-from tasks.stages.cache import cache_splits
+from tasks.stages.cache import Stored, cache_splits
 from tasks.stages.split import plan_splits
 from tasks.stages.train import run_name, train_model
 from tasks.worker.train_loop import (
@@ -64,11 +64,25 @@ def test_a_worker_killed_mid_run_resumes_from_the_last_checkpoint(
 
 
 @pytest.mark.slow
-def test_a_retried_training_task_resumes_the_same_run(cached, settings, tmp_path: Path, monkeypatch) -> None:
+def test_a_retried_training_task_resumes_the_same_run(
+    spark, lake: Lake, digits_dir: Path, settings, tmp_path: Path, monkeypatch
+) -> None:
+    """Also over a JPEG cache, read by a loader process: the run resumes from the checkpoint whatever the loader."""
+    copy_digits(digits_dir, tmp_path / "src", labels=tuple(str(d) for d in range(10)), per_label=10)
+    _, _, written = lake.run(tmp_path / "src")
+    plan = plan_splits(spark, written, settings.model_copy(update={"image_size": 24}))
+    cached = cache_splits(spark, plan, 24, settings.cache_uri, stored=Stored("jpeg", 95))
+    assert cached.image_format == "jpeg"
     marker = tmp_path / "killed"
     monkeypatch.setenv("IMAGELAKE_KILL_WORKER", f"1:2:{marker}")
     settings = settings.model_copy(
-        update={"max_epochs": 4, "early_stopping_patience": 10, "max_failures": 0, "batch_size": 16}
+        update={
+            "max_epochs": 4,
+            "early_stopping_patience": 10,
+            "max_failures": 0,
+            "batch_size": 16,
+            "loader_processes": 1,
+        }
     )
     interrupt = signal.getsignal(signal.SIGINT)
     with pytest.raises(ray.train.TrainingFailedError):

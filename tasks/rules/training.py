@@ -47,6 +47,7 @@ TRAINING_SETTINGS = (
     "use_gpu",
     "shuffle_buffer_batches",
     "loader_processes",
+    "jpeg_decode",
     "bf16",
     "channels_last",
     "compile",

@@ -150,6 +150,7 @@ def training_config(
         "compile_mode": settings.compile_mode,
         "loader_workers": settings.loader_workers,
         "loader_processes": settings.loader_processes,
+        "jpeg_decode": settings.jpeg_decode,
         "shuffle_buffer_batches": settings.shuffle_buffer_batches,
         "tracking_uri": tracking_uri,
         "mlflow_run_id": run_id,

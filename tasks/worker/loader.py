@@ -29,7 +29,15 @@ from petastorm.workers_pool import EmptyResultError
 from pyarrow.filesystem import DaskFileSystem
 
 from infra.compat import petastorm_ventilation_order, replace_petastorm_results_reader
-from tasks.cache_files import POSITION, pixel_rows, row_group_sizes, row_groups, split_format, split_urls
+from tasks.cache_files import (
+    POSITION,
+    encoded_rows,
+    pixel_rows,
+    row_group_sizes,
+    row_groups,
+    split_format,
+    split_urls,
+)
 
 # Petastorm is pinned with pyarrow 14 on purpose (see pyproject.toml): its legacy-API notices are known and noise.
 warnings.filterwarnings("ignore", category=FutureWarning, module=r"petastorm(\.|$)")
@@ -129,11 +137,22 @@ class ShardBatches:
         processes: int = 0,
         next_epoch_ahead: bool | None = None,
         sizes: list[int] | None = None,
+        decode_device: str | None = None,
     ) -> None:
         if not isinstance(processes, int) or processes < 0:
             raise ValueError(
                 f"loader_processes is {processes!r}: 0 (read in the training process) or the number of "
                 "loader processes (1 or more)"
+            )
+        # A JPEG cache's images: decoded as their row groups arrive (in the reader's thread or process), or, with a
+        # decode_device ("cpu" or "cuda"), a batch at a time by torchvision on that device (nvJPEG on a GPU).
+        self.image_format = split_format(url)
+        self.decode_device = decode_device if self.image_format == "jpeg" else None
+        if self.decode_device is not None and processes:
+            raise ValueError(
+                f"jpeg_decode=device decodes a JPEG cache's images on the training device, from the training "
+                f"process's reader threads, and loader_processes is {processes}: set loader_processes=0 (or leave it "
+                "unset), or jpeg_decode=loader"
             )
         self.spec = dict(
             url=url,
@@ -153,7 +172,6 @@ class ShardBatches:
         self.image_size, self.seed, self.shuffle, self.workers = image_size, seed, shuffle, workers
         self.buffer_rows = max(1, buffer_batches) * batch_size
         self.key_field, self.pin_memory = key_field, pin_memory
-        self.image_format = split_format(url)  # a JPEG cache's images are decoded as their row groups arrive
         if sizes is None:
             rows = shard_rows(url, shard_count)
             self.rows = rows[shard]
@@ -166,6 +184,7 @@ class ShardBatches:
         self.on_gpu = pin_memory and torch.cuda.is_available()
         self.next_epoch_ahead = self.on_gpu if next_epoch_ahead is None else next_epoch_ahead
         self._stream: Any = None
+        self._decode_on: torch.device | None = None  # decode_device, with the training thread's GPU
         self._current: Ahead | None = None  # the epoch being handed out, made ahead by a thread
         self._prepared: tuple[int, Ahead] | None = None  # the next epoch, begun before it was asked for
         self._prepared_lock = threading.Lock()
@@ -199,6 +218,9 @@ class ShardBatches:
             prepared[1].close()
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, ...]]:
+        if self.decode_device is not None and self._decode_on is None:  # the training thread's device
+            cuda = self.decode_device == "cuda"
+            self._decode_on = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         if not (self.on_gpu or self.next_epoch_ahead):
             return self._lazy()
         previous, self._current = self._current, None
@@ -311,7 +333,10 @@ class ShardBatches:
             filesystem=petastorm_filesystem(self.url),
         )
         replace_petastorm_results_reader(
-            self._reader, PixelRowGroups(self.image_size, self.key_field, ordered, self.image_format)
+            self._reader,
+            PixelRowGroups(
+                self.image_size, self.key_field, ordered, "encoded" if self.decode_device else self.image_format
+            ),
         )
         pool = RowPool(
             self.image_size * self.image_size * 3,
@@ -337,8 +362,13 @@ class ShardBatches:
                         pool.add(group)
                 if len(pool) < size:
                     raise RuntimeError(f"shard {self.shard} of {self.url} ended after fewer rows than its {self.rows}")
-                images = into(size) if into is not None else self._new_images(size)
-                labels, keys = pool.take(size, images.numpy().reshape(size, -1))
+                if self.decode_device is not None:
+                    encoded: list[Any] = [None] * size
+                    labels, keys = pool.take(size, encoded)
+                    images = decode_batch(encoded, self._decode_on or torch.device("cpu"), self.image_size, self.url)
+                else:
+                    images = into(size) if into is not None else self._new_images(size)
+                    labels, keys = pool.take(size, images.numpy().reshape(size, -1))
                 yield self._batch(images, labels, keys)
             if next(arrivals, None) is not None:
                 raise RuntimeError(
@@ -722,6 +752,8 @@ class PixelRowGroups(ArrowReaderWorkerResultsQueueReader):
     def __init__(
         self, image_size: int, key_field: str | None, positions: bool = False, image_format: str = "raw"
     ) -> None:
+        """IMAGE_FORMAT: the cache's (raw, jpeg: decoded here), or "encoded": a JPEG cache's files handed on as they
+        are, each a view of the buffer (decoded a batch at a time by decode_batch)."""
         super().__init__()
         self.pixels, self.key_field, self.positions = image_size * image_size * 3, key_field, positions
         self.image_format = image_format
@@ -731,11 +763,34 @@ class PixelRowGroups(ArrowReaderWorkerResultsQueueReader):
             table = workers_pool.get_results()
         except EmptyResultError:
             raise StopIteration from None
-        images = pixel_rows(table.column("image"), self.pixels, "the cached split", self.image_format)
+        if self.image_format == "encoded":
+            images: Any = encoded_rows(table.column("image"))
+        else:
+            images = pixel_rows(table.column("image"), self.pixels, "the cached split", self.image_format)
         labels = table.column("label").to_numpy().astype(np.int64, copy=False)
         keys = table.column(self.key_field).to_pylist() if self.key_field else None
         first = table.column(POSITION)[0].as_py() if self.positions and len(table) else None
         return images, labels, keys, first
+
+
+def decode_batch(encoded: list[np.ndarray], device: torch.device, image_size: int, url: str) -> torch.Tensor:
+    """A batch of JPEG files as uint8 NHWC images on DEVICE, decoded by torchvision there (nvJPEG on a GPU, in one
+    call). The files are gathered into one tensor first: torchvision reads each from CPU memory."""
+    from torchvision.io import decode_jpeg
+
+    flat = torch.from_numpy(np.concatenate(encoded))
+    files = list(torch.tensor_split(flat, np.cumsum([len(file) for file in encoded])[:-1].tolist()))
+    try:
+        decoded = decode_jpeg(files, device=device)
+    except RuntimeError as exc:
+        raise ValueError(f"{url} holds an image that is not a JPEG ({exc}): rebuild the cache") from None
+    for image in decoded:
+        if image.shape != (3, image_size, image_size):
+            raise ValueError(
+                f"{url} holds an image of {tuple(image.shape)} where {(3, image_size, image_size)} was cached: "
+                "rebuild the cache"
+            )
+    return torch.stack(decoded).permute(0, 2, 3, 1).contiguous()
 
 
 class RowPool:

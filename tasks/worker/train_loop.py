@@ -22,6 +22,7 @@ from ray.train.lightning import (
 )
 
 from infra.errors import PermanentError
+from tasks.cache_files import split_format
 from tasks.worker.loader import ShardBatches
 from tasks.worker.model import ImageClassifier, load_state_dict
 
@@ -266,9 +267,22 @@ def ray_trainer(
     return prepare_trainer(trainer) if world > 1 else trainer  # prepare_trainer checks for one of Ray's strategies
 
 
+def jpeg_decode_device(config: dict[str, Any]) -> str | None:
+    """Where the loader has torchvision decode a JPEG cache's batches ("cuda" or "cpu"), or None: the loader decodes
+    each row group as it arrives (a raw cache has nothing to decode). `jpeg_decode: auto` decodes on the GPU when
+    training on one."""
+    wanted = config.get("jpeg_decode") or "auto"
+    if split_format(config["train_uri"]) != "jpeg" or wanted == "loader" or (wanted == "auto" and not on_gpu(config)):
+        return None
+    return "cuda" if on_gpu(config) else "cpu"
+
+
 def shard_loaders(config: dict[str, Any], rank: int, world: int) -> tuple[ShardBatches, ShardBatches]:
     pin = on_gpu(config) and bool(config.get("pin_memory", True))
     processes = config.get("loader_processes")
+    decode_device = jpeg_decode_device(config)
+    if processes is None:  # a loader process frees the GPU's training thread of the reading (and decoding) it does
+        processes = int(on_gpu(config) and decode_device is None)
     shard = dict(
         shard=rank,
         shard_count=world,
@@ -277,8 +291,9 @@ def shard_loaders(config: dict[str, Any], rank: int, world: int) -> tuple[ShardB
         seed=config["seed"],
         workers=config.get("loader_workers", 2),
         pin_memory=pin,
-        processes=int(on_gpu(config)) if processes is None else processes,
+        processes=processes,
         next_epoch_ahead=config.get("next_epoch_ahead"),
+        decode_device=decode_device,
     )
     train = ShardBatches(
         config["train_uri"], shuffle=True, buffer_batches=config.get("shuffle_buffer_batches", 4), **shard
