@@ -14,6 +14,7 @@ import json
 import math
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import fsspec
@@ -253,14 +254,17 @@ def value_offsets(column: pa.Array) -> np.ndarray:
     return np.frombuffer(column.buffers()[1], dtype=np.int32, count=len(column) + 1, offset=column.offset * 4)
 
 
-def pixel_rows(images: pa.ChunkedArray | pa.Array, pixels: int, where: str, image_format: str = "raw") -> np.ndarray:
+def pixel_rows(
+    images: pa.ChunkedArray | pa.Array, pixels: int, where: str, image_format: str = "raw", threads: int = 1
+) -> np.ndarray:
     """A binary column of images, `pixels` bytes each, as one (rows, pixels) uint8 view of its Arrow data buffer; a
-    column of JPEG files (`image_format="jpeg"`, see encode_jpeg) decoded into a new array of the same shape.
+    column of JPEG files (`image_format="jpeg"`, see encode_jpeg) decoded into a new array of the same shape, by up to
+    THREADS threads.
 
     `where` names the data in the error.
     """
     if image_format == "jpeg":
-        return decoded_rows(images, pixels, where)
+        return decoded_rows(images, pixels, where, threads)
     column = one_chunk(images)
     offsets = value_offsets(column)
     if column.null_count or np.any(np.diff(offsets) != pixels):
@@ -288,16 +292,30 @@ def encode_jpeg(images: pa.ChunkedArray | pa.Array, image_size: int, quality: in
     return pa.array(encoded, pa.binary())
 
 
-def decoded_rows(images: pa.ChunkedArray | pa.Array, pixels: int, where: str) -> np.ndarray:
+def decoded_rows(images: pa.ChunkedArray | pa.Array, pixels: int, where: str, threads: int = 1) -> np.ndarray:
     """A binary column of JPEG files (encode_jpeg's) as (rows, pixels) uint8 pixels, read straight from the Arrow data
-    buffer."""
+    buffer. With THREADS > 1, that many threads decode a share of the rows each (Pillow lets go of the interpreter
+    while it decodes); they end before this returns."""
     column = one_chunk(images)
     side = math.isqrt(pixels // 3)
     out = np.empty((len(column), pixels), dtype=np.uint8)
     if column.null_count:
         raise ValueError(f"{where} holds a row with no image: rebuild the cache")
     offsets, data = value_offsets(column), memoryview(column.buffers()[2])
-    for row in range(len(column)):
+    shares = [rows for rows in np.array_split(np.arange(len(column)), max(1, min(threads, len(column)))) if len(rows)]
+    if len(shares) > 1:
+        with ThreadPoolExecutor(len(shares), thread_name_prefix="jpeg-decode") as pool:
+            list(pool.map(lambda rows: decode_into(out, rows, offsets, data, side, where), shares))
+    elif shares:
+        decode_into(out, shares[0], offsets, data, side, where)
+    return out
+
+
+def decode_into(
+    out: np.ndarray, rows: np.ndarray, offsets: np.ndarray, data: memoryview, side: int, where: str
+) -> None:
+    """Decode the JPEG files of ROWS (their bytes at OFFSETS in DATA) into those rows of OUT."""
+    for row in rows.tolist():
         try:
             with Image.open(io.BytesIO(data[offsets[row] : offsets[row + 1]]), formats=["JPEG"]) as image:
                 if image.size != (side, side) or image.mode != "RGB":
@@ -309,7 +327,6 @@ def decoded_rows(images: pa.ChunkedArray | pa.Array, pixels: int, where: str) ->
             raise ValueError(
                 f"{where} holds an image that is not a {side}x{side} RGB JPEG ({exc}): rebuild the cache"
             ) from None
-    return out
 
 
 def encoded_rows(images: pa.ChunkedArray | pa.Array) -> list[np.ndarray]:

@@ -46,9 +46,13 @@ def test_jpeg_rows_decode_close_to_the_pixels_encoded_and_a_bad_one_is_named() -
     decoded = pixel_rows(pa.chunked_array([encoded[:2], encoded[2:]]), 32 * 32 * 3, "the split", "jpeg")
     assert decoded.shape == pixels.shape and decoded.dtype == np.uint8
     assert np.abs(decoded.astype(int) - pixels).mean() < 2
+    before = set(threading.enumerate())
+    assert np.array_equal(pixel_rows(encoded, 32 * 32 * 3, "the split", "jpeg", threads=3), decoded)
+    assert [t.name for t in set(threading.enumerate()) - before if t.is_alive()] == [], "the decoding threads end"
     garbled = pa.array([encoded[0].as_py(), b"not a JPEG"], pa.binary())
-    with pytest.raises(ValueError, match=r"the split holds an image that is not a JPEG: rebuild the cache"):
-        pixel_rows(garbled, 32 * 32 * 3, "the split", "jpeg")
+    for threads in (1, 2):
+        with pytest.raises(ValueError, match=r"the split holds an image that is not a JPEG: rebuild the cache"):
+            pixel_rows(garbled, 32 * 32 * 3, "the split", "jpeg", threads)
     with pytest.raises(ValueError, match=r"not a 16x16 RGB JPEG \(a RGB image of 32x32\)"):
         pixel_rows(encoded, 16 * 16 * 3, "the split", "jpeg")
     # A raw line keeps the key it had before JPEG caches existed: an upgrade reuses it.
@@ -113,8 +117,8 @@ def test_a_jpeg_cache_holds_the_raw_caches_rows_in_fewer_bytes_grows_and_reads_t
         assert np.abs(jpeg_images.astype(int) - raw_images).mean() < 2
     assert image_bytes(jpeg) < image_bytes(raw) / 2
 
-    # The loader: the batches of the raw cache (rows, labels, order), from threads or a process alike, and a resumed
-    # epoch is the one a whole run makes.
+    # The loader: the batches of the raw cache (rows, labels, order: here each file is one row group in both), from
+    # threads or a process alike, and a resumed epoch is the one a whole run makes.
     raw_epochs, threads, process = epochs(raw, 0), epochs(jpeg, 0), epochs(jpeg, 1)
     assert threads == process
     # Decoded a batch at a time by torchvision (on the CPU here; with nvJPEG on a GPU): the same batches.

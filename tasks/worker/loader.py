@@ -335,7 +335,11 @@ class ShardBatches:
         replace_petastorm_results_reader(
             self._reader,
             PixelRowGroups(
-                self.image_size, self.key_field, ordered, "encoded" if self.decode_device else self.image_format
+                self.image_size,
+                self.key_field,
+                ordered,
+                "encoded" if self.decode_device else self.image_format,
+                decoders=self.workers,
             ),
         )
         pool = RowPool(
@@ -750,13 +754,18 @@ class PixelRowGroups(ArrowReaderWorkerResultsQueueReader):
     """
 
     def __init__(
-        self, image_size: int, key_field: str | None, positions: bool = False, image_format: str = "raw"
+        self,
+        image_size: int,
+        key_field: str | None,
+        positions: bool = False,
+        image_format: str = "raw",
+        decoders: int = 1,
     ) -> None:
-        """IMAGE_FORMAT: the cache's (raw, jpeg: decoded here), or "encoded": a JPEG cache's files handed on as they
-        are, each a view of the buffer (decoded a batch at a time by decode_batch)."""
+        """IMAGE_FORMAT: the cache's (raw, jpeg: decoded here, by DECODERS threads), or "encoded": a JPEG cache's
+        files handed on as they are, each a view of the buffer (decoded a batch at a time by decode_batch)."""
         super().__init__()
         self.pixels, self.key_field, self.positions = image_size * image_size * 3, key_field, positions
-        self.image_format = image_format
+        self.image_format, self.decoders = image_format, decoders
 
     def read_next(self, workers_pool: Any, schema: Any, ngram: Any) -> tuple:
         try:
@@ -766,7 +775,9 @@ class PixelRowGroups(ArrowReaderWorkerResultsQueueReader):
         if self.image_format == "encoded":
             images: Any = encoded_rows(table.column("image"))
         else:
-            images = pixel_rows(table.column("image"), self.pixels, "the cached split", self.image_format)
+            images = pixel_rows(
+                table.column("image"), self.pixels, "the cached split", self.image_format, self.decoders
+            )
         labels = table.column("label").to_numpy().astype(np.int64, copy=False)
         keys = table.column(self.key_field).to_pylist() if self.key_field else None
         first = table.column(POSITION)[0].as_py() if self.positions and len(table) else None
