@@ -68,27 +68,33 @@ from tasks.worker.train_loop import DataWait, make_model, make_trainer, ray_trai
 ROW_GROUP_BYTES = 8 * 1024 * 1024  # as the cache stage writes (parquet.block.size)
 
 
+def write_part(out: Path, file: int, rows: np.ndarray, images: pa.Array, labels: np.ndarray, group_rows: int) -> str:
+    """One Parquet file of a split in the cache's layout (image, label, sha256, and Spark's position ids: file in the
+    high bits, row in the low 33) in row groups of `group_rows`; its name."""
+    table = pa.table(
+        {
+            "image": images,
+            "label": pa.array(labels, pa.int64()),
+            "sha256": pa.array([f"{i:064x}" for i in rows.tolist()]),
+            "position": pa.array((file << 33) + np.arange(len(rows), dtype=np.int64)),
+        }
+    )
+    name = f"part-{file:05d}.parquet"
+    pq.write_table(table, out / name, row_group_size=group_rows)
+    return name
+
+
 def write_cache(out: Path, images: int, size: int, files: int, seed: int = 0) -> str:
     """A split in the cache's layout, written with pyarrow: random pixels (they do not compress, as photos barely do
-    after decoding), labels 0-9, and Spark's position ids (file in the high bits, row in the low 33)."""
+    after decoding) and labels 0-9."""
     out.mkdir(parents=True)
     rng = np.random.default_rng(seed)
     pixels = size * size * 3
-    group_rows = max(1, ROW_GROUP_BYTES // pixels)
     for file, rows in enumerate(np.array_split(np.arange(images), files)):
         data = rng.integers(0, 256, len(rows) * pixels, dtype=np.uint8)
         offsets = pa.array(np.arange(len(rows) + 1, dtype=np.int32) * pixels)
-        table = pa.table(
-            {
-                "image": pa.BinaryArray.from_buffers(
-                    pa.binary(), len(rows), [None, offsets.buffers()[1], pa.py_buffer(data)]
-                ),
-                "label": pa.array(rng.integers(0, 10, len(rows)), pa.int64()),
-                "sha256": pa.array([f"{i:064x}" for i in rows.tolist()]),
-                "position": pa.array((file << 33) + np.arange(len(rows), dtype=np.int64)),
-            }
-        )
-        pq.write_table(table, out / f"part-{file:05d}.parquet", row_group_size=group_rows)
+        column = pa.BinaryArray.from_buffers(pa.binary(), len(rows), [None, offsets.buffers()[1], pa.py_buffer(data)])
+        write_part(out, file, rows, column, rng.integers(0, 10, len(rows)), max(1, ROW_GROUP_BYTES // pixels))
     return f"file://{out}"
 
 
@@ -110,17 +116,8 @@ def write_photo_caches(work: Path, images: int, size: int, files: int, quality: 
             column = pa.array([pixels[row % len(pixels)].tobytes() for row in rows.tolist()], pa.binary())
             if image_format == "jpeg":
                 column = encode_jpeg(column, size, quality)
-            table = pa.table(
-                {
-                    "image": column,
-                    "label": pa.array(labels[rows], pa.int64()),
-                    "sha256": pa.array([f"{i:064x}" for i in rows.tolist()]),
-                    "position": pa.array((file << 33) + np.arange(len(rows), dtype=np.int64)),
-                }
-            )
-            names.append(f"part-{file:05d}.parquet")
-            per_row = max(1, table.nbytes // max(1, len(rows)))
-            pq.write_table(table, out / names[-1], row_group_size=max(1, ROW_GROUP_BYTES // per_row))
+            per_row = max(1, column.nbytes // max(1, len(rows)))
+            names.append(write_part(out, file, rows, column, labels[rows], max(1, ROW_GROUP_BYTES // per_row)))
         manifest = out / "train-v0.json"
         manifest.write_text(json.dumps({"files": names, "cached": {"image_format": image_format}}))
         manifests[image_format] = f"file://{manifest}"

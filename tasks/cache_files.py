@@ -276,10 +276,6 @@ def pixel_rows(
     return data.reshape(len(column), pixels)
 
 
-# How a cache may hold its images: raw pixels (rows of image_size x image_size x 3 bytes), or one JPEG file per image.
-IMAGE_FORMATS = ("raw", "jpeg")
-
-
 def encode_jpeg(images: pa.ChunkedArray | pa.Array, image_size: int, quality: int) -> pa.Array:
     """Raw pixel rows (image_size x image_size RGB) as JPEG files of that QUALITY, one per row. Chroma is kept at full
     resolution (4:4:4): a small image's colour edges are what 4:2:0 would blur."""
@@ -292,32 +288,37 @@ def encode_jpeg(images: pa.ChunkedArray | pa.Array, image_size: int, quality: in
     return pa.array(encoded, pa.binary())
 
 
+def encoded_rows(images: pa.ChunkedArray | pa.Array, where: str = "the cached split") -> list[np.ndarray]:
+    """A binary column's values (a JPEG cache's files) as uint8 views of its Arrow data buffer, one per row."""
+    column = one_chunk(images)
+    if column.null_count:
+        raise ValueError(f"{where} holds a row with no image: rebuild the cache")
+    offsets = value_offsets(column)
+    data = np.frombuffer(column.buffers()[2], dtype=np.uint8)
+    return [data[offsets[row] : offsets[row + 1]] for row in range(len(column))]
+
+
 def decoded_rows(images: pa.ChunkedArray | pa.Array, pixels: int, where: str, threads: int = 1) -> np.ndarray:
     """A binary column of JPEG files (encode_jpeg's) as (rows, pixels) uint8 pixels, read straight from the Arrow data
     buffer. With THREADS > 1, that many threads decode a share of the rows each (Pillow lets go of the interpreter
     while it decodes); they end before this returns."""
-    column = one_chunk(images)
+    files = encoded_rows(images, where)
     side = math.isqrt(pixels // 3)
-    out = np.empty((len(column), pixels), dtype=np.uint8)
-    if column.null_count:
-        raise ValueError(f"{where} holds a row with no image: rebuild the cache")
-    offsets, data = value_offsets(column), memoryview(column.buffers()[2])
-    shares = [rows for rows in np.array_split(np.arange(len(column)), max(1, min(threads, len(column)))) if len(rows)]
+    out = np.empty((len(files), pixels), dtype=np.uint8)
+    shares = [rows for rows in np.array_split(np.arange(len(files)), max(1, min(threads, len(files)))) if len(rows)]
     if len(shares) > 1:
         with ThreadPoolExecutor(len(shares), thread_name_prefix="jpeg-decode") as pool:
-            list(pool.map(lambda rows: decode_into(out, rows, offsets, data, side, where), shares))
+            list(pool.map(lambda rows: decode_into(out, rows, files, side, where), shares))
     elif shares:
-        decode_into(out, shares[0], offsets, data, side, where)
+        decode_into(out, shares[0], files, side, where)
     return out
 
 
-def decode_into(
-    out: np.ndarray, rows: np.ndarray, offsets: np.ndarray, data: memoryview, side: int, where: str
-) -> None:
-    """Decode the JPEG files of ROWS (their bytes at OFFSETS in DATA) into those rows of OUT."""
+def decode_into(out: np.ndarray, rows: np.ndarray, files: list[np.ndarray], side: int, where: str) -> None:
+    """Decode the JPEG FILES of ROWS into those rows of OUT."""
     for row in rows.tolist():
         try:
-            with Image.open(io.BytesIO(data[offsets[row] : offsets[row + 1]]), formats=["JPEG"]) as image:
+            with Image.open(io.BytesIO(files[row]), formats=["JPEG"]) as image:
                 if image.size != (side, side) or image.mode != "RGB":
                     raise ValueError(f"a {image.mode} image of {image.size[0]}x{image.size[1]}")
                 out[row] = np.asarray(image).reshape(-1)
@@ -327,16 +328,6 @@ def decode_into(
             raise ValueError(
                 f"{where} holds an image that is not a {side}x{side} RGB JPEG ({exc}): rebuild the cache"
             ) from None
-
-
-def encoded_rows(images: pa.ChunkedArray | pa.Array) -> list[np.ndarray]:
-    """A binary column's values (a JPEG cache's files) as uint8 views of its Arrow data buffer, one per row."""
-    column = one_chunk(images)
-    if column.null_count:
-        raise ValueError("the cached split holds a row with no image: rebuild the cache")
-    offsets = value_offsets(column)
-    data = np.frombuffer(column.buffers()[2], dtype=np.uint8)
-    return [data[offsets[row] : offsets[row + 1]] for row in range(len(column))]
 
 
 def split_format(url: str) -> str:
@@ -365,14 +356,21 @@ def label_samples(
                     break
                 read += 1
                 table = parquet.read_row_group(group, columns=["image", "label"])
-                pixels = pixel_rows(
-                    table.column("image"), image_size * image_size * 3, f"cached split {url}", image_format
+                kept, wanted = [], {index: per_label - len(images) for index, images in found.items()}
+                for row, label in enumerate(table.column("label").to_numpy().tolist()):
+                    if wanted[label] > 0:
+                        wanted[label] -= 1
+                        kept.append((row, label))
+                if not kept:
+                    continue
+                pixels = pixel_rows(  # only the rows kept: a JPEG cache decodes no other
+                    table.column("image").take(pa.array([row for row, _ in kept])),
+                    image_size * image_size * 3,
+                    f"cached split {url}",
+                    image_format,
                 )
-                for row, label in enumerate(table.column("label").to_numpy()):
-                    if len(found[int(label)]) < per_label:
-                        found[int(label)].append(
-                            pixels[row].reshape(image_size, image_size, 3).copy()
-                        )  # not a view that keeps the group
+                for (_, label), image in zip(kept, pixels, strict=True):
+                    found[label].append(image.reshape(image_size, image_size, 3))  # a copy, not a view of the group
     return {
         labels[index]: np.stack(images) if images else np.zeros((0, image_size, image_size, 3), np.uint8)
         for index, images in found.items()

@@ -42,7 +42,7 @@ ROW_KEY = ("sha256", "label")
 
 @dataclass(frozen=True)
 class Stored:
-    """How a cache holds its images: raw pixels, or JPEG files of a quality (tasks/cache_files.py:IMAGE_FORMATS)."""
+    """How a cache holds its images: raw pixels, or JPEG files of a quality (tasks/cache_files.py:encode_jpeg)."""
 
     image_format: str = "raw"
     quality: int = 95
