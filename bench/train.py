@@ -341,6 +341,7 @@ def run_epochs(config: dict[str, Any], rank: int = 0, world: int = 1, distribute
 
 
 def ray_worker(config: dict[str, Any]) -> None:
+    ShardBatches.PAGE_LOCK = config.get("page_lock", True)  # --no-page-lock reaches Ray's worker process
     context = ray.train.get_context()
     result = run_epochs(config, context.get_world_rank(), context.get_world_size(), distributed=True)
     # Results go through a file: RayTrainReportCallback owns ray.train.report in this loop.
@@ -651,6 +652,10 @@ class Table:
         measure: Callable[[], dict[str, Any]],
     ) -> dict[str, Any] | None:
         started = time.perf_counter()
+        # Each row compiles afresh: torch.compile's cache of ImageModel.forward is shared by every model of the
+        # process, and after 8 models and modes (the limit's autocast, Lightning's train and validation steps) it
+        # stops compiling and runs eager (the ViT row of bench/results/h200-2026-11-27).
+        torch.compiler.reset()
         try:
             result = measure()
         except Exception as error:  # one failed row must not cost the rest of the table
@@ -737,8 +742,10 @@ def gpu_table(args: argparse.Namespace, url: str, work: Path) -> None:
             "targets",
             "zoo-path",
             "jpeg-path",
+            "table",
         }:  # the earlier tables' sections, as their code ran: eager, reader threads, epoch by epoch
             more = {"compile": False, "loader_processes": 0, "next_epoch_ahead": False, **more}
+        more = {"page_lock": ShardBatches.PAGE_LOCK, **more}
         return train_config(url, size, arch, batch, epochs, workers, gpu=True, freeze_backbone=frozen, **more)
 
     def limits(arch: str, frozen: bool, batches: tuple[int, ...]) -> None:
@@ -1267,6 +1274,89 @@ def gpu_table(args: argparse.Namespace, url: str, work: Path) -> None:
                         config(arch, batch, False, workers, epochs), work, cores
                     ),
                 )
+    if "table" in sections:  # every model: eager and compiled limits, then the training path in Lightning and Ray
+        batch, steps, warm = args.gpu_batch, args.steps, args.warmup
+
+        def both_limits(arch: str, frozen: bool, more_steps: int = 1) -> int:
+            """The eager and compiled limits; the epochs that make about --seconds at the faster of the two."""
+            for path, mode, warmup in (
+                ("limit: fused (eager)", None, warm),
+                ("limit: fused, compile", "default", warm + 5),
+            ):
+                table.add(
+                    arch,
+                    frozen,
+                    path,
+                    batch,
+                    None,
+                    lambda mode=mode, warmup=warmup: limit(
+                        arch, batch, size, frozen, more_steps * steps, more_steps * warmup, mode, True
+                    ),
+                )
+            rates = [table.limits.get((arch, frozen, batch, compiled), 1000.0) for compiled in (False, True)]
+            return epochs_for(max(rates), args.images, args.seconds)
+
+        def path(arch: str, frozen: bool, label: str, readers: str, epochs: int, ray_too: bool = False, **more: Any):
+            table.add(
+                arch,
+                frozen,
+                f"Lightning, {label}",
+                batch,
+                readers,
+                lambda: run_epochs(config(arch, batch, frozen, workers, epochs, **more)),
+            )
+            if ray_too:
+                table.add(
+                    arch,
+                    frozen,
+                    f"Ray TorchTrainer, {label}",
+                    batch,
+                    readers,
+                    lambda: ray_epochs(config(arch, batch, frozen, workers, epochs, **more), work, cores),
+                )
+
+        # The small CNN's steps are short: ten times the steps for a steady limit. It is fed by several loader
+        # processes (loader_processes), compiled or not.
+        epochs = both_limits("small_cnn", False, more_steps=10)
+        for processes in args.small_processes:
+            path(
+                "small_cnn",
+                False,
+                f"eager, {processes} loader processes",
+                f"{workers}+{processes}p",
+                epochs,
+                compile=False,
+                loader_processes=processes,
+            )
+        small_epochs = epochs
+        epochs = both_limits("resnet50", False)
+        path("resnet50", False, "compile, defaults", f"{workers}+p", epochs, ray_too=True)
+        epochs = both_limits("resnet50", True)
+        path("resnet50", True, "compile, defaults", f"{workers}+p", epochs)
+        for arch in ("vit_b_16", "efficientnet_b0"):
+            epochs = both_limits(arch, False)
+            path(arch, False, "compile, defaults", f"{workers}+p", epochs)
+        path(
+            "small_cnn",
+            False,
+            f"compile, {args.small_processes[0]} loader processes",
+            f"{workers}+{args.small_processes[0]}p",
+            small_epochs,
+            loader_processes=args.small_processes[0],
+        )
+        for arch, frozen in (("resnet50", True), ("vit_b_16", False), ("efficientnet_b0", False)):
+            rate = table.limits.get((arch, frozen, batch, True), 1000.0)
+            epochs = epochs_for(rate, args.images, args.seconds)
+            table.add(
+                arch,
+                frozen,
+                "Ray TorchTrainer, compile, defaults",
+                batch,
+                f"{workers}+p",
+                lambda arch=arch, frozen=frozen, epochs=epochs: ray_epochs(
+                    config(arch, batch, frozen, workers, epochs), work, cores
+                ),
+            )
     if "ray" in sections:  # the Ray row of "final" alone, against the compiled limit
         compiled_limit_then_ray()
     if "jpeg" in sections:
@@ -1291,7 +1381,8 @@ def gpu_table(args: argparse.Namespace, url: str, work: Path) -> None:
                 f"{workers}+4p",
             ),
         )
-        for arch, frozen in (("resnet50", False), ("resnet50", True), ("small_cnn", False)):
+        models = {"resnet50": ("resnet50", False), "frozen": ("resnet50", True), "small_cnn": ("small_cnn", False)}
+        for arch, frozen in (models[name] for name in args.jpeg_models):
             epochs = epochs_for(table.limits.get((arch, frozen, batch, True), 1000.0), args.images, args.seconds)
             for image_format, path, more, readers in paths:
                 uris = {"train_uri": caches[image_format], "val_uri": caches[image_format]}
@@ -1368,8 +1459,8 @@ def main() -> None:
         "--sections",
         default="final",
         help=(
-            "GPU only: which parts of the table (also targets, diagnose, zoo-path, zoo-eager, zoo-ray, jpeg-path; "
-            "ladder, paths, loader, jpeg, zoo, resnet50, frozen, small, profile, compile: earlier tables')"
+            "GPU only: which parts of the table (also table, targets, diagnose, zoo-path, zoo-eager, zoo-ray, "
+            "jpeg-path; ladder, paths, loader, jpeg, zoo, resnet50, frozen, small, profile, compile: earlier tables')"
         ),
     )
     parser.add_argument(
@@ -1392,6 +1483,23 @@ def main() -> None:
         help="GPU only: about how long each loader path trains after its warm-up epoch",
     )
     parser.add_argument("--gpu-batch", type=int, default=256, help="GPU only: the batch of the final section")
+    parser.add_argument(
+        "--no-page-lock",
+        action="store_true",
+        help="GPU only: loader processes' batches copied into pinned memory, not sent from their page-locked buffers",
+    )
+    parser.add_argument(
+        "--jpeg-models",
+        type=lambda s: s.split(","),
+        default=["resnet50", "frozen", "small_cnn"],
+        help="GPU only, section jpeg-path: which of resnet50, frozen and small_cnn train on the photo caches",
+    )
+    parser.add_argument(
+        "--small-processes",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=[4, 8],
+        help="GPU only, section table: the loader processes tried for the small CNN",
+    )
     parser.add_argument("--json", help="GPU only: also write the rows to this file")
     args = parser.parse_args()
     args.images = args.images or (16384 if args.gpu else 2048)
@@ -1399,6 +1507,7 @@ def main() -> None:
     args.loader_workers = args.loader_workers or (8 if args.gpu else 2)
     if args.gpu and not torch.cuda.is_available():
         parser.error("--gpu: torch sees no CUDA GPU on this machine")
+    ShardBatches.PAGE_LOCK = not args.no_page_lock
     work = Path(tempfile.mkdtemp(prefix="imagelake-train-"))
     try:
         started = time.perf_counter()

@@ -119,6 +119,9 @@ class ShardBatches:
     """
 
     GPU_AHEAD = 3
+    # Loader processes' shared buffers page-locked for the GPU's copy engine (a batch goes to the GPU straight from
+    # them); False copies each batch into pinned memory first, as before.
+    PAGE_LOCK = True
 
     def __init__(
         self,
@@ -285,7 +288,9 @@ class ShardBatches:
         """Epoch `epoch`'s batches, made by the loader processes in shared memory and copied out (into pinned memory
         with `pin_memory`). With one process, the same batches as `_batches` makes here."""
         if self._process is None:
-            self._process = BatchProcesses(self.spec, self.processes, self.sizes, self.image_size)
+            self._process = BatchProcesses(
+                self.spec, self.processes, self.sizes, self.image_size, page_lock=self.on_gpu and self.PAGE_LOCK
+            )
         process = self._process
         process.start(epoch)
         finished = False
@@ -296,10 +301,19 @@ class ShardBatches:
                     finished = True
                     return
                 slot, size, labels, keys = item
-                images = self._new_images(size)
-                images.copy_(process.slots[slot][:size])
-                process.release(slot)
-                yield self._batch(images, labels, keys)
+                if not process.locked:
+                    images = self._new_images(size)
+                    images.copy_(process.slots[slot][:size])
+                    process.release(slot)
+                    yield self._batch(images, labels, keys)
+                    continue
+                # The slot itself goes to the GPU (the thread that made this batch ahead copies it as soon as it is
+                # yielded); it goes back to the processes once that copy has ended, when the thread asks for the next.
+                try:
+                    yield self._batch(process.slots[slot][:size], labels, keys)
+                finally:
+                    self._stream.synchronize()
+                    process.release(slot)
         finally:
             if not finished:
                 process.abandon()
@@ -428,7 +442,9 @@ class BatchProcesses:
     SLOTS = ShardBatches.GPU_AHEAD + 2
     END = "end"
 
-    def __init__(self, spec: dict[str, Any], processes: int, sizes: list[int], image_size: int) -> None:
+    def __init__(
+        self, spec: dict[str, Any], processes: int, sizes: list[int], image_size: int, page_lock: bool = False
+    ) -> None:
         import torch.multiprocessing as mp
 
         # spawn, not fork: the training process has threads (Ray's, the reader's), and a fork copies their locks.
@@ -451,6 +467,9 @@ class BatchProcesses:
             torch.empty((max(sizes), image_size, image_size, 3), dtype=torch.uint8).share_memory_()
             for _ in range(self.SLOTS)
         ]
+        # Page-locked, a slot is copied to the GPU as it is (asynchronously, at the copy engine's speed): the training
+        # process no longer copies every batch into pinned memory first, the copy that held several processes back.
+        self.locked = page_lock and lock_pages(self.slots)
         self.halt = context.Event()
         self.commands, self.free, self.ready = ([context.Queue() for _ in specs] for _ in range(3))
         for free in self.free:
@@ -565,6 +584,30 @@ class BatchProcesses:
         for channel in (*self.commands, *self.free, *self.ready):
             channel.close()
             channel.join_thread()
+        if self.locked:
+            unlock_pages(self.slots)
+            self.locked = False
+
+
+def lock_pages(tensors: list[torch.Tensor]) -> bool:
+    """Page-lock the memory of `tensors` (CPU, shared) for the current GPU's copy engine, through CUDA's
+    cudaHostRegister (torch.cuda.cudart()): copies from them to the GPU then run asynchronously, as from pinned
+    memory. False, with none left locked, where CUDA refuses one (the caller copies through pinned memory instead)."""
+    cudart = torch.cuda.cudart()
+    locked: list[torch.Tensor] = []
+    for tensor in tensors:
+        portable = 1  # cudaHostRegisterPortable: pinned for every CUDA context of the process
+        if int(cudart.cudaHostRegister(tensor.data_ptr(), tensor.numel() * tensor.element_size(), portable)) != 0:
+            unlock_pages(locked)
+            return False
+        locked.append(tensor)
+    return True
+
+
+def unlock_pages(tensors: list[torch.Tensor]) -> None:
+    cudart = torch.cuda.cudart()
+    for tensor in tensors:
+        cudart.cudaHostUnregister(tensor.data_ptr())
 
 
 def _make_batches(
