@@ -1328,6 +1328,16 @@ def gpu_table(args: argparse.Namespace, url: str, work: Path) -> None:
                 compile=False,
                 loader_processes=processes,
             )
+        # What Lightning's loop gives this model without any loader: one batch already on the GPU, again and again.
+        path(
+            "small_cnn",
+            False,
+            "eager, batches on the GPU",
+            "-",
+            epochs,
+            compile=False,
+            gpu_batches=args.images // batch,
+        )
         small_epochs = epochs
         epochs = both_limits("resnet50", False)
         path("resnet50", False, "compile, defaults", f"{workers}+p", epochs, ray_too=True)
@@ -1343,6 +1353,36 @@ def gpu_table(args: argparse.Namespace, url: str, work: Path) -> None:
             f"{workers}+{args.small_processes[0]}p",
             small_epochs,
             loader_processes=args.small_processes[0],
+        )
+        # A larger batch spreads the loop's host work per step over more images: the small CNN at 4 times the batch,
+        # against its own limit at that batch.
+        big = 4 * batch
+        table.add(
+            "small_cnn",
+            False,
+            "limit: fused (eager)",
+            big,
+            None,
+            lambda: limit("small_cnn", big, size, False, 5 * steps, 5 * warm, None, True),
+        )
+        big_epochs = epochs_for(table.limits.get(("small_cnn", False, big, False), 1000.0), args.images, args.seconds)
+        table.add(
+            "small_cnn",
+            False,
+            f"Lightning, eager, {args.small_processes[0]} loader processes",
+            big,
+            f"{workers}+{args.small_processes[0]}p",
+            lambda: run_epochs(
+                config(
+                    "small_cnn",
+                    big,
+                    False,
+                    workers,
+                    big_epochs,
+                    compile=False,
+                    loader_processes=args.small_processes[0],
+                )
+            ),
         )
         for arch, frozen in (("resnet50", True), ("vit_b_16", False), ("efficientnet_b0", False)):
             rate = table.limits.get((arch, frozen, batch, True), 1000.0)
