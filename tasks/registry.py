@@ -41,6 +41,7 @@ from tasks.rules.training import PARAM_SETTINGS
 from tasks.rules.warm_start import Champion, labels_change, labels_of_tag, shape_from_tags
 
 SERVED_MODEL = Path(__file__).with_name("served_model.py")  # the pyfunc MLflow runs (a model "from code")
+SERVED_RULES = "imagelake_served"  # the package of decoding and answer rules saved with it (tasks/served_model.py)
 PROGRAM_FILE, META_FILE = "model.pt2", "meta.json"
 PROGRAM, META = "program", "meta"  # the served model's artifact keys (tasks/served_model.py reads the same)
 
@@ -98,13 +99,14 @@ def served_model(
         "max_image_pixels": max_pixels,
     }
     (folder / META_FILE).write_text(json.dumps(meta, ensure_ascii=False, indent=1), encoding="utf-8")
-    # The rules travel as the package path the served code imports (tasks.rules.*), with nothing else of tasks.
-    code = folder / "code" / "tasks"
-    (code / "rules").mkdir(parents=True, exist_ok=True)
+    # The rules travel as a package of their own, which the served code imports. Not as tasks.rules: MLflow puts the
+    # model's code first on the path of any process that loads it, and a `tasks` package there would hide imagelake's
+    # own from that process and from the processes it starts (a loader process failed to import tasks.rules.listing).
+    code = folder / "code" / SERVED_RULES
+    code.mkdir(parents=True, exist_ok=True)
     (code / "__init__.py").write_text("")
-    (code / "rules" / "__init__.py").write_text("")
     for rules in (image_rules, answer_rules):
-        shutil.copyfile(rules.__file__, code / "rules" / Path(rules.__file__).name)
+        shutil.copyfile(rules.__file__, code / Path(rules.__file__).name)
     png = io.BytesIO()
     Image.fromarray(examples[0]).save(png, format="PNG")
     top = Array(Object([Property("label", "string"), Property("probability", "double")]))

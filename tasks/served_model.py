@@ -2,9 +2,9 @@
 
 MLflow saves this file with each registered version (a model "from code") and runs it wherever the model is loaded
 with `mlflow.pyfunc.load_model` or served with `mlflow models serve`. It imports torch, numpy, pandas, Pillow, MLflow
-and the rules it shares with `imagelake predict` (`tasks/rules/images.py` and `answers.py`, saved with the model),
-nothing else of imagelake. The network is the torch.export program beside it (`model.pt2`), which loads without
-unpickling; the labels, image size and resize mode are a JSON file beside it.
+and the rules it shares with `imagelake predict` (`tasks/rules/images.py` and `answers.py`, saved with the model as the
+package `imagelake_served`), nothing else of imagelake. The network is the torch.export program beside it
+(`model.pt2`), which loads without unpickling; the labels, image size and resize mode are a JSON file beside it.
 """
 
 from __future__ import annotations
@@ -19,8 +19,12 @@ import torch
 from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import BAD_REQUEST
 
-from tasks.rules.answers import answers, image_bytes
-from tasks.rules.images import resize_image
+try:  # the rules saved with the model (tasks/registry.py), wherever the model is loaded
+    from imagelake_served.answers import answers, image_bytes
+    from imagelake_served.images import resize_image
+except ModuleNotFoundError:  # MLflow imports this file once in imagelake's process as the model is logged
+    from tasks.rules.answers import answers, image_bytes
+    from tasks.rules.images import resize_image
 
 PROGRAM, META = (
     "program",

@@ -133,6 +133,14 @@ def test_mlflow_s_own_loader_takes_image_files_and_answers_label_names(champion)
     with pytest.raises(MlflowException, match="the request has no images"):
         loaded.predict(pd.DataFrame({"image": pd.Series([], dtype=object)}))
 
+    # The model decodes with the rules saved with it, a package of their own. Loading it put the model's code first on
+    # this process's path (MLflow does): a process started from here with that path, as a loader process is, still
+    # imports imagelake's own modules, not the model's copies.
+    assert Path(sys.modules["imagelake_served.images"].__file__).parent.parent.name == "code"
+    code = f"import sys; sys.path[:] = {sys.path!r}; import tasks.listing"
+    started = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert started.returncode == 0, started.stderr[-600:]
+
     # Images already decoded (uint8, as the table stores them) through the model's Python object.
     decoded = np.stack([resize_image(data, SIZE)[0] for _, data, _ in given])
     assert list(loaded.unwrap_python_model().predict(None, decoded)["label"]) == list(as_bytes["label"])
