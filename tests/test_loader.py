@@ -309,3 +309,44 @@ def test_each_loader_process_makes_its_share_of_every_batch_and_all_its_rows(siz
         made = np.cumsum(process)
         due = np.cumsum(sizes) * rows[j] / sum(rows)
         assert np.all(np.abs(made - due) <= len(rows))
+
+
+@pytest.mark.slow  # starts processes
+def test_a_loader_process_ends_when_its_training_process_is_killed(tmp_path: Path) -> None:
+    """A training process killed outright (Ray losing a worker, the kernel's OOM killer) runs no clean-up: its loader
+    process must still end, not live on holding its memory and its reader threads."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.test_loader_gpu import write_split
+
+    url = write_split(tmp_path / "split", rows=200, files=2)
+    script = (
+        "import sys, time\n"
+        "from tasks.worker.loader import ShardBatches\n"
+        "if __name__ == '__main__':\n"
+        f"    loader = ShardBatches({url!r}, shard=0, shard_count=1, batch_size=16, image_size=16, seed=1, "
+        "shuffle=True, processes=1)\n"
+        "    batches = iter(loader)\n"
+        "    next(batches)\n"  # half way through an epoch
+        "    print(loader._process.process.pid, flush=True)\n"
+        "    time.sleep(600)\n"
+    )
+    (tmp_path / "train.py").write_text(script)
+    training = subprocess.Popen([sys.executable, str(tmp_path / "train.py")], stdout=subprocess.PIPE, text=True)
+    try:
+        loader_pid = int(training.stdout.readline())
+        training.send_signal(signal.SIGKILL)
+        training.wait()
+        for _ in range(600):  # a liveness bound, not a timing: it ends within a second or two
+            stat = Path(f"/proc/{loader_pid}/stat")
+            if not stat.exists() or stat.read_text().split(") ")[1].startswith("Z"):
+                break
+            time.sleep(0.1)
+        else:
+            os.kill(loader_pid, signal.SIGKILL)
+            pytest.fail(f"the loader process {loader_pid} outlived its killed training process by 60 s")
+    finally:
+        training.kill()

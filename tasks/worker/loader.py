@@ -12,6 +12,7 @@ and held until its turn in the order Petastorm ventilated them (seeded, see infr
 from __future__ import annotations
 
 import math
+import os
 import queue
 import threading
 import warnings
@@ -616,8 +617,14 @@ def _make_batches(
     """A loader process: for each epoch named on `commands` (None ends it), its piece of each batch into a free slot
     (at the batch's offset `offsets[k]`), then END; an error (the split gone or changed) is sent in place of the rest of
     the epoch."""
+    import multiprocessing
     import pickle
 
+    # A training process killed outright (a lost Ray worker, the OOM killer) runs no clean-up: this process ends as
+    # soon as it is gone, wherever it is waiting, instead of living on with its memory and reader threads.
+    parent = multiprocessing.parent_process()
+    if parent is not None:
+        threading.Thread(target=_end_with, args=(parent.sentinel,), name="imagelake-loader-parent", daemon=True).start()
     batches: ShardBatches | None = None
     available: set[int] = set()  # slots the consumer has handed back, not yet filled
 
@@ -658,6 +665,14 @@ def _make_batches(
             if made is not None:
                 made.close()
             available.update(held)  # a piece made but not sent
+
+
+def _end_with(sentinel: int) -> None:
+    """End this process once the process that `sentinel` stands for has ended."""
+    from multiprocessing.connection import wait
+
+    wait([sentinel])
+    os._exit(1)
 
 
 class Ahead:
