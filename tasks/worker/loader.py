@@ -302,19 +302,20 @@ class ShardBatches:
                     finished = True
                     return
                 slot, size, labels, keys = item
-                if not process.locked:
+                if process.locked:
+                    # The slot itself goes to the GPU (the thread that made this batch ahead copies it as soon as it
+                    # is yielded); it goes back to the processes once that copy has ended, below.
+                    images = process.slots[slot][:size]
+                else:
                     images = self._new_images(size)
                     images.copy_(process.slots[slot][:size])
                     process.release(slot)
-                    yield self._batch(images, labels, keys)
-                    continue
-                # The slot itself goes to the GPU (the thread that made this batch ahead copies it as soon as it is
-                # yielded); it goes back to the processes once that copy has ended, when the thread asks for the next.
                 try:
-                    yield self._batch(process.slots[slot][:size], labels, keys)
+                    yield self._batch(images, labels, keys)
                 finally:
-                    self._stream.synchronize()
-                    process.release(slot)
+                    if process.locked:
+                        self._stream.synchronize()
+                        process.release(slot)
         finally:
             if not finished:
                 process.abandon()
