@@ -1,6 +1,7 @@
 """Training throughput: the model's own limit, and imagelake's loader path in plain Lightning and in Ray Train.
 
     .venv/bin/python bench/train.py                 # CPU: plain Lightning against TorchTrainer (small_cnn, 96 px)
+    .venv/bin/python bench/train.py --host          # CPU: the host's time per Lightning step (tiny batches)
     python3 bench/train.py --gpu [--json FILE]      # one GPU: the whole table below (224 px)
 
 Every path trains on the same cached split (Parquet in the cache's layout: raw uint8 pixels,
@@ -299,6 +300,19 @@ class OnGpu:
         pass
 
 
+class LogEveryStep(pl.Callback):
+    """The classifier as it was before: its loss and accuracy objects handed to self.log at every step, not once an
+    epoch."""
+
+    def on_train_batch_start(self, trainer: pl.Trainer, module: pl.LightningModule, batch: Any, index: int) -> None:
+        module._logged.clear()
+
+    def on_validation_batch_start(
+        self, trainer: pl.Trainer, module: pl.LightningModule, batch: Any, index: int, loader: int = 0
+    ) -> None:
+        module._logged.clear()
+
+
 def checked_metrics(model: pl.LightningModule) -> None:
     """The metrics as the classifier had them before: torchmetrics' default argument and NaN checks, each of which
     reads a value back from the GPU at every step."""
@@ -325,6 +339,8 @@ def run_epochs(config: dict[str, Any], rank: int = 0, world: int = 1, distribute
         callbacks.append(Profile(Path(config["profile"]) if config["profile"] else None))
     if config.get("sync_watch"):
         callbacks.append(SyncWatch())
+    if config.get("log_every_step"):
+        callbacks.append(LogEveryStep())
     # Validation is limited to one batch so that the measurement is about training steps.
     if distributed:  # as a Ray Train worker of the training stage sets up its trainer
         trainer = ray_trainer(config, [*callbacks, RayTrainReportCallback()], len(train_batches), 1, world)
@@ -1485,9 +1501,30 @@ def cpu_comparison(args: argparse.Namespace, url: str, work: Path) -> None:
     print(f"TorchTrainer / plain Lightning: {b / a:.2f}")
 
 
+def host_time(args: argparse.Namespace) -> None:
+    """The host's time per step of the training path's Lightning loop, measured where the model's own work is next to
+    nothing (the small CNN on batches of 8 images of 4x4 px, already in memory, one torch thread): what a GPU whose
+    step is shorter waits for. Against the loop as it was (metric objects handed to self.log at every step); the two
+    alternate, --repeats times each."""
+    torch.set_num_threads(1)
+    rows: dict[str, list[float]] = {"before: self.log at every step": [], "now: self.log once an epoch": []}
+    for _ in range(args.repeats):
+        for label, every in (("before: self.log at every step", True), ("now: self.log once an epoch", False)):
+            config = train_config("", 4, "small_cnn", 8, 3, 1, gpu=False, gpu_batches=args.host_steps)
+            rows[label].append(8 / run_epochs({**config, "log_every_step": every})["rate"] * 1000)
+    print(f"host ms per step, {args.host_steps} steps an epoch, the last 2 of 3 epochs, {args.repeats} runs each")
+    for label, times in rows.items():
+        print(f"{label:34} min {min(times):6.2f}  median {float(np.median(times)):6.2f}  max {max(times):6.2f}")
+    before, now = (float(np.median(times)) for times in rows.values())
+    print(f"now / before (medians): {now / before:.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gpu", action="store_true", help="the GPU table (needs one CUDA GPU)")
+    parser.add_argument("--host", action="store_true", help="CPU: the host's time per Lightning step (no cache)")
+    parser.add_argument("--host-steps", type=int, default=400, help="--host: steps an epoch")
+    parser.add_argument("--repeats", type=int, default=3, help="--host: runs of each loop")
     parser.add_argument("--images", type=int, help="cached images (default 2048 on CPU, 16384 with --gpu)")
     parser.add_argument("--size", type=int, help="image size (default 96 on CPU, 224 with --gpu)")
     parser.add_argument("--files", type=int, default=8, help="Parquet files in the cache")
@@ -1542,6 +1579,9 @@ def main() -> None:
     )
     parser.add_argument("--json", help="GPU only: also write the rows to this file")
     args = parser.parse_args()
+    if args.host:
+        host_time(args)
+        return
     args.images = args.images or (16384 if args.gpu else 2048)
     args.size = args.size or (224 if args.gpu else 96)
     args.loader_workers = args.loader_workers or (8 if args.gpu else 2)

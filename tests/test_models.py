@@ -291,3 +291,43 @@ def test_a_training_step_hands_its_metrics_tensors_only_and_the_epoch_loss_is_a_
         isinstance(value, torch.Tensor) and not isinstance(weight, (int, float)) for value, weight in given
     )
     assert float(model.metrics["train_loss"].compute()) == pytest.approx((4 * losses[0] + 2 * losses[1]) / 6)
+
+
+def test_each_epochs_metrics_cover_its_own_steps_and_are_handed_to_lightning_once_an_epoch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The loss and accuracy objects go to self.log once per split and epoch (each call costs host time that a short
+    GPU step waits for); each epoch's logged loss is still the mean over that epoch's images, batches of 3, 3 and 2."""
+    import pytorch_lightning as pl
+
+    logged: list[str] = []
+    log = ImageClassifier.log
+
+    def spy(self, name, *args, **kwargs):  # type: ignore[no-untyped-def]
+        logged.append(name)
+        return log(self, name, *args, **kwargs)
+
+    monkeypatch.setattr(ImageClassifier, "log", spy)
+
+    class Record(pl.Callback):
+        def __init__(self) -> None:
+            self.steps: list[tuple[float, int]] = []
+            self.epochs: list[tuple[float, float]] = []
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:  # type: ignore[no-untyped-def]
+            self.steps.append((float(outputs["loss"]), len(batch[1])))
+
+        def on_train_epoch_end(self, trainer, module) -> None:  # type: ignore[no-untyped-def]
+            steps, self.steps = self.steps, []
+            mean = sum(loss * size for loss, size in steps) / sum(size for _, size in steps)
+            self.epochs.append((float(trainer.callback_metrics["train_loss"]), mean))
+
+    images = torch.randint(0, 256, (8, 16, 16, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    batches = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(images, torch.arange(8) % 3), batch_size=3)
+    record = Record()
+    settings = config(max_epochs=3, patience=3)
+    trainer = make_trainer(settings, [record], 3, 1, accelerator="cpu")
+    trainer.fit(make_model(settings, 3), train_dataloaders=batches, val_dataloaders=batches)
+    assert len(record.epochs) == 3 and all(got == pytest.approx(mean) for got, mean in record.epochs), record.epochs
+    assert len({got for got, _ in record.epochs}) == 3, "each epoch's own steps, not all steps so far"
+    assert sorted(logged) == sorted(["train_loss", "train_acc", "val_loss", "val_acc"] * 3), logged

@@ -342,6 +342,8 @@ class ImageClassifier(pl.LightningModule):
             persistent=False,
         )
         self._augment_draws: torch.Generator | None = None
+        # The splits whose metric objects were handed to self.log in the current epoch (see _step).
+        self._logged: set[str] = set()
         # Metric objects sum correct answers and samples across steps and workers: exact epoch figures
         # even when workers' batches differ in size (a mean of per-batch means would not be).
         # Their per-step checks are off: each reads a value back from the GPU and stalls the step (a NaN loss still
@@ -364,6 +366,10 @@ class ImageClassifier(pl.LightningModule):
         # Each epoch's augmentation is drawn from (seed, epoch, rank): a rerun, or a run resumed at this epoch, sees the
         # same images.
         self._augment_draws = epoch_generator(self.hparams.seed, self.current_epoch, self.global_rank)
+        self._logged.discard("train")
+
+    def on_validation_epoch_start(self) -> None:
+        self._logged.discard("val")
 
     def _step(self, batch: tuple[torch.Tensor, torch.Tensor], prefix: str) -> torch.Tensor:
         images, labels = batch
@@ -385,8 +391,13 @@ class ImageClassifier(pl.LightningModule):
         # (A weight would do it, but MeanMetric drops weights when its NaN checks are off, and a Python number as weight
         # is copied to the GPU by a copy that waits for the step to finish: the host could no longer run ahead.)
         self.metrics[f"{prefix}_loss"].update(loss.detach().expand(len(labels)))
-        self.log(f"{prefix}_loss", self.metrics[f"{prefix}_loss"], on_step=False, on_epoch=True)
-        self.log(f"{prefix}_acc", self.metrics[f"{prefix}_acc"], on_step=False, on_epoch=True)
+        if prefix not in self._logged:
+            # Lightning keeps the metric object it is given and computes it at the epoch's end: once an epoch is enough.
+            # Each self.log call moves the object to the batch's device and copies its record, about 1 ms of host
+            # time per call, which the GPU waits for when the model's step is shorter than the host's.
+            self.log(f"{prefix}_loss", self.metrics[f"{prefix}_loss"], on_step=False, on_epoch=True)
+            self.log(f"{prefix}_acc", self.metrics[f"{prefix}_acc"], on_step=False, on_epoch=True)
+            self._logged.add(prefix)
         return loss
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
