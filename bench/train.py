@@ -1517,16 +1517,23 @@ def host_time(args: argparse.Namespace) -> None:
     step is shorter waits for. Against the loop as it was (metric objects handed to self.log at every step); the two
     alternate, --repeats times each."""
     torch.set_num_threads(1)
-    rows: dict[str, list[float]] = {"before: self.log at every step": [], "now: self.log once an epoch": []}
+    batch = 8
+    config = train_config("", 4, "small_cnn", batch, 3, 1, gpu=False, gpu_batches=args.host_steps)
+    loops = {"before: self.log at every step": True, "now: self.log once an epoch": False}
+    rows: dict[str, list[float]] = {label: [] for label in loops}
     for _ in range(args.repeats):
-        for label, every in (("before: self.log at every step", True), ("now: self.log once an epoch", False)):
-            config = train_config("", 4, "small_cnn", 8, 3, 1, gpu=False, gpu_batches=args.host_steps)
-            rows[label].append(8 / run_epochs({**config, "log_every_step": every})["rate"] * 1000)
+        for label, every in loops.items():
+            rows[label].append(batch / run_epochs({**config, "log_every_step": every})["rate"] * 1000)
     print(f"host ms per step, {args.host_steps} steps an epoch, the last 2 of 3 epochs, {args.repeats} runs each")
     for label, times in rows.items():
         print(f"{label:34} min {min(times):6.2f}  median {float(np.median(times)):6.2f}  max {max(times):6.2f}")
     before, now = (float(np.median(times)) for times in rows.values())
     print(f"now / before (medians): {now / before:.2f}")
+
+
+def counts(text: str) -> list[int]:
+    """A command-line list of counts: "2,4" -> [2, 4]."""
+    return [int(x) for x in text.split(",") if x]
 
 
 def main() -> None:
@@ -1552,7 +1559,7 @@ def main() -> None:
     )
     parser.add_argument(
         "--frozen-workers",
-        type=lambda s: [int(x) for x in s.split(",")],
+        type=counts,
         default=[2, 4],
         help="GPU only: reader threads tried for the frozen backbone",
     )
@@ -1583,13 +1590,13 @@ def main() -> None:
     )
     parser.add_argument(
         "--small-processes",
-        type=lambda s: [int(x) for x in s.split(",")],
+        type=counts,
         default=[4, 8],
         help="GPU only, section table: the loader processes tried for the small CNN",
     )
     parser.add_argument(
         "--frozen-processes",
-        type=lambda s: [int(x) for x in s.split(",") if x],
+        type=counts,
         default=[2],
         help="GPU only, section table: loader processes tried for the frozen backbone besides the default",
     )
