@@ -11,14 +11,16 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import quote
+from urllib.parse import quote, urlsplit
 
 import httpx
 import psutil
@@ -417,7 +419,7 @@ def _alive(process: psutil.Process) -> bool:
 
 @pytest.mark.ends_fixture
 def test_cluster_down_leaves_no_process_behind_and_a_start_again_in_its_folder_keeps_its_runs_and_its_mlflow_user(
-    cluster_run: ClusterRun,
+    cluster_run: ClusterRun, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     root = Path(cluster_run.cluster.root)
     assert len(local_cluster.running(root)) >= 10
@@ -436,10 +438,14 @@ def test_cluster_down_leaves_no_process_behind_and_a_start_again_in_its_folder_k
     with pytest.raises(OSError):
         local_cluster.http_json(f"{cluster_run.cluster.spark_ui}/json/", timeout=2)
 
-    # Started again in the same folder: the runs, the MLflow user and the database password are still there.
+    # Started again in the same folder: the runs, the MLflow user and the database password are still there. The
+    # MLflow server stalls for 7 s right after its first health answer, as on a machine busy with other work: the
+    # calls that follow (its user's check) wait for it within the start's timeout.
     database_password = cluster_run.database_password
+    stalled = stall_after_first_health(monkeypatch, seconds=7)
     again = local_cluster.up(root, local_cluster.Ports.free())
     try:
+        assert stalled, "the MLflow server was stalled after its health check"
         credentials = again.credentials()
         assert credentials["MLFLOW_TRACKING_PASSWORD"] == cluster_run.credentials["MLFLOW_TRACKING_PASSWORD"]
         assert local_cluster.read_env_file(again.env_file)[local_cluster.POSTGRES_PASSWORD] == database_password
@@ -456,6 +462,29 @@ def test_cluster_down_leaves_no_process_behind_and_a_start_again_in_its_folder_k
     finally:
         local_cluster.down(root)
     assert local_cluster.running(root) == []
+
+
+def stall_after_first_health(monkeypatch: pytest.MonkeyPatch, seconds: float) -> list[int]:
+    """Stop the MLflow server's processes (SIGSTOP) for SECONDS once its health check first answers; the list returned
+    gets the stopped process group."""
+    answers = local_cluster._answers
+    stalled: list[int] = []
+
+    def stall_once(url: str) -> bool:
+        ok = answers(url)
+        if not ok or stalled or not url.endswith("/health"):
+            return ok
+        port = str(urlsplit(url).port)
+        server = [p for p in psutil.process_iter(["cmdline"]) if {"--app-name", port} <= set(p.info["cmdline"] or [])]
+        if server:  # the MLflow server's health (not the Prefect server's)
+            group = os.getpgid(server[0].pid)
+            os.killpg(group, signal.SIGSTOP)
+            stalled.append(group)
+            threading.Timer(seconds, os.killpg, (group, signal.SIGCONT)).start()
+        return ok
+
+    monkeypatch.setattr(local_cluster, "_answers", stall_once)
+    return stalled
 
 
 def http_status(

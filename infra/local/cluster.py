@@ -644,25 +644,38 @@ def _start_mlflow(cluster: Cluster, timeout: float, password: str, database: str
         cluster,
     )
     _wait("the MLflow server", lambda: _answers(f"{cluster.mlflow_url}/health"), timeout, root, "mlflow", server)
-    # The pipeline gets a user of its own; the admin's password is used once, here, and written nowhere.
+    # The pipeline gets a user of its own; the admin's password is used once, here, and written nowhere. On a busy
+    # machine the first answers after the health check can take many seconds (two slow password hashes, the first
+    # write to the users' database): the call gets the whole start's timeout, not a request's usual few seconds.
     try:
         http_json(
             f"{cluster.mlflow_url}/api/2.0/mlflow/users/create",
             auth=("admin", admin_password),
             data={"username": MLFLOW_USER, "password": password},
+            timeout=timeout,
         )
+    except TimeoutError:
+        log = root / "logs" / "mlflow.log"
+        raise ClusterError(
+            f"the MLflow server answered its health check but not the creation of its user within {timeout:.0f} s; "
+            f"its log is {log}:\n{log.read_text()[-3000:] if log.exists() else ''}"
+        ) from None
     except urllib.error.HTTPError as exc:
         # An earlier cluster in this folder made the admin (whose first password alone counts) and the user.
-        if exc.code != 401 or not _answers_as(cluster, MLFLOW_USER, password):
+        if exc.code != 401 or not _answers_as(cluster, MLFLOW_USER, password, timeout):
             raise ClusterError(
                 f"the MLflow server's users in {root / 'mlflow-auth.db'} are from an earlier cluster whose credentials "
                 f"{cluster.env_file} no longer holds: stop the cluster and remove {root} to start afresh"
             ) from None
 
 
-def _answers_as(cluster: Cluster, user: str, password: str) -> bool:
+def _answers_as(cluster: Cluster, user: str, password: str, timeout: float) -> bool:
     try:
-        http_json(f"{cluster.mlflow_url}/api/2.0/mlflow/experiments/search?max_results=1", auth=(user, password))
+        http_json(
+            f"{cluster.mlflow_url}/api/2.0/mlflow/experiments/search?max_results=1",
+            auth=(user, password),
+            timeout=timeout,
+        )
     except OSError:
         return False
     return True
