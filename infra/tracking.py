@@ -42,23 +42,26 @@ def experiment_id(client: MlflowClient, settings: Settings) -> str:
     return client.create_experiment(settings.mlflow_experiment, artifact_location=settings.artifact_location)
 
 
+GIT_SECONDS = 10  # git's answer about the checkout; a slow disk must not fail the stage that asks
+
+
 def git_commit() -> str:
-    """The commit of the code that runs, or 'unknown' outside a git checkout."""
+    """The commit of the code that runs, with "-dirty" when the checkout has changes; "unknown" outside a git checkout
+    or when git does not answer, and "-status-unknown" when git names the commit but not the checkout's state in
+    GIT_SECONDS."""
+    here = Path(__file__).resolve().parent
+
+    def git(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", *args], capture_output=True, text=True, timeout=GIT_SECONDS, cwd=here)
+
     try:
-        out = subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            cwd=Path(__file__).resolve().parent,
-        )
+        out = git("rev-parse", "HEAD")
     except (OSError, subprocess.SubprocessError):
         return "unknown"
-    dirty = subprocess.run(
-        ["git", "status", "--porcelain"],
-        capture_output=True,
-        text=True,
-        timeout=10,
-        cwd=Path(__file__).resolve().parent,
-    ).stdout.strip()
-    return (out.stdout.strip() + ("-dirty" if dirty else "")) if out.returncode == 0 else "unknown"
+    if out.returncode != 0:
+        return "unknown"
+    try:
+        dirty = git("status", "--porcelain").stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return out.stdout.strip() + "-status-unknown"
+    return out.stdout.strip() + ("-dirty" if dirty else "")

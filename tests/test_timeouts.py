@@ -219,3 +219,21 @@ def test_a_lock_wait_must_end_before_its_stage_s_timeout() -> None:
     with pytest.raises(SettingsError, match="train_lock_wait_minutes=360.*train_timeout_minutes=60"):
         load_settings(overrides={"train_timeout_minutes": 60})
     load_settings(overrides={"train_timeout_minutes": 60, "train_lock_wait_minutes": 30})
+
+
+def test_a_git_that_does_not_answer_never_fails_the_commit_tag(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The promote stage tags the model with the code's commit: a git that hangs (a slow disk, a locked index) gives
+    "unknown" or the commit with "-status-unknown", within the bound, never an error."""
+    from infra import tracking
+
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "git").write_text(
+        '#!/bin/sh\n[ "$1" = rev-parse ] && [ -z "$HANG_REV_PARSE" ] && { echo 0123abcd; exit 0; }\nexec sleep 5\n'
+    )
+    (fake / "git").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setattr(tracking, "GIT_SECONDS", 0.5)
+    assert tracking.git_commit() == "0123abcd-status-unknown"
+    monkeypatch.setenv("HANG_REV_PARSE", "1")
+    assert tracking.git_commit() == "unknown"
