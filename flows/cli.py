@@ -11,6 +11,7 @@ from typing import Any
 
 import typer
 
+from flows.doctor import PARTS as DOCTOR_PARTS
 from infra.settings import Settings, SettingsError, load_settings
 from tasks.rules.report import accuracy, count, counts, duration, in_split_order, margin
 
@@ -300,13 +301,28 @@ def requeue(
     )
 
 
+DOCTOR_ONLY_HELP = f"check only this part (repeatable): {', '.join(DOCTOR_PARTS)}"
+
+
 @app.command()
-def doctor(config: Path | None = ConfigOption, set_: list[str] | None = SetOption) -> None:
+def doctor(
+    config: Path | None = ConfigOption,
+    set_: list[str] | None = SetOption,
+    only: list[str] | None = typer.Option(
+        None,
+        "--only",
+        help=DOCTOR_ONLY_HELP,
+    ),
+) -> None:
     """Check Python, Java, Spark, Delta, Petastorm, Ray, GPUs, MLflow and Prefect for these settings."""
     settings, _ = _settings_or_exit(config, set_)
     from flows.doctor import run_checks
 
-    checks = run_checks(settings)
+    try:
+        checks = run_checks(settings, only)
+    except ValueError as exc:
+        typer.secho(str(exc), err=True, fg="red")
+        raise typer.Exit(2) from None
     for check in checks:
         status = "ok" if check.ok else ("MISSING" if check.required else "absent")
         typer.echo(f"{status:8} {check.name:20} {check.detail}")
@@ -318,7 +334,7 @@ def doctor(config: Path | None = ConfigOption, set_: list[str] | None = SetOptio
             fg="red",
         )
         raise typer.Exit(1)
-    typer.echo("everything imagelake needs is here")
+    typer.echo(f"everything {'checked' if only else 'imagelake needs'} is here")
 
 
 def _registry_or_exit(config: Path | None, pairs: list[str] | None):

@@ -394,7 +394,9 @@ def test_doctor_reports_this_machine_and_names_what_is_missing(tmp_path: Path) -
     assert lines["ray"].startswith("ok") and lines["pyarrow"].startswith("ok")
     assert lines["lightning"].startswith("ok") and "pytorch_lightning" in lines["lightning"]
 
-    # A jar whose bytes differ from those installed is named; Spark's Delta forced on it fails the doctor.
+    # A jar whose bytes differ from those installed is named; Spark's Delta forced on it fails the doctor. The doctor
+    # checks only Spark from here on (`--only spark`).
+    spark_only = ["doctor", "--only", "spark", "--set", f"workspace={tmp_path / 'ws'}"]
     from infra.jars import SUMS, jar_folder, runtime_jars
 
     tampered = tmp_path / "jars"
@@ -405,20 +407,19 @@ def test_doctor_reports_this_machine_and_names_what_is_missing(tmp_path: Path) -
     sums[0] = "0" * 64 + sums[0][64:]
     (tampered / SUMS).write_text("\n".join(sums) + "\n")
     found = run_cli(
-        ["doctor", "--set", f"workspace={tmp_path / 'ws'}", "--set", "delta_writer=spark"],
-        {**env, "IMAGELAKE_JARS_DIR": str(tampered)},
-        timeout=300,
+        [*spark_only, "--set", "delta_writer=spark"], {**env, "IMAGELAKE_JARS_DIR": str(tampered)}, timeout=300
     )
     assert found.returncode == 1 and "differs from the SHA-256 recorded at install" in found.stdout, found.stdout
+    assert [line.split()[1] for line in found.stdout.splitlines()][:3] == ["spark", "delta", "jar"], found.stdout
+    assert " ray " not in found.stdout and " mlflow " not in found.stdout
 
     # Without the jars (no mvn at install): delta-rs, said so; Spark's Delta forced is an error naming what to do.
     bare = {**env, "IMAGELAKE_JARS_DIR": str(tmp_path / "no-jars")}
-    found = run_cli(["doctor", "--set", f"workspace={tmp_path / 'ws'}"], bare, timeout=300)
+    found = run_cli(spark_only, bare, timeout=300)
     assert (
         found.returncode == 0 and "absent: format('delta') is unavailable; Delta tables use delta-rs" in found.stdout
     ), found.stdout
-    forced = run_cli(
-        ["doctor", "--set", f"workspace={tmp_path / 'ws'}", "--set", "delta_writer=spark"], bare, timeout=300
-    )
+    assert "everything checked is here" in found.stdout
+    forced = run_cli([*spark_only, "--set", "delta_writer=spark"], bare, timeout=300)
     assert forced.returncode == 1
     assert "missing: delta jars" in forced.stderr and "make install" in forced.stdout

@@ -84,6 +84,18 @@ def test_cli_overrides_parse_json_values_and_reject_malformed_pairs() -> None:
         parse_overrides(["max_epochs"])
 
 
+def test_the_doctor_refuses_a_part_it_does_not_know_before_checking_anything(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from flows.cli import app
+
+    command = ["doctor", "--only", "spark", "--only", "sprak", "--set", f"workspace={tmp_path}"]
+    refused = CliRunner().invoke(app, command)
+    assert refused.exit_code == 2
+    assert "--only sprak: no such part; the parts are python, java, spark" in refused.output
+    assert not [line for line in refused.output.splitlines() if line.startswith(("ok", "MISSING", "absent"))]
+
+
 def test_settings_that_run_code_are_refused_from_runs_unless_the_worker_allows_them(monkeypatch) -> None:
     from infra.settings import SettingsError, refuse_unsafe
 
