@@ -294,8 +294,10 @@ def _wait(what: str, check, timeout: float, root: Path, log: str, process: subpr
     raise ClusterError(f"{what} did not come up within {timeout:.0f} s; its log is {tail}:\n{text}")
 
 
-def http_json(url: str, auth: tuple[str, str] | None = None, data: dict | None = None, timeout: float = 5) -> dict:
-    """GET (or POST data as JSON) and decode the JSON answer."""
+def http_json(url: str, auth: tuple[str, str] | None = None, data: dict | None = None, timeout: float = 30) -> dict:
+    """GET (or POST data as JSON) and decode the JSON answer. The servers answer in well under a second when the
+    machine is free; the default timeout leaves room for a machine busy with other work (a first request with a
+    password pays a slow hash)."""
     request = urllib.request.Request(url, data=json.dumps(data).encode() if data is not None else None)
     request.add_header("Content-Type", "application/json")
     if auth:
