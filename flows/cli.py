@@ -12,6 +12,7 @@ from typing import Any
 import typer
 
 from flows.doctor import PARTS as DOCTOR_PARTS
+from flows.doctor import run_checks
 from infra.settings import Settings, SettingsError, load_settings
 from tasks.rules.report import accuracy, count, counts, duration, in_split_order, margin
 
@@ -308,16 +309,10 @@ DOCTOR_ONLY_HELP = f"check only this part (repeatable): {', '.join(DOCTOR_PARTS)
 def doctor(
     config: Path | None = ConfigOption,
     set_: list[str] | None = SetOption,
-    only: list[str] | None = typer.Option(
-        None,
-        "--only",
-        help=DOCTOR_ONLY_HELP,
-    ),
+    only: list[str] | None = typer.Option(None, "--only", help=DOCTOR_ONLY_HELP),
 ) -> None:
     """Check Python, Java, Spark, Delta, Petastorm, Ray, GPUs, MLflow and Prefect for these settings."""
     settings, _ = _settings_or_exit(config, set_)
-    from flows.doctor import run_checks
-
     try:
         checks = run_checks(settings, only)
     except ValueError as exc:

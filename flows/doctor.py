@@ -215,8 +215,7 @@ def run_checks(settings: Settings, only: list[str] | None = None) -> list[Check]
     if unknown:
         raise ValueError(f"--only {', '.join(unknown)}: no such part; the parts are {', '.join(PARTS)}")
     results: list[Check] = []
-    for check in CHECKS:
-        name = check.__name__.lstrip("_")
+    for name, check in zip(PARTS, CHECKS, strict=True):
         if only and name not in only:
             continue
         try:

@@ -289,9 +289,13 @@ def _wait(what: str, check, timeout: float, root: Path, log: str, process: subpr
         except (OSError, ValueError, KeyError, subprocess.TimeoutExpired):
             pass
         time.sleep(0.5)
-    tail = root / "logs" / f"{log}.log"
-    text = tail.read_text()[-3000:] if tail.exists() else ""
-    raise ClusterError(f"{what} did not come up within {timeout:.0f} s; its log is {tail}:\n{text}")
+    raise ClusterError(f"{what} did not come up within {timeout:.0f} s; {_log_tail(root, log)}")
+
+
+def _log_tail(root: Path, log: str) -> str:
+    """Where a server's log is, and its last lines, for an error that says the server did not answer."""
+    path = root / "logs" / f"{log}.log"
+    return f"its log is {path}:\n{path.read_text()[-3000:] if path.exists() else ''}"
 
 
 def http_json(url: str, auth: tuple[str, str] | None = None, data: dict | None = None, timeout: float = 30) -> dict:
@@ -657,10 +661,9 @@ def _start_mlflow(cluster: Cluster, timeout: float, password: str, database: str
             timeout=timeout,
         )
     except TimeoutError:
-        log = root / "logs" / "mlflow.log"
         raise ClusterError(
             f"the MLflow server answered its health check but not the creation of its user within {timeout:.0f} s; "
-            f"its log is {log}:\n{log.read_text()[-3000:] if log.exists() else ''}"
+            + _log_tail(root, "mlflow")
         ) from None
     except urllib.error.HTTPError as exc:
         # An earlier cluster in this folder made the admin (whose first password alone counts) and the user.
