@@ -11,6 +11,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+import httpx
+
 from infra.local.cluster import free_port
 from tests.conftest import REPO, cli_env
 
@@ -34,6 +36,38 @@ def wait_http(url: str, timeout: float, process: subprocess.Popen | None = None,
             pass
         time.sleep(0.5)
     raise TimeoutError(f"{url} did not answer within {timeout:.0f} s:\n{log.read_text()[-4000:] if log else ''}")
+
+
+BUSY = {429, 503}  # a Prefect server's "try again": rate-limited, or a retryable database error (SQLite busy)
+
+
+class PatientClient(httpx.Client):
+    """An httpx client for a server under the suite's load: it asks again, as Prefect's own client does, when the server
+    answers that it is busy (429, 503: nothing was done) and, for a request that only reads (GET, a POST to a
+    `/filter` query), when the answer does not come in time. A request that writes is never sent twice after a timeout
+    (it may have been done). Each retry is printed; after `patience` seconds the last answer or error stands."""
+
+    def __init__(self, *args, patience: float = 180, backoff: float = 1.0, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.patience, self.backoff = patience, backoff
+
+    def send(self, request: httpx.Request, **kwargs) -> httpx.Response:
+        reads = request.method == "GET" or (request.method == "POST" and request.url.path.endswith("/filter"))
+        deadline, attempt = time.monotonic() + self.patience, 0
+        while True:
+            attempt += 1
+            try:
+                response = super().send(request, **kwargs)
+            except (httpx.ReadTimeout, httpx.PoolTimeout) as slow:
+                if not reads or time.monotonic() > deadline:
+                    raise
+                print(f"{request.method} {request.url.path}: {type(slow).__name__} (attempt {attempt}), asking again")
+                continue
+            if response.status_code not in BUSY or time.monotonic() > deadline:
+                return response
+            print(f"{request.method} {request.url.path}: {response.status_code} (attempt {attempt}), asking again")
+            response.close()
+            time.sleep(self.backoff * min(attempt, 10))
 
 
 # A Prefect worker given SIGTERM with its runs' processes around it never ended within 15 s in the suite's teardowns

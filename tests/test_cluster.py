@@ -28,6 +28,7 @@ import pytest
 
 from infra.local import cluster as local_cluster
 from tests.conftest import REPO, cli_env
+from tests.servers import PatientClient
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster, pytest.mark.alone, pytest.mark.xdist_group("alone-cluster")]
 
@@ -55,7 +56,7 @@ class ClusterRun:
 
     def prefect(self) -> httpx.Client:
         user, token = self.credentials["PREFECT_API_AUTH_STRING"].split(":", 1)
-        return httpx.Client(base_url=f"{self.cluster.prefect_url}/api", auth=(user, token), timeout=30)
+        return PatientClient(base_url=f"{self.cluster.prefect_url}/api", auth=(user, token), timeout=30)
 
     @property
     def database_password(self) -> str:
@@ -455,9 +456,8 @@ def test_cluster_down_leaves_no_process_behind_and_a_start_again_in_its_folder_k
         )
         assert run["run"]["info"]["status"] == "FINISHED"
         user, token = credentials["PREFECT_API_AUTH_STRING"].split(":", 1)
-        flow_run = httpx.get(
-            f"{again.prefect_url}/api/flow_runs/{cluster_run.summary['flow_run_id']}", auth=(user, token), timeout=30
-        )
+        with PatientClient(base_url=f"{again.prefect_url}/api", auth=(user, token), timeout=30) as api:
+            flow_run = api.get(f"/flow_runs/{cluster_run.summary['flow_run_id']}")
         assert flow_run.json()["state_type"] == "COMPLETED"
     finally:
         local_cluster.down(root)
@@ -496,7 +496,7 @@ def http_status(
 
     request = urllib.request.Request(url, data=body, method=method, headers=headers or {})
     try:
-        with urllib.request.urlopen(request, timeout=10) as response:
+        with urllib.request.urlopen(request, timeout=30) as response:
             return response.status, {k.lower(): v for k, v in response.headers.items()}, response.read()
     except urllib.error.HTTPError as exc:
         return exc.code, {k.lower(): v for k, v in exc.headers.items()}, exc.read()

@@ -560,13 +560,12 @@ def test_the_promote_stage_retries_a_champion_the_store_cannot_serve_and_then_co
 ) -> None:
     """The promote stage itself, in a flow on a real Prefect server: its first attempt finds the champion's artifact
     store down and fails with no alias moved; Prefect retries it once the store is back, and the gate compares."""
-    import httpx
     from prefect import flow
 
     from infra.prefect_env import stage_results
     from tasks.stages.promote import promote
     from tasks.stages.train import train_model
-    from tests.servers import MlflowServer
+    from tests.servers import MlflowServer, PatientClient
 
     settings = settings.model_copy(
         update={"image_size": 24, "max_epochs": 1, "num_workers": 1, "batch_size": 16, "model_name": NAME}
@@ -613,7 +612,8 @@ def test_the_promote_stage_retries_a_champion_the_store_cannot_serve_and_then_co
         state = promote_only()
         promoted = state.result()
         assert aliases_when_failed == [champion], "the first attempt failed and moved no alias"
-        task_run = httpx.get(f"{prefect_api}/task_runs/{state.state_details.task_run_id}").json()
+        with PatientClient(base_url=prefect_api, timeout=30) as api:
+            task_run = api.get(f"/task_runs/{state.state_details.task_run_id}").json()
         assert task_run["run_count"] == 2 and task_run["state_type"] == "COMPLETED", task_run
         assert "could not be evaluated" not in promoted.decision and re.search(
             r"champion \d\.\d{4}", promoted.decision

@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 from infra.lifecycle import processes_with
-from tests.servers import PrefectServer, custom_run_body, form_defaults
+from tests.servers import PatientClient, PrefectServer, custom_run_body, form_defaults
 from tests.test_summary import report_facts
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("prefect-server")]
@@ -55,14 +55,8 @@ class Deployed:
         return found.json()
 
     def create_run(self, deployment: dict, body: dict) -> httpx.Response:
-        """POST a custom run; on 503 (SQLite busy with another writer) try again, as Prefect's own client does."""
-        for attempt in range(1, 6):
-            response = self.api.post(f"/deployments/{deployment['id']}/create_flow_run", json=body)
-            if response.status_code != 503:
-                return response
-            print(f"create_flow_run answered 503 (attempt {attempt}): trying again")
-            time.sleep(attempt)
-        return response
+        """POST a custom run (the client asks again while SQLite is busy with another writer)."""
+        return self.api.post(f"/deployments/{deployment['id']}/create_flow_run", json=body)
 
     def flow_runs(self, body: dict) -> list[dict]:
         found = self.api.post("/flow_runs/filter", json=body)
@@ -172,7 +166,7 @@ def deployed(tmp_path_factory: pytest.TempPathFactory, digits_dir: Path):
     afterwards."""
     root = tmp_path_factory.mktemp("prefect-server")
     server = PrefectServer(root)
-    api = httpx.Client(base_url=server.api_url, timeout=30)
+    api = PatientClient(base_url=server.api_url, timeout=30)
     try:
         started = time.monotonic()
         with pytest.MonkeyPatch.context() as env:
