@@ -442,11 +442,10 @@ def history(
     set_: list[str] | None = SetOption,
 ) -> None:
     """Every alias move of a model: when, who, which alias, from which version to which, and why."""
-    settings, _ = _registry_or_exit(config, set_)
-    from infra.spark import spark_session
+    settings, _ = _settings_or_exit(config, set_)
     from tasks.registry import history as read_history
 
-    for row in read_history(spark_session(settings), settings, model):
+    for row in read_history(settings, model):
         typer.echo(
             f"{row['at']:%Y-%m-%d %H:%M:%S} {row['who']:10} {row['alias']:18} v{row['from_version'] or '-'} "
             f"-> v{row['to_version']}  [{row['action']}] {row['reason']}"

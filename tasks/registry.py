@@ -21,6 +21,7 @@ import numpy as np
 import pandas as pd
 import PIL
 import pyarrow as pa
+import pyarrow.compute as pc
 import torch
 import yaml
 from mlflow import MlflowClient
@@ -34,6 +35,7 @@ import tasks.rules.images as image_rules
 from infra.delta import Table
 from infra.prefect_env import fence, one_at_a_time
 from infra.settings import UNSAFE_FROM_RUNS, Settings
+from infra.spark import on_demand
 from tasks.predict import evaluate
 from tasks.rules.promotion import CHALLENGER, CHAMPION, PREVIOUS, Decision, decide_promotion, held_by_baseline
 from tasks.rules.schemas import HISTORY_SCHEMA
@@ -357,16 +359,23 @@ def who() -> str:
         return "unknown"
 
 
-def history(spark, settings: Settings, name: str) -> list[dict]:
-    """Every recorded alias move of a model, oldest first."""
-    table = Table(settings.history_uri, spark)
-    if not table.exists():
+def history(settings: Settings, name: str) -> list[dict]:
+    """Every recorded alias move of a model, oldest first. The table is small and appended to by delta-rs: this
+    process's pyarrow reads it, and Spark (started then) only where pyarrow cannot open a file of it
+    (infra/delta.py:read_files_arrow), so that `imagelake history` answers without a JVM."""
+    table = Table(settings.history_uri, on_demand(settings))
+    version = table.version()
+    if version is None:
         return []
-    from pyspark.sql import functions as Fn
+    schema = pa.schema([field for field in HISTORY_SCHEMA if field.name in table.columns()])
+    rows = table.read_files_arrow(table.files(version), schema)
+    if rows is None:
+        from pyspark.sql import functions as Fn
 
-    columns = [column for column in HISTORY_SCHEMA.names if column in table.columns()]
-    rows = table.read(columns, Fn.col("model") == name).to_pylist()
-    return sorted(rows, key=lambda row: row["at"])
+        rows = table.read(schema.names, Fn.col("model") == name)
+    else:
+        rows = rows.filter(pc.equal(rows["model"], name))
+    return sorted(rows.to_pylist(), key=lambda row: row["at"])
 
 
 # A registered model's tag that holds an alias move begun and not yet finished: the next move under the lock finishes

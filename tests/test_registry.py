@@ -140,10 +140,30 @@ def register(model: Path, experiment: str | None = None) -> str:
     return str(mlflow.register_model(f"runs:/{run.info.run_id}/model", NAME).version)
 
 
-def moves(spark, settings) -> list[tuple]:
-    return [
-        (row["alias"], row["from_version"], row["to_version"], row["action"]) for row in history(spark, settings, NAME)
-    ]
+def moves(settings) -> list[tuple]:
+    return [(row["alias"], row["from_version"], row["to_version"], row["action"]) for row in history(settings, NAME)]
+
+
+def test_the_history_command_lists_a_models_alias_moves_oldest_first_without_asking_for_spark(settings) -> None:
+    """The history table is small and written by delta-rs: `imagelake history` reads it here, and answers without the
+    seconds a JVM takes to start (or a Spark cluster that is down)."""
+    from typer.testing import CliRunner
+
+    from flows.cli import app
+    from infra.spark import spark_asks
+    from tasks.registry import record
+
+    gated = {"model": NAME, "alias": CHAMPION, "from_version": None, "to_version": "1", "action": "gate"}
+    record(settings, [{**gated, "reason": "beats no champion"}, {**gated, "model": "another", "reason": "not this"}])
+    record(settings, [{**gated, "from_version": "1", "to_version": "2", "action": "manual", "reason": "by hand"}])
+    asked = spark_asks()
+    listed = CliRunner().invoke(app, ["history", "--model", NAME, "--set", f"workspace={settings.workspace}"])
+    assert listed.exit_code == 0, listed.output
+    assert spark_asks() == asked, "the history was read without Spark"
+    lines = listed.stdout.splitlines()
+    assert len(lines) == 2, lines
+    assert re.search(r"champion\s+v- -> v1\s+\[gate\] beats no champion$", lines[0]), lines
+    assert re.search(r"champion\s+v1 -> v2\s+\[manual\] by hand$", lines[1]), lines
 
 
 @pytest.mark.slow
@@ -177,14 +197,14 @@ def test_gate_moves_aliases_records_the_decision_and_keeps_history(spark, regist
     decision, metrics, _ = gate(client, strict, NAME, good, images, labels, 4, baseline=0.5)
     assert decision.promote and metrics["accuracy"] == 1.0
     assert (alias_version(client, NAME, CHAMPION), alias_version(client, NAME, PREVIOUS)) == (good, bad)
-    assert moves(spark, settings) == [
+    assert moves(settings) == [
         (CHAMPION, None, bad, "gate"),
         (CHALLENGER, None, weaker, "gate"),
         (CHALLENGER, weaker, held, "gate"),
         (CHAMPION, bad, good, "gate"),
         (PREVIOUS, None, bad, "gate"),
     ]
-    assert all(row["who"] and row["reason"] and row["at"] for row in history(spark, settings, NAME))
+    assert all(row["who"] and row["reason"] and row["at"] for row in history(settings, NAME))
 
 
 @pytest.mark.slow
@@ -207,7 +227,7 @@ def test_two_promotions_at_once_never_leave_the_worse_model_champion(spark, regi
         thread.join()
     assert not errors
     assert alias_version(client, NAME, CHAMPION) == versions["good"]
-    champions = [to for alias, _, to, _ in moves(spark, settings) if alias == CHAMPION]
+    champions = [to for alias, _, to, _ in moves(settings) if alias == CHAMPION]
     assert champions[-1] == versions["good"] and len(champions) in (1, 2)
 
 
@@ -223,7 +243,7 @@ def test_rollback_and_forced_promotion_are_recorded_and_refuse_the_impossible(sp
     assert (alias_version(client, NAME, CHAMPION), alias_version(client, NAME, PREVIOUS)) == (two, one)
     assert rollback(client, settings, NAME, "v2 misbehaves") == (two, one)
     assert (alias_version(client, NAME, CHAMPION), alias_version(client, NAME, PREVIOUS)) == (one, two)
-    assert [m for m in moves(spark, settings) if m[3] != "gate"] == [
+    assert [m for m in moves(settings) if m[3] != "gate"] == [
         (CHAMPION, one, two, "manual"),
         (PREVIOUS, None, one, "manual"),
         (CHAMPION, two, one, "rollback"),
@@ -306,7 +326,7 @@ def test_a_champion_the_store_cannot_serve_now_is_kept_and_the_gate_retries(
             gate(client, settings, NAME, candidate, images, labels, 4)
         assert alias_version(client, NAME, CHAMPION) == champion and alias_version(client, NAME, CHALLENGER) is None
         assert "promotion_decision" not in client.get_model_version(NAME, candidate).tags
-        assert moves(spark, settings) == [(CHAMPION, None, champion, "gate")]
+        assert moves(settings) == [(CHAMPION, None, champion, "gate")]
 
         store.start()  # back: the retry compares, and the worse model stays challenger
         decision, _, compared = gate(client, settings, NAME, candidate, images, labels, 4)
@@ -427,7 +447,7 @@ def test_an_alias_move_cut_short_is_finished_before_the_next_decision(spark, reg
     )
     assert PENDING_MOVE not in client.get_registered_model(NAME).tags
     assert (alias_version(client, NAME, CHAMPION), alias_version(client, NAME, PREVIOUS)) == (better, first)
-    assert moves(spark, settings) == [
+    assert moves(settings) == [
         (CHAMPION, None, first, "gate"),
         (CHAMPION, first, better, "gate"),
         (PREVIOUS, None, first, "gate"),
@@ -545,9 +565,7 @@ def test_an_alias_move_under_a_lapsed_lease_is_refused_while_another_holder_is_i
                 crown(client, settings, NAME, other, "manual", "a move under a lapsed lease")
         finally:
             second.release()
-    assert alias_version(client, NAME, CHAMPION) == champion and moves(spark, settings) == [
-        (CHAMPION, None, champion, "gate")
-    ]
+    assert alias_version(client, NAME, CHAMPION) == champion and moves(settings) == [(CHAMPION, None, champion, "gate")]
     assert "imagelake.pending_move" not in client.get_registered_model(NAME).tags, "not even written down"
     with registry_lock(settings, NAME):  # a lease that holds fences nothing
         crown(client, settings, NAME, other, "manual", "a move under a lease that holds")
@@ -672,14 +690,14 @@ def test_a_process_killed_between_the_champion_and_previous_champion_moves_leave
     # Half a move: the champion moved, previous-champion and the history did not; the move is written down.
     assert (alias_version(client, NAME, CHAMPION), alias_version(client, NAME, PREVIOUS)) == (better, None)
     assert PENDING_MOVE in client.get_registered_model(NAME).tags
-    assert moves(spark, settings) == [(CHAMPION, None, first, "gate")]
+    assert moves(settings) == [(CHAMPION, None, first, "gate")]
 
     third = register(models["bad"])
     decision, _, compared = gate(client, settings, NAME, third, images, labels, 4)
     assert compared == better and not decision.promote
     assert (alias_version(client, NAME, CHAMPION), alias_version(client, NAME, PREVIOUS)) == (better, first)
     assert PENDING_MOVE not in client.get_registered_model(NAME).tags
-    assert moves(spark, settings) == [
+    assert moves(settings) == [
         (CHAMPION, None, first, "gate"),
         (CHAMPION, first, better, "gate"),
         (PREVIOUS, None, first, "gate"),
