@@ -689,6 +689,18 @@ class Table:
         `read_files_arrow`)."""
         return read_files_arrow(self.uri, files, schema)
 
+    def read_small(self, schema: pa.Schema, version: int | None = None) -> pa.Table:
+        """SCHEMA's columns of a small table at VERSION (default: the current one), read by this process's pyarrow with
+        no Spark job, or by Spark where pyarrow cannot open one of its files (see `read_files_arrow`): pyarrow gives the
+        columns the table lacks as nulls, Spark leaves them out. Empty before the first write."""
+        version = self.version() if version is None else version
+        if version is None:
+            return schema.empty_table()
+        rows = self.read_files_arrow(self.files(version), schema)
+        if rows is None:
+            rows = self.read([name for name in schema.names if name in self.columns()], version=version)
+        return rows
+
     def read(self, columns: list[str], where: Column | None = None, version: int | None = None) -> pa.Table:
         """Some columns at the current version (or VERSION), as Arrow on the driver; empty if there is no table."""
         return read_current(self._reader(), self.uri, self.engine, columns, where, version)

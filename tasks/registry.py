@@ -361,21 +361,10 @@ def who() -> str:
 
 def history(settings: Settings, name: str) -> list[dict]:
     """Every recorded alias move of a model, oldest first. The table is small and appended to by delta-rs: this
-    process's pyarrow reads it, and Spark (started then) only where pyarrow cannot open a file of it
-    (infra/delta.py:read_files_arrow), so that `imagelake history` answers without a JVM."""
-    table = Table(settings.history_uri, on_demand(settings))
-    version = table.version()
-    if version is None:
-        return []
-    schema = pa.schema([field for field in HISTORY_SCHEMA if field.name in table.columns()])
-    rows = table.read_files_arrow(table.files(version), schema)
-    if rows is None:
-        from pyspark.sql import functions as Fn
-
-        rows = table.read(schema.names, Fn.col("model") == name)
-    else:
-        rows = rows.filter(pc.equal(rows["model"], name))
-    return sorted(rows.to_pylist(), key=lambda row: row["at"])
+    process's pyarrow reads it, Spark (started then) only where pyarrow cannot open a file of it, so that
+    `imagelake history` answers without a JVM."""
+    rows = Table(settings.history_uri, on_demand(settings)).read_small(HISTORY_SCHEMA)
+    return sorted(rows.filter(pc.equal(rows["model"], name)).to_pylist(), key=lambda row: row["at"])
 
 
 # A registered model's tag that holds an alias move begun and not yet finished: the next move under the lock finishes

@@ -189,15 +189,11 @@ class ImageTable:
 
     def quarantined_by_reason(self) -> dict[str, int]:
         """Files in the quarantine table now, by reason (those requeued, which the next run reads again, apart)."""
-        version = None if self.quarantine is None else self.quarantine.version()
-        if version is None:
+        if self.quarantine is None:
             return {}
-        schema = pa.schema([("reason", pa.string()), ("requeued_at", pa.timestamp("us", tz="UTC"))])
-        rows = self.quarantine.read_files_arrow(self.quarantine.files(version), schema)  # no Spark job
-        if rows is None:
-            rows = self.quarantine.read(
-                [name for name in schema.names if name in self.quarantine.columns()], version=version
-            )
+        rows = self.quarantine.read_small(
+            pa.schema([("reason", pa.string()), ("requeued_at", pa.timestamp("us", tz="UTC"))])
+        )
         held = rows.filter(pc.is_null(rows["requeued_at"])) if "requeued_at" in rows.column_names else rows
         return dict(sorted(Counter(held.column("reason").to_pylist()).items()))
 
