@@ -9,7 +9,7 @@ from typing import Any
 
 from prefect.artifacts import create_table_artifact
 
-from flows.flow import imagelake_flow, run_settings
+from flows.flow import check_weights, imagelake_flow, run_settings
 from flows.pipeline import train_and_promote
 from infra.prefect_env import stage_results
 from infra.settings import Settings
@@ -67,6 +67,8 @@ def backfill(
     if max_concurrency < 1:
         raise ValueError(f"max_concurrency must be at least 1, got {max_concurrency}")
     settings = run_settings(config_file, overrides)
+    if not dry_run:
+        check_weights(settings)
     table = ImageTable.of(settings)
     if (
         settings.requeue_reasons and not dry_run

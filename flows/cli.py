@@ -15,6 +15,7 @@ from flows.doctor import PARTS as DOCTOR_PARTS
 from flows.doctor import run_checks
 from infra.settings import Settings, SettingsError, load_settings
 from tasks.rules.report import accuracy, count, counts, duration, in_split_order, margin
+from tasks.rules.training import started_from
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Train image models on a lakehouse.")
 
@@ -125,7 +126,11 @@ def recomputed(report: list[dict[str, str]]) -> str:
 def format_summary(summary: dict[str, Any]) -> str:
     """A few lines a person reads after a run, in the order of the run's report: the promotion decision first, then
     the data, the training, the links and the stages."""
-    warm = summary.get("warm_started_from", "none")
+    start = started_from(
+        summary.get("warm_started_from", "none"),
+        summary.get("pretrained_weights", "none"),
+        summary.get("pretrained_sha256", ""),
+    )
     quarantined = summary["quarantined"] or {}
     return "\n".join(
         [
@@ -149,8 +154,7 @@ def format_summary(summary: dict[str, Any]) -> str:
             f"  splits        {counts(in_split_order(summary['split_counts']))}",
             f"  cache         {summary['cache_dir']}",
             f"  training      {count(summary['epochs_run'])} epochs{training_time(summary)}, "
-            f"val accuracy {accuracy(summary['val_accuracy'])}"
-            + (f", warm start from v{warm}" if warm != "none" else ""),
+            f"val accuracy {accuracy(summary['val_accuracy'])}" + f", {start}",
             f"  links         MLflow run {summary.get('mlflow_run_url') or summary['mlflow_run_id']}",
             f"  stages        results reused: {', '.join(summary.get('results_reused') or []) or 'none'}"
             f"{recomputed(summary.get('results', []))}",

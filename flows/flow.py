@@ -93,6 +93,14 @@ def run_settings(config_file: str | None, overrides: dict[str, Any] | None, **fi
     return settings
 
 
+def check_weights(settings: Settings) -> None:
+    """Before any data stage of a run that trains: the pretrained weights its settings name are in torchvision's cache
+    with the publisher's digest (else WeightsUnavailable, never retried, naming the file and what to do)."""
+    from tasks.worker.model import pretrained_source
+
+    pretrained_source(settings.model_arch, settings.pretrained)
+
+
 def arm_flow_deadline(settings: Settings) -> None:
     """Start the clock of the flow run this runs in: past flow_timeout_hours it is stopped and fails TimedOut."""
     held, context = _flow_deadline.get(), FlowRunContext.get()

@@ -11,7 +11,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field, create_model
 
-from flows.flow import check_run_parameters, imagelake_flow, run_settings
+from flows.flow import check_run_parameters, check_weights, imagelake_flow, run_settings
 from infra.delta import Table
 from infra.prefect_env import stage_results
 from infra.settings import Settings
@@ -49,6 +49,7 @@ def pipeline(
     """Take a folder of labelled images to a registered, tested and (if better) promoted model; `refresh` recomputes
     every stage."""
     settings = run_settings(config_file, overrides)
+    check_weights(settings)
     with stage_results(settings, refresh):
         if settings.requeue_reasons:
             requeue_by_setting(settings)
@@ -64,6 +65,7 @@ def retrain_flow(
 ) -> dict[str, Any]:
     """Train and promote again on one pinned Delta table version (what `imagelake retrain` runs)."""
     settings = run_settings(config_file, overrides)
+    check_weights(settings)
     table = TableVersion(table_uri=table_uri, version=table_version, engine=Table.open(table_uri, settings).engine)
     with stage_results(settings):
         return train_and_promote(table, settings)

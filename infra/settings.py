@@ -193,7 +193,12 @@ class Settings(BaseSettings):
     table_name: str = Field(default="images", description="Name of the images table under table_root")
 
     # Images.
-    image_size: int = Field(default=224, ge=8, le=2048, description="Side of the square images stored and trained on")
+    image_size: int = Field(
+        default=160,
+        ge=8,
+        le=2048,
+        description="Side of the square images stored and trained on (160: the pretrained default's measured size)",
+    )
     resize_mode: Literal["letterbox", "center_crop"] = Field(
         default="letterbox",
         description="How an image becomes a square: letterbox pads the short side, center_crop cuts the long one",
@@ -301,18 +306,19 @@ class Settings(BaseSettings):
         ),
     )
     model_arch: Literal[MODEL_ARCHS] = Field(  # type: ignore[valid-type]
-        default="small_cnn",
+        default="mobilenet_v2",
         description=(
-            "small_cnn (a small CNN for tiny demos) or any torchvision classification model by name: resnet50, "
-            "mobilenet_v3_large, efficientnet_b0, convnext_tiny, vit_b_16, ..."
+            "Any torchvision classification model by name (mobilenet_v2, resnet50, efficientnet_b0, convnext_tiny, "
+            "vit_b_16, ...), or small_cnn (a small CNN trained from scratch, for tests and tiny images)"
         ),
     )
     pretrained: str | None = Field(
-        default=None,
+        default="IMAGENET1K_V1",
         description=(
-            "Weights to start from: none, imagenet (the architecture's best torchvision weights, from "
-            "torchvision's cache in TORCH_HOME or downloaded into it), a torchvision weights name "
-            "(IMAGENET1K_V1, ResNet50_Weights.IMAGENET1K_V2), or the path or URI of a state dict"
+            "Weights to start from: a torchvision weights name (IMAGENET1K_V1, ResNet50_Weights.IMAGENET1K_V2), "
+            "imagenet (the architecture's best torchvision weights), both from torchvision's cache in TORCH_HOME "
+            "(`make install` puts MobileNetV2's IMAGENET1K_V1 there) or downloaded into it; the path or URI of a "
+            "state dict; or none (from scratch)"
         ),
     )
     freeze_backbone: bool = Field(
@@ -353,7 +359,7 @@ class Settings(BaseSettings):
         ),
     )
     max_epochs: int = Field(
-        default=30,
+        default=12,
         ge=1,
         description="Most epochs of one training run (early stopping on val_loss usually ends it sooner)",
     )

@@ -162,10 +162,12 @@ def model_card(
     decision: str,
     alias: str,
     baseline: float | None = None,
+    started: str = "",
 ) -> str:
     """The registered version's description: its data, how it was trained, how it scored (and by how much it beats its
     run's plain baseline), and the promotion decision."""
     settings = "\n".join(f"| {key} | {value} |" for key, value in sorted(params.items()))
+    weights = f"Weights: {markdown_text(started)}.\n\n" if started else ""
     scores = "\n".join(f"| {key} | {value:.4f} |" for key, value in metrics.items())
     if baseline is not None:
         scores += (
@@ -177,7 +179,7 @@ def model_card(
         f"{data['image_size']} px, "
         f"rows per split {json.dumps(data['counts'], sort_keys=True)}, labels "
         f"{', '.join(markdown_text(label) for label in data['labels'])}.\n\n"
-        f"## Training settings\n\n| setting | value |\n|---|---|\n{settings}\n\n"
+        f"## Training settings\n\n{weights}| setting | value |\n|---|---|\n{settings}\n\n"
         f"## Test metrics\n\n| metric | value |\n|---|---|\n{scores}\n\n{per_class_table(per_class)}\n\n"
         f"## Promotion\n\n**{alias}**: {decision}\n"
     )

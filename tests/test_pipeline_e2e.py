@@ -13,15 +13,22 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import mlflow
+import numpy as np
+import pandas as pd
 import pyarrow.parquet as pq
 import pytest
+import torch
 from deltalake import DeltaTable
 from mlflow import MlflowClient
 from PIL import Image, ImageOps
 
 from flows.demo_data import write_digits
+from infra.weights import KNOWN
 from tasks.cache_files import split_files
+from tasks.rules.images import resize_image
+from tasks.rules.markdown import markdown_text
 from tasks.rules.report import margin
+from tasks.stages.promote import load_trained_model
 from tests.conftest import cli_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("e2e")]  # one process runs the shared first run
@@ -39,11 +46,14 @@ def run_pipeline(
 ) -> tuple[dict, float]:
     settings = [
         "workspace=" + str(workspace),
-        "image_size=32",
-        "max_epochs=4",
+        "image_size=64",  # the digits as written: a pretrained network needs more than 32 px to see them
+        "max_epochs=6",
         "num_workers=2",
-        "batch_size=16",
+        "batch_size=8",  # 15 steps an epoch on each worker: fine-tuning needs steps more than epochs
         f"model_name={MODEL}",
+        # The default model (the rest of the suite trains the small CNN): MobileNetV2 from ImageNet weights.
+        "model_arch=mobilenet_v2",
+        "pretrained=IMAGENET1K_V1",
         *extra,
     ]
     started = time.monotonic()
@@ -85,10 +95,10 @@ def assert_shows_what_it_does(summary: dict, console: str, logs: list[str]) -> N
                 stage
             )
         epochs = re.findall(
-            r"train: epoch (\d+) of 4, train loss \d\.\d+, val loss \d\.\d+, val accuracy \d\.\d+", text
+            r"train: epoch (\d+) of 6, train loss \d\.\d+, val loss \d\.\d+, val accuracy \d\.\d+", text
         )
         assert [int(e) for e in epochs] == list(range(1, summary["epochs_run"] + 1))
-        assert text.index("train: MLflow run http://127.0.0.1:5000/#/experiments/") < text.index("train: epoch 1 of 4")
+        assert text.index("train: MLflow run http://127.0.0.1:5000/#/experiments/") < text.index("train: epoch 1 of 6")
         assert re.search(r"resize: 300 of 300 files \(100%\), \d+ files/s", text)
     for noise in (
         "Recovering rowgroup information",
@@ -162,7 +172,7 @@ def assert_knows_the_data_and_the_model(summary: dict, client: MlflowClient, des
         f"# {MODEL} v{summary['model_version']}",
         f"version {summary['delta_version']}",
         "## Training settings",
-        "| max_epochs | 4 |",
+        "| max_epochs | 6 |",
         "**champion**",
     ):
         assert expected in description, expected
@@ -170,6 +180,32 @@ def assert_knows_the_data_and_the_model(summary: dict, client: MlflowClient, des
     baseline = summary["baseline_accuracy"]
     assert 0.3 < baseline <= 1 and metrics["baseline_test_accuracy"] == pytest.approx(baseline), "chance is 0.1"
     assert f"| margin over the baseline | {summary['test_accuracy'] - baseline:+.4f} |" in description
+
+
+def assert_started_from_the_imagenet_weights_and_serves_as_trained(summary: dict, console: str, champion) -> None:
+    """The default model's weights, by name and digest, in the version's lineage, its card, the summary and the
+    console; and the served pyfunc (decoding and normalising inside it) answers the trained model's labels and
+    probabilities."""
+    weights, digest = "MobileNet_V2_Weights.IMAGENET1K_V1", KNOWN[0].sha256
+    assert (champion.tags["pretrained_weights"], champion.tags["pretrained_sha256"]) == (weights, digest)
+    assert (summary["pretrained_weights"], summary["pretrained_sha256"]) == (weights, digest)
+    started = f"from {weights} (sha256 {digest[:16]})"
+    assert f"Weights: {markdown_text(started)}." in champion.description and started in console
+    files = sorted(SOURCE_OF[summary["flow_run_id"]].glob("*/*.png"))[::25]
+    data = [path.read_bytes() for path in files]
+    served = mlflow.pyfunc.load_model(f"models:/{MODEL}/{champion.version}").predict(pd.DataFrame({"image": data}))
+    model = load_trained_model(summary["checkpoint"])
+    with torch.no_grad():
+        decoded = torch.from_numpy(
+            np.stack([resize_image(blob, summary["dataset_card"]["image_size"])[0] for blob in data])
+        )
+        probabilities = torch.softmax(model(decoded), dim=1)
+    best = probabilities.max(dim=1)
+    assert list(served["label"]) == [summary["labels"][i] for i in best.indices.tolist()]
+    assert list(served["probability"]) == pytest.approx(best.values.tolist(), abs=1e-5)
+
+
+SOURCE_OF: dict[str, Path] = {}  # a run's source folder, by its flow run id
 
 
 @dataclass
@@ -194,6 +230,7 @@ def first_run(digits_dir: Path, tmp_path_factory: pytest.TempPathFactory, prefec
     env = cli_env({"PREFECT_API_URL": prefect_api})
     output: list[str] = []
     summary, seconds = run_pipeline(source, workspace, env, output=output)
+    SOURCE_OF[summary["flow_run_id"]] = source
     return FirstRun(source, workspace, env, summary, output[0], seconds)
 
 
@@ -253,6 +290,7 @@ def test_pipeline_end_to_end_then_everything_is_cached(first_run: FirstRun) -> N
     # Prefect links the flow run to its MLflow run.
     assert f"/runs/{first['mlflow_run_id']}" in flow_artifact(first["flow_run_id"], "imagelake-mlflow-run").data
     assert_knows_the_data_and_the_model(first, client, champion.description)
+    assert_started_from_the_imagenet_weights_and_serves_as_trained(first, first_run.console, champion)
 
     # Second run on unchanged data: every stage reuses its stored result; no new Delta version, no new model version.
     second, second_seconds = run_pipeline(source, workspace, env)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import io
 import struct
+import urllib.request
 import uuid
 import zlib
 from collections.abc import Callable, Iterator
@@ -27,6 +28,7 @@ from pyarrow.fs import AwsStandardS3RetryStrategy, S3FileSystem
 from ray.train import WorkerGroupError
 
 from infra.settings import SettingsError
+from infra.weights import WeightsUnavailable
 from tasks.resize_executor import read_with_retries
 from tasks.rules.bad_files import TooManyBadFiles
 from tasks.stage import is_permanent, stage
@@ -41,6 +43,10 @@ ERRORS = {
     # How a training worker's error reaches the driver: inside Ray Train's error, by rank.
     "unusable checkpoint on a worker": WorkerGroupError(
         "Training failed", {1: CheckpointUnusable("no checkpoint loads: delete the run folder")}
+    ),
+    "weights unavailable": WeightsUnavailable("pretrained=IMAGENET1K_V1: mobilenet_v2-b0353104.pth is missing"),
+    "weights unavailable on a worker": WorkerGroupError(
+        "Training failed", {0: WeightsUnavailable("pretrained=IMAGENET1K_V1: the cached file is not the published one")}
     ),
 }
 
@@ -72,13 +78,54 @@ def test_a_transient_failure_is_retried_and_the_run_completes(prefect_api: str, 
 
 
 @pytest.mark.parametrize(
-    "error", ["bad settings", "too many bad files", "unusable checkpoint", "unusable checkpoint on a worker"]
+    "error",
+    [
+        "bad settings",
+        "too many bad files",
+        "unusable checkpoint",
+        "unusable checkpoint on a worker",
+        "weights unavailable",
+        "weights unavailable on a worker",
+    ],
 )
 def test_a_permanent_failure_fails_after_one_attempt(prefect_api: str, tmp_path: Path, error: str) -> None:
     log = tmp_path / "permanent.log"
     with pytest.raises(type(ERRORS[error]), match=str(ERRORS[error]).split(" ")[0]):
         one_stage(str(log), error)
     assert attempts(log) == 1
+
+
+def test_missing_pretrained_weights_fail_the_run_before_its_first_stage_naming_the_file_and_what_to_do(
+    prefect_api: str, tmp_path: Path, digits_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found when the run's settings are read: no stage starts (no Spark, no listing), nothing is written, and the
+    error names the file, the cache folder, `make install` and pretrained=none."""
+    from flows.pipeline import pipeline
+    from infra.spark import spark_asks
+    from tasks.stage import stage_outcomes
+
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))  # an empty cache, and no download: a closed proxy
+    for name in ("https_proxy", "HTTPS_PROXY"):
+        monkeypatch.setenv(name, "http://127.0.0.1:9")
+    monkeypatch.delenv("no_proxy", raising=False)
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    urllib.request.install_opener(None)
+    asked = spark_asks()
+    workspace = tmp_path / "ws"
+    overrides = {"workspace": str(workspace), "model_arch": "mobilenet_v2", "pretrained": "IMAGENET1K_V1"}
+    try:
+        state = pipeline(source=str(digits_dir), overrides=overrides, return_state=True)
+    finally:
+        urllib.request.install_opener(None)
+    assert state.is_failed()
+    with pytest.raises(WeightsUnavailable) as failed:
+        state.result()
+    message = str(failed.value)
+    for expected in ("mobilenet_v2-b0353104.pth", str(tmp_path / "torch" / "hub" / "checkpoints"), "make install"):
+        assert expected in message, expected
+    assert "pretrained=none" in message
+    assert stage_outcomes(str(state.state_details.flow_run_id)) == ({}, {}), "no stage started"
+    assert spark_asks() == asked and not (workspace / "tables").exists()
 
 
 @stage("writes-a-file", needs=lambda written: [written])

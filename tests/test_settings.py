@@ -17,7 +17,7 @@ def test_defaults_run_on_one_machine(monkeypatch: pytest.MonkeyPatch, tmp_path: 
     monkeypatch.chdir(tmp_path)
     settings = load_settings()
     assert settings.spark_master == "local[*]"
-    assert settings.image_size == 224
+    assert settings.image_size == 160
     assert settings.ray_address is None
     assert settings.table_uri == str(tmp_path / ".imagelake" / "tables" / "images")
     assert settings.tracking_uri == f"sqlite:///{tmp_path / '.imagelake' / 'mlflow.db'}"

@@ -58,6 +58,16 @@ TRAINING_SETTINGS = (
 )
 
 
+def started_from(warm_started_from: str, pretrained_weights: str = "none", pretrained_sha256: str = "") -> str:
+    """Where a model's weights started, in words: a warm start from a champion version, pretrained weights by name
+    and digest, or from scratch."""
+    if warm_started_from not in ("", "none"):
+        return f"warm start from v{warm_started_from}"
+    if pretrained_weights in ("", "none"):
+        return "from scratch"
+    return f"from {pretrained_weights}" + (f" (sha256 {pretrained_sha256[:16]})" if pretrained_sha256 else "")
+
+
 # MLflow training params -> the settings that reproduce them.
 PARAM_SETTINGS = {
     "image_size": "image_size",

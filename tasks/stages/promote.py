@@ -28,6 +28,7 @@ from tasks.resize_executor import DecodeRules, read_with_retries
 from tasks.results import CachedSplits, Promoted, Trained
 from tasks.rules.images import resize_image
 from tasks.rules.promotion import CHALLENGER, CHAMPION, Decision, decision_markdown
+from tasks.rules.training import started_from
 from tasks.rules.warm_start import labels_tag
 from tasks.stage import stage
 from tasks.table import matching
@@ -140,6 +141,8 @@ def promote_model(
         "git_commit": git_commit(),
         "prefect_flow_run_id": flow_run_id or "",
         "mlflow_run_id": trained.mlflow_run_id,
+        "pretrained_weights": trained.pretrained_weights,
+        "pretrained_sha256": trained.pretrained_sha256,
         "labels": labels_tag(cached.labels),
         "image_size": str(cached.image_size),
         "resize_mode": settings.resize_mode,
@@ -224,6 +227,7 @@ def promote_model(
         decision.reason,
         alias,
         trained.baseline_accuracy,
+        started_from(trained.warm_started_from, trained.pretrained_weights, trained.pretrained_sha256),
     )
     # MLflow's SQL stores keep 5,000 characters of a description: a card of many classes is cut there.
     client.update_model_version(

@@ -19,6 +19,7 @@ from tasks.results import CachedSplits, Promoted, Resized, TableVersion, Trained
 from tasks.rules.markdown import markdown_text
 from tasks.rules.promotion import BASELINE, CHAMPION
 from tasks.rules.report import accuracy, count, counts, duration, in_split_order, margin
+from tasks.rules.training import started_from
 from tasks.stage import stage, stage_outcomes, stage_seconds
 
 
@@ -59,6 +60,8 @@ def run_summary(
         "warm_started_from": getattr(
             trained, "warm_started_from", "none"
         ),  # a result cached before this field has none
+        "pretrained_weights": trained.pretrained_weights,
+        "pretrained_sha256": trained.pretrained_sha256,
         "val_accuracy": trained.val_accuracy,
         "mlflow_run_id": trained.mlflow_run_id,
         "model_name": promoted.model_name,
@@ -217,7 +220,9 @@ def training_section(summary: dict[str, Any]) -> list[str]:
     return [
         f"{count(summary['epochs_run'])} epochs, val accuracy {accuracy(summary['val_accuracy'])}, test accuracy "
         f"{accuracy(summary['test_accuracy'])}; {time}; "
-        + ("from scratch" if warm == "none" else f"warm start from v{markdown_text(warm)}")
+        + markdown_text(
+            started_from(warm, summary.get("pretrained_weights", "none"), summary.get("pretrained_sha256", ""))
+        )
         + ".",
         f"{where}." + (f" Driver peak memory {memory:,.0f} MB." if memory is not None else ""),
     ]

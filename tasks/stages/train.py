@@ -39,6 +39,7 @@ from tasks.rules.promotion import BASELINE
 from tasks.rules.training import TRAINING_SETTINGS, logged_params, scaled_learning_rate
 from tasks.rules.warm_start import WarmStart, WeightsShape, decide_warm_start
 from tasks.stage import code_digest, stage
+from tasks.worker.model import pretrained_source
 from tasks.worker.train_loop import (
     FIT_SECONDS,
     WORKER_NODES_TAG,
@@ -189,7 +190,13 @@ def fit(
     """Run the TorchTrainer and return the best checkpoint by validation loss."""
     weights = staged_champion_weights(client, settings, warm.version) if warm.version else None
     config = training_config(cached, settings, client.tracking_uri, run_id, name, weights)
-    params = {**logged_params(config, settings), "warm_started_from": warm.source}
+    pretrained, digest = pretrained_source(settings.model_arch, settings.pretrained)
+    params = {
+        **logged_params(config, settings),
+        "warm_started_from": warm.source,
+        "pretrained_weights": pretrained,
+        "pretrained_sha256": digest or "none",
+    }
     client.log_batch(run_id, params=[Param(key, value) for key, value in params.items()])
     client.set_tag(run_id, "warm_start_reason", warm.reason)
     run_config = RunConfig(
@@ -250,6 +257,8 @@ def trained_of(
         baseline_accuracy=recorded.metrics.get(BASELINE_METRIC),
         fit_seconds=recorded.metrics.get(FIT_SECONDS, 0.0),
         warm_started_from=warm.source,
+        pretrained_weights=recorded.params.get("pretrained_weights", "none"),
+        pretrained_sha256=recorded.params.get("pretrained_sha256", "none").replace("none", ""),
     )
 
 

@@ -7,6 +7,7 @@ import math
 import os
 import pickle
 import re
+from pathlib import Path
 from urllib.error import URLError
 
 import fsspec
@@ -19,6 +20,14 @@ from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
 from infra.settings import MODEL_ARCHS
+from infra.weights import (
+    WeightsUnavailable,
+    cached_of,
+    checkpoints_dir,
+    missing_message,
+    sha256_of,
+    verified_file,
+)
 from tasks.worker.augment import augment, epoch_generator
 
 
@@ -63,10 +72,6 @@ def check_arch(arch: str) -> str:
     return arch
 
 
-class WeightsUnavailable(RuntimeError):
-    """Pretrained weights named by torchvision's API are neither in its cache nor downloadable."""
-
-
 _WEIGHTS_NAME = re.compile(r"^(?:[A-Za-z0-9_]+_Weights\.)?[A-Z][A-Z0-9_]*$")
 
 
@@ -103,7 +108,84 @@ def weights_of(arch: str, pretrained: str) -> torchvision.models.WeightsEnum:
 def weights_file(weights: torchvision.models.WeightsEnum) -> str:
     """Where torchvision's cache keeps (or would keep) these weights: $TORCH_HOME/hub/checkpoints/<the URL's file
     name>."""
-    return os.path.join(torch.hub.get_dir(), "checkpoints", os.path.basename(weights.url))
+    return str(checkpoints_dir() / os.path.basename(weights.url))
+
+
+def weights_setting(arch: str, pretrained: str | None) -> str | None:
+    """The torchvision weights `pretrained` names for `arch` in full (MobileNet_V2_Weights.IMAGENET1K_V1), or None when
+    it names none (no weights, a state dict's path); unknown names raise as weights_of does."""
+    return str(weights_of(arch, pretrained)) if is_weights_name(pretrained) else None
+
+
+def weights_path(arch: str, weights: torchvision.models.WeightsEnum, pretrained: str) -> Path:
+    """The cached file of WEIGHTS, its digest checked; downloaded into the cache first where it is missing and the
+    internet is reachable. A missing file names the weights of the same architecture that are cached, if any."""
+    file = os.path.basename(weights.url)
+    path = checkpoints_dir() / file
+    if not path.is_file():
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            torch.hub.download_url_to_file(weights.url, str(path), hash_prefix=None, progress=False)
+        except (URLError, OSError) as error:
+            others = [entry for entry in cached_of(arch) if entry.file != file]
+            instead = (
+                f" Weights of {arch} that are in the cache: {', '.join(e.weights for e in others)}; set "
+                f"pretrained={others[0].setting} to start from them."
+                if others
+                else ""
+            )
+            raise WeightsUnavailable(
+                f"{missing_message(file, pretrained, weights.url)} (download: {getattr(error, 'reason', error)})."
+                + instead
+            ) from None
+    return verified_file(file, pretrained, weights.url)
+
+
+def pretrained_source(arch: str, pretrained: str | None) -> tuple[str, str]:
+    """Where a model's weights start, for its lineage: the torchvision weights' full name (or the state dict's path)
+    and the SHA-256 of their file ("" for a path), or ("none", "") from scratch. Weights named by torchvision's API
+    must be in its cache with their digest (WeightsUnavailable otherwise)."""
+    if not pretrained:
+        return "none", ""
+    if not is_weights_name(pretrained):
+        return pretrained, ""
+    weights = weights_of(arch, pretrained)
+    return str(weights), sha256_of(weights_path(arch, weights, pretrained))
+
+
+def torchvision_state(path: Path, pretrained: str) -> dict[str, torch.Tensor]:
+    """A torchvision weights file as a state dict, loaded as data (never unpickling objects)."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except (RuntimeError, pickle.UnpicklingError, EOFError, OSError) as error:
+        raise WeightsUnavailable(
+            f"pretrained={pretrained}: the cached file {path} does not load as a state dict ({error}); delete it "
+            "and put the published file there (`make install` for the weights it knows)"
+        ) from None
+    if not isinstance(state, dict):
+        raise WeightsUnavailable(f"pretrained={pretrained}: the cached file {path} is not a state dict")
+    return state
+
+
+# What torchvision's builders change about a model when they are given weights (their own weights' shapes).
+def pretrained_options(arch: str, weights: torchvision.models.WeightsEnum, image_size: int | None) -> dict:
+    options: dict = {"num_classes": len(weights.meta["categories"])}
+    if arch in _NO_AUX:
+        options["transform_input"] = True
+    if arch.startswith("vit_"):
+        trained_at = weights.meta["min_size"][0]
+        if image_size and image_size != trained_at:
+            raise ValueError(f"image_size={image_size}, but they were trained at {trained_at}")
+        options["image_size"] = trained_at
+    if arch.startswith("maxvit"):
+        options["input_size"] = weights.meta["min_size"]
+    return options
+
+
+# DenseNet's published files name some layers the old way (norm.1 for norm1): the builder's names.
+_OLD_DENSENET = re.compile(
+    r"^(.*denselayer\d+\.(?:norm|relu|conv))\.((?:[12])\.(?:weight|bias|running_mean|running_var))$"
+)
 
 
 def build_net(
@@ -111,8 +193,9 @@ def build_net(
 ) -> tuple[nn.Module, str]:
     """The network and the name of its classification head (a fresh layer for `num_classes`).
 
-    Torchvision's models are built by its own builder, with its weights when `pretrained` names them (loaded from
-    its cache, downloaded into it when missing), then given a new head.
+    Torchvision's models are built by its own builder; with weights named by `pretrained`, their file in torchvision's
+    cache (downloaded into it when missing and reachable) is checked against its digest and loaded as data, then the
+    head is replaced.
     """
     check_arch(arch)
     if arch == SMALL_CNN:
@@ -122,30 +205,27 @@ def build_net(
     weights = weights_of(arch, pretrained) if is_weights_name(pretrained) else None
     options: dict = {"aux_logits": False, "init_weights": False} if arch in _NO_AUX else {}
     options.update({key: image_size for prefix, key in _SIZED.items() if arch.startswith(prefix) and image_size})
+    if weights is None:
+        net = torchvision.models.get_model(arch, **options)
+        return net, replace_head(net, num_classes)
     try:
-        net = torchvision.models.get_model(arch, weights=weights, **options)
-    except URLError as error:
-        raise WeightsUnavailable(
-            f"pretrained={pretrained}: {weights} for {arch} are not in torchvision's cache "
-            f"({weights_file(weights)}) and could not be "
-            f"downloaded from {weights.url} ({error.reason}). Download that file where the internet is "
-            "reachable and put it at "
-            f"{weights_file(weights)} (set TORCH_HOME for another cache folder), or set pretrained to the "
-            "path or URI of a state dict"
-        ) from None
+        options.update(pretrained_options(arch, weights, image_size))
     except ValueError as error:
-        if weights is None:
-            raise
         raise ValueError(
             f"pretrained={pretrained}: {weights} cannot build {arch} here ({error}); set image_size to the "
             "size they were trained at"
         ) from None
-    except (RuntimeError, pickle.UnpicklingError, EOFError) as error:  # a garbled file in the cache
-        if weights is None:
-            raise
+    state = torchvision_state(weights_path(arch, weights, pretrained), pretrained)
+    if arch.startswith("densenet"):
+        state = {_OLD_DENSENET.sub(r"\1\2", name): tensor for name, tensor in state.items()}
+    net = torchvision.models.get_model(arch, **options)
+    # Auxiliary classifiers are built only when asked for: their weights in the file have nowhere to go.
+    state = {name: tensor for name, tensor in state.items() if not name.startswith(("aux", "AuxLogits"))}
+    try:
+        net.load_state_dict(state)
+    except RuntimeError as error:
         raise WeightsUnavailable(
-            f"pretrained={pretrained}: the cached file {weights_file(weights)} does not load ({error}); "
-            "delete it, then run again to download it afresh"
+            f"pretrained={pretrained}: {weights_file(weights)} does not fit {arch} ({str(error)[:300]})"
         ) from None
     return net, replace_head(net, num_classes)
 
