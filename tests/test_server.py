@@ -529,7 +529,9 @@ def test_a_nightly_and_an_ad_hoc_run_of_the_same_data_at_once_train_once_and_nev
         (landing / label).mkdir(parents=True)
         for n in range(12):
             Image.fromarray(noise.integers(0, 256, (30, 30, 3), dtype=np.uint8)).save(landing / label / f"{n}.png")
-    small = {"image_size": 20, "max_epochs": 2, "batch_size": 16, "num_workers": 1}
+    # The same model on both: the ad-hoc form sends its model_arch (the default), the nightly the worker's (the suite's
+    # small CNN, tests/conftest.py).
+    small = {"image_size": 20, "max_epochs": 2, "batch_size": 16, "num_workers": 1, "model_arch": "small_cnn"}
     nightly, adhoc = (
         deployed.deployment("imagelake-pipeline", "nightly"),
         deployed.deployment("imagelake-adhoc", "adhoc"),
