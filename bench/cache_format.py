@@ -26,15 +26,15 @@ import pyarrow.parquet as pq
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tasks.cache_files import pixel_rows  # noqa: E402
-from tasks.rules.images import decode_square  # noqa: E402
-from tasks.stages.cache import Stored, write_split_arrow  # noqa: E402
-from tasks.worker.loader import ShardBatches  # noqa: E402
+from imagelake.tasks.data.cache_files import pixel_rows  # noqa: E402
+from imagelake.tasks.rules.images import decode_square  # noqa: E402
+from imagelake.tasks.stages.cache import Stored, write_split_arrow  # noqa: E402
+from imagelake.tasks.worker.loader import ShardBatches  # noqa: E402
 
 
 def image_files(name: str, folder: Path) -> list[Path]:
     """The data set's image files, written into FOLDER (digits, photos) or found where Debian installs them."""
-    from flows.demo_data import write_digits, write_photos
+    from imagelake.flows.demo_data import write_digits, write_photos
 
     if name == "stamps":
         stamps = Path("/usr/share/tuxpaint/stamps")

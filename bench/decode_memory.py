@@ -4,7 +4,7 @@
 
 Writes a --side x --side 16-bit greyscale PNG (a smooth gradient: a small file, well inside max_file_bytes), then
 decodes it to 224 px in two fresh processes: (a) the earlier way, the pixels widened to int64, clipped and shifted (each
-a copy), (b) tasks.rules.images.decode_square as it is. Each prints its peak resident memory above the process's own
+a copy), (b) tasks/rules/images.py:decode_square as it is. Each prints its peak resident memory above the process's own
 after its imports and the file's read (ru_maxrss), in MB and in bytes per pixel; then (b) over (a).
 """
 
@@ -24,7 +24,7 @@ import io, json, resource, sys
 sys.path.insert(0, sys.argv[1])
 import numpy as np
 from PIL import Image
-from tasks.rules import images
+from imagelake.tasks.rules import images
 data = open(sys.argv[2], "rb").read()
 if sys.argv[3] == "widened":  # the rule as it was: int64, clipped, shifted
     def to_rgb(image):

@@ -22,9 +22,9 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from infra.delta import Table, append_arrow
-from infra.settings import Settings
-from infra.spark import delta_jars_loaded, spark_session
+from imagelake.infra.delta import Table, append_arrow
+from imagelake.infra.settings import Settings
+from imagelake.infra.spark import delta_jars_loaded, spark_session
 
 
 def rows(start: int, count: int, side: int, salt: str = "") -> pa.Table:

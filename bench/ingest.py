@@ -28,16 +28,16 @@ from pyspark.sql import functions as F
 from pyspark.sql.types import BinaryType
 from sklearn.datasets import load_sample_images
 
-from infra.settings import Settings
-from infra.spark import delta_jars_loaded, spark_session
-from tasks.changes import ingest_listing
-from tasks.listing import source_uri
-from tasks.resize_executor import DecodeRules
-from tasks.rules.images import resize_image
-from tasks.rules.listing import Scope
-from tasks.stages.resize import resize_images
-from tasks.stages.write import write_images
-from tasks.table import ImageTable
+from imagelake.infra.settings import Settings
+from imagelake.infra.spark import delta_jars_loaded, spark_session
+from imagelake.tasks.data.changes import ingest_listing
+from imagelake.tasks.data.listing import source_uri
+from imagelake.tasks.data.resize_executor import DecodeRules
+from imagelake.tasks.data.table import ImageTable
+from imagelake.tasks.rules.images import resize_image
+from imagelake.tasks.rules.listing import Scope
+from imagelake.tasks.stages.resize import resize_images
+from imagelake.tasks.stages.write import write_images
 
 
 def write_photos(out: Path, count: int, seed: int = 0) -> None:

@@ -5,7 +5,7 @@ side by side.
     300]
 
 Creates FILES empty .jpg files in LABELS label folders (label<k>/<n>.jpg, FILES/LABELS a folder; --labels 1 puts them
-all in one folder), then lists them into a staging folder with tasks.listing.save_listing (what the ingest stage and
+all in one folder), then lists them into a staging folder with data/listing.py:save_listing (what the ingest stage and
 its key call) in a fresh process per checkout: (a) the code under --against (an earlier checkout, e.g. a git
 worktree of HEAD), (b) this tree. Each prints its peak resident memory above the process's own after its imports
 and a one-file listing (ru_maxrss; the first listing pages in some 45 MB of Arrow's and Parquet's code, whatever its
@@ -34,10 +34,10 @@ CHILD = r"""
 import json, resource, sys, time
 sys.path.insert(0, sys.argv[1])
 try:
-    import tasks.listing as listing
+    import imagelake.tasks.data.listing as listing
 except ImportError:  # a checkout from before the listing left the ingest stage's module
-    import tasks.ingest as listing
-from tasks.rules.listing import Scope
+    import imagelake.tasks.ingest as listing
+from imagelake.tasks.rules.listing import Scope
 # a one-file listing: Arrow and Parquet's code paged in
 listing.save_listing(listing.source_uri(sys.argv[4]), Scope((".jpg",)), sys.argv[3])
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -132,7 +132,7 @@ def main() -> None:
         source = source_in(work, args.files, args.labels)
         print(
             f"{args.files:,} empty .jpg files in {args.labels} label folders ({args.files // args.labels:,} a folder), "
-            "listed to staging by tasks.listing.save_listing, each in a fresh process"
+            "listed to staging by imagelake.tasks.data.listing.save_listing, each in a fresh process"
         )
         results = {}
         for name, code in (("(a)", args.against), ("(b)", REPO)):

@@ -39,8 +39,8 @@ import httpx  # noqa: E402
 import numpy as np  # noqa: E402
 from PIL import Image  # noqa: E402
 
-from infra.lifecycle import processes_with  # noqa: E402
-from infra.local import cluster as servers  # noqa: E402
+from imagelake.infra.lifecycle import processes_with  # noqa: E402
+from imagelake.infra.local import cluster as servers  # noqa: E402
 from tests.servers import custom_run_body, form_defaults, stop_group  # noqa: E402
 
 BIN = Path(sys.executable).parent
@@ -364,10 +364,10 @@ def check_table(report: Report, workspace: Path, landing: Path) -> None:
 
 
 def check_registry(report: Report, workspace: Path, cluster: servers.Cluster) -> None:
-    from infra.settings import load_settings
-    from infra.tracking import mlflow_client
-    from tasks.registry import PENDING_MOVE, alias_version
-    from tasks.rules.promotion import CHAMPION
+    from imagelake.infra.settings import load_settings
+    from imagelake.infra.tracking import mlflow_client
+    from imagelake.tasks.registry.models import PENDING_MOVE, alias_version
+    from imagelake.tasks.rules.promotion import CHAMPION
 
     saved = {name: os.environ.get(name) for name in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")}
     os.environ.update(servers.read_env_file(cluster.env_file, only=tuple(saved)))

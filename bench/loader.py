@@ -28,9 +28,9 @@ from petastorm import make_batch_reader
 from petastorm.pytorch import DataLoader
 from petastorm.transform import TransformSpec
 
-from infra.settings import Settings
-from infra.spark import spark_session
-from tasks.worker.loader import ShardBatches
+from imagelake.infra.settings import Settings
+from imagelake.infra.spark import spark_session
+from imagelake.tasks.worker.loader import ShardBatches
 
 
 def write_cache(spark, out: Path, images: int, size: int, partitions: int) -> str:

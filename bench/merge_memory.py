@@ -8,7 +8,7 @@ and each engine, in a folder of its own: a table of 10 rows, then what the resiz
 directly (decoding is not what is measured): IMAGES new rows of SIDE x SIDE RGB pixels in uncommitted data files in
 the table's folder (2,048 rows a file, row groups of 16, as the executors write them) and the staged bookkeeping rows,
 with one row of the table retired. A fresh process with that checkout's code (and, for Spark's Delta, its Spark
-session started first) then runs tasks.stages.write.write_images, a merge. It prints the growth of the driver's peak
+session started first) then runs tasks/stages/write.py:write_images, a merge. It prints the growth of the driver's peak
 resident memory over the write (the Python process: its peak is reset through /proc/self/clear_refs where Linux
 allows, else ru_maxrss), in MB and in bytes per new image; for Spark's Delta also the JVM's peak, which on an
 embedded Spark (local[2]) holds the executors too. Then (b) over (a).
@@ -37,13 +37,13 @@ import json, os, resource, sys, time
 sys.path.insert(0, sys.argv[1])
 args = json.loads(sys.argv[2])
 try:
-    import tasks.stages.write as write
+    import imagelake.tasks.stages.write as write
 except ImportError:  # a checkout from before the stages had a folder of their own
-    import tasks.write as write
-from infra.settings import Settings
-from infra.spark import on_demand, spark_session
-from tasks.results import Resized
-from tasks.table import ImageTable
+    import imagelake.tasks.write as write
+from imagelake.infra.settings import Settings
+from imagelake.infra.spark import on_demand, spark_session
+from imagelake.tasks.results import Resized
+from imagelake.tasks.data.table import ImageTable
 
 def status(pid):
     with open(f"/proc/{pid}/status") as handle:
@@ -77,7 +77,7 @@ sys.stderr.flush()
 os._exit(0)  # no teardown: Arrow's thread pool can abort it, which says nothing about the write
 """
 
-ROWS_PER_FILE = 2048  # the rows one decode task writes at most (tasks.rules.partitions.ROWS_PER_DECODE_TASK)
+ROWS_PER_FILE = 2048  # the rows one decode task writes at most (imagelake.tasks.rules.partitions.ROWS_PER_DECODE_TASK)
 
 
 def stage(root: Path, images: int, side: int) -> dict:
@@ -87,10 +87,10 @@ def stage(root: Path, images: int, side: int) -> dict:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from infra.delta import Table
-    from tasks.resize_executor import ImageFileWriter
-    from tasks.results import Resized
-    from tasks.rules.schemas import IMAGE_TABLE_SCHEMA, STAGED_ARROW_SCHEMA
+    from imagelake.infra.delta import Table
+    from imagelake.tasks.data.resize_executor import ImageFileWriter
+    from imagelake.tasks.results import Resized
+    from imagelake.tasks.rules.schemas import IMAGE_TABLE_SCHEMA, STAGED_ARROW_SCHEMA
 
     table, staging = root / "tables" / "images", root / "staging" / "resize"
     staging.mkdir(parents=True)

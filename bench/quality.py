@@ -56,7 +56,7 @@ def gradient_boosting(summary: dict) -> float:
     """Test accuracy of gradient boosting on 32 px thumbnails of the run's own cached train and test splits."""
     from sklearn.ensemble import HistGradientBoostingClassifier
 
-    from tasks.baseline import thumbnails
+    from imagelake.tasks.registry.baseline import thumbnails
 
     cache = summary["cache_dir"].removeprefix("file://")
     split = {name: f"{cache}/{name}-v{summary['delta_version']}.json" for name in ("train", "test")}
@@ -75,7 +75,7 @@ def one_run(code: Path, source: Path, workspace: Path, extra: list[str]) -> dict
     command = [
         sys.executable,
         "-m",
-        "flows.cli",
+        "imagelake.flows.cli",
         "run",
         "--source",
         str(source),
@@ -145,7 +145,7 @@ def main() -> None:
         )
     scratch = Path(tempfile.mkdtemp(prefix="imagelake-quality-"))
     try:
-        from flows.demo_data import write_digits, write_photos
+        from imagelake.flows.demo_data import write_digits, write_photos
 
         sources: dict[str, tuple[Path, list[str]]] = {}
         for name in wanted:

@@ -148,9 +148,9 @@ def peak_rss_mb() -> float:
 def measure_listing(source: Path, staging: Path, new: float) -> None:
     """In its own process: list SOURCE into staging, add NEW x files, list again and diff the two listings in the
     driver (what a run does when the tables are in step with the first); print seconds and peak RSS as JSON."""
-    from tasks.changes import changes_between
-    from tasks.listing import save_listing, source_uri
-    from tasks.rules.listing import Scope
+    from imagelake.tasks.data.changes import changes_between
+    from imagelake.tasks.data.listing import save_listing, source_uri
+    from imagelake.tasks.rules.listing import Scope
 
     scope, uri, out = Scope((".jpg",)), source_uri(str(source)), {"rss_after_imports": peak_rss_mb()}
     started = time.perf_counter()

@@ -9,7 +9,7 @@ Then, each --runs times:
   forward    the exported program on (N, size, size, 3) uint8 batches already decoded, in this process with torch's
              default threads, the best of three passes: the model's limit here
   pyfunc     mlflow.pyfunc.load_model(...).predict on the files' bytes, one process: decode + forward + answers
-  score      tasks.stages.score.score_images on the folder: Spark's local executors, each Python worker loading the
+  score      tasks/stages/score.py:score_images on the folder: Spark's local executors, each Python worker loading the
              model once, into a fresh predictions table (Spark's start is not counted: the session is started first)
   re-run     the same again: nothing new to answer (every file is still read and hashed)
 Printed: each path's images/s (min, median, max) and its median over the forward pass's.
@@ -49,9 +49,9 @@ def register(root: Path, arch: str, size: int) -> str:
     import mlflow
     import torch
 
-    from tasks.registry import served_model
-    from tasks.rules.warm_start import labels_tag
-    from tasks.worker.model import ImageModel
+    from imagelake.tasks.registry.models import served_model
+    from imagelake.tasks.rules.warm_start import labels_tag
+    from imagelake.tasks.worker.model import ImageModel
 
     store = f"sqlite:///{root / 'mlflow.db'}"
     mlflow.set_tracking_uri(store)
@@ -89,10 +89,10 @@ def main() -> None:
     import mlflow
     import pandas as pd
 
-    from infra.settings import load_settings
-    from infra.spark import spark_session
-    from tasks.rules.images import resize_image
-    from tasks.stages.score import score_images
+    from imagelake.infra.settings import load_settings
+    from imagelake.infra.spark import spark_session
+    from imagelake.tasks.rules.images import resize_image
+    from imagelake.tasks.stages.score import score_images
 
     work = Path(tempfile.mkdtemp(prefix="imagelake-score-"))
     try:

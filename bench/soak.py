@@ -35,8 +35,8 @@ sys.path.insert(0, str(REPO))
 
 import psutil  # noqa: E402
 
-from flows.demo_data import write_digits  # noqa: E402
-from infra.local import cluster as servers  # noqa: E402
+from imagelake.flows.demo_data import write_digits  # noqa: E402
+from imagelake.infra.local import cluster as servers  # noqa: E402
 
 IMAGELAKE = str(Path(sys.executable).with_name("imagelake"))
 SMALL = ("image_size=32", "max_epochs=1", "batch_size=16", "num_workers=1")

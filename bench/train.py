@@ -61,10 +61,10 @@ sys.path.insert(
     0, str(Path(__file__).resolve().parent.parent)
 )  # the repository, for `python3 bench/train.py` without an install
 
-from tasks.worker.loader import ShardBatches  # noqa: E402
-from tasks.worker.model import IMAGENET_MEAN, IMAGENET_STD, ImageModel  # noqa: E402
-from tasks.worker.model import compiled as compiled_model
-from tasks.worker.train_loop import DataWait, make_model, make_trainer, ray_trainer, shard_loaders  # noqa: E402
+from imagelake.tasks.worker.loader import ShardBatches  # noqa: E402
+from imagelake.tasks.worker.model import IMAGENET_MEAN, IMAGENET_STD, ImageModel  # noqa: E402
+from imagelake.tasks.worker.model import compiled as compiled_model
+from imagelake.tasks.worker.train_loop import DataWait, make_model, make_trainer, ray_trainer, shard_loaders  # noqa: E402
 
 ROW_GROUP_BYTES = 8 * 1024 * 1024  # as the cache stage writes (parquet.block.size)
 
@@ -103,7 +103,7 @@ def write_photo_caches(work: Path, images: int, size: int, files: int, quality: 
     """The same `images` crops of real photographs (4,096 at most, repeated) in the cache's layout twice, raw pixels and
     JPEG of `quality` (the cache stage's own encoding), each with a manifest recording its format as the cache stage's
     do: {format: the manifest's URI}."""
-    from tasks.cache_files import encode_jpeg
+    from imagelake.tasks.data.cache_files import encode_jpeg
 
     crops, _ = photo_crops(min(images, 4096), size)
     pixels = np.stack([np.asarray(crop).reshape(-1) for crop in crops])

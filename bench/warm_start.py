@@ -31,7 +31,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from flows.demo_data import write_digits  # noqa: E402
+from imagelake.flows.demo_data import write_digits  # noqa: E402
 
 IMAGELAKE = str(Path(sys.executable).with_name("imagelake"))
 

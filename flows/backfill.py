@@ -9,18 +9,18 @@ from typing import Any
 
 from prefect.artifacts import create_table_artifact
 
-from flows.flow import check_weights, imagelake_flow, run_settings
-from flows.pipeline import train_and_promote
-from infra.prefect_env import stage_results
-from infra.settings import Settings
-from tasks.changes import date_counts
-from tasks.listing import save_listing, source_uri
-from tasks.results import TableVersion
-from tasks.rules.listing import Scope, date_plan
-from tasks.stages.ingest import ingest
-from tasks.stages.resize import resize
-from tasks.stages.write import requeue_by_setting, write
-from tasks.table import ImageTable
+from imagelake.flows.flow import check_weights, imagelake_flow, run_settings
+from imagelake.flows.pipeline import train_and_promote
+from imagelake.infra.prefect_env import stage_results
+from imagelake.infra.settings import Settings
+from imagelake.tasks.data.changes import date_counts
+from imagelake.tasks.data.listing import save_listing, source_uri
+from imagelake.tasks.data.table import ImageTable
+from imagelake.tasks.results import TableVersion
+from imagelake.tasks.rules.listing import Scope, date_plan
+from imagelake.tasks.stages.ingest import ingest
+from imagelake.tasks.stages.resize import resize
+from imagelake.tasks.stages.write import requeue_by_setting, write
 
 
 class BackfillFailed(RuntimeError):
@@ -29,7 +29,7 @@ class BackfillFailed(RuntimeError):
 
 def plan_dates(table: ImageTable, settings: Settings, source: str, start: date, end: date) -> list[dict[str, Any]]:
     """Each date in the range that has source files or table rows: missing, stale or done (see
-    tasks.rules.listing.date_plan).
+    imagelake.tasks.rules.listing.date_plan).
     The listing goes to staging and is compared with the tables by Spark; the driver gets counts per date."""
     scope = Scope(tuple(e.lower() for e in settings.image_extensions), start, end, settings.max_file_bytes)
     return date_plan(

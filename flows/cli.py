@@ -11,11 +11,11 @@ from typing import Any
 
 import typer
 
-from flows.doctor import PARTS as DOCTOR_PARTS
-from flows.doctor import run_checks
-from infra.settings import Settings, SettingsError, load_settings
-from tasks.rules.report import accuracy, count, counts, duration, in_split_order, margin
-from tasks.rules.training import started_from
+from imagelake.flows.doctor import PARTS as DOCTOR_PARTS
+from imagelake.flows.doctor import run_checks
+from imagelake.infra.settings import Settings, SettingsError, load_settings
+from imagelake.tasks.rules.report import accuracy, count, counts, duration, in_split_order, margin
+from imagelake.tasks.rules.training import started_from
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Train image models on a lakehouse.")
 
@@ -78,7 +78,7 @@ def _start(
     """Run FLOW with the settings' Prefect API and result store. Bad input or settings (ValueError, FileNotFoundError,
     ERRORS) end the command with exit code 2 and the message, which says what to do; the traceback is in the log
     above."""
-    from infra.prefect_env import prefect_for
+    from imagelake.infra.prefect_env import prefect_for
 
     try:
         with prefect_for(settings):
@@ -106,7 +106,7 @@ def run(
 ) -> None:
     """Run the whole pipeline on SOURCE and print a summary."""
     settings, overrides = _settings_or_exit(config, set_)
-    from flows.pipeline import pipeline
+    from imagelake.flows.pipeline import pipeline
 
     summary = _start(
         settings, pipeline, source=source, config_file=_file(config), overrides=overrides or None, refresh=refresh
@@ -229,8 +229,8 @@ def backfill(
 ) -> None:
     """Ingest every date of START..END that is missing or stale, then train once on the resulting table version."""
     settings, overrides = _settings_or_exit(config, set_)
-    from flows.backfill import BackfillFailed
-    from flows.backfill import backfill as backfill_flow
+    from imagelake.flows.backfill import BackfillFailed
+    from imagelake.flows.backfill import backfill as backfill_flow
 
     try:
         result = _start(
@@ -266,7 +266,7 @@ def maintain(config: Path | None = ConfigOption, set_: list[str] | None = SetOpt
     """Compact and vacuum the Delta tables (keeping every registered model's table version), clean the Petastorm cache
     and the workspace."""
     settings, overrides = _settings_or_exit(config, set_)
-    from flows.maintain import maintain as maintain_flow
+    from imagelake.flows.maintain import maintain as maintain_flow
 
     report = _start(settings, maintain_flow, config_file=_file(config), overrides=overrides or None)
     typer.echo(json.dumps(report, indent=2, default=str))
@@ -282,8 +282,8 @@ def requeue(
 ) -> None:
     """Send quarantined files back through: the next run reads them again (a file still bad is quarantined again)."""
     settings, _ = _settings_or_exit(config, set_)
-    from tasks.stages.write import requeue as requeue_files
-    from tasks.table import ImageTable
+    from imagelake.tasks.data.table import ImageTable
+    from imagelake.tasks.stages.write import requeue as requeue_files
 
     table = ImageTable.of(settings)
     held = table.quarantined_by_reason()
@@ -338,7 +338,7 @@ def doctor(
 
 def _registry_or_exit(config: Path | None, pairs: list[str] | None):
     settings, _ = _settings_or_exit(config, pairs)
-    from infra.tracking import mlflow_client
+    from imagelake.infra.tracking import mlflow_client
 
     return settings, mlflow_client(settings)
 
@@ -357,8 +357,8 @@ def lineage(
 ) -> None:
     """Print what a model version was trained on and with, and how to retrain on exactly that data."""
     _, client = _registry_or_exit(config, set_)
-    from tasks.registry import RegistryError
-    from tasks.registry import lineage as read_lineage
+    from imagelake.tasks.registry.models import RegistryError
+    from imagelake.tasks.registry.models import lineage as read_lineage
 
     try:
         found = read_lineage(client, model, version)
@@ -380,9 +380,9 @@ def retrain(
 ) -> None:
     """Train again on exactly the Delta table version a model version was trained on, with its training settings."""
     settings, client = _registry_or_exit(config, set_)
-    from flows.pipeline import retrain_flow
-    from tasks.registry import RegistryError, retrain_overrides
-    from tasks.registry import lineage as read_lineage
+    from imagelake.flows.pipeline import retrain_flow
+    from imagelake.tasks.registry.models import RegistryError, retrain_overrides
+    from imagelake.tasks.registry.models import lineage as read_lineage
 
     try:
         found = read_lineage(client, model, version)
@@ -410,8 +410,8 @@ def rollback(
 ) -> None:
     """Move `champion` back to `previous-champion` (the two swap)."""
     settings, client = _registry_or_exit(config, set_)
-    from tasks.registry import RegistryError
-    from tasks.registry import rollback as do_rollback
+    from imagelake.tasks.registry.models import RegistryError
+    from imagelake.tasks.registry.models import rollback as do_rollback
 
     try:
         before, after = do_rollback(client, settings, model, reason)
@@ -430,7 +430,7 @@ def promote(
 ) -> None:
     """Make a version champion by hand, bypassing the gate; the replaced champion becomes previous-champion."""
     settings, client = _registry_or_exit(config, set_)
-    from tasks.registry import RegistryError, force_promote
+    from imagelake.tasks.registry.models import RegistryError, force_promote
 
     try:
         force_promote(client, settings, model, version, reason)
@@ -447,7 +447,7 @@ def history(
 ) -> None:
     """Every alias move of a model: when, who, which alias, from which version to which, and why."""
     settings, _ = _settings_or_exit(config, set_)
-    from tasks.registry import history as read_history
+    from imagelake.tasks.registry.models import history as read_history
 
     for row in read_history(settings, model):
         typer.echo(
@@ -466,8 +466,8 @@ def predict(
 ) -> None:
     """Label images with a registered model, resized exactly as for training."""
     settings, client = _registry_or_exit(config, set_)
-    from tasks.registry import RegistryError
-    from tasks.serving import predict_files
+    from imagelake.tasks.inference.cli_serving import predict_files
+    from imagelake.tasks.registry.models import RegistryError
 
     try:
         results = predict_files(client, settings, model, source)
@@ -499,8 +499,8 @@ def score(
 ) -> None:
     """Label a folder, prefix or table version on Spark with a registered model, into the Delta table `predictions`."""
     settings, overrides = _settings_or_exit(config, set_)
-    from flows.score import score_flow
-    from tasks.registry import RegistryError
+    from imagelake.flows.score import score_flow
+    from imagelake.tasks.registry.models import RegistryError
 
     result = _start(
         settings,
@@ -540,7 +540,7 @@ def demo_data(
 ) -> None:
     """Write scikit-learn's handwritten digits as PNG files (or, with --photos, crops of its sample photos as JPEGs) in
     ImageFolder layout."""
-    from flows.demo_data import write_digits, write_photos
+    from imagelake.flows.demo_data import write_digits, write_photos
 
     count = (
         write_photos(out, per_label=per_label or 150) if photos else write_digits(out, size=size, per_label=per_label)

@@ -6,7 +6,7 @@ itself (the fields and descriptions of `Settings`, the `@stage(settings=..., cod
 marked regions of docs/settings.md and docs/caching.md, and tests/test_docs.py fails when a region differs from what
 the code renders now. After changing a setting or a stage, rewrite the regions:
 
-    python -m flows.docs_reference --write
+    python -m imagelake.flows.docs_reference --write
 
 It lives in flows/, the top layer, because it reads both tasks/ (the stages) and infra/ (the settings).
 """
@@ -27,7 +27,7 @@ from typing import Any, Literal, Union, get_args, get_origin
 
 from pydantic.fields import FieldInfo
 
-from infra.settings import ALLOWED_FROM_RUNS, RUN_LIMITS, Settings
+from imagelake.infra.settings import ALLOWED_FROM_RUNS, RUN_LIMITS, Settings
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = REPO / "docs"
@@ -184,7 +184,7 @@ def settings_table() -> str:
 def stage_modules() -> list[str]:
     """The modules of tasks/stages/ that declare a stage (read as text first, as every module that declares one is)."""
     return sorted(
-        f"tasks.stages.{path.stem}"
+        f"imagelake.tasks.stages.{path.stem}"
         for path in (REPO / "tasks" / "stages").glob("*.py")
         if "\n@stage(" in path.read_text(encoding="utf-8")
     )
@@ -195,7 +195,7 @@ def stages() -> tuple[list[Any], list[Any]]:
     those that run every time."""
     from prefect import Task
 
-    from tasks.stage import StageKey
+    from imagelake.tasks.stage import StageKey
 
     found: dict[str, Any] = {}
     for module in stage_modules():
@@ -292,7 +292,9 @@ def stale() -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m flows.docs_reference", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m imagelake.flows.docs_reference", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--write", action="store_true", help="rewrite the generated regions of the docs")
     parser.add_argument("--check", action="store_true", help="exit 1 when a generated region differs from the code")
     args = parser.parse_args(argv)
@@ -305,7 +307,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         pages = stale()
         for path in pages:
-            print(f"{path.relative_to(REPO)} differs from the code: run python -m flows.docs_reference --write")
+            print(
+                f"{path.relative_to(REPO)} differs from the code: run python -m imagelake.flows.docs_reference --write"
+            )
         return 1 if pages else 0
     for name, (path, render) in REGIONS.items():
         print(f"{start_marker(name)} ({path.relative_to(REPO)})\n{render()}\n{END}\n")

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from infra.settings import Settings
+from imagelake.infra.settings import Settings
 
 
 @dataclass
@@ -28,7 +28,7 @@ def _python(settings: Settings) -> Check:
 
 
 def _java(settings: Settings) -> Check:
-    from infra.java import find_java_home, java_version
+    from imagelake.infra.java import find_java_home, java_version
 
     home = find_java_home()
     if home is None:
@@ -39,16 +39,16 @@ def _java(settings: Settings) -> Check:
 def _spark(settings: Settings) -> list[Check]:
     import pyspark
 
-    from infra.jars import check as check_jars
-    from infra.jars import jar_folder
-    from infra.spark import delta_jars_loaded, spark_session
+    from imagelake.infra.jars import check as check_jars
+    from imagelake.infra.jars import jar_folder
+    from imagelake.infra.spark import delta_jars_loaded, spark_session
 
     spark = spark_session(settings)
     rows = spark.range(10).count()
     jars = delta_jars_loaded(spark)
     needed = settings.delta_writer == "spark"
     if jars:
-        from infra.delta import choose_engine
+        from imagelake.infra.delta import choose_engine
 
         engine = choose_engine(settings, spark)
         delta = f"loaded; delta_writer={settings.delta_writer} gives " + (
@@ -99,7 +99,9 @@ def _petastorm(settings: Settings) -> Check:
     import pyarrow.parquet as pq
     from petastorm import __version__ as petastorm_version
 
-    from tasks.worker.loader import make_batch_reader  # the loader's import also quiets Petastorm's pyarrow notices
+    from imagelake.tasks.worker.loader import (
+        make_batch_reader,  # the loader's import also quiets Petastorm's pyarrow notices
+    )
 
     with tempfile.TemporaryDirectory() as folder:
         pq.write_table(pa.table({"x": list(range(8))}), Path(folder) / "part-0.parquet")
@@ -121,7 +123,7 @@ def _deltalake(settings: Settings) -> Check:
 def _ray(settings: Settings) -> Check:
     import ray
 
-    from infra.ray_runtime import connect_ray
+    from imagelake.infra.ray_runtime import connect_ray
 
     resources = connect_ray(settings)
     where = settings.ray_address or "local"
@@ -140,7 +142,7 @@ def _ray(settings: Settings) -> Check:
 def _lightning(settings: Settings) -> Check:
     import pytorch_lightning
 
-    from tasks.worker.train_loop import ray_lightning_problem
+    from imagelake.tasks.worker.train_loop import ray_lightning_problem
 
     problem = ray_lightning_problem()
     return Check(
@@ -160,7 +162,7 @@ def _gpu(settings: Settings) -> Check:
 
 
 def _weights(settings: Settings) -> list[Check]:
-    from infra.weights import checkpoints_dir, status
+    from imagelake.infra.weights import checkpoints_dir, status
 
     checks = []
     for entry, state in status():
@@ -180,7 +182,7 @@ def _weights(settings: Settings) -> list[Check]:
 def _mlflow(settings: Settings) -> Check:
     import mlflow
 
-    from infra.tracking import mlflow_client
+    from imagelake.infra.tracking import mlflow_client
 
     client = mlflow_client(settings)
     client.search_experiments(max_results=1)
@@ -191,7 +193,7 @@ def _prefect(settings: Settings) -> Check:
     import httpx
     import prefect
 
-    from infra.prefect_env import prefect_api_in_use
+    from imagelake.infra.prefect_env import prefect_api_in_use
 
     url = prefect_api_in_use(settings)
     if url is None:

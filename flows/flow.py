@@ -12,9 +12,9 @@ from prefect import flow
 from prefect.context import FlowRunContext
 from prefect.utilities.hashing import file_hash
 
-from infra.deadline import Deadline, FlowTimedOut, deadline
-from infra.lifecycle import release_after_timeout, release_compute, watch_worker
-from infra.settings import Settings, load_settings, refuse_unsafe, refuse_unsafe_file
+from imagelake.infra.deadline import Deadline, FlowTimedOut, deadline
+from imagelake.infra.lifecycle import release_after_timeout, release_compute, watch_worker
+from imagelake.infra.settings import Settings, load_settings, refuse_unsafe, refuse_unsafe_file
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -96,7 +96,7 @@ def run_settings(config_file: str | None, overrides: dict[str, Any] | None, **fi
 def check_weights(settings: Settings) -> None:
     """Before any data stage of a run that trains: the pretrained weights its settings name are in torchvision's cache
     with the publisher's digest (else WeightsUnavailable, never retried, naming the file and what to do)."""
-    from tasks.worker.model import pretrained_source
+    from imagelake.tasks.worker.model import pretrained_source
 
     pretrained_source(settings.model_arch, settings.pretrained)
 

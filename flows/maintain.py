@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from flows.flow import imagelake_flow, run_settings
-from infra.settings import Settings
-from tasks.stages.maintain import maintain_cache, maintain_images, maintain_quarantine
-from tasks.stages.retention import retention
+from imagelake.flows.flow import imagelake_flow, run_settings
+from imagelake.infra.settings import Settings
+from imagelake.tasks.stages.maintain import maintain_cache, maintain_images, maintain_quarantine
+from imagelake.tasks.stages.retention import retention
 
 
 @imagelake_flow("imagelake-maintain")

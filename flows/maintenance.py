@@ -7,9 +7,9 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from flows.flow import imagelake_flow, run_settings
-from flows.maintain import maintain_all
-from tasks.progress import stage_logger
+from imagelake.flows.flow import imagelake_flow, run_settings
+from imagelake.flows.maintain import maintain_all
+from imagelake.tasks.progress import stage_logger
 
 DEPRECATED = (
     "the flow imagelake-maintenance and its deployments maintenance and maintenance-k8s are deprecated, and go in a "

@@ -11,20 +11,20 @@ from typing import Any
 
 from pydantic import BaseModel, Field, create_model
 
-from flows.flow import check_run_parameters, check_weights, imagelake_flow, run_settings
-from infra.delta import Table
-from infra.prefect_env import stage_results
-from infra.settings import Settings
-from tasks.results import Resized, TableVersion
-from tasks.stages.cache import cache
-from tasks.stages.ingest import ingest
-from tasks.stages.promote import promote
-from tasks.stages.resize import resize
-from tasks.stages.retention import retention
-from tasks.stages.split import split
-from tasks.stages.summary import summarize
-from tasks.stages.train import train
-from tasks.stages.write import requeue_by_setting, write
+from imagelake.flows.flow import check_run_parameters, check_weights, imagelake_flow, run_settings
+from imagelake.infra.delta import Table
+from imagelake.infra.prefect_env import stage_results
+from imagelake.infra.settings import Settings
+from imagelake.tasks.results import Resized, TableVersion
+from imagelake.tasks.stages.cache import cache
+from imagelake.tasks.stages.ingest import ingest
+from imagelake.tasks.stages.promote import promote
+from imagelake.tasks.stages.resize import resize
+from imagelake.tasks.stages.retention import retention
+from imagelake.tasks.stages.split import split
+from imagelake.tasks.stages.summary import summarize
+from imagelake.tasks.stages.train import train
+from imagelake.tasks.stages.write import requeue_by_setting, write
 
 
 def train_and_promote(table: TableVersion, settings: Settings, resized: Resized | None = None) -> dict[str, Any]:

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from flows.flow import imagelake_flow, run_settings
-from infra.prefect_env import stage_results
-from tasks.stages.score import score, score_model
+from imagelake.flows.flow import imagelake_flow, run_settings
+from imagelake.infra.prefect_env import stage_results
+from imagelake.tasks.stages.score import score, score_model
 
 RENAMED = {"cached": "result_reused"}  # keys of the result renamed, old -> new
 

@@ -29,10 +29,10 @@ from pyspark.sql import functions as F
 from pyspark.sql.pandas.types import from_arrow_schema
 from pyspark.sql.types import StructType
 
-from infra.compat import collect_arrow, delta_log_commits, delta_log_mentions
-from infra.errors import PermanentError
-from infra.settings import Settings
-from infra.spark import SparkSource, delta_jars_loaded, on_demand, s3_endpoint, session_of
+from imagelake.infra.compat import collect_arrow, delta_log_commits, delta_log_mentions
+from imagelake.infra.errors import PermanentError
+from imagelake.infra.settings import Settings
+from imagelake.infra.spark import SparkSource, delta_jars_loaded, on_demand, s3_endpoint, session_of
 
 Engine = Literal["delta-rs", "spark"]
 WRITE_ID_KEY = "imagelake.write_id"

@@ -21,7 +21,7 @@ from typing import Any
 
 from filelock import FileLock
 
-from infra.lease import client_of
+from imagelake.infra.lease import client_of
 
 
 class LockBusy(TimeoutError):

@@ -1,7 +1,7 @@
 """Spark's JVM jars: Delta (delta-spark, delta-storage) and S3A (hadoop-aws and its AWS SDK), fetched once by `make
 install`.
 
-`python -m infra.jars install` asks `mvn` for the artifacts in JARS (Maven Central, checksums checked by
+`python -m imagelake.infra.jars install` asks `mvn` for the artifacts in JARS (Maven Central, checksums checked by
 Maven), copies them into the environment's jar folder and writes SHA256SUMS there. Spark is then given
 those local files (infra/spark.py): nothing is downloaded at run time. Without `mvn` or Maven Central
 the folder stays empty and tables are written and read with delta-rs.
@@ -139,7 +139,7 @@ def install(folder: Path, coordinates: tuple[str, ...] = JARS + TEST_JARS) -> in
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m infra.jars", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m imagelake.infra.jars", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("install", help="fetch the jars with mvn into the jar folder").add_argument(
         "--folder", type=Path, default=None

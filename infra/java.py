@@ -7,7 +7,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from infra.errors import PermanentError
+from imagelake.infra.errors import PermanentError
 
 
 class JavaNotFound(PermanentError, RuntimeError):

@@ -23,7 +23,8 @@ ends Failed); and inside `ray.get()` Ray passes on only KeyboardInterrupt and Sy
 
 When the flow-run process itself dies at once (SIGKILL, a lost machine), nothing is left to report: for that,
 `ensure_crash_detection` creates the server automation that marks a deployment's flow run Crashed once three
-heartbeats in a row have not arrived. `make worker` runs `python -m infra.lifecycle` to create it. The deployments
+heartbeats in a row have not arrived. `make worker` runs `python -m imagelake.infra.lifecycle` to create it. The
+deployments
 in prefect.yaml set PREFECT_FLOWS_HEARTBEAT_FREQUENCY=30 in their runs' environment (job variables), so their runs
 beat often enough whatever worker starts them; flows beating at Prefect's default (every 180 s) would be marked
 Crashed while they are fine. Only deployment runs are watched, because `imagelake run` flows beat at that default.
@@ -43,7 +44,7 @@ from datetime import timedelta
 from typing import Any
 from uuid import UUID
 
-from infra.compat import active_spark_context, instantiated_spark_session
+from imagelake.infra.compat import active_spark_context, instantiated_spark_session
 
 # The runner sets it on each flow-run process; Spark's JVM, Ray's processes and their children inherit it.
 RUN_ID_VARIABLE = "PREFECT__FLOW_RUN_ID"
@@ -368,7 +369,8 @@ def ensure_crash_detection(heartbeat_seconds: int = HEARTBEAT_SECONDS, missed: i
 
 
 def main() -> int:
-    """`python -m infra.lifecycle`: set up crash detection on the configured Prefect server (PREFECT_API_URL)."""
+    """`python -m imagelake.infra.lifecycle`: set up crash detection on the configured Prefect server
+    (PREFECT_API_URL)."""
     raw = os.environ.get("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", str(HEARTBEAT_SECONDS))
     if not raw.isdigit() or int(raw) < HEARTBEAT_SECONDS:
         # Checked before Prefect reads its settings, which would fail on this value with a long traceback.

@@ -19,9 +19,9 @@ from prefect.settings import (
     temporary_settings,
 )
 
-from infra.compat import flow_run_context_with_result_storage
-from infra.holders import file_lock, shared, shared_record, waiting_for
-from infra.settings import Settings
+from imagelake.infra.compat import flow_run_context_with_result_storage
+from imagelake.infra.holders import file_lock, shared, shared_record, waiting_for
+from imagelake.infra.settings import Settings
 
 
 @contextlib.contextmanager
@@ -85,7 +85,7 @@ def one_at_a_time(settings: Settings, what: str, timeout: float | None = 600) ->
         if api is None:
             yield
             return
-        from infra.lease import acquire
+        from imagelake.infra.lease import acquire
 
         with temporary_settings(updates={PREFECT_API_URL: api}):
             ensure_one_slot(name)
@@ -110,7 +110,7 @@ _leases: contextvars.ContextVar[Mapping] = contextvars.ContextVar("imagelake_lea
 
 
 def fence(what: str) -> None:
-    """Before changing what the lock on WHAT protects (an alias move, a commit): raise infra.lease.LeaseLost if this
+    """Before changing what the lock on WHAT protects (an alias move, a commit): raise infra/lease.py:LeaseLost if this
     thread's lease on it lapsed and another holder may be in. A lock held by its file alone (no Prefect API) holds for
     as long as the process lives, and needs no fence."""
     lease = _leases.get().get(what)

@@ -9,8 +9,8 @@ import warnings
 
 import ray
 
-from infra.lifecycle import exit_on_cancel
-from infra.settings import Settings
+from imagelake.infra.lifecycle import exit_on_cancel
+from imagelake.infra.settings import Settings
 
 # A Ray client (ray://) connection starts a server process for the driver on the head; on a busy head that start can
 # fail once and pass on the next try. Other addresses fail the same way every time and are not retried.

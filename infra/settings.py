@@ -818,7 +818,7 @@ REFUSED_FROM_RUNS = frozenset(
     }
 )
 
-# What a model version recorded may never bring back into a retraining (tasks/registry.py:retrain_overrides).
+# What a model version recorded may never bring back into a retraining (tasks/registry/models.py:retrain_overrides).
 UNSAFE_FROM_RUNS = tuple(sorted(REFUSED_FROM_RUNS))
 
 # Allowed settings that a run may only make safer than the defaults, as (at least | at most, limit): past them data is

@@ -12,11 +12,11 @@ from pathlib import Path
 
 from pyspark.sql import SparkSession
 
-from infra.compat import instantiated_spark_session, load_jvm_class
-from infra.jars import runtime_jars
-from infra.java import ensure_java
-from infra.lifecycle import exit_on_cancel
-from infra.settings import Settings
+from imagelake.infra.compat import instantiated_spark_session, load_jvm_class
+from imagelake.infra.jars import runtime_jars
+from imagelake.infra.java import ensure_java
+from imagelake.infra.lifecycle import exit_on_cancel
+from imagelake.infra.settings import Settings
 
 DELTA_EXTENSION = "io.delta.sql.DeltaSparkSessionExtension"
 DELTA_CATALOG = "org.apache.spark.sql.delta.catalog.DeltaCatalog"

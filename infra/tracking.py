@@ -10,7 +10,7 @@ from urllib.parse import quote
 import mlflow
 from mlflow import MlflowClient
 
-from infra.settings import Settings
+from imagelake.infra.settings import Settings
 
 
 def mlflow_client(settings: Settings) -> MlflowClient:

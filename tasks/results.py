@@ -27,10 +27,12 @@ class ListingDiff(BaseModel):
     retired: int
     table_version_seen: int | None
     quarantine_version_seen: int | None = None
-    basis: str = ""  # what the diff depended on besides the versions (tasks/changes.py:diff_basis)
+    basis: str = ""  # what the diff depended on besides the versions (tasks/data/changes.py:diff_basis)
     in_sync_folder: str = Field(default="", exclude=True)
     listing_uri: str = Field(default="", exclude=True)  # the whole listing the diff was of
-    state_key: str = Field(default="", exclude=True)  # the diff's inputs but the listing (tasks/changes.py:state_key)
+    state_key: str = Field(
+        default="", exclude=True
+    )  # the diff's inputs but the listing (tasks/data/changes.py:state_key)
     content_fingerprint: str
 
 
@@ -48,7 +50,7 @@ class Resized(BaseModel):
     )  # reason -> files no read could get: the next run reads them
     read_retries: int = Field(default=0, exclude=True)  # reads that failed and were tried again
     content_fingerprint: str
-    # What the diff read: a write that leaves the tables in step with it marks the next versions so (tasks/changes.py).
+    # What the diff read: a write that leaves the tables in step with it marks the next versions so (data/changes.py).
     basis: str = ""
     versions_seen: tuple[int | None, int | None] = (None, None)
     in_sync_folder: str = Field(default="", exclude=True)
@@ -116,7 +118,7 @@ class CachedSplits(BaseModel):
     reused: bool = Field(exclude=True)
     label_counts: dict[str, dict[str, int]] = {}
     quarantined: dict[str, int] = Field(default_factory=dict, exclude=True)
-    image_format: Literal["raw", "jpeg"] = "raw"  # how the cached files hold each image (tasks/cache_files.py)
+    image_format: Literal["raw", "jpeg"] = "raw"  # how the cached files hold each image (tasks/data/cache_files.py)
 
 
 class Trained(BaseModel):
@@ -133,7 +135,9 @@ class Trained(BaseModel):
     warm_started_from: str = "none"  # the champion version training started from, or "none" (from scratch)
     pretrained_weights: str = "none"  # the pretrained weights it started from (torchvision's name or a path), or "none"
     pretrained_sha256: str = ""  # the SHA-256 of those weights' file (torchvision's), "" for a path or none
-    baseline_accuracy: float | None = None  # test accuracy of the plain baseline on the same split (tasks/baseline.py)
+    baseline_accuracy: float | None = (
+        None  # test accuracy of the plain baseline on the same split (tasks/registry/baseline.py)
+    )
     fit_seconds: float = Field(default=0.0, exclude=True)  # Lightning's fit on rank 0, Ray's start-up apart
 
 

@@ -34,10 +34,10 @@ from prefect.settings import PREFECT_TASKS_REFRESH_CACHE
 from prefect.tasks import exponential_backoff
 from prefect.utilities.hashing import hash_objects
 
-from infra.deadline import Overdue, StageTimedOut, deadline, overdue_raised
-from infra.errors import PermanentError
-from infra.holders import LockBusy
-from infra.settings import Settings
+from imagelake.infra.deadline import Overdue, StageTimedOut, deadline, overdue_raised
+from imagelake.infra.errors import PermanentError
+from imagelake.infra.holders import LockBusy
+from imagelake.infra.settings import Settings
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -49,7 +49,7 @@ _lock = threading.Lock()
 
 
 def module_source(name: str) -> str:
-    """A module's source, read from its file: imported or not (tasks/served_model.py is run by MLflow, never
+    """A module's source, read from its file: imported or not (tasks/inference/served_pyfunc.py is run by MLflow, never
     imported)."""
     if name in sys.modules:
         return inspect.getsource(sys.modules[name])

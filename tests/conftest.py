@@ -17,8 +17,8 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("IMAGELAKE_MODEL_ARCH", "small_cnn")
 os.environ.setdefault("IMAGELAKE_PRETRAINED", "none")
 
-from flows.demo_data import write_digits
-from infra.settings import Settings, load_settings
+from imagelake.flows.demo_data import write_digits
+from imagelake.infra.settings import Settings, load_settings
 
 REPO = Path(__file__).resolve().parent.parent
 SUITE_MODEL = {name: os.environ[name] for name in ("IMAGELAKE_MODEL_ARCH", "IMAGELAKE_PRETRAINED")}
@@ -65,7 +65,7 @@ def s3(tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture(scope="session")
 def spark(tmp_path_factory: pytest.TempPathFactory, s3):
     """One real local SparkSession for the whole test session (S3A pointed at the test's S3 server)."""
-    from infra.spark import spark_session
+    from imagelake.infra.spark import spark_session
 
     session = spark_session(Settings(workspace=tmp_path_factory.mktemp("spark-ws"), spark_master="local[2]"))
     yield session
@@ -86,8 +86,8 @@ DIGITS = tuple(str(d) for d in range(10))
 @pytest.fixture
 def digits_cached(spark, lake, digits_dir: Path, tmp_path: Path, settings):
     """100 digits at 24x24, split and cached (a CachedSplits, what the train stage takes)."""
-    from tasks.stages.cache import cache_splits
-    from tasks.stages.split import plan_splits
+    from imagelake.tasks.stages.cache import cache_splits
+    from imagelake.tasks.stages.split import plan_splits
     from tests.lake import copy_digits
 
     copy_digits(digits_dir, tmp_path / "src", labels=DIGITS, per_label=10)
@@ -216,7 +216,7 @@ def pytest_report_header(config: pytest.Config) -> str | None:
 @pytest.fixture(scope="session")
 def ray_local():
     """This process's Ray, started once with RAY_TEST_CPUS logical CPUs (not sized by whichever test trains first)."""
-    from infra.ray_runtime import connect_ray
+    from imagelake.infra.ray_runtime import connect_ray
 
     return connect_ray(Settings(workspace=Path("."), num_workers=RAY_TEST_CPUS - 1))
 

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import numpy as np
 
-from infra.settings import load_settings
-from infra.tracking import mlflow_client
-from tasks.registry import gate
+from imagelake.infra.settings import load_settings
+from imagelake.infra.tracking import mlflow_client
+from imagelake.tasks.registry.models import gate
 
 
 def main(name: str, version: str, split: str, go: str, out: str) -> None:

@@ -8,14 +8,14 @@ from pathlib import Path
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from infra.delta import Table, read_version
-from tasks.changes import ingest_listing
-from tasks.listing import source_uri
-from tasks.resize_executor import DecodeRules
-from tasks.rules.listing import Scope
-from tasks.stages.resize import resize_images
-from tasks.stages.write import write_images
-from tasks.table import ImageTable
+from imagelake.infra.delta import Table, read_version
+from imagelake.tasks.data.changes import ingest_listing
+from imagelake.tasks.data.listing import source_uri
+from imagelake.tasks.data.resize_executor import DecodeRules
+from imagelake.tasks.data.table import ImageTable
+from imagelake.tasks.rules.listing import Scope
+from imagelake.tasks.stages.resize import resize_images
+from imagelake.tasks.stages.write import write_images
 
 SCOPE = Scope((".png", ".jpg", ".jpeg"))
 RULES = DecodeRules(size=24, mode="letterbox", max_file_bytes=10_000_000, max_pixels=10_000_000)

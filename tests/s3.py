@@ -11,9 +11,9 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from infra.jars import TEST_JARS, test_jar
-from infra.java import ensure_java
-from infra.local.cluster import free_port
+from imagelake.infra.jars import TEST_JARS, test_jar
+from imagelake.infra.java import ensure_java
+from imagelake.infra.local.cluster import free_port
 from tests.servers import stop_group
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 
-from infra.local.cluster import free_port
+from imagelake.infra.local.cluster import free_port
 from tests.conftest import REPO, cli_env
 
 BIN = Path(sys.executable).parent

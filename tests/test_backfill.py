@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 from deltalake import DeltaTable
 
-from flows.backfill import BackfillFailed, backfill
-from infra.delta import read_version
-from infra.tracking import mlflow_client
-from tasks.listing import ListingIncomplete
+from imagelake.flows.backfill import BackfillFailed, backfill
+from imagelake.infra.delta import read_version
+from imagelake.infra.tracking import mlflow_client
+from imagelake.tasks.data.listing import ListingIncomplete
 from tests.lake import LostMount, copy_digits
 
 pytestmark = pytest.mark.slow
@@ -79,7 +79,7 @@ def test_backfill_plans_runs_each_date_and_does_no_work_twice(
 
 
 def overrides_settings(overrides: dict):
-    from infra.settings import load_settings
+    from imagelake.infra.settings import load_settings
 
     return load_settings(overrides=overrides)
 

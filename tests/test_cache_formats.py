@@ -14,13 +14,13 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
-from tasks.baseline import thumbnails
-from tasks.cache_files import encode_jpeg, label_samples, pixel_rows, split_files
-from tasks.resize_executor import DecodeRules
-from tasks.stages.cache import Stored, cache_one_at_a_time, cache_splits, line_key
-from tasks.stages.promote import read_split, split_hashes
-from tasks.stages.split import plan_splits
-from tasks.worker.loader import ShardBatches
+from imagelake.tasks.data.cache_files import encode_jpeg, label_samples, pixel_rows, split_files
+from imagelake.tasks.data.resize_executor import DecodeRules
+from imagelake.tasks.registry.baseline import thumbnails
+from imagelake.tasks.stages.cache import Stored, cache_one_at_a_time, cache_splits, line_key
+from imagelake.tasks.stages.promote import read_split, split_hashes
+from imagelake.tasks.stages.split import plan_splits
+from imagelake.tasks.worker.loader import ShardBatches
 from tests.lake import Lake, copy_digits
 
 SIZE = 48  # 6,912 bytes an image raw
@@ -161,7 +161,7 @@ def test_a_jpeg_cache_holds_the_raw_caches_rows_in_fewer_bytes_grows_and_reads_t
 def test_a_jpeg_cache_is_decoded_on_the_training_device_where_the_settings_say(tmp_path: Path, monkeypatch) -> None:
     import torch
 
-    from tasks.worker.train_loop import jpeg_decode_device
+    from imagelake.tasks.worker.train_loop import jpeg_decode_device
 
     manifests = {}
     for image_format in ("raw", "jpeg"):

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from flows.pipeline import pipeline
-from flows.score import score_flow
-from infra.settings import load_settings
-from infra.spark import spark_asks
-from tasks.stage import StageKey, code_digest, explain, key_parts, stage_outcomes
-from tasks.stages.summary import RENAMED_KEYS, results_keys, results_report
+from imagelake.flows.pipeline import pipeline
+from imagelake.flows.score import score_flow
+from imagelake.infra.settings import load_settings
+from imagelake.infra.spark import spark_asks
+from imagelake.tasks.stage import StageKey, code_digest, explain, key_parts, stage_outcomes
+from imagelake.tasks.stages.summary import RENAMED_KEYS, results_keys, results_report
 from tests.lake import copy_digits
 
 ALL = ["ingest", "resize", "write", "split", "cache", "train", "promote"]
@@ -56,15 +56,18 @@ def test_every_stage_s_code_key_reads_its_modules_imported_or_not(monkeypatch: p
     stages = [
         value
         for name in ("ingest", "resize", "write", "split", "cache", "train", "promote")
-        for value in vars(importlib.import_module(f"tasks.stages.{name}")).values()
+        for value in vars(importlib.import_module(f"imagelake.tasks.stages.{name}")).values()
         if isinstance(value, Task) and isinstance(value.cache_policy, StageKey)
     ]
     assert {task.name for task in stages} >= {"ingest", "resize", "write", "split", "cache", "train", "promote"}
-    monkeypatch.delitem(sys.modules, "tasks.served_model", raising=False)
+    monkeypatch.delitem(sys.modules, "imagelake.tasks.inference.served_pyfunc", raising=False)
     for task in stages:
         assert code_digest(*task.cache_policy.code), task.name
-    assert "tasks.served_model" in next(task for task in stages if task.name == "promote").cache_policy.code
-    assert "tasks.served_model" not in sys.modules, "read, not imported"
+    assert (
+        "imagelake.tasks.inference.served_pyfunc"
+        in next(task for task in stages if task.name == "promote").cache_policy.code
+    )
+    assert "imagelake.tasks.inference.served_pyfunc" not in sys.modules, "read, not imported"
 
 
 def test_results_report_says_reused_or_computed_and_why() -> None:
@@ -96,7 +99,7 @@ def test_results_report_says_reused_or_computed_and_why() -> None:
 
 def cache_line(summary: dict):
     """The cache line of SUMMARY's run and each split's manifest for the run's table version."""
-    from tasks.cache_files import CacheLine
+    from imagelake.tasks.data.cache_files import CacheLine
 
     line = CacheLine(summary["cache_dir"])
     return line, line.read(summary["delta_version"])

@@ -33,7 +33,7 @@ from prefect.client.schemas.objects import FlowRun, StateType
 from prefect.settings import PREFECT_API_URL, temporary_settings
 from prefect.states import State
 
-from infra.lifecycle import (
+from imagelake.infra.lifecycle import (
     CRASH_AUTOMATION,
     HEARTBEAT_SECONDS,
     MISSED_HEARTBEATS,

@@ -12,8 +12,10 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from tasks.cache_files import label_samples, split_files
-from tasks.cards import (
+from imagelake.tasks.data.cache_files import label_samples, split_files
+from imagelake.tasks.data.resize_executor import PROGRESS_FOLDER, files_done
+from imagelake.tasks.progress import Every, rate_line
+from imagelake.tasks.registry.cards import (
     confusion_matrix,
     dataset_card,
     dataset_card_markdown,
@@ -23,11 +25,9 @@ from tasks.cards import (
     per_class_table,
     sample_grid,
 )
-from tasks.progress import Every, rate_line
-from tasks.resize_executor import PROGRESS_FOLDER, files_done
-from tasks.stages.cache import cache_splits
-from tasks.stages.split import plan_splits
-from tasks.worker.model import warmup_cosine
+from imagelake.tasks.stages.cache import cache_splits
+from imagelake.tasks.stages.split import plan_splits
+from imagelake.tasks.worker.model import warmup_cosine
 from tests.lake import Lake, copy_digits
 
 
@@ -68,7 +68,7 @@ def test_per_class_metrics_of_a_class_never_seen_or_predicted_are_zero_not_error
 
 def test_label_text_reaches_the_cards_markdown_escaped() -> None:
     """A label is any folder name: in a card's tables it stays one cell, and it opens no HTML, link or emphasis."""
-    from tasks.stages.summary import summary_markdown
+    from imagelake.tasks.stages.summary import summary_markdown
     from tests.test_summary import built_summary
 
     label = "a|b <img src=x onerror=alert(1)> *x* [y](z)\nnext"

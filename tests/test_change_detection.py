@@ -19,10 +19,10 @@ import pytest
 from deltalake import write_deltalake
 from PIL import Image
 
-from infra.delta import Table
-from tasks.listing import list_source
-from tasks.rules.listing import is_changed
-from tasks.rules.schemas import IMAGE_TABLE_SCHEMA
+from imagelake.infra.delta import Table
+from imagelake.tasks.data.listing import list_source
+from imagelake.tasks.rules.listing import is_changed
+from imagelake.tasks.rules.schemas import IMAGE_TABLE_SCHEMA
 from tests.lake import SCOPE, Lake, copy_digits
 
 

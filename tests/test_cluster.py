@@ -26,7 +26,7 @@ import httpx
 import psutil
 import pytest
 
-from infra.local import cluster as local_cluster
+from imagelake.infra.local import cluster as local_cluster
 from tests.conftest import REPO, cli_env
 from tests.servers import PatientClient
 
@@ -177,7 +177,8 @@ def test_a_driver_outside_the_ray_cluster_joins_through_ray_client(cluster_run: 
     # The form infra/clusters/kubernetes.yaml gives ray_address (ray://, KubeRay's head service): a task runs on the
     # cluster.
     code = (
-        "import json, ray; from infra.settings import load_settings; from infra.ray_runtime import connect_ray; "
+        "import json, ray; from imagelake.infra.settings import load_settings; "
+        "from imagelake.infra.ray_runtime import connect_ray; "
         "connect_ray(load_settings(None, {'ray_address': %r})); print(json.dumps([ray.get(ray.remote(lambda: "
         "ray.get_runtime_context().get_node_id()).remote()), len(ray.nodes())]))"
     )
@@ -221,7 +222,7 @@ def test_a_spark_driver_without_the_cluster_s_secret_is_refused_by_the_master(cl
     cluster = cluster_run.cluster
     overrides = {"spark_master": cluster.spark_master, "spark_driver_memory": "512m"}
     code = (
-        "from infra.settings import load_settings; from infra.spark import spark_session; "
+        "from imagelake.infra.settings import load_settings; from imagelake.infra.spark import spark_session; "
         f"spark_session(load_settings(None, {overrides!r})); print('connected', flush=True)"
     )
     secret = local_cluster.SPARK_AUTH_SECRET
@@ -324,7 +325,7 @@ def test_the_flow_run_is_on_the_prefect_server(cluster_run: ClusterRun) -> None:
 def test_the_mlflow_and_prefect_servers_keep_their_records_in_postgresql(cluster_run: ClusterRun) -> None:
     import psycopg2
 
-    from infra.local import postgres
+    from imagelake.infra.local import postgres
 
     root, port = Path(cluster_run.cluster.root), cluster_run.cluster.ports.postgres
     with psycopg2.connect(
@@ -545,7 +546,7 @@ def test_the_ui_servers_on_postgresql_keep_their_records_there_and_stop_with_it(
 
     import psycopg2
 
-    from infra.local import postgres, ui
+    from imagelake.infra.local import postgres, ui
 
     workspace = Path(tempfile.mkdtemp(prefix="imagelake-ui-"))
     os.chmod(workspace, 0o711)
@@ -566,7 +567,7 @@ def test_the_ui_servers_on_postgresql_keep_their_records_there_and_stop_with_it(
     env["PREFECT_HOME"] = str(workspace / "prefect-home")
     with (workspace / "ui.log").open("w") as log:
         served = subprocess.Popen(
-            [sys.executable, "-m", "infra.local.ui", *args],
+            [sys.executable, "-m", "imagelake.infra.local.ui", *args],
             cwd=REPO,
             env=env,
             stdout=log,

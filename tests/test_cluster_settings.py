@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from infra.local.cluster import Ports
-from infra.settings import Settings, SettingsError, load_settings
-from infra.spark import on_loopback
+from imagelake.infra.local.cluster import Ports
+from imagelake.infra.settings import Settings, SettingsError, load_settings
+from imagelake.infra.spark import on_loopback
 from tests.conftest import REPO
 
 CLUSTERS = REPO / "infra" / "clusters"
@@ -170,7 +170,7 @@ def test_spark_masters_on_loopback_are_told_apart_from_remote_ones() -> None:
 def test_a_driver_turns_on_spark_authentication_for_a_standalone_master_with_the_secret_in_its_environment(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from infra.spark import SPARK_AUTH_SECRET, authentication_conf
+    from imagelake.infra.spark import SPARK_AUTH_SECRET, authentication_conf
 
     monkeypatch.delenv(SPARK_AUTH_SECRET, raising=False)
     assert authentication_conf("spark://127.0.0.1:7077") == {}

@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from infra import compat
+from imagelake.infra import compat
 
 # --- pyspark ---------------------------------------------------------------------------------
 

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from infra.settings import load_settings
-from infra.tracking import mlflow_client
-from tasks.cache_files import CacheLine
-from tasks.stages.cache import cache_one_at_a_time, cache_splits, line_key
-from tasks.stages.split import plan_splits
+from imagelake.infra.settings import load_settings
+from imagelake.infra.tracking import mlflow_client
+from imagelake.tasks.data.cache_files import CacheLine
+from imagelake.tasks.stages.cache import cache_one_at_a_time, cache_splits, line_key
+from imagelake.tasks.stages.split import plan_splits
 from tests.conftest import REPO, cli_env
 from tests.lake import Lake, copy_digits
 from tests.servers import MlflowServer

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from tasks.rules.images import ImageDecodeError, decode_square
+from imagelake.tasks.rules.images import ImageDecodeError, decode_square
 
 FORMATS = {
     "PNG": {},

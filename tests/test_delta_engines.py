@@ -13,10 +13,10 @@ import pyarrow.parquet as pq
 import pytest
 from deltalake import DeltaTable, write_deltalake
 
-from infra.delta import Table, choose_engine
-from infra.jars import runtime_jars
-from infra.settings import Settings
-from infra.spark import delta_jars_loaded
+from imagelake.infra.delta import Table, choose_engine
+from imagelake.infra.jars import runtime_jars
+from imagelake.infra.settings import Settings
+from imagelake.infra.spark import delta_jars_loaded
 
 
 def rows(paths: list[str], salt: str = "", action: str = "upsert") -> pa.Table:
@@ -124,7 +124,7 @@ def test_commit_versions_are_exact_while_another_writer_commits(tmp_path: Path) 
     import subprocess
     import sys
 
-    from infra.delta import append_arrow
+    from imagelake.infra.delta import append_arrow
 
     uri = str(tmp_path / "table")
     write_deltalake(uri, pa.table({"x": [0]}))
@@ -178,7 +178,7 @@ def test_a_column_another_writer_added_stays_and_the_runs_go_on(spark, lake, dig
 def test_a_table_another_writer_gave_column_mapping_is_refused_saying_what_to_do(
     spark, lake, digits_dir: Path, tmp_path: Path
 ) -> None:
-    from infra.delta import UnsupportedTable
+    from imagelake.infra.delta import UnsupportedTable
     from tests.lake import copy_digits
 
     source = tmp_path / "src"
@@ -200,7 +200,7 @@ def test_a_table_another_writer_gave_column_mapping_is_refused_saying_what_to_do
 def test_deletion_vectors_are_seen_and_named_with_what_to_do_and_their_version_is_never_read_through_its_files(
     spark, tmp_path: Path
 ) -> None:
-    from infra.delta import UnsupportedTable, plain_files_problem, read_version
+    from imagelake.infra.delta import UnsupportedTable, plain_files_problem, read_version
 
     table = str(tmp_path / "dv")
     spark.range(0, 100, 1, 1).selectExpr("id", "cast(id as string) as name").write.format("delta").save(table)
@@ -231,9 +231,9 @@ def test_deletion_vectors_are_seen_and_named_with_what_to_do_and_their_version_i
 def test_a_history_table_another_writer_gave_deletion_vectors_is_refused_where_it_is_read(
     spark, tmp_path: Path
 ) -> None:
-    from infra.delta import UnsupportedTable
-    from infra.settings import load_settings
-    from tasks.registry import record, recorded
+    from imagelake.infra.delta import UnsupportedTable
+    from imagelake.infra.settings import load_settings
+    from imagelake.tasks.registry.models import record, recorded
 
     settings = load_settings(overrides={"workspace": str(tmp_path / "ws")})
     record(
@@ -287,7 +287,7 @@ def test_a_history_table_another_writer_gave_deletion_vectors_is_refused_where_i
 
 @pytest.mark.both_engines
 def test_quarantine_with_column_mapping_stops_a_run_naming_it(spark, lake, digits_dir: Path, tmp_path: Path) -> None:
-    from infra.delta import UnsupportedTable
+    from imagelake.infra.delta import UnsupportedTable
     from tests.lake import copy_digits
 
     source = tmp_path / "src"
@@ -316,7 +316,7 @@ def test_a_table_from_before_a_column_was_added_gets_it_and_keeps_its_rows(
 ) -> None:
     import shutil
 
-    from infra.delta import read_version
+    from imagelake.infra.delta import read_version
     from tests.lake import copy_digits
 
     source = tmp_path / "src"

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from flows.demo_data import write_digits
+from imagelake.flows.demo_data import write_digits
 
 
 def test_digits_are_written_per_label_as_upscaled_pngs(tmp_path: Path) -> None:

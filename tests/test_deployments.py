@@ -41,22 +41,27 @@ def test_every_deployment_points_at_a_flow_and_its_parameters_validate(monkeypat
 
 
 def test_the_flow_maintenance_is_maintain_under_its_old_name_with_a_warning(monkeypatch, caplog, tmp_path) -> None:
-    import flows.maintenance
-    from flows.maintain import maintain
+    import imagelake.flows.maintenance
+    from imagelake.flows.maintain import maintain
 
-    monkeypatch.setattr(flows.maintenance, "maintain_all", lambda settings: {"workspace": str(settings.workspace)})
+    monkeypatch.setattr(
+        imagelake.flows.maintenance, "maintain_all", lambda settings: {"workspace": str(settings.workspace)}
+    )
     with pytest.warns(DeprecationWarning, match="now imagelake-maintain, deployed as maintain"):
-        report = flows.maintenance.maintenance.fn(overrides={"workspace": str(tmp_path)})
+        report = imagelake.flows.maintenance.maintenance.fn(overrides={"workspace": str(tmp_path)})
     assert report == {"workspace": str(tmp_path)}
     assert "deprecated" in caplog.text and "imagelake maintain" in caplog.text
-    assert (maintain.name, flows.maintenance.maintenance.name) == ("imagelake-maintain", "imagelake-maintenance")
-    assert maintain.parameters.model_dump() == flows.maintenance.maintenance.parameters.model_dump()
+    assert (maintain.name, imagelake.flows.maintenance.maintenance.name) == (
+        "imagelake-maintain",
+        "imagelake-maintenance",
+    )
+    assert maintain.parameters.model_dump() == imagelake.flows.maintenance.maintenance.parameters.model_dump()
 
 
 def test_the_ad_hoc_form_declares_each_setting_as_settings_does() -> None:
     # The form's fields are Settings' own: a limit, default or choice changed in Settings changes the form too.
-    from flows.pipeline import FORM_SETTINGS, RunParameters
-    from infra.settings import Settings
+    from imagelake.flows.pipeline import FORM_SETTINGS, RunParameters
+    from imagelake.infra.settings import Settings
 
     form = RunParameters.model_json_schema()["properties"]
     settings = Settings.model_json_schema()["properties"]

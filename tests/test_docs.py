@@ -2,7 +2,8 @@
 
 Both tables are rendered from the code (flows/docs_reference.py) into marked regions of docs/settings.md and
 docs/caching.md. A setting added, renamed or described anew, or a stage that declares other settings, changes what
-the code renders; these tests fail until `python -m flows.docs_reference --write` has rewritten the pages. Nothing is
+the code renders; these tests fail until `python -m imagelake.flows.docs_reference --write` has rewritten the
+pages. Nothing is
 started: the stages' modules are imported, never run.
 """
 
@@ -10,13 +11,15 @@ from __future__ import annotations
 
 import pytest
 
-from flows import docs_reference
-from infra.settings import Settings
+from imagelake.flows import docs_reference
+from imagelake.infra.settings import Settings
 
 
 def test_the_generated_regions_of_the_docs_hold_what_the_code_renders_now() -> None:
     stale = [str(path.relative_to(docs_reference.REPO)) for path in docs_reference.stale()]
-    assert not stale, f"out of date with the code: {', '.join(stale)}; run python -m flows.docs_reference --write"
+    assert not stale, (
+        f"out of date with the code: {', '.join(stale)}; run python -m imagelake.flows.docs_reference --write"
+    )
 
 
 def test_every_setting_has_a_row_with_its_default() -> None:

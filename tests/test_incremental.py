@@ -13,9 +13,9 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from infra.delta import Table
-from tasks.cache_files import clean_cache, split_files
-from tasks.changes import (
+from imagelake.infra.delta import Table
+from imagelake.tasks.data.cache_files import clean_cache, split_files
+from imagelake.tasks.data.changes import (
     NotInPathOrder,
     changes_between,
     ingest_listing,
@@ -23,12 +23,12 @@ from tasks.changes import (
     merged_listing_changes,
     read_listing,
 )
-from tasks.listing import source_uri, write_manifest
-from tasks.rules.splits import split_of
-from tasks.stages.cache import cache_splits
-from tasks.stages.split import plan_splits
-from tasks.table import ImageTable
-from tasks.worker.loader import shard_rows
+from imagelake.tasks.data.listing import source_uri, write_manifest
+from imagelake.tasks.data.table import ImageTable
+from imagelake.tasks.rules.splits import split_of
+from imagelake.tasks.stages.cache import cache_splits
+from imagelake.tasks.stages.split import plan_splits
+from imagelake.tasks.worker.loader import shard_rows
 from tests.lake import SCOPE, Lake, copy_digits
 
 
@@ -375,8 +375,8 @@ def test_new_rows_cached_by_the_driver_have_the_layout_spark_writes(spark, tmp_p
     import fsspec
     import pyarrow as pa
 
-    from tasks.cache_files import GENERATION_BITS, row_groups
-    from tasks.stages.cache import write_split, write_split_arrow
+    from imagelake.tasks.data.cache_files import GENERATION_BITS, row_groups
+    from imagelake.tasks.stages.cache import write_split, write_split_arrow
 
     shas = [hashlib.sha256(str(i).encode()).hexdigest() for i in range(300)]
     rows = pa.table(
@@ -416,7 +416,7 @@ def test_new_rows_cached_by_the_driver_have_the_layout_spark_writes(spark, tmp_p
 def test_the_drivers_semi_join_finds_what_sparks_finds(lake: Lake, digits_dir: Path, tmp_path: Path) -> None:
     import pyarrow as pa
 
-    from tasks.table import matching
+    from imagelake.tasks.data.table import matching
 
     source = tmp_path / "src"
     copy_digits(digits_dir, source, per_label=5)
@@ -441,7 +441,7 @@ def test_a_backfill_plan_is_counted_per_date_by_spark_and_sees_stale_dates(
 ) -> None:
     from datetime import date
 
-    from flows.backfill import plan_dates
+    from imagelake.flows.backfill import plan_dates
 
     source = tmp_path / "landing"
     copy_digits(digits_dir, source / "date=2024-03-01", per_label=3)
@@ -473,8 +473,8 @@ def test_a_cached_split_missing_a_file_is_rebuilt_and_never_trained_on(
 ) -> None:
     import pyarrow.parquet as pq
 
-    from tasks.cache_files import check_split
-    from tasks.stages.train import train_model
+    from imagelake.tasks.data.cache_files import check_split
+    from imagelake.tasks.stages.train import train_model
 
     source, root = tmp_path / "src", tmp_path / "cache"
     copy_digits(digits_dir, source, per_label=10)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from infra.jars import JARS, SUMS, check, file_name, install, jar_folder, runtime_jars
+from imagelake.infra.jars import JARS, SUMS, check, file_name, install, jar_folder, runtime_jars
 
 
 def test_spark_gets_the_jars_only_when_all_are_there(tmp_path: Path) -> None:

@@ -41,9 +41,11 @@ def test_no_import_runs_up_a_layer() -> None:
 
 def test_the_rules_and_the_results_import_no_engine() -> None:
     modules = sorted(
-        f"tasks.rules.{path.stem}" for path in (REPO / "tasks" / "rules").glob("*.py") if path.stem != "__init__"
+        f"imagelake.tasks.rules.{path.stem}"
+        for path in (REPO / "tasks" / "rules").glob("*.py")
+        if path.stem != "__init__"
     )
-    modules.append("tasks.results")
+    modules.append("imagelake.tasks.results")
     code = (
         f"import importlib, json, sys; [importlib.import_module(m) for m in {modules!r}]; "
         "print(json.dumps(sorted(sys.modules)))"
@@ -73,13 +75,13 @@ def test_the_stages_have_a_room_of_their_own_and_no_helper_or_stage_imports_a_st
         f"{path.relative_to(REPO)} imports {name}"
         for path in sorted((REPO / "tasks").rglob("*.py"))
         for name in sorted(imported_modules(path))
-        if name.startswith("tasks.stages.") and name.split(".")[2] != path.stem
+        if name.startswith("imagelake.tasks.stages.") and name.split(".")[2] != path.stem
     ]
     assert not reaching, reaching
 
 
 def test_the_cached_split_files_have_one_owner_that_imports_no_petastorm_or_spark() -> None:
-    code = "import json, sys, tasks.cache_files; print(json.dumps(sorted(sys.modules)))"
+    code = "import json, sys, imagelake.tasks.data.cache_files; print(json.dumps(sorted(sys.modules)))"
     loaded = json.loads(
         subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True).stdout
     )
@@ -88,8 +90,8 @@ def test_the_cached_split_files_have_one_owner_that_imports_no_petastorm_or_spar
     # function body to keep Petastorm out (the lazy imports it replaced).
     for name in ("cache.py", "train.py", "promote.py"):
         imports = imported_modules(REPO / "tasks" / "stages" / name)
-        assert "tasks.cache_files" in imports, name
-        assert not {m for m in imports if m.startswith("tasks.worker.loader")}, name
+        assert "imagelake.tasks.data.cache_files" in imports, name
+        assert not {m for m in imports if m.startswith("imagelake.tasks.worker.loader")}, name
 
 
 def test_the_local_server_tooling_has_a_room_no_pipeline_code_imports() -> None:
@@ -101,6 +103,6 @@ def test_the_local_server_tooling_has_a_room_no_pipeline_code_imports() -> None:
         for path in sorted((REPO / layer).rglob("*.py"))
         if "local" not in path.parts
         for name in sorted(imported_modules(path))
-        if name.startswith("infra.local")
+        if name.startswith("imagelake.infra.local")
     ]
     assert not reaching, reaching

@@ -13,9 +13,9 @@ import pyarrow.parquet as pq
 import pytest
 from fsspec.implementations.local import LocalFileSystem
 
-import tasks.listing as listing
-from tasks.listing import ListingIncomplete, list_source, local_info, save_listing, walk_files
-from tasks.rules.listing import Scope, listing_fingerprint
+import imagelake.tasks.data.listing as listing
+from imagelake.tasks.data.listing import ListingIncomplete, list_source, local_info, save_listing, walk_files
+from imagelake.tasks.rules.listing import Scope, listing_fingerprint
 
 SCOPE = Scope((".png", ".jpg"))
 

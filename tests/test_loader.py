@@ -12,10 +12,10 @@ import pyarrow.parquet as pq
 import pytest
 from petastorm import make_batch_reader
 
-from infra.compat import petastorm_ventilation_order as ventilation_order
-from tasks.cache_files import POSITION, row_groups
-from tasks.stages.cache import write_split
-from tasks.worker.loader import ShardBatches, piece_sizes, shard_rows
+from imagelake.infra.compat import petastorm_ventilation_order as ventilation_order
+from imagelake.tasks.data.cache_files import POSITION, row_groups
+from imagelake.tasks.stages.cache import write_split
+from imagelake.tasks.worker.loader import ShardBatches, piece_sizes, shard_rows
 
 SIZE = 4  # 4x4 RGB: 48 bytes an image
 
@@ -117,7 +117,7 @@ def test_batches_made_ahead_by_a_thread_are_the_same_and_the_thread_stops_with_t
     made before it."""
     import threading
 
-    from tasks.worker.loader import Ahead as ahead
+    from imagelake.tasks.worker.loader import Ahead as ahead
 
     url = write_label_runs(spark, tmp_path / "split", rows=200, partitions=4)
 
@@ -325,7 +325,7 @@ def test_a_loader_process_ends_when_its_training_process_is_killed(tmp_path: Pat
     url = write_split(tmp_path / "split", rows=200, files=2)
     script = (
         "import sys, time\n"
-        "from tasks.worker.loader import ShardBatches\n"
+        "from imagelake.tasks.worker.loader import ShardBatches\n"
         "if __name__ == '__main__':\n"
         f"    loader = ShardBatches({url!r}, shard=0, shard_count=1, batch_size=16, image_size=16, seed=1, "
         "shuffle=True, processes=1)\n"

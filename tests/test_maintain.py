@@ -11,8 +11,8 @@ from deltalake import DeltaTable
 from mlflow import MlflowClient
 from PIL import Image
 
-from infra.delta import Table, read_version
-from tasks.stages.maintain import maintain_table, protected_versions
+from imagelake.infra.delta import Table, read_version
+from imagelake.tasks.stages.maintain import maintain_table, protected_versions
 from tests.lake import Lake, copy_digits
 
 

@@ -16,14 +16,14 @@ import numpy as np
 import pyarrow as pa
 from PIL import Image
 
-from infra.compat import delta_log_commits
-from infra.delta import FileRows, Table, spark_merge_bound
-from infra.settings import Settings
-from tasks.changes import ingest_listing
-from tasks.listing import source_uri
-from tasks.resize_executor import DecodeRules
-from tasks.stages.resize import resize_images
-from tasks.table import ImageTable
+from imagelake.infra.compat import delta_log_commits
+from imagelake.infra.delta import FileRows, Table, spark_merge_bound
+from imagelake.infra.settings import Settings
+from imagelake.tasks.data.changes import ingest_listing
+from imagelake.tasks.data.listing import source_uri
+from imagelake.tasks.data.resize_executor import DecodeRules
+from imagelake.tasks.data.table import ImageTable
+from imagelake.tasks.stages.resize import resize_images
 from tests.conftest import REPO
 from tests.lake import SCOPE, Lake, copy_digits
 
@@ -35,10 +35,10 @@ RULES = DecodeRules(size=SIDE, mode="letterbox", max_file_bytes=10_000_000, max_
 WRITER = r"""
 import json, os, sys
 import pyarrow as pa
-from infra.settings import Settings
-from tasks.results import Resized
-from tasks.table import ImageTable
-from tasks.stages.write import write_images
+from imagelake.infra.settings import Settings
+from imagelake.tasks.results import Resized
+from imagelake.tasks.data.table import ImageTable
+from imagelake.tasks.stages.write import write_images
 args = json.loads(sys.argv[1])
 resized = Resized.model_validate(args["resized"])
 settings = Settings(spark_master="local[1]", image_size=resized.image_size, **args["settings"])

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from infra.delta import Table
-from tasks.stages.maintain import maintain_table
+from imagelake.infra.delta import Table
+from imagelake.tasks.stages.maintain import maintain_table
 from tests.conftest import cli_env
 from tests.lake import Lake, copy_digits
 

@@ -22,13 +22,13 @@ from deltalake import DeltaTable
 from mlflow import MlflowClient
 from PIL import Image, ImageOps
 
-from flows.demo_data import write_digits
-from infra.weights import KNOWN
-from tasks.cache_files import split_files
-from tasks.rules.images import resize_image
-from tasks.rules.markdown import markdown_text
-from tasks.rules.report import margin
-from tasks.stages.promote import load_trained_model
+from imagelake.flows.demo_data import write_digits
+from imagelake.infra.weights import KNOWN
+from imagelake.tasks.data.cache_files import split_files
+from imagelake.tasks.rules.images import resize_image
+from imagelake.tasks.rules.markdown import markdown_text
+from imagelake.tasks.rules.report import margin
+from imagelake.tasks.stages.promote import load_trained_model
 from tests.conftest import cli_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("e2e")]  # one process runs the shared first run
@@ -435,7 +435,7 @@ def test_doctor_reports_this_machine_and_names_what_is_missing(tmp_path: Path) -
     # A jar whose bytes differ from those installed is named; Spark's Delta forced on it fails the doctor. The doctor
     # checks only Spark from here on (`--only spark`).
     spark_only = ["doctor", "--only", "spark", "--set", f"workspace={tmp_path / 'ws'}"]
-    from infra.jars import SUMS, jar_folder, runtime_jars
+    from imagelake.infra.jars import SUMS, jar_folder, runtime_jars
 
     tampered = tmp_path / "jars"
     tampered.mkdir()

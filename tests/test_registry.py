@@ -15,8 +15,8 @@ import pytest
 import torch
 import yaml
 
-from infra.tracking import experiment_id, mlflow_client
-from tasks.registry import (
+from imagelake.infra.tracking import experiment_id, mlflow_client
+from imagelake.tasks.registry.models import (
     RegistryError,
     UnsafeModel,
     alias_version,
@@ -28,8 +28,8 @@ from tasks.registry import (
     rollback,
     served_model,
 )
-from tasks.rules.promotion import CHALLENGER, CHAMPION, PREVIOUS, decide_promotion, held_by_baseline
-from tasks.worker.model import ImageModel
+from imagelake.tasks.rules.promotion import CHALLENGER, CHAMPION, PREVIOUS, decide_promotion, held_by_baseline
+from imagelake.tasks.worker.model import ImageModel
 
 NAME = "digits"
 
@@ -71,7 +71,7 @@ def test_a_candidate_not_enough_above_its_baseline_is_held_whatever_the_champion
 
 
 def test_label_names_survive_the_tag_and_older_comma_joined_tags_still_read() -> None:
-    from tasks.rules.warm_start import labels_of_tag, labels_tag
+    from imagelake.tasks.rules.warm_start import labels_of_tag, labels_tag
 
     names = ["apples, red", 'say "hi"', "[bracketed]", "Überraschung \U0001f34e", ""]
     assert labels_of_tag(labels_tag(names)) == names
@@ -149,9 +149,9 @@ def test_the_history_command_lists_a_models_alias_moves_oldest_first_without_ask
     seconds a JVM takes to start (or a Spark cluster that is down)."""
     from typer.testing import CliRunner
 
-    from flows.cli import app
-    from infra.spark import spark_asks
-    from tasks.registry import record
+    from imagelake.flows.cli import app
+    from imagelake.infra.spark import spark_asks
+    from imagelake.tasks.registry.models import record
 
     gated = {"model": NAME, "alias": CHAMPION, "from_version": None, "to_version": "1", "action": "gate"}
     record(settings, [{**gated, "reason": "beats no champion"}, {**gated, "model": "another", "reason": "not this"}])
@@ -289,7 +289,7 @@ def test_a_pickled_model_is_refused_and_its_payload_never_runs(registry, tmp_pat
 def test_a_model_versions_recorded_settings_never_turn_on_what_runs_code_or_loads_pickles() -> None:
     import json
 
-    from tasks.registry import retrain_overrides
+    from imagelake.tasks.registry.models import retrain_overrides
 
     found = {
         "delta_version": "3",
@@ -303,7 +303,7 @@ def test_a_model_versions_recorded_settings_never_turn_on_what_runs_code_or_load
 def test_a_champion_the_store_cannot_serve_now_is_kept_and_the_gate_retries(
     spark, registry, tmp_path: Path, monkeypatch
 ) -> None:
-    from tasks.registry import ChampionUnreachable
+    from imagelake.tasks.registry.models import ChampionUnreachable
     from tests.servers import MlflowServer
 
     client, settings, models, images, labels = registry
@@ -365,7 +365,7 @@ def test_a_champion_of_another_image_size_is_compared_at_its_own_size_and_kept_w
 ) -> None:
     """The gate evaluates a champion trained at 24 px on the test rows decoded at 24 px; when they cannot be decoded
     at that size, or the champion's evaluation runs out of memory, it stays champion and the candidate is challenger."""
-    import tasks.registry as registry_module
+    import imagelake.tasks.registry.models as registry_module
 
     client, settings, models, _, _ = registry
     good = models_and_split()[0]["good"]
@@ -422,7 +422,7 @@ def test_a_champion_of_another_image_size_is_compared_at_its_own_size_and_kept_w
 
 @pytest.mark.slow
 def test_an_alias_move_cut_short_is_finished_before_the_next_decision(spark, registry) -> None:
-    from tasks.registry import PENDING_MOVE
+    from imagelake.tasks.registry.models import PENDING_MOVE
 
     client, settings, models, images, labels = registry
     first = register(models["bad"])
@@ -465,7 +465,7 @@ def test_two_hosts_promoting_at_once_are_serialised_by_the_prefect_server(
     import subprocess
     import sys
 
-    from infra.settings import load_settings
+    from imagelake.infra.settings import load_settings
     from tests.conftest import REPO, cli_env
     from tests.servers import MlflowServer
 
@@ -544,9 +544,9 @@ def test_an_alias_move_under_a_lapsed_lease_is_refused_while_another_holder_is_i
 ) -> None:
     """The registry lock's Prefect lease lapses (the server drops it, as it does when a holder cannot renew in time) and
     a second host takes the lock: the first holder's alias move and history row are fenced off, and nothing moves."""
-    from infra.lease import LeaseLost, acquire, client_of
-    from infra.prefect_env import _leases, lock_name
-    from tasks.registry import lock_of, registry_lock
+    from imagelake.infra.lease import LeaseLost, acquire, client_of
+    from imagelake.infra.prefect_env import _leases, lock_name
+    from imagelake.tasks.registry.models import lock_of, registry_lock
 
     client, settings, models, images, labels = registry
     settings = settings.model_copy(update={"prefect_api_url": prefect_api})
@@ -580,9 +580,9 @@ def test_the_promote_stage_retries_a_champion_the_store_cannot_serve_and_then_co
     store down and fails with no alias moved; Prefect retries it once the store is back, and the gate compares."""
     from prefect import flow
 
-    from infra.prefect_env import stage_results
-    from tasks.stages.promote import promote
-    from tasks.stages.train import train_model
+    from imagelake.infra.prefect_env import stage_results
+    from imagelake.tasks.stages.promote import promote
+    from imagelake.tasks.stages.train import train_model
     from tests.servers import MlflowServer, PatientClient
 
     settings = settings.model_copy(
@@ -646,9 +646,9 @@ def test_the_promote_stage_retries_a_champion_the_store_cannot_serve_and_then_co
 CROWN_AND_DIE = """
 import os, sys
 from mlflow import MlflowClient
-from infra.settings import load_settings
-from infra.tracking import mlflow_client
-from tasks.registry import crown, registry_lock
+from imagelake.infra.settings import load_settings
+from imagelake.infra.tracking import mlflow_client
+from imagelake.tasks.registry.models import crown, registry_lock
 
 real = MlflowClient.set_registered_model_alias
 
@@ -671,7 +671,7 @@ def test_a_process_killed_between_the_champion_and_previous_champion_moves_leave
     import subprocess
     import sys
 
-    from tasks.registry import PENDING_MOVE
+    from imagelake.tasks.registry.models import PENDING_MOVE
     from tests.conftest import REPO, cli_env
 
     client, settings, models, images, labels = registry

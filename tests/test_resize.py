@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from tasks.rules.images import ImageDecodeError, resize_image
+from imagelake.tasks.rules.images import ImageDecodeError, resize_image
 
 
 def encode(image: Image.Image, fmt: str = "PNG", **params) -> bytes:
@@ -95,7 +95,7 @@ def test_a_large_16_bit_image_is_narrowed_in_strips_with_its_values_and_a_byte_a
     24 (int64, copied twice)."""
     import tracemalloc
 
-    from tasks.rules.images import to_rgb
+    from imagelake.tasks.rules.images import to_rgb
 
     values = (np.arange(3000 * 1000, dtype=np.uint32) * 65536 // (3000 * 1000)).astype(np.uint16).reshape(3000, 1000)
     image = Image.fromarray(values)
@@ -133,7 +133,7 @@ def test_images_over_the_pixel_limit_are_decompression_bombs() -> None:
 def test_decoding_that_goes_past_its_deadline_quarantines_the_file_and_the_stage_goes_on() -> None:
     """The deadline is checked as the decoder reads the file: a file still being read past it is `decode_timeout`, in
     the decoding rules (predict, serving, scoring) and in the resize stage's processing of one file, which moves on."""
-    from tasks.resize_executor import DecodeRules, process_file
+    from imagelake.tasks.data.resize_executor import DecodeRules, process_file
 
     png = io.BytesIO()
     Image.fromarray(np.random.default_rng(0).integers(0, 256, (600, 600, 3), dtype=np.uint8)).save(png, format="PNG")

@@ -12,9 +12,9 @@ from pathlib import Path
 import fsspec
 import pytest
 
-from flows.pipeline import pipeline
-from infra.settings import load_settings
-from tasks.stages.retention import is_old, prune_workspace, remove
+from imagelake.flows.pipeline import pipeline
+from imagelake.infra.settings import load_settings
+from imagelake.tasks.stages.retention import is_old, prune_workspace, remove
 from tests.lake import copy_digits
 
 HOUR = 3600.0
@@ -151,7 +151,7 @@ def test_a_run_removes_what_retention_lets_go_and_the_next_run_still_hits_its_ca
 
 
 def test_maintain_applies_the_workspace_retention_too(prefect_api: str, tmp_path: Path) -> None:
-    from flows.maintain import maintain
+    from imagelake.flows.maintain import maintain
 
     overrides = {"workspace": str(tmp_path / "ws"), "workspace_retention_hours": 24}
     settings = load_settings(overrides=overrides)

@@ -27,12 +27,12 @@ from prefect.cache_policies import NO_CACHE
 from pyarrow.fs import AwsStandardS3RetryStrategy, S3FileSystem
 from ray.train import WorkerGroupError
 
-from infra.settings import SettingsError
-from infra.weights import WeightsUnavailable
-from tasks.resize_executor import read_with_retries
-from tasks.rules.bad_files import TooManyBadFiles
-from tasks.stage import is_permanent, stage
-from tasks.worker.train_loop import CheckpointUnusable
+from imagelake.infra.settings import SettingsError
+from imagelake.infra.weights import WeightsUnavailable
+from imagelake.tasks.data.resize_executor import read_with_retries
+from imagelake.tasks.rules.bad_files import TooManyBadFiles
+from imagelake.tasks.stage import is_permanent, stage
+from imagelake.tasks.worker.train_loop import CheckpointUnusable
 from tests.s3 import SlowDownServer
 
 ERRORS = {
@@ -100,9 +100,9 @@ def test_missing_pretrained_weights_fail_the_run_before_its_first_stage_naming_t
 ) -> None:
     """Found when the run's settings are read: no stage starts (no Spark, no listing), nothing is written, and the
     error names the file, the cache folder, `make install` and pretrained=none."""
-    from flows.pipeline import pipeline
-    from infra.spark import spark_asks
-    from tasks.stage import stage_outcomes
+    from imagelake.flows.pipeline import pipeline
+    from imagelake.infra.spark import spark_asks
+    from imagelake.tasks.stage import stage_outcomes
 
     monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))  # an empty cache, and no download: a closed proxy
     for name in ("https_proxy", "HTTPS_PROXY"):
@@ -141,8 +141,8 @@ def one_stage_flow(stage_name: str, path: str, settings) -> dict:
     """Run one of this file's stages on PATH; how it ended and why it was a hit or a miss."""
     from prefect.context import FlowRunContext
 
-    from infra.prefect_env import stage_results
-    from tasks.stage import stage_outcomes
+    from imagelake.infra.prefect_env import stage_results
+    from imagelake.tasks.stage import stage_outcomes
 
     with stage_results(settings):
         {"writes-a-file": writes_a_file, "reads-what-it-can": reads_what_it_can}[stage_name](path, settings)
@@ -155,7 +155,7 @@ def file_flow(path: str, settings) -> dict:
 
 
 def test_a_cached_result_whose_file_is_gone_is_a_miss_that_says_why(prefect_api: str, tmp_path: Path) -> None:
-    from infra.settings import load_settings
+    from imagelake.infra.settings import load_settings
 
     settings = load_settings(overrides={"workspace": str(tmp_path / "ws")})
     output = tmp_path / "out.txt"
@@ -183,7 +183,7 @@ def reading_flow(path: str, settings) -> dict:
 
 
 def test_a_cached_result_that_left_files_unread_is_a_miss_until_none_are(prefect_api: str, tmp_path: Path) -> None:
-    from infra.settings import load_settings
+    from imagelake.infra.settings import load_settings
 
     settings = load_settings(overrides={"workspace": str(tmp_path / "ws")})
     left = tmp_path / "left.txt"

@@ -7,8 +7,8 @@ import hashlib
 
 import pytest
 
-from tasks.rules.splits import split_of
-from tasks.worker.loader import ShardTooSmall, batch_sizes, steps_per_epoch
+from imagelake.tasks.rules.splits import split_of
+from imagelake.tasks.worker.loader import ShardTooSmall, batch_sizes, steps_per_epoch
 
 
 def digest(i: int) -> str:
@@ -67,7 +67,7 @@ def test_batch_sizes_refuse_a_shard_too_small_for_the_steps() -> None:
 def test_what_a_run_did_stays_out_of_the_next_stage_key() -> None:
     from prefect.utilities.hashing import hash_objects
 
-    from tasks.results import Written
+    from imagelake.tasks.results import Written
 
     first = Written(table_uri="/t", version=3, engine="delta-rs", rows=1797)
     rerun = Written(table_uri="/t", version=3, engine="delta-rs", rows=0)
@@ -79,8 +79,8 @@ def test_what_a_run_did_stays_out_of_the_next_stage_key() -> None:
 def test_every_setting_a_training_run_records_keys_the_train_stage_or_its_data() -> None:
     # retrain maps the logged params back to settings: each must be one that keys training (or the cached data it
     # reads).
-    from infra.settings import Settings
-    from tasks.rules.training import PARAM_SETTINGS, TRAINING_SETTINGS
+    from imagelake.infra.settings import Settings
+    from imagelake.tasks.rules.training import PARAM_SETTINGS, TRAINING_SETTINGS
 
     keyed = set(TRAINING_SETTINGS) | {"image_size"}  # the image size keys the cache, whose key names the Ray run
     assert set(PARAM_SETTINGS.values()) <= keyed, set(PARAM_SETTINGS.values()) - keyed

@@ -15,7 +15,7 @@ import httpx
 import psutil
 import pytest
 
-from infra.lifecycle import processes_with
+from imagelake.infra.lifecycle import processes_with
 from tests.servers import PatientClient, PrefectServer, custom_run_body, form_defaults
 from tests.test_summary import report_facts
 
@@ -437,11 +437,11 @@ def test_a_backfill_and_the_nightly_run_at_once_count_every_image_once_and_leave
     import numpy as np
     from PIL import Image
 
-    from infra.delta import Table, read_version
-    from infra.settings import load_settings
-    from infra.tracking import mlflow_client
-    from tasks.registry import PENDING_MOVE, alias_version
-    from tasks.rules.promotion import CHAMPION
+    from imagelake.infra.delta import Table, read_version
+    from imagelake.infra.settings import load_settings
+    from imagelake.infra.tracking import mlflow_client
+    from imagelake.tasks.registry.models import PENDING_MOVE, alias_version
+    from imagelake.tasks.rules.promotion import CHAMPION
 
     landing, noise = tmp_path / "landing", np.random.default_rng(7)
     for day in (
@@ -516,9 +516,9 @@ def test_a_nightly_and_an_ad_hoc_run_of_the_same_data_at_once_train_once_and_nev
     import numpy as np
     from PIL import Image
 
-    from infra.delta import Table, read_version
-    from infra.settings import load_settings
-    from infra.tracking import mlflow_client
+    from imagelake.infra.delta import Table, read_version
+    from imagelake.infra.settings import load_settings
+    from imagelake.infra.tracking import mlflow_client
 
     landing, noise = tmp_path / "landing", np.random.default_rng(11)
     for label in (

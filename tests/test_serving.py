@@ -23,13 +23,13 @@ from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
 from PIL import Image
 
-from infra.local.cluster import free_port
-from infra.settings import load_settings
-from tasks.registry import load_registered_model, served_model
-from tasks.rules.images import resize_image
-from tasks.rules.warm_start import labels_tag
-from tasks.serving import predict_files
-from tasks.worker.model import ImageModel
+from imagelake.infra.local.cluster import free_port
+from imagelake.infra.settings import load_settings
+from imagelake.tasks.inference.cli_serving import predict_files
+from imagelake.tasks.registry.models import load_registered_model, served_model
+from imagelake.tasks.rules.images import resize_image
+from imagelake.tasks.rules.warm_start import labels_tag
+from imagelake.tasks.worker.model import ImageModel
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("serving")]  # one process: the module's store, model and server
 
@@ -137,7 +137,7 @@ def test_mlflow_s_own_loader_takes_image_files_and_answers_label_names(champion)
     # this process's path (MLflow does): a process started from here with that path, as a loader process is, still
     # imports imagelake's own modules, not the model's copies.
     assert Path(sys.modules["imagelake_served.images"].__file__).parent.parent.name == "code"
-    code = f"import sys; sys.path[:] = {sys.path!r}; import tasks.listing"
+    code = f"import sys; sys.path[:] = {sys.path!r}; import imagelake.tasks.data.listing"
     started = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert started.returncode == 0, started.stderr[-600:]
 
@@ -289,8 +289,8 @@ def test_score_answers_a_folder_a_prefix_and_a_table_version_on_spark_once_per_c
     import pyarrow as pa
     from deltalake import DeltaTable
 
-    from tasks.rules.schemas import IMAGE_TABLE_SCHEMA
-    from tasks.stages.score import ScoreSourceError, score_images
+    from imagelake.tasks.rules.schemas import IMAGE_TABLE_SCHEMA
+    from imagelake.tasks.stages.score import ScoreSourceError, score_images
 
     store, _ = champion
     settings = load_settings(overrides={"workspace": str(tmp_path / "ws"), "mlflow_tracking_uri": store})

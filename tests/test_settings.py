@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from flows.cli import parse_overrides
-from infra.settings import SettingsError, load_settings
+from imagelake.flows.cli import parse_overrides
+from imagelake.infra.settings import SettingsError, load_settings
 
 
 def test_defaults_run_on_one_machine(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -87,7 +87,7 @@ def test_cli_overrides_parse_json_values_and_reject_malformed_pairs() -> None:
 def test_the_doctor_refuses_a_part_it_does_not_know_before_checking_anything(tmp_path: Path) -> None:
     from typer.testing import CliRunner
 
-    from flows.cli import app
+    from imagelake.flows.cli import app
 
     command = ["doctor", "--only", "spark", "--only", "sprak", "--set", f"workspace={tmp_path}"]
     refused = CliRunner().invoke(app, command)
@@ -97,7 +97,7 @@ def test_the_doctor_refuses_a_part_it_does_not_know_before_checking_anything(tmp
 
 
 def test_settings_that_run_code_are_refused_from_runs_unless_the_worker_allows_them(monkeypatch) -> None:
-    from infra.settings import SettingsError, refuse_unsafe
+    from imagelake.infra.settings import SettingsError, refuse_unsafe
 
     monkeypatch.delenv("IMAGELAKE_ALLOW_FROM_RUNS", raising=False)
     assert refuse_unsafe({"max_epochs": 2}, "a run") == {"max_epochs": 2}
@@ -123,7 +123,7 @@ def test_settings_that_run_code_are_refused_from_runs_unless_the_worker_allows_t
 def test_a_settings_file_named_by_a_run_may_not_set_what_runs_code_unless_it_ships_with_the_code(
     monkeypatch, tmp_path
 ) -> None:
-    from infra.settings import CODE_ROOT, SettingsError, refuse_unsafe_file
+    from imagelake.infra.settings import CODE_ROOT, SettingsError, refuse_unsafe_file
 
     monkeypatch.delenv("IMAGELAKE_ALLOW_FROM_RUNS", raising=False)
     planted = tmp_path / "mine.yaml"
@@ -153,7 +153,7 @@ def test_a_settings_file_named_by_a_run_may_not_set_what_runs_code_unless_it_shi
 
 def test_every_setting_is_allowed_from_runs_or_refused_by_name() -> None:
     # A new field of Settings fails here until someone decides whether a run from a deployment may set it.
-    from infra.settings import ALLOWED_FROM_RUNS, REFUSED_FROM_RUNS, RUN_LIMITS, Settings
+    from imagelake.infra.settings import ALLOWED_FROM_RUNS, REFUSED_FROM_RUNS, RUN_LIMITS, Settings
 
     undecided = sorted(set(Settings.model_fields) - ALLOWED_FROM_RUNS - REFUSED_FROM_RUNS)
     assert not undecided, (
@@ -181,7 +181,7 @@ DANGEROUS_FROM_RUNS = [
 
 @pytest.mark.parametrize(("name", "value"), DANGEROUS_FROM_RUNS, ids=[name for name, _ in DANGEROUS_FROM_RUNS])
 def test_where_the_worker_connects_and_keeps_its_data_is_refused_from_runs(monkeypatch, name: str, value) -> None:
-    from infra.settings import refuse_unsafe
+    from imagelake.infra.settings import refuse_unsafe
 
     monkeypatch.delenv("IMAGELAKE_ALLOW_FROM_RUNS", raising=False)
     with pytest.raises(SettingsError, match=rf"^{name} cannot be set from a run: ") as refused:
@@ -193,7 +193,7 @@ def test_where_the_worker_connects_and_keeps_its_data_is_refused_from_runs(monke
 
 
 def test_a_name_that_is_no_setting_is_refused_by_name_when_the_settings_load(monkeypatch) -> None:
-    from infra.settings import refuse_unsafe
+    from imagelake.infra.settings import refuse_unsafe
 
     monkeypatch.delenv("IMAGELAKE_ALLOW_FROM_RUNS", raising=False)
     assert refuse_unsafe(
@@ -216,7 +216,7 @@ PATHS_AND_URLS = [
 @pytest.mark.parametrize("given", PATHS_AND_URLS)
 @pytest.mark.parametrize("name", ["pretrained", "pretrained_weights"])
 def test_a_run_may_name_torchvision_weights_but_no_path_or_url(monkeypatch, name: str, given: str) -> None:
-    from infra.settings import refuse_unsafe
+    from imagelake.infra.settings import refuse_unsafe
 
     monkeypatch.delenv("IMAGELAKE_ALLOW_FROM_RUNS", raising=False)
     expected = (
@@ -258,7 +258,7 @@ ORDINARY_FROM_RUNS = {
     "pretrained", [None, "none", "imagenet", "DEFAULT", "IMAGENET1K_V2", "ResNet18_Weights.IMAGENET1K_V1"]
 )
 def test_what_a_run_ingests_and_how_it_trains_pass(monkeypatch, pretrained) -> None:
-    from infra.settings import refuse_unsafe
+    from imagelake.infra.settings import refuse_unsafe
 
     monkeypatch.delenv("IMAGELAKE_ALLOW_FROM_RUNS", raising=False)
     given = {**ORDINARY_FROM_RUNS, "pretrained": pretrained}
@@ -270,8 +270,8 @@ def test_what_a_run_ingests_and_how_it_trains_pass(monkeypatch, pretrained) -> N
 
 
 def test_the_weights_a_run_may_name_are_what_the_model_reads_as_names_not_files() -> None:
-    from infra.settings import _is_weights_name
-    from tasks.worker.model import is_weights_name
+    from imagelake.infra.settings import _is_weights_name
+    from imagelake.tasks.worker.model import is_weights_name
 
     for given in (
         "imagenet",
@@ -288,8 +288,8 @@ def test_the_weights_a_run_may_name_are_what_the_model_reads_as_names_not_files(
 def test_what_the_shipped_deployments_and_the_form_send_passes(monkeypatch) -> None:
     import yaml
 
-    from flows.pipeline import FORM_SETTINGS, RunParameters
-    from infra.settings import ALLOWED_FROM_RUNS, CODE_ROOT, Settings, refuse_unsafe
+    from imagelake.flows.pipeline import FORM_SETTINGS, RunParameters
+    from imagelake.infra.settings import ALLOWED_FROM_RUNS, CODE_ROOT, Settings, refuse_unsafe
 
     monkeypatch.delenv("IMAGELAKE_ALLOW_FROM_RUNS", raising=False)
     for path in [CODE_ROOT / "prefect.yaml", *sorted((CODE_ROOT / "infra" / "clusters").glob("prefect-*.yaml"))]:
@@ -328,7 +328,7 @@ def test_what_the_shipped_deployments_and_the_form_send_passes(monkeypatch) -> N
     ],
 )
 def test_a_run_may_not_go_past_the_limits_that_keep_data(monkeypatch, name: str, value, limit: str) -> None:
-    from infra.settings import refuse_unsafe
+    from imagelake.infra.settings import refuse_unsafe
 
     monkeypatch.delenv("IMAGELAKE_ALLOW_FROM_RUNS", raising=False)
     expected = (
@@ -340,7 +340,7 @@ def test_a_run_may_not_go_past_the_limits_that_keep_data(monkeypatch, name: str,
 
 
 def test_the_worker_may_open_one_setting_to_runs_and_only_that_one(monkeypatch) -> None:
-    from infra.settings import refuse_unsafe
+    from imagelake.infra.settings import refuse_unsafe
 
     monkeypatch.setenv("IMAGELAKE_ALLOW_FROM_RUNS", "ray_address, vacuum_retention_hours,pretrained")
     opened = {"ray_address": "ray://head:10001", "vacuum_retention_hours": 0, "pretrained": "/shared/weights.pth"}
@@ -357,7 +357,7 @@ def test_the_worker_may_open_one_setting_to_runs_and_only_that_one(monkeypatch) 
 
 
 def test_a_settings_file_a_run_names_outside_the_code_follows_the_same_rule(monkeypatch, tmp_path) -> None:
-    from infra.settings import CODE_ROOT, refuse_unsafe_file
+    from imagelake.infra.settings import CODE_ROOT, refuse_unsafe_file
 
     monkeypatch.delenv("IMAGELAKE_ALLOW_FROM_RUNS", raising=False)
     planted = tmp_path / "mine.yaml"

@@ -12,20 +12,20 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image, ImageOps
 
-from infra.delta import Table, read_version
-from infra.settings import load_settings
-from tasks.cache_files import split_files
-from tasks.changes import ingest_listing
-from tasks.listing import source_uri
-from tasks.resize_executor import DecodeRules, files_done
-from tasks.rules.bad_files import TooManyBadFiles
-from tasks.rules.listing import Scope, SourceError
-from tasks.rules.splits import split_of
-from tasks.stages.cache import cache_splits
-from tasks.stages.resize import resize_images
-from tasks.stages.split import plan_splits
-from tasks.table import ImageTable, split_column
-from tasks.worker.loader import ShardBatches, shard_rows
+from imagelake.infra.delta import Table, read_version
+from imagelake.infra.settings import load_settings
+from imagelake.tasks.data.cache_files import split_files
+from imagelake.tasks.data.changes import ingest_listing
+from imagelake.tasks.data.listing import source_uri
+from imagelake.tasks.data.resize_executor import DecodeRules, files_done
+from imagelake.tasks.data.table import ImageTable, split_column
+from imagelake.tasks.rules.bad_files import TooManyBadFiles
+from imagelake.tasks.rules.listing import Scope, SourceError
+from imagelake.tasks.rules.splits import split_of
+from imagelake.tasks.stages.cache import cache_splits
+from imagelake.tasks.stages.resize import resize_images
+from imagelake.tasks.stages.split import plan_splits
+from imagelake.tasks.worker.loader import ShardBatches, shard_rows
 from tests.lake import RULES, SCOPE, Lake, copy_digits
 
 
@@ -128,8 +128,8 @@ def test_a_manifest_row_that_leaves_its_folder_by_a_link_is_quarantined_as_a_fol
     """A manifest's rows are checked on their real paths too: a file, or a folder on the way, that links outside the
     manifest's folder and manifest_roots is quarantined (symlink_outside_source), never read; a link into a root is
     fine."""
-    from tasks.listing import list_manifest
-    from tasks.rules.listing import Scope
+    from imagelake.tasks.data.listing import list_manifest
+    from imagelake.tasks.rules.listing import Scope
 
     base, outside, extra = tmp_path / "base", tmp_path / "outside", tmp_path / "extra"
     for folder in (base, outside / "more", extra):
@@ -153,8 +153,8 @@ def test_a_manifest_row_that_leaves_its_folder_by_a_link_is_quarantined_as_a_fol
 def test_a_manifest_row_outside_its_folder_is_refused_naming_the_line(
     lake: Lake, digits_dir: Path, tmp_path: Path, spelling: str
 ) -> None:
-    from tasks.listing import list_source
-    from tasks.rules.listing import Scope, SourceError
+    from imagelake.tasks.data.listing import list_source
+    from imagelake.tasks.rules.listing import Scope, SourceError
 
     inside, outside = tmp_path / "landing", tmp_path / "elsewhere"
     copy_digits(digits_dir, inside, labels=("1",), per_label=2)
@@ -413,7 +413,7 @@ def test_one_table_holds_two_image_sizes_each_counted_changed_and_retired_on_its
 def test_a_folder_that_cannot_be_listed_stops_the_run_and_retires_nothing(
     lake: Lake, digits_dir: Path, tmp_path: Path, monkeypatch
 ) -> None:
-    from tasks.listing import ListingIncomplete, list_source
+    from imagelake.tasks.data.listing import ListingIncomplete, list_source
     from tests.lake import LostMount
 
     source = tmp_path / "src"
@@ -444,8 +444,8 @@ def test_a_folder_that_cannot_be_listed_stops_the_run_and_retires_nothing(
 
 
 def test_a_run_that_would_retire_most_of_a_dates_rows_is_refused(lake: Lake, digits_dir: Path, tmp_path: Path) -> None:
-    from tasks.rules.bad_files import TooManyRetired
-    from tasks.rules.listing import Scope
+    from imagelake.tasks.rules.bad_files import TooManyRetired
+    from imagelake.tasks.rules.listing import Scope
 
     source = tmp_path / "src"
     copy_digits(digits_dir, source / "date=2024-03-01", labels=("1", "2"), per_label=5)
@@ -571,8 +571,8 @@ def test_a_read_that_fails_is_retried_and_never_quarantined(lake: Lake, digits_d
 def test_requeue_sends_quarantined_files_back_through(lake: Lake, digits_dir: Path, tmp_path: Path) -> None:
     from typer.testing import CliRunner
 
-    from flows.cli import app
-    from tasks.stages.write import requeue_by_setting
+    from imagelake.flows.cli import app
+    from imagelake.tasks.stages.write import requeue_by_setting
 
     source = tmp_path / "src"
     copy_digits(digits_dir, source, labels=("0", "1"), per_label=5)
@@ -668,9 +668,9 @@ def test_two_identical_runs_at_once_keep_their_own_staging_and_a_short_one_write
 ) -> None:
     from deltalake import DeltaTable
 
-    from tasks.stages.ingest import ingest
-    from tasks.stages.resize import resize
-    from tasks.stages.write import StagingIncomplete, write
+    from imagelake.tasks.stages.ingest import ingest
+    from imagelake.tasks.stages.resize import resize
+    from imagelake.tasks.stages.write import StagingIncomplete, write
 
     source = tmp_path / "src"
     copy_digits(digits_dir, source, labels=("0", "1"), per_label=4)

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from flows.cli import format_summary
-from tasks.stages.summary import summary_markdown
+from imagelake.flows.cli import format_summary
+from imagelake.tasks.stages.summary import summary_markdown
 
 LABEL = "a|b <img src=x> *x*"
 RUN_LINK = "http://127.0.0.1:5000/#/experiments/1/runs/23b04eb6136a489d8faa99bc6bf2af8b"
@@ -206,7 +206,7 @@ def test_the_cli_summary_follows_the_same_order_without_reprs() -> None:
 
 
 def test_splits_read_train_val_test_whatever_order_they_came_in() -> None:
-    from tasks.rules.report import in_split_order
+    from imagelake.tasks.rules.report import in_split_order
 
     assert list(in_split_order({"test": 2, "extra": 4, "train": 1, "val": 3})) == ["train", "val", "test", "extra"]
     sorted_as_json = built_summary(split_counts={"test": 204, "train": 1426, "val": 167})
@@ -219,6 +219,6 @@ def test_splits_read_train_val_test_whatever_order_they_came_in() -> None:
     [(0.04, "0.0 s"), (59.94, "59.9 s"), (59.96, "1 min 0 s"), (125.3, "2 min 5 s"), (3725, "1 h 2 min")],
 )
 def test_durations_read_as_seconds_then_minutes(seconds: float, text: str) -> None:
-    from tasks.rules.report import duration
+    from imagelake.tasks.rules.report import duration
 
     assert duration(seconds) == text

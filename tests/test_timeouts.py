@@ -18,11 +18,11 @@ from prefect.cache_policies import NO_CACHE
 from prefect.context import FlowRunContext
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
-from flows.flow import imagelake_flow, run_settings
-from infra import lifecycle
-from infra.prefect_env import lock_name, one_at_a_time
-from infra.settings import Settings, SettingsError, load_settings
-from tasks.stage import stage, stage_outcomes
+from imagelake.flows.flow import imagelake_flow, run_settings
+from imagelake.infra import lifecycle
+from imagelake.infra.prefect_env import lock_name, one_at_a_time
+from imagelake.infra.settings import Settings, SettingsError, load_settings
+from imagelake.tasks.stage import stage, stage_outcomes
 
 BLOCK_SECONDS = 20  # far past the limits below; without a timeout the stage would end by itself, and the test fail
 ATTEMPTS: list[int] = []
@@ -84,7 +84,7 @@ def test_a_run_blocked_past_its_timeout_fails_timed_out_once_and_releases_spark_
 
 
 def test_a_deadline_interrupts_a_blocking_call_in_the_main_thread_and_a_loop_in_another() -> None:
-    from infra.deadline import StageTimedOut, deadline
+    from imagelake.infra.deadline import StageTimedOut, deadline
 
     SLEPT_OUT.clear()
     with pytest.raises(StageTimedOut, match="past"):
@@ -152,7 +152,7 @@ def holds_a_lock(settings: Settings, what: str, held_path: str, done_path: str) 
 def test_a_run_on_another_host_gives_up_after_its_wait_and_names_the_flow_run_holding_the_lock(
     prefect_api: str, tmp_path: Path
 ) -> None:
-    from infra.holders import shared_record
+    from imagelake.infra.holders import shared_record
 
     # Two hosts: their own workspaces (no file lock in common), one Prefect server.
     here = load_settings(overrides={"workspace": str(tmp_path / "a"), "prefect_api_url": prefect_api})
@@ -181,8 +181,8 @@ def test_no_timeout_or_lock_wait_enters_a_cache_key_or_a_ray_run_name() -> None:
 
     from prefect import Task
 
-    from tasks.rules.training import TRAINING_SETTINGS
-    from tasks.stage import StageKey, key_parts
+    from imagelake.tasks.rules.training import TRAINING_SETTINGS
+    from imagelake.tasks.stage import StageKey, key_parts
 
     timing = {name for name in Settings.model_fields if "timeout" in name or "lock_wait" in name}
     assert {"flow_timeout_hours", "stage_timeout_minutes", "train_timeout_minutes", "train_lock_wait_minutes"} <= timing
@@ -201,7 +201,7 @@ def test_no_timeout_or_lock_wait_enters_a_cache_key_or_a_ray_run_name() -> None:
             "retention",
             "maintain",
         )
-        for value in vars(importlib.import_module(f"tasks.stages.{name}")).values()
+        for value in vars(importlib.import_module(f"imagelake.tasks.stages.{name}")).values()
         if isinstance(value, Task) and isinstance(value.cache_policy, StageKey)
     ]
     for task in stages:
@@ -224,7 +224,7 @@ def test_a_lock_wait_must_end_before_its_stage_s_timeout() -> None:
 def test_a_git_that_does_not_answer_never_fails_the_commit_tag(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The promote stage tags the model with the code's commit: a git that hangs (a slow disk, a locked index) gives
     "unknown" or the commit with "-status-unknown", within the bound, never an error."""
-    from infra import tracking
+    from imagelake.infra import tracking
 
     fake = tmp_path / "bin"
     fake.mkdir()

@@ -9,12 +9,12 @@ import pytest
 import ray.train
 import torch
 
-from infra.tracking import mlflow_client
-from tasks.rules.training import scaled_learning_rate
-from tasks.stages.cache import Stored, cache_splits
-from tasks.stages.split import plan_splits
-from tasks.stages.train import run_name, train_model
-from tasks.worker.train_loop import (
+from imagelake.infra.tracking import mlflow_client
+from imagelake.tasks.rules.training import scaled_learning_rate
+from imagelake.tasks.stages.cache import Stored, cache_splits
+from imagelake.tasks.stages.split import plan_splits
+from imagelake.tasks.stages.train import run_name, train_model
+from imagelake.tasks.worker.train_loop import (
     CheckpointUnusable,
     make_model,
     make_trainer,
@@ -168,8 +168,8 @@ def test_the_baseline_fits_a_random_sample_of_the_same_split_and_beats_chance(ca
     import numpy as np
     import torch.nn.functional as F
 
-    from tasks.baseline import fit_baseline, thumbnails
-    from tasks.stages.promote import read_split
+    from imagelake.tasks.registry.baseline import fit_baseline, thumbnails
+    from imagelake.tasks.stages.promote import read_split
 
     whole = fit_baseline(cached.splits["train"], cached.splits["test"], 24, cached.counts, seed=0)
     assert (whole.train_rows, whole.test_rows) == (cached.counts["train"], cached.counts["test"])
@@ -230,7 +230,7 @@ def test_a_ray_strategy_of_another_lightning_package_is_refused_before_training(
     package, lightning_fabric's, stands in for lightning.pytorch's, which this environment does not install)."""
     from lightning_fabric.strategies import DDPStrategy as FabricDDPStrategy
 
-    from tasks.worker.train_loop import ray_lightning_problem
+    from imagelake.tasks.worker.train_loop import ray_lightning_problem
 
     assert ray_lightning_problem() is None
     problem = ray_lightning_problem(FabricDDPStrategy)
@@ -275,8 +275,8 @@ def test_a_compiled_model_trains_its_own_weights_checkpoints_under_the_plain_nam
     # Registered as the promote stage registers: the plain model of the checkpoint, a pt2 program in the served pyfunc.
     import mlflow
 
-    from tasks.registry import served_model
-    from tasks.stages.promote import load_trained_model
+    from imagelake.tasks.registry.models import served_model
+    from imagelake.tasks.stages.promote import load_trained_model
 
     exported = load_trained_model(str(tmp_path / "compiled.ckpt"))
     labels = [str(n) for n in range(10)]
@@ -296,7 +296,7 @@ def test_a_compiled_model_trains_its_own_weights_checkpoints_under_the_plain_nam
     with pytest.raises(ValueError, match="compile mode 'fastest'"):
         make_model({**config, "compile": "fastest"})
     # The setting: unset, compiled with a GPU only; on or off; or a mode.
-    from tasks.worker.train_loop import compile_mode
+    from imagelake.tasks.worker.train_loop import compile_mode
 
     assert compile_mode({"use_gpu": True}) == ("default" if torch.cuda.is_available() else None)
     assert compile_mode({"use_gpu": False}) is None and compile_mode({"compile": False, "use_gpu": True}) is None

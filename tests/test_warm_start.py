@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from infra.tracking import mlflow_client
-from tasks.registry import load_registered_model
-from tasks.rules.promotion import CHAMPION
-from tasks.rules.warm_start import Champion, WeightsShape, decide_warm_start, shape_from_tags
-from tasks.stages.promote import promote_model
-from tasks.stages.train import train_model, warm_start_key, warm_start_of
-from tasks.worker.model import ImageModel
+from imagelake.infra.tracking import mlflow_client
+from imagelake.tasks.registry.models import load_registered_model
+from imagelake.tasks.rules.promotion import CHAMPION
+from imagelake.tasks.rules.warm_start import Champion, WeightsShape, decide_warm_start, shape_from_tags
+from imagelake.tasks.stages.promote import promote_model
+from imagelake.tasks.stages.train import train_model, warm_start_key, warm_start_of
+from imagelake.tasks.worker.model import ImageModel
 from tests.conftest import DIGITS
 
 SHAPE = WeightsShape(labels=DIGITS, image_size=24, model_arch="small_cnn", resize_mode="letterbox")

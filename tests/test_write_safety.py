@@ -14,16 +14,16 @@ from pathlib import Path
 
 import pytest
 
-from infra.delta import Table, commit_files, read_version
-from tasks.changes import ingest_listing
-from tasks.listing import source_uri
-from tasks.resize_executor import DecodeRules
-from tasks.results import Resized
-from tasks.rules.listing import Scope
-from tasks.rules.schemas import IMAGE_TABLE_SCHEMA
-from tasks.stages.resize import resize_images
-from tasks.stages.write import WRITE_PHASES, plan_changes, settle_concurrent_append, write_images
-from tasks.table import ImageTable
+from imagelake.infra.delta import Table, commit_files, read_version
+from imagelake.tasks.data.changes import ingest_listing
+from imagelake.tasks.data.listing import source_uri
+from imagelake.tasks.data.resize_executor import DecodeRules
+from imagelake.tasks.data.table import ImageTable
+from imagelake.tasks.results import Resized
+from imagelake.tasks.rules.listing import Scope
+from imagelake.tasks.rules.schemas import IMAGE_TABLE_SCHEMA
+from imagelake.tasks.stages.resize import resize_images
+from imagelake.tasks.stages.write import WRITE_PHASES, plan_changes, settle_concurrent_append, write_images
 from tests.conftest import REPO
 from tests.lake import copy_digits
 

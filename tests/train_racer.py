@@ -8,10 +8,10 @@ import sys
 import time
 from pathlib import Path
 
-from infra.settings import load_settings
-from tasks.results import CachedSplits
-from tasks.stages.promote import promote_model
-from tasks.stages.train import train_model
+from imagelake.infra.settings import load_settings
+from imagelake.tasks.results import CachedSplits
+from imagelake.tasks.stages.promote import promote_model
+from imagelake.tasks.stages.train import train_model
 
 
 def main(cached_json: str, go: str, out: str) -> None:

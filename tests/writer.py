@@ -10,12 +10,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import tasks.stages.write
-from infra.settings import Settings
-from infra.spark import spark_session
-from tasks.results import Resized
-from tasks.stages.write import write_images
-from tasks.table import ImageTable
+import imagelake.tasks.stages.write
+from imagelake.infra.settings import Settings
+from imagelake.infra.spark import spark_session
+from imagelake.tasks.data.table import ImageTable
+from imagelake.tasks.results import Resized
+from imagelake.tasks.stages.write import write_images
 
 
 def stop_at(phase: str) -> Callable[[str], None]:
@@ -34,7 +34,7 @@ if __name__ == "__main__":
     spark = spark_session(Settings(workspace=Path(args["workspace"]), spark_master="local[1]"))
     resized = Resized.model_validate(args["resized"])
     if args.get("stop_at"):
-        tasks.stages.write.on_phase = stop_at(args["stop_at"])
+        imagelake.tasks.stages.write.on_phase = stop_at(args["stop_at"])
     print("READY", flush=True)
     while args.get("barrier") and not Path(args["barrier"]).exists():
         time.sleep(0.01)

@@ -32,9 +32,9 @@ from base64 import b64encode
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from infra.java import ensure_java
-from infra.lifecycle import processes_with, stop_processes
-from infra.local import postgres
+from imagelake.infra.java import ensure_java
+from imagelake.infra.lifecycle import processes_with, stop_processes
+from imagelake.infra.local import postgres
 
 CLUSTER_VARIABLE = "IMAGELAKE_CLUSTER"
 BIN = Path(sys.executable).parent
@@ -217,7 +217,7 @@ def load(root: Path = DEFAULT_ROOT) -> Cluster:
     path = _state_file(root.resolve())
     if not path.exists():
         raise ClusterError(
-            f"no cluster state in {path}: start one with `make cluster-up` (python -m infra.local.cluster up)"
+            f"no cluster state in {path}: start one with `make cluster-up` (python -m imagelake.infra.local.cluster up)"
         )
     data = json.loads(path.read_text())
     ports = data.pop("ports")
@@ -540,7 +540,7 @@ def _start_ray(cluster: Cluster, timeout: float, node_env: dict[str, str]) -> No
     node = [
         sys.executable,
         "-m",
-        "infra.local.cluster",
+        "imagelake.infra.local.cluster",
         "ray-start-loopback",
         "--address",
         cluster.ray_address,
@@ -568,7 +568,7 @@ def ray_start_loopback(args: list[str]) -> int:
     it)."""
     from ray.scripts.scripts import main as ray_main
 
-    from infra.compat import keep_ray_loopback
+    from imagelake.infra.compat import keep_ray_loopback
 
     sys.argv = ["ray", "start", *args]
     with keep_ray_loopback():
@@ -782,7 +782,9 @@ def status(root: Path = DEFAULT_ROOT) -> dict:
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m infra.local.cluster", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m imagelake.infra.local.cluster", description=__doc__.split("\n\n")[0]
+    )
     if argv is None and sys.argv[1:2] == ["ray-start-loopback"]:
         return ray_start_loopback(sys.argv[2:])
     parser.add_argument("command", choices=("up", "down", "status"))

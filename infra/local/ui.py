@@ -1,8 +1,8 @@
 """The Prefect and MLflow UIs of one machine (`make ui`), on SQLite files in the workspace or on a PostgreSQL of their
 own.
 
-    python -m infra.local.ui --workspace .imagelake --database sqlite    # the default: files in the workspace
-    python -m infra.local.ui --workspace .imagelake --database postgres  # PostgreSQL, data in <workspace>/ui/postgres
+    python -m imagelake.infra.local.ui --workspace .imagelake --database sqlite    # the default: files in the workspace
+    python -m imagelake.infra.local.ui --workspace .imagelake --database postgres  # data in <workspace>/ui/postgres
 
 The Prefect API asks for a generated auth string, kept in <workspace>/ui/ui.env (mode 0600), where `make worker` and
 clients load it from; it checks CSRF tokens and answers CORS requests from its own UI's origin only (a web page open in
@@ -22,8 +22,8 @@ import sys
 import time
 from pathlib import Path
 
-from infra.local import postgres
-from infra.local.cluster import BIN, DATABASES, read_env_file, write_private
+from imagelake.infra.local import postgres
+from imagelake.infra.local.cluster import BIN, DATABASES, read_env_file, write_private
 
 PASSWORD = "IMAGELAKE_UI_POSTGRES_PASSWORD"
 AUTH_STRING = "PREFECT_API_AUTH_STRING"  # the name Prefect's clients read it under: `. ui.env` sets it for them
@@ -146,7 +146,7 @@ def serve(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m infra.local.ui", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m imagelake.infra.local.ui", description=__doc__.split("\n\n")[0])
     parser.add_argument("--workspace", type=Path, default=Path(".imagelake"))
     parser.add_argument("--database", choices=DATABASES, default="sqlite")
     parser.add_argument("--prefect-port", type=int, default=4200)

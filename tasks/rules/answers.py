@@ -1,5 +1,5 @@
 """What a model's answer for one image is: its label, probability and top k, from the class probabilities. Shared by
-`imagelake predict` and the registered model MLflow serves (tasks/served_model.py, which carries this file).
+`imagelake predict` and the registered model MLflow serves (tasks/inference/served_pyfunc.py, which carries this file).
 
 Pure: numpy only.
 """

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from datetime import date
 
-from tasks.results import Resized
+from imagelake.tasks.results import Resized
 
 
 class TooManyBadFiles(ValueError):

@@ -1,7 +1,7 @@
 """Listing rules: the label, date and any problem of a listed file (from its path and size alone), which dates a run
 looks at, the listing's fingerprint, its diff against what the table already holds, and a backfill's plan of dates.
 
-No I/O and no engine: tasks/listing.py lists the files (fsspec) and hands their paths and sizes here.
+No I/O and no engine: tasks/data/listing.py lists the files (fsspec) and hands their paths and sizes here.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from datetime import date, timedelta
 from typing import Any
 
-from infra.settings import Settings
+from imagelake.infra.settings import Settings
 
 DATE_FOLDER = re.compile(r"^date=(\d{4}-\d{2}-\d{2})$")
 

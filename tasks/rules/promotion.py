@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 CHAMPION, CHALLENGER, PREVIOUS = "champion", "challenger", "previous-champion"
 
-# What every run fits beside its model, on the same split (tasks/baseline.py): the floor its margin is measured from.
+# What every run fits beside its model, on the same split (registry/baseline.py): the floor its margin is measured from.
 BASELINE = "logistic regression on 32 px thumbnails"
 
 # Each gate metric, and whether a higher value is better.

@@ -1,12 +1,12 @@
 """Cache: the Petastorm-readable Parquet files of each split of a table version, grown version by version.
 
-Its layout is tasks/cache_files.py's: a cache line (one per table, image size, partitioning, split fractions, labels
+Its layout is data/cache_files.py's: a cache line (one per table, image size, partitioning, split fractions, labels
 and seed) keeps its files under `data/<split>/g<generation>/` and one manifest per cached table version,
 `<split>-v<version>.json`, naming the files that hold that version's rows of the split. A new version adds a generation
 holding only its new rows; files holding rows the version retired or replaced are rewritten without them (into the new
 generation); every other file is shared, never copied. A row's split follows from its content hash, so rows never move
 between splits. A version whose rows are those of a cached one (a compaction) gets that cache back as it was, so the
-stages after it (training, the gate) reuse their stored results. `clean_cache` (tasks/cache_files.py) removes what
+stages after it (training, the gate) reuse their stored results. `clean_cache` (tasks/data/cache_files.py) removes what
 no kept manifest names.
 """
 
@@ -26,23 +26,31 @@ import pyarrow.parquet as pq
 from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
-from infra.compat import collect_arrow
-from infra.prefect_env import fence, one_at_a_time
-from infra.settings import Settings
-from infra.spark import SparkSource, on_demand, session_of
-from tasks.cache_files import GENERATION_BITS, LAYOUT, CacheLine, cached_files, damaged_split, encode_jpeg, nearest
-from tasks.progress import stage_logger
-from tasks.results import CachedSplits, SplitPlan
-from tasks.rules.splits import SPLITS
-from tasks.stage import stage
-from tasks.table import DRIVER_BYTES, ImageTable, splits_of
+from imagelake.infra.compat import collect_arrow
+from imagelake.infra.prefect_env import fence, one_at_a_time
+from imagelake.infra.settings import Settings
+from imagelake.infra.spark import SparkSource, on_demand, session_of
+from imagelake.tasks.data.cache_files import (
+    GENERATION_BITS,
+    LAYOUT,
+    CacheLine,
+    cached_files,
+    damaged_split,
+    encode_jpeg,
+    nearest,
+)
+from imagelake.tasks.data.table import DRIVER_BYTES, ImageTable, splits_of
+from imagelake.tasks.progress import stage_logger
+from imagelake.tasks.results import CachedSplits, SplitPlan
+from imagelake.tasks.rules.splits import SPLITS
+from imagelake.tasks.stage import stage
 
 ROW_KEY = ("sha256", "label")
 
 
 @dataclass(frozen=True)
 class Stored:
-    """How a cache holds its images: raw pixels, or JPEG files of a quality (tasks/cache_files.py:encode_jpeg)."""
+    """How a cache holds its images: raw pixels, or JPEG files of a quality (tasks/data/cache_files.py:encode_jpeg)."""
 
     image_format: str = "raw"
     quality: int = 95
@@ -423,7 +431,7 @@ def cache_one_at_a_time(spark: SparkSource, plan: SplitPlan, settings: Settings)
 @stage(
     "cache",
     settings=("image_size", "cache_uri", "seed", "cache_format", "cache_jpeg_quality"),
-    code=("tasks.table", "tasks.cache_files"),
+    code=("imagelake.tasks.data.table", "imagelake.tasks.data.cache_files"),
     needs=cached_files,
     unfinished=damaged_split,
 )

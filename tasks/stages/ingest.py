@@ -1,19 +1,19 @@
 """Ingest: list the source (a folder tree or a manifest CSV) and keep the listing in staging, named by its fingerprint
-(tasks/listing.py lists; tasks/rules/listing.py decides which files count, and with which label, date and problem).
+(tasks/data/listing.py lists; tasks/rules/listing.py decides which files count, and with which label, date and problem).
 
 The ingest stage only lists: what is new or changed depends on the image size, so the resize stage diffs the listing
-against the table (tasks/changes.py).
+against the table (tasks/data/changes.py).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from infra.settings import Settings
-from tasks.listing import save_listing, source_uri
-from tasks.results import Listed
-from tasks.rules.listing import Scope, SourceError, listing_fingerprint, scope_of
-from tasks.stage import stage
+from imagelake.infra.settings import Settings
+from imagelake.tasks.data.listing import save_listing, source_uri
+from imagelake.tasks.results import Listed
+from imagelake.tasks.rules.listing import Scope, SourceError, listing_fingerprint, scope_of
+from imagelake.tasks.stage import stage
 
 # The listing that computing the ingest stage's key just saved, for the stage itself: a run lists its source once.
 _saved_for_key: dict[tuple[str, Scope, str], Listed] = {}
@@ -36,7 +36,7 @@ def source_listing(inputs: dict[str, Any]) -> dict[str, str]:
     "ingest",
     settings=("image_extensions", "start_date", "end_date", "max_file_bytes", "manifest_roots", "staging_uri"),
     facts=source_listing,
-    code=("tasks.listing", "tasks.rules.listing", "tasks.rules.schemas"),
+    code=("imagelake.tasks.data.listing", "imagelake.tasks.rules.listing", "imagelake.tasks.rules.schemas"),
     needs=lambda listed: [listed.manifest_uri],
 )
 def ingest(source: str, settings: Settings) -> Listed:

@@ -7,11 +7,11 @@ from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
 from prefect.cache_policies import NO_CACHE
 
-from infra.delta import Table
-from infra.settings import Settings
-from infra.tracking import mlflow_client
-from tasks.cache_files import clean_cache
-from tasks.stage import stage
+from imagelake.infra.delta import Table
+from imagelake.infra.settings import Settings
+from imagelake.infra.tracking import mlflow_client
+from imagelake.tasks.data.cache_files import clean_cache
+from imagelake.tasks.stage import stage
 
 
 class RegistryUnavailable(RuntimeError):

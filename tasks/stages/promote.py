@@ -17,22 +17,22 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.runtime import flow_run
 from pyspark.sql import functions as F
 
-from infra.delta import Table
-from infra.settings import Settings
-from infra.tracking import git_commit, mlflow_client, run_url
-from tasks.cache_files import pixel_rows, split_files, split_format
-from tasks.cards import confusion_matrix, metric_keys, model_card, per_class_metrics, per_class_table
-from tasks.predict import predict
-from tasks.registry import TestRowsAt, gate, registry_lock, served_model
-from tasks.resize_executor import DecodeRules, read_with_retries
-from tasks.results import CachedSplits, Promoted, Trained
-from tasks.rules.images import resize_image
-from tasks.rules.promotion import CHALLENGER, CHAMPION, Decision, decision_markdown
-from tasks.rules.training import started_from
-from tasks.rules.warm_start import labels_tag
-from tasks.stage import stage
-from tasks.table import matching
-from tasks.worker.model import ImageClassifier, ImageModel
+from imagelake.infra.delta import Table
+from imagelake.infra.settings import Settings
+from imagelake.infra.tracking import git_commit, mlflow_client, run_url
+from imagelake.tasks.data.cache_files import pixel_rows, split_files, split_format
+from imagelake.tasks.data.resize_executor import DecodeRules, read_with_retries
+from imagelake.tasks.data.table import matching
+from imagelake.tasks.inference.predict import predict
+from imagelake.tasks.registry.cards import confusion_matrix, metric_keys, model_card, per_class_metrics, per_class_table
+from imagelake.tasks.registry.models import TestRowsAt, gate, registry_lock, served_model
+from imagelake.tasks.results import CachedSplits, Promoted, Trained
+from imagelake.tasks.rules.images import resize_image
+from imagelake.tasks.rules.promotion import CHALLENGER, CHAMPION, Decision, decision_markdown
+from imagelake.tasks.rules.training import started_from
+from imagelake.tasks.rules.warm_start import labels_tag
+from imagelake.tasks.stage import stage
+from imagelake.tasks.worker.model import ImageClassifier, ImageModel
 
 
 def load_trained_model(checkpoint_path: str) -> ImageModel:
@@ -160,7 +160,7 @@ def promote_model(
         version = registered_version(client, settings.model_name, trained.mlflow_run_id)
         if version is None:
             with mlflow.start_run(run_id=trained.mlflow_run_id):
-                # A pyfunc any MLflow client can call with image files (tasks/served_model.py), around a torch.export
+                # A pyfunc any MLflow client can call with image files (inference/served_pyfunc.py), around torch.export
                 # program that loads without unpickling. Its requirements are given: inferring them loads the model
                 # again in a new interpreter. Logged before the per-class metrics: MLflow links each of the run's
                 # metrics to the model, a request each.
@@ -265,16 +265,16 @@ def promote_model(
         "partitions_per_worker",
     ),
     code=(
-        "tasks.predict",
-        "tasks.registry",
-        "tasks.served_model",
-        "tasks.rules.promotion",
-        "tasks.rules.images",
-        "tasks.rules.answers",
-        "tasks.cards",
-        "tasks.resize_executor",
-        "tasks.table",
-        "tasks.cache_files",
+        "imagelake.tasks.inference.predict",
+        "imagelake.tasks.registry.models",
+        "imagelake.tasks.inference.served_pyfunc",
+        "imagelake.tasks.rules.promotion",
+        "imagelake.tasks.rules.images",
+        "imagelake.tasks.rules.answers",
+        "imagelake.tasks.registry.cards",
+        "imagelake.tasks.data.resize_executor",
+        "imagelake.tasks.data.table",
+        "imagelake.tasks.data.cache_files",
     ),
     retries=1,
 )

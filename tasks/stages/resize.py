@@ -1,5 +1,5 @@
 """Resize: find what is new or changed at this image size, then decode it on the Spark executors
-(tasks/resize_executor.py)
+(tasks/data/resize_executor.py)
 in balanced tasks, with a progress line from the driver; pixels go into uncommitted data files, the rest to staging."""
 
 from __future__ import annotations
@@ -16,11 +16,10 @@ import pyarrow.parquet as pq
 from pyspark.sql import SparkSession
 from pyspark.sql.pandas.types import from_arrow_schema
 
-from infra.delta import Table
-from infra.settings import Settings
-from tasks.changes import diff_against_table
-from tasks.progress import Every, rate_line, stage_logger
-from tasks.resize_executor import (
+from imagelake.infra.delta import Table
+from imagelake.infra.settings import Settings
+from imagelake.tasks.data.changes import diff_against_table
+from imagelake.tasks.data.resize_executor import (
     PROGRESS_FOLDER,
     PROGRESS_SECONDS,
     READ_RETRIES,
@@ -29,12 +28,13 @@ from tasks.resize_executor import (
     files_done,
     process_partition,
 )
-from tasks.results import Listed, ListingDiff, Resized, left_unread
-from tasks.rules.listing import scope_of
-from tasks.rules.partitions import ROWS_PER_DECODE_TASK, balanced_partitions
-from tasks.rules.schemas import CHANGES_SCHEMA
-from tasks.stage import stage
-from tasks.table import ImageTable
+from imagelake.tasks.data.table import ImageTable
+from imagelake.tasks.progress import Every, rate_line, stage_logger
+from imagelake.tasks.results import Listed, ListingDiff, Resized, left_unread
+from imagelake.tasks.rules.listing import scope_of
+from imagelake.tasks.rules.partitions import ROWS_PER_DECODE_TASK, balanced_partitions
+from imagelake.tasks.rules.schemas import CHANGES_SCHEMA
+from imagelake.tasks.stage import stage
 
 
 def resize_images(
@@ -202,13 +202,13 @@ def staged_for_write(resized: Resized) -> list[str]:
     needs=staged_for_write,
     unfinished=left_unread,
     code=(
-        "tasks.changes",
-        "tasks.table",
-        "tasks.resize_executor",
-        "tasks.rules.listing",
-        "tasks.rules.images",
-        "tasks.rules.schemas",
-        "tasks.rules.partitions",
+        "imagelake.tasks.data.changes",
+        "imagelake.tasks.data.table",
+        "imagelake.tasks.data.resize_executor",
+        "imagelake.tasks.rules.listing",
+        "imagelake.tasks.rules.images",
+        "imagelake.tasks.rules.schemas",
+        "imagelake.tasks.rules.partitions",
     ),
 )
 def resize(listed: Listed, settings: Settings) -> Resized:

@@ -4,7 +4,7 @@ they are older than `workspace_retention_hours`, so a workspace that runs every 
 What is removed can always be made again: a later run that wanted it recomputes it (a stage result that names a removed
 file is not reused, see `stage(needs=...)`). What a later run reads first is kept whatever its age: the listing the
 tables were last in step with, the newest split-count record of each table, the stages' key records, and each manifest's
-record of the paths it named (tasks/changes.py:record_named; not made again: without it the manifest retires nothing).
+record of the paths it named (data/changes.py:record_named; not made again: without it the manifest retires nothing).
 """
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ from typing import Any
 import fsspec
 from prefect.cache_policies import NO_CACHE
 
-from infra.settings import Settings
-from tasks.changes import IN_SYNC
-from tasks.listing import modified_seconds
-from tasks.progress import stage_logger
-from tasks.split_records import SPLIT_COUNTS, record_version
-from tasks.stage import stage
+from imagelake.infra.settings import Settings
+from imagelake.tasks.data.changes import IN_SYNC
+from imagelake.tasks.data.listing import modified_seconds
+from imagelake.tasks.data.split_records import SPLIT_COUNTS, record_version
+from imagelake.tasks.progress import stage_logger
+from imagelake.tasks.stage import stage
 
 # Staging's files, by the stage that writes them: ingest's listings (and a crashed listing's file set aside), the
 # diff's list of changes and resize's output folders.

@@ -1,5 +1,5 @@
 """Score: a registered model's answers for a folder, an object-store prefix or a Delta table version, made on Spark's
-executors (tasks/score_executor.py) with the model loaded once per worker process, and kept in the Delta table
+executors (tasks/inference/batch_scorer.py) with the model loaded once per worker process, and kept in the Delta table
 `predictions`: one row per image content and model version, so a run answers only what is new to that version."""
 
 from __future__ import annotations
@@ -22,17 +22,17 @@ from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.pandas.types import from_arrow_schema
 
-from infra.delta import Table, table_exists
-from infra.settings import Settings
-from infra.spark import spark_session
-from infra.tracking import mlflow_client
-from tasks.listing import source_uri, walk_files
-from tasks.progress import Every, rate_line, stage_logger
-from tasks.registry import model_files, resolve, served_files
-from tasks.resize_executor import PROGRESS_FOLDER, files_done
-from tasks.rules.schemas import ANSWERED_SCHEMA, PREDICTIONS_SCHEMA
-from tasks.score_executor import ScoreJob, score_partition
-from tasks.stage import stage
+from imagelake.infra.delta import Table, table_exists
+from imagelake.infra.settings import Settings
+from imagelake.infra.spark import spark_session
+from imagelake.infra.tracking import mlflow_client
+from imagelake.tasks.data.listing import source_uri, walk_files
+from imagelake.tasks.data.resize_executor import PROGRESS_FOLDER, files_done
+from imagelake.tasks.inference.batch_scorer import ScoreJob, score_partition
+from imagelake.tasks.progress import Every, rate_line, stage_logger
+from imagelake.tasks.registry.models import model_files, resolve, served_files
+from imagelake.tasks.rules.schemas import ANSWERED_SCHEMA, PREDICTIONS_SCHEMA
+from imagelake.tasks.stage import stage
 
 ROWS_PER_SCORE_TASK = 2_000  # images per Spark task, beyond one task per core
 _TABLE_VERSION = re.compile(r"^(?P<uri>.+)@(?P<version>\d+)$")
@@ -236,12 +236,12 @@ def score_model(model: str, settings: Settings) -> str:
         [f"{scored['predictions_uri']}/_delta_log"] if scored["predictions_version"] is not None else []
     ),
     code=(
-        "tasks.score_executor",
-        "tasks.resize_executor",
-        "tasks.served_model",
-        "tasks.rules.images",
-        "tasks.rules.answers",
-        "tasks.rules.schemas",
+        "imagelake.tasks.inference.batch_scorer",
+        "imagelake.tasks.data.resize_executor",
+        "imagelake.tasks.inference.served_pyfunc",
+        "imagelake.tasks.rules.images",
+        "imagelake.tasks.rules.answers",
+        "imagelake.tasks.rules.schemas",
     ),
 )
 def score(source: str, model: str, settings: Settings) -> dict[str, Any]:

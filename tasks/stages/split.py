@@ -3,14 +3,14 @@ repartitions it into."""
 
 from __future__ import annotations
 
-from infra.delta import Table
-from infra.settings import Settings
-from infra.spark import SparkSource, on_demand
-from tasks.results import SplitPlan, TableVersion
-from tasks.rules.splits import SPLITS, check_splits
-from tasks.split_records import PlanRecords
-from tasks.stage import stage
-from tasks.table import ImageTable
+from imagelake.infra.delta import Table
+from imagelake.infra.settings import Settings
+from imagelake.infra.spark import SparkSource, on_demand
+from imagelake.tasks.data.split_records import PlanRecords
+from imagelake.tasks.data.table import ImageTable
+from imagelake.tasks.results import SplitPlan, TableVersion
+from imagelake.tasks.rules.splits import SPLITS, check_splits
+from imagelake.tasks.stage import stage
 
 
 def plan_splits(spark: SparkSource, written: TableVersion, settings: Settings) -> SplitPlan:
@@ -53,7 +53,7 @@ def quarantine_now(inputs: dict) -> dict[str, str]:
     "split",
     settings=("image_size", "val_fraction", "test_fraction", "partitions_per_worker", "num_workers"),
     facts=quarantine_now,
-    code=("tasks.rules.splits", "tasks.split_records"),
+    code=("imagelake.tasks.rules.splits", "imagelake.tasks.data.split_records"),
 )
 def split(table: TableVersion, settings: Settings) -> SplitPlan:
     """Prefect stage: plan the split and the partition count of one table version."""

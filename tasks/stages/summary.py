@@ -10,17 +10,17 @@ from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 from prefect.utilities.urls import url_for
 
-from infra.settings import Settings
-from infra.spark import spark_application, spark_started_by, spark_startup_seconds
-from infra.tracking import mlflow_client, model_version_url, run_url
-from tasks.cards import dataset_card_markdown, dataset_card_of
-from tasks.registry import alias_version
-from tasks.results import CachedSplits, Promoted, Resized, TableVersion, Trained, Written
-from tasks.rules.markdown import markdown_text
-from tasks.rules.promotion import BASELINE, CHAMPION
-from tasks.rules.report import accuracy, count, counts, duration, in_split_order, margin
-from tasks.rules.training import started_from
-from tasks.stage import stage, stage_outcomes, stage_seconds
+from imagelake.infra.settings import Settings
+from imagelake.infra.spark import spark_application, spark_started_by, spark_startup_seconds
+from imagelake.infra.tracking import mlflow_client, model_version_url, run_url
+from imagelake.tasks.registry.cards import dataset_card_markdown, dataset_card_of
+from imagelake.tasks.registry.models import alias_version
+from imagelake.tasks.results import CachedSplits, Promoted, Resized, TableVersion, Trained, Written
+from imagelake.tasks.rules.markdown import markdown_text
+from imagelake.tasks.rules.promotion import BASELINE, CHAMPION
+from imagelake.tasks.rules.report import accuracy, count, counts, duration, in_split_order, margin
+from imagelake.tasks.rules.training import started_from
+from imagelake.tasks.stage import stage, stage_outcomes, stage_seconds
 
 
 def run_summary(

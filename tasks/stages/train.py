@@ -24,23 +24,23 @@ from ray.train import CheckpointConfig, FailureConfig, Result, RunConfig, Scalin
 from ray.train.lightning import RayTrainReportCallback
 from ray.train.torch import TorchTrainer
 
-from infra.deadline import sigint_handler_kept
-from infra.prefect_env import one_at_a_time
-from infra.ray_runtime import connect_ray
-from infra.settings import Settings
-from infra.tracking import experiment_id, mlflow_client, run_url
-from tasks.baseline import fit_baseline
-from tasks.cache_files import check_split, label_samples
-from tasks.cards import dataset_card_markdown, dataset_card_of, sample_grid
-from tasks.progress import Every, stage_logger
-from tasks.registry import champion_of, champion_state_dict
-from tasks.results import CachedSplits, Trained
-from tasks.rules.promotion import BASELINE
-from tasks.rules.training import TRAINING_SETTINGS, logged_params, scaled_learning_rate
-from tasks.rules.warm_start import WarmStart, WeightsShape, decide_warm_start
-from tasks.stage import code_digest, stage
-from tasks.worker.model import pretrained_source
-from tasks.worker.train_loop import (
+from imagelake.infra.deadline import sigint_handler_kept
+from imagelake.infra.prefect_env import one_at_a_time
+from imagelake.infra.ray_runtime import connect_ray
+from imagelake.infra.settings import Settings
+from imagelake.infra.tracking import experiment_id, mlflow_client, run_url
+from imagelake.tasks.data.cache_files import check_split, label_samples
+from imagelake.tasks.progress import Every, stage_logger
+from imagelake.tasks.registry.baseline import fit_baseline
+from imagelake.tasks.registry.cards import dataset_card_markdown, dataset_card_of, sample_grid
+from imagelake.tasks.registry.models import champion_of, champion_state_dict
+from imagelake.tasks.results import CachedSplits, Trained
+from imagelake.tasks.rules.promotion import BASELINE
+from imagelake.tasks.rules.training import TRAINING_SETTINGS, logged_params, scaled_learning_rate
+from imagelake.tasks.rules.warm_start import WarmStart, WeightsShape, decide_warm_start
+from imagelake.tasks.stage import code_digest, stage
+from imagelake.tasks.worker.model import pretrained_source
+from imagelake.tasks.worker.train_loop import (
     FIT_SECONDS,
     WORKER_NODES_TAG,
     LightningMismatch,
@@ -57,12 +57,12 @@ def run_name(cached: CachedSplits, settings: Settings, fresh: str | None = None,
     """
     code = code_digest(
         __name__,
-        "tasks.worker.train_loop",
-        "tasks.worker.model",
-        "tasks.worker.augment",
-        "tasks.worker.loader",
-        "tasks.cache_files",
-        "infra.compat",
+        "imagelake.tasks.worker.train_loop",
+        "imagelake.tasks.worker.model",
+        "imagelake.tasks.worker.augment",
+        "imagelake.tasks.worker.loader",
+        "imagelake.tasks.data.cache_files",
+        "imagelake.infra.compat",
     )
     parts = [
         cached.key,
@@ -463,7 +463,12 @@ def train_in(
     "train",
     settings=TRAINING_SETTINGS,
     facts=warm_start_key,
-    code=("tasks.rules.training", "tasks.rules.warm_start", "tasks.baseline", "tasks.cache_files"),
+    code=(
+        "imagelake.tasks.rules.training",
+        "imagelake.tasks.rules.warm_start",
+        "imagelake.tasks.registry.baseline",
+        "imagelake.tasks.data.cache_files",
+    ),
     retries=1,
     needs=lambda trained: [trained.checkpoint_path],
 )

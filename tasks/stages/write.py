@@ -21,15 +21,15 @@ import pyarrow.compute as pc
 import pyarrow.dataset as ds
 from prefect.cache_policies import NO_CACHE
 
-from infra.delta import FileRows, Table, sql_in
-from infra.errors import PermanentError
-from infra.settings import Settings
-from tasks.changes import mark_in_sync
-from tasks.results import Resized, Written, left_unread
-from tasks.rules.bad_files import TooManyBadFiles, TooManyRetired, check_bad_fraction, check_retire_fraction
-from tasks.rules.schemas import IMAGE_TABLE_SCHEMA, STAGED_ARROW_SCHEMA
-from tasks.stage import stage
-from tasks.table import ImageTable, matching
+from imagelake.infra.delta import FileRows, Table, sql_in
+from imagelake.infra.errors import PermanentError
+from imagelake.infra.settings import Settings
+from imagelake.tasks.data.changes import mark_in_sync
+from imagelake.tasks.data.table import ImageTable, matching
+from imagelake.tasks.results import Resized, Written, left_unread
+from imagelake.tasks.rules.bad_files import TooManyBadFiles, TooManyRetired, check_bad_fraction, check_retire_fraction
+from imagelake.tasks.rules.schemas import IMAGE_TABLE_SCHEMA, STAGED_ARROW_SCHEMA
+from imagelake.tasks.stage import stage
 
 
 class StagingIncomplete(PermanentError):
@@ -458,7 +458,7 @@ def requeue_by_setting(settings: Settings) -> dict[str, int]:
 @stage(
     "write",
     settings=("table_uri", "quarantine_uri", "max_bad_fraction", "max_retire_fraction", "delta_writer"),
-    code=("tasks.rules.schemas", "tasks.rules.bad_files", "tasks.table"),
+    code=("imagelake.tasks.rules.schemas", "imagelake.tasks.rules.bad_files", "imagelake.tasks.data.table"),
     unfinished=left_unread,
 )
 def write(resized: Resized, settings: Settings) -> Written:

@@ -6,7 +6,7 @@ epoch opens a fresh one-pass reader, so no reader is ever reset in the middle of
 
 The batches are a function of the seed, the shard and the epoch alone: Petastorm's reader threads
 deliver row groups in whatever order they finish, so each group is named by its first `position`
-and held until its turn in the order Petastorm ventilated them (seeded, see infra.compat.petastorm_ventilation_order).
+and held until its turn in the order Petastorm ventilated them (seeded: infra/compat.py:petastorm_ventilation_order).
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from petastorm.arrow_reader_worker import ArrowReaderWorkerResultsQueueReader
 from petastorm.workers_pool import EmptyResultError
 from pyarrow.filesystem import DaskFileSystem
 
-from infra.compat import petastorm_ventilation_order, replace_petastorm_results_reader
-from tasks.cache_files import (
+from imagelake.infra.compat import petastorm_ventilation_order, replace_petastorm_results_reader
+from imagelake.tasks.data.cache_files import (
     POSITION,
     encoded_rows,
     pixel_rows,

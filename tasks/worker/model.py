@@ -19,8 +19,8 @@ from torch import nn
 from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
-from infra.settings import MODEL_ARCHS
-from infra.weights import (
+from imagelake.infra.settings import MODEL_ARCHS
+from imagelake.infra.weights import (
     WeightsUnavailable,
     cached_of,
     checkpoints_dir,
@@ -28,7 +28,7 @@ from infra.weights import (
     sha256_of,
     verified_file,
 )
-from tasks.worker.augment import augment, epoch_generator
+from imagelake.tasks.worker.augment import augment, epoch_generator
 
 
 def _conv(in_channels: int, out_channels: int, kernel: int, stride: int) -> nn.Sequential:

@@ -21,10 +21,10 @@ from ray.train.lightning import (
     prepare_trainer,
 )
 
-from infra.errors import PermanentError
-from tasks.cache_files import split_format
-from tasks.worker.loader import ShardBatches
-from tasks.worker.model import ImageClassifier, load_state_dict
+from imagelake.infra.errors import PermanentError
+from imagelake.tasks.data.cache_files import split_format
+from imagelake.tasks.worker.loader import ShardBatches
+from imagelake.tasks.worker.model import ImageClassifier, load_state_dict
 
 CHECKPOINT_FILE = RayTrainReportCallback.CHECKPOINT_NAME
 WORKER_NODES_TAG = "ray_worker_nodes"  # the Ray node id of each rank, in rank order

@@ -3,7 +3,7 @@
 A stage builds one `ImageTable` from its settings (`ImageTable.of(settings)`): the Spark session and the Delta engine
 are chosen there, once, and travel with it; the session starts only when something first needs a Spark job, so a run
 that can answer from the Delta log and staging alone starts none. Which engine reads, merges or commits is
-`infra.delta.Table`'s business.
+`imagelake.infra.delta.Table`'s business.
 """
 
 from __future__ import annotations
@@ -17,17 +17,17 @@ import pyarrow.compute as pc
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 
-from infra.compat import collect_arrow
-from infra.delta import Engine, Table, check_plain_files
-from infra.settings import Settings
-from infra.spark import SparkSource
-from tasks.results import TableVersion
-from tasks.rules.schemas import IMAGE_TABLE_SCHEMA
-from tasks.rules.splits import BUCKETS, split_of
+from imagelake.infra.compat import collect_arrow
+from imagelake.infra.delta import Engine, Table, check_plain_files
+from imagelake.infra.settings import Settings
+from imagelake.infra.spark import SparkSource
+from imagelake.tasks.results import TableVersion
+from imagelake.tasks.rules.schemas import IMAGE_TABLE_SCHEMA
+from imagelake.tasks.rules.splits import BUCKETS, split_of
 
 
 def split_column(val_fraction: float, test_fraction: float, sha_col: str = "sha256") -> Column:
-    """tasks.rules.splits.split_of as a Spark column expression (the same arithmetic in doubles)."""
+    """imagelake.tasks.rules.splits.split_of as a Spark column expression (the same arithmetic in doubles)."""
     bucket = F.conv(F.substring(sha_col, 1, 8), 16, 10).cast("double") / F.lit(BUCKETS)
     return (
         F.when(bucket < F.lit(test_fraction), "test")
@@ -37,7 +37,7 @@ def split_column(val_fraction: float, test_fraction: float, sha_col: str = "sha2
 
 
 def splits_of(sha256: pa.ChunkedArray | pa.Array, val_fraction: float, test_fraction: float) -> pa.Array:
-    """tasks.rules.splits.split_of of each content hash, as an Arrow column (for rows the driver reads itself)."""
+    """tasks/rules/splits.py:split_of of each content hash, as an Arrow column (for rows the driver reads itself)."""
     return pa.array([split_of(sha, val_fraction, test_fraction) for sha in sha256.to_pylist()], pa.string())
 
 
@@ -74,7 +74,7 @@ class ImageTable:
     ) -> ImageTable:
         """The table at TABLE_URI (and quarantine, if given) read with ENGINE, for callers that hold their own Spark
         session
-        (or a function that starts it on first use: `infra.spark.on_demand`)."""
+        (or a function that starts it on first use: `imagelake.infra.spark.on_demand`)."""
         return cls(
             Table(table_uri, spark, engine),
             Table(quarantine_uri, spark, engine) if quarantine_uri else None,

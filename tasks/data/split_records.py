@@ -9,11 +9,11 @@ import uuid
 
 import fsspec
 
-from infra.delta import Table
-from infra.settings import Settings
-from tasks.results import TableVersion
-from tasks.rules.splits import SPLITS
-from tasks.table import DRIVER_BYTES, ImageTable, splits_of
+from imagelake.infra.delta import Table
+from imagelake.infra.settings import Settings
+from imagelake.tasks.data.table import DRIVER_BYTES, ImageTable, splits_of
+from imagelake.tasks.results import TableVersion
+from imagelake.tasks.rules.splits import SPLITS
 
 SPLIT_COUNTS = "split-counts"  # staging's folder of PlanRecords, one folder per key
 

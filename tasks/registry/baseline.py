@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 import torch
 import torch.nn.functional as F
 
-from tasks.cache_files import pixel_rows, split_files, split_format
+from imagelake.tasks.data.cache_files import pixel_rows, split_files, split_format
 
 THUMBNAIL = 32
 MAX_ROWS = 20_000

@@ -1,7 +1,7 @@
 """Inference with a torch model: one batching loop (`logits_of`) behind evaluation, prediction and labelling image
 files.
 
-No registry here: callers load the model (see tasks.serving for registered models).
+No registry here: callers load the model (see imagelake.tasks.inference.cli_serving for registered models).
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from tasks.rules.answers import answers
-from tasks.rules.images import ImageDecodeError, resize_image
+from imagelake.tasks.rules.answers import answers
+from imagelake.tasks.rules.images import ImageDecodeError, resize_image
 
 
 @torch.no_grad()

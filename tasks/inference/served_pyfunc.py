@@ -19,17 +19,14 @@ import torch
 from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import BAD_REQUEST
 
-try:  # the rules saved with the model (tasks/registry.py), wherever the model is loaded
+try:  # the rules saved with the model (tasks/registry/models.py), wherever the model is loaded
     from imagelake_served.answers import answers, image_bytes
     from imagelake_served.images import resize_image
-except ModuleNotFoundError:  # MLflow imports this file once in imagelake's process as the model is logged
-    from tasks.rules.answers import answers, image_bytes
-    from tasks.rules.images import resize_image
+except ModuleNotFoundError:  # in imagelake's own process (tasks/registry/models.py imports this file for its path)
+    from imagelake.tasks.rules.answers import answers, image_bytes
+    from imagelake.tasks.rules.images import resize_image
 
-PROGRAM, META = (
-    "program",
-    "meta",
-)  # the model's artifacts (tasks/registry.py names them): the program, its labels and sizes
+PROGRAM, META = "program", "meta"  # its artifacts (tasks/registry/models.py logs them): the program, labels and sizes
 IMAGE = "image"  # the input column
 TOP_K = 3  # the default of the top_k parameter
 

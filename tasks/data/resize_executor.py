@@ -19,8 +19,8 @@ import pyarrow.parquet as pq
 from PIL import Image
 from pyspark import TaskContext
 
-from tasks.rules.images import DECODE_SECONDS, ImageDecodeError, ResizeMode, decode_square
-from tasks.rules.schemas import IMAGE_TABLE_SCHEMA, STAGED_ARROW_SCHEMA, STAGED_IMAGE_COLUMNS
+from imagelake.tasks.rules.images import DECODE_SECONDS, ImageDecodeError, ResizeMode, decode_square
+from imagelake.tasks.rules.schemas import IMAGE_TABLE_SCHEMA, STAGED_ARROW_SCHEMA, STAGED_IMAGE_COLUMNS
 
 # Executors write how many files they have done every few seconds, for the driver's progress line.
 PROGRESS_FOLDER, PROGRESS_SECONDS = "_progress", 2.0

@@ -23,9 +23,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from PIL import Image, UnidentifiedImageError
 
-from tasks.listing import modified_seconds
-from tasks.results import CachedSplits
-from tasks.rules.splits import SPLITS
+from imagelake.tasks.data.listing import modified_seconds
+from imagelake.tasks.results import CachedSplits
+from imagelake.tasks.rules.splits import SPLITS
 
 # The cache's layout: manifests over generations of files, rows in a seeded order with a `position` column.
 LAYOUT = 3

@@ -6,9 +6,9 @@ from pathlib import Path
 
 from mlflow import MlflowClient
 
-from infra.settings import Settings
-from tasks.predict import label_files
-from tasks.registry import load_model_folder, model_files, model_labels, resolve
+from imagelake.infra.settings import Settings
+from imagelake.tasks.inference.predict import label_files
+from imagelake.tasks.registry.models import load_model_folder, model_files, model_labels, resolve
 
 
 def predict_files(client: MlflowClient, settings: Settings, reference: str, source: Path) -> list[dict]:

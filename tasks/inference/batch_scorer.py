@@ -15,8 +15,14 @@ import pandas as pd
 import pyarrow as pa
 from pyspark import TaskContext
 
-from tasks.resize_executor import PROGRESS_FOLDER, PROGRESS_SECONDS, ReadFailed, read_with_retries, report_progress
-from tasks.rules.schemas import ANSWERED_SCHEMA
+from imagelake.tasks.data.resize_executor import (
+    PROGRESS_FOLDER,
+    PROGRESS_SECONDS,
+    ReadFailed,
+    read_with_retries,
+    report_progress,
+)
+from imagelake.tasks.rules.schemas import ANSWERED_SCHEMA
 
 _models: dict[
     tuple[str, str | None, str], Any

@@ -1,7 +1,7 @@
 """Listing a source: a folder tree or a manifest CSV, through fsspec, streamed into one Parquet file in staging, named
 by its fingerprint. Which files count, and with which label, date and problem, is decided by tasks/rules/listing.py.
 
-The ingest stage lists with it; the resize stage diffs what it listed against the table (tasks/changes.py); scoring,
+The ingest stage lists with it; the resize stage diffs what it listed against the table (changes.py); scoring,
 backfills and retention read sources and staging through it too.
 """
 
@@ -23,8 +23,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from fsspec.implementations.local import LocalFileSystem
 
-from tasks.results import Listed
-from tasks.rules.listing import (
+from imagelake.tasks.results import Listed
+from imagelake.tasks.rules.listing import (
     DATE_FOLDER,
     Scope,
     SourceError,
@@ -33,7 +33,7 @@ from tasks.rules.listing import (
     file_entry,
     parse_day,
 )
-from tasks.rules.schemas import LISTING_SCHEMA
+from imagelake.tasks.rules.schemas import LISTING_SCHEMA
 
 
 def source_uri(source: str) -> str:

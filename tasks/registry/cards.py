@@ -12,8 +12,8 @@ from typing import Any
 import numpy as np
 from matplotlib.figure import Figure
 
-from tasks.rules.markdown import markdown_text
-from tasks.rules.promotion import BASELINE
+from imagelake.tasks.rules.markdown import markdown_text
+from imagelake.tasks.rules.promotion import BASELINE
 
 
 def confusion_matrix(labels: np.ndarray, predicted: np.ndarray, classes: int) -> np.ndarray:

@@ -24,12 +24,12 @@ from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 from pyspark.sql.pandas.types import from_arrow_schema
 
-from infra.compat import collect_arrow
-from tasks.listing import LISTING_BATCH, canonical_uri, is_manifest, save_listing, write_manifest
-from tasks.results import Listed, ListingDiff
-from tasks.rules.listing import Scope
-from tasks.rules.schemas import CHANGES_SCHEMA, LISTING_SCHEMA
-from tasks.table import ImageTable
+from imagelake.infra.compat import collect_arrow
+from imagelake.tasks.data.listing import LISTING_BATCH, canonical_uri, is_manifest, save_listing, write_manifest
+from imagelake.tasks.data.table import ImageTable
+from imagelake.tasks.results import Listed, ListingDiff
+from imagelake.tasks.rules.listing import Scope
+from imagelake.tasks.rules.schemas import CHANGES_SCHEMA, LISTING_SCHEMA
 
 
 def state_key(table: ImageTable, scope: Scope, retire_deleted: bool, source: str) -> str:
@@ -318,7 +318,7 @@ def known_frame(table: ImageTable, version: int | None) -> DataFrame | None:
 
 
 def is_changed(listing: DataFrame) -> Column:
-    """tasks.rules.listing.is_changed as a Spark column: no known row, another size or mtime, or another stamp."""
+    """tasks/rules/listing.py:is_changed as a Spark column: no known row, another size or mtime, or another stamp."""
     other_stamp = F.col("k_stamp").isNotNull() & ~F.col("k_stamp").eqNullSafe(listing["stamp"])
     return (
         F.col("k_size").isNull()

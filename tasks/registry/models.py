@@ -10,6 +10,7 @@ import os
 import shutil
 import threading
 import uuid
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
@@ -30,22 +31,31 @@ from mlflow.models import ModelSignature
 from mlflow.types.schema import Array, ColSpec, Object, ParamSchema, ParamSpec, Property, Schema
 from PIL import Image
 
-import tasks.rules.answers as answer_rules
-import tasks.rules.images as image_rules
-from infra.delta import Table
-from infra.prefect_env import fence, one_at_a_time
-from infra.settings import UNSAFE_FROM_RUNS, Settings
-from infra.spark import on_demand
-from tasks.predict import evaluate
-from tasks.rules.promotion import CHALLENGER, CHAMPION, PREVIOUS, Decision, decide_promotion, held_by_baseline
-from tasks.rules.schemas import HISTORY_SCHEMA
-from tasks.rules.training import PARAM_SETTINGS
-from tasks.rules.warm_start import Champion, labels_change, labels_of_tag, shape_from_tags
+import imagelake.tasks.rules.answers as answer_rules
+import imagelake.tasks.rules.images as image_rules
+from imagelake.infra.delta import Table
+from imagelake.infra.prefect_env import fence, one_at_a_time
+from imagelake.infra.settings import UNSAFE_FROM_RUNS, Settings
+from imagelake.infra.spark import on_demand
+from imagelake.tasks.inference.predict import evaluate
+from imagelake.tasks.rules.promotion import CHALLENGER, CHAMPION, PREVIOUS, Decision, decide_promotion, held_by_baseline
+from imagelake.tasks.rules.schemas import HISTORY_SCHEMA
+from imagelake.tasks.rules.training import PARAM_SETTINGS
+from imagelake.tasks.rules.warm_start import Champion, labels_change, labels_of_tag, shape_from_tags
 
-SERVED_MODEL = Path(__file__).with_name("served_model.py")  # the pyfunc MLflow runs (a model "from code")
-SERVED_RULES = "imagelake_served"  # the package of decoding and answer rules saved with it (tasks/served_model.py)
+with warnings.catch_warnings(record=True):
+    # MLflow warns, as the class is defined, that `predict` takes untyped input (the logged signature checks it
+    # instead), under a filter of its own: recorded here and dropped, so that every command importing this is quiet.
+    from imagelake.tasks.inference import served_pyfunc
+
+# The pyfunc MLflow runs (a model "from code"): imported here only for its file, which MLflow saves with each version
+# and runs in its own module; imported, it also puts that file in the code key of every stage that registers or scores.
+SERVED_MODEL = Path(served_pyfunc.__file__)
+SERVED_RULES = (
+    "imagelake_served"  # the package of decoding and answer rules saved with it (served_pyfunc.py imports it)
+)
 PROGRAM_FILE, META_FILE = "model.pt2", "meta.json"
-PROGRAM, META = "program", "meta"  # the served model's artifact keys (tasks/served_model.py reads the same)
+PROGRAM, META = served_pyfunc.PROGRAM, served_pyfunc.META  # the served model's artifact keys
 
 
 _EXPORT_LOAD = threading.Lock()
@@ -85,7 +95,7 @@ def served_model(
     examples: np.ndarray,
 ) -> dict:
     """The arguments of `mlflow.pyfunc.log_model` (or `save_model`) for `model` as a self-contained pyfunc: the
-    torch.export program and a JSON file of its labels and sizes (written under `folder`), tasks/served_model.py as
+    torch.export program and a JSON file of its labels and sizes (written under `folder`), served_pyfunc.py as
     the code MLflow runs, and the decoding rules it imports. `examples`: two or more (N, size, size, 3) uint8 images,
     to trace the program with a batch dimension of any size and to make the logged input example."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -101,7 +111,7 @@ def served_model(
         "max_image_pixels": max_pixels,
     }
     (folder / META_FILE).write_text(json.dumps(meta, ensure_ascii=False, indent=1), encoding="utf-8")
-    # The rules travel as a package of their own, which the served code imports. Not as tasks.rules: MLflow puts the
+    # The rules travel as a package of their own, which the served code imports. Not as tasks/rules: MLflow puts the
     # model's code first on the path of any process that loads it, and a `tasks` package there would hide imagelake's
     # own from that process and from the processes it starts (a loader process failed to import tasks.rules.listing).
     code = folder / "code" / SERVED_RULES
