@@ -28,6 +28,7 @@ from typing import Any, Literal, Union, get_args, get_origin
 from pydantic.fields import FieldInfo
 
 from imagelake.infra.settings import ALLOWED_FROM_RUNS, RUN_LIMITS, Settings
+from imagelake.tasks.code_graph import repo_files
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = REPO / "docs"
@@ -105,8 +106,8 @@ def default_text(name: str, field: FieldInfo) -> str:
 
 
 def from_runs_text(name: str) -> str:
-    """What a run started from a deployment may do with the setting (infra/settings.py: ALLOWED_FROM_RUNS,
-    RUN_LIMITS)."""
+    """What a run started from a deployment may do with the setting: its declaration's runs= and cap=
+    (infra/settings.py: ALLOWED_FROM_RUNS, RUN_LIMITS, derived from them)."""
     if name not in ALLOWED_FROM_RUNS:
         return "no: the worker's"
     if name in RUN_LIMITS:
@@ -229,15 +230,14 @@ def facts_text(facts: Callable[..., Any] | None) -> str:
     return first[0].upper() + first[1:] if first else ""
 
 
-def module_file(module: str) -> str:
-    return f"`{module.replace('.', '/')}.py`"
-
-
 def stage_key_table() -> str:
-    """Each keyed stage's key: the settings it declares, what it reads when the key is computed, the code it covers."""
+    """Each keyed stage's key: the settings it declares, what it reads when the key is computed, and the code it covers
+    (every file of imagelake its module reaches through imports: tasks/code_graph.py)."""
     cached, uncached = stages()
     out = ["| stage | settings in its key | read when the key is computed | code in its key |", "|---|---|---|---|"]
     derived: list[str] = []
+    files = {task.name: repo_files(task.fn.__module__) for task in cached}
+    shared = set.intersection(*(set(reached[1:]) for reached in files.values())) if files else set()
     for task in cached:
         policy = task.cache_policy
         names = []
@@ -245,15 +245,27 @@ def stage_key_table() -> str:
             names.append(f"`{name}`")
             if name not in Settings.model_fields and name not in derived:
                 derived.append(name)
-        code = [module_file(task.fn.__module__), *(module_file(module) for module in policy.code)]
+        own, *others = files[task.name]
+        code = f"`{own}` and the {len(others)} files it reaches"
         read = facts_text(policy.facts) or "nothing besides its input"
-        out.append(f"| {task.name} | {', '.join(names)} | {cell(read)} | {', '.join(code)} |")
+        out.append(f"| {task.name} | {', '.join(names)} | {cell(read)} | {code} |")
     out.append("")
     if derived:
         out.append("Locations in the keys are derived from settings (as a digest where the name ends in `uri`):")
         out.append("")
         out += [f"- `{name}`: {', '.join(f'`{field}`' for field in reads(name))}" for name in derived]
         out.append("")
+    out.append(
+        prose(f"Every stage's key holds these {len(shared)} files: {', '.join(f'`{f}`' for f in sorted(shared))}.")
+    )
+    out.append("")
+    out.append("Beside those, each stage's own module and the files only some stages reach:")
+    out.append("")
+    for task in cached:
+        own, *others = files[task.name]
+        more = [f"`{path}`" for path in others if path not in shared]
+        out.append(f"- {task.name}: `{own}`" + (f"; {', '.join(more)}" if more else ""))
+    out.append("")
     if uncached:
         out.append(prose(f"No stored result to reuse (they run every time): {', '.join(t.name for t in uncached)}."))
     return "\n".join(out).rstrip("\n")

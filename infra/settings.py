@@ -13,9 +13,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import ValidationError, field_validator, model_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from imagelake.infra.declare import by_runs, caps, in_keys_of, setting, stage_fields
 
 _config_file: contextvars.ContextVar[Path | None] = contextvars.ContextVar("imagelake_config_file", default=None)
 
@@ -144,43 +146,86 @@ MODEL_ARCHS = (
 )
 
 
+# Every field is declared once, with setting() (infra/declare.py): its type, default, bounds and description, and
+# - runs: whether a run started from a deployment (the UI's form, a schedule, the API) may set it. "allowed": what it
+#   ingests, how it trains, splits and promotes, and how much of the worker's cluster it asks for; nothing allowed
+#   names a host, a folder, a table or a file, so a run can neither send the worker's credentials elsewhere, nor load
+#   someone else's pickles, nor write or delete where the worker does not. "refused": only the worker's config file or
+#   IMAGELAKE_* environment sets where its clusters, stores, tables, folders and registered model are (a run pointed
+#   elsewhere would send the worker's credentials to another host, unpickle Ray Client's or Prefect's results from it,
+#   or write, retire and vacuum someone else's data), what code Spark loads, and the policies that remove data
+#   (retire_deleted) or load pickles (allow_pickle_models).
+# - cap: ("at most" | "at least", limit) on an allowed setting that a run may only make safer than the default: past it
+#   data is lost, a decompression bomb can take the worker down with every run on it, or one run holds up every run
+#   behind it.
+# - stages: the stages whose output it changes, whose keys hold its value (tasks/stage.py); stages=() when it changes
+#   none (a place, a time limit, logging, how fast). A derived location in a key declares its stages with
+#   @in_keys_of, next to its property.
+# ALLOWED_FROM_RUNS, REFUSED_FROM_RUNS, RUN_LIMITS and stage_settings() (each @stage's settings) are derived from these
+# declarations (below the class); tests/test_settings.py fails for a field declared without them.
 class Settings(BaseSettings):
     """Where imagelake runs and how; every field is also IMAGELAKE_<NAME>."""
 
     model_config = SettingsConfigDict(env_prefix="IMAGELAKE_", extra="forbid", validate_default=True)
 
     # Where everything embedded lives.
-    workspace: Path = Field(
+    workspace: Path = setting(
         default=Path(".imagelake"),
         description="Folder of everything embedded: tables, cache, staging, stage results, MLflow's store, unless set",
+        stages=(),
+        # Refused: where the worker keeps data (a run pointed elsewhere would write, retire and vacuum someone
+        # else's data).
+        runs="refused",
     )
 
     # Spark and Delta.
-    spark_master: str = Field(
+    spark_master: str = setting(
         default="local[*]",
         description="Spark master URL: local[*] embedded, spark://host:port for a standalone cluster",
+        stages=(),
+        # Refused: where the worker connects (a run pointed elsewhere would send the worker's credentials to another
+        # host and unpickle Ray Client's or Prefect's results from it).
+        runs="refused",
     )
-    spark_driver_memory: str = Field(
-        default="4g", description="Memory of an embedded Spark's driver JVM (Spark's form: 4g)"
+    spark_driver_memory: str = setting(
+        default="4g",
+        description="Memory of an embedded Spark's driver JVM (Spark's form: 4g)",
+        stages=(),
+        # Refused: the worker's Spark, how it runs and what code it loads.
+        runs="refused",
     )
-    spark_log_level: Literal["ALL", "DEBUG", "INFO", "WARN", "ERROR", "FATAL", "OFF"] = Field(
-        default="ERROR", description="Spark's own log level"
+    spark_log_level: Literal["ALL", "DEBUG", "INFO", "WARN", "ERROR", "FATAL", "OFF"] = setting(
+        default="ERROR",
+        description="Spark's own log level",
+        stages=(),
+        # Allowed: how much Spark says.
+        runs="allowed",
     )
-    spark_jars: list[str] = Field(
-        default_factory=list, description="Extra jars for Spark, e.g. Delta's, as local paths"
+    spark_jars: list[str] = setting(
+        default_factory=list,
+        description="Extra jars for Spark, e.g. Delta's, as local paths",
+        stages=(),
+        # Refused: the worker's Spark, how it runs and what code it loads.
+        runs="refused",
     )
-    spark_conf: dict[str, str] = Field(
+    spark_conf: dict[str, str] = setting(
         default_factory=dict,
         description="Extra Spark properties, applied last (e.g. spark.kubernetes.*, spark.executor.*)",
+        stages=(),
+        # Refused: the worker's Spark, how it runs and what code it loads.
+        runs="refused",
     )
-    delta_writer: Literal["auto", "delta-rs", "spark"] = Field(
+    delta_writer: Literal["auto", "delta-rs", "spark"] = setting(
         default="auto",
         description=(
             "Delta engine for reads, merges, compaction and vacuum: auto is delta-rs on an embedded Spark and Spark's "
             "Delta on a Spark cluster with Delta's jars"
         ),
+        stages=("write",),
+        # Refused: the worker's Spark, how it runs and what code it loads.
+        runs="refused",
     )
-    spark_merge_min_rows: int | None = Field(
+    spark_merge_min_rows: int | None = setting(
         default=2000,
         ge=1,
         description=(
@@ -188,131 +233,293 @@ class Settings(BaseSettings):
             "Delta where its jars load, whose executors read them (delta-rs holds a merge's rows in the driver); "
             "none: never"
         ),
+        stages=(),
+        # Refused: the worker's Spark, how it runs and what code it loads.
+        runs="refused",
     )
-    table_root: str | None = Field(default=None, description="Folder or object-store URI of the Delta tables")
-    table_name: str = Field(default="images", description="Name of the images table under table_root")
+    table_root: str | None = setting(
+        default=None,
+        description="Folder or object-store URI of the Delta tables",
+        stages=(),
+        # Refused: where the worker keeps data (a run pointed elsewhere would write, retire and vacuum someone
+        # else's data).
+        runs="refused",
+    )
+    table_name: str = setting(
+        default="images",
+        description="Name of the images table under table_root",
+        stages=(),
+        # Refused: where the worker keeps data (a run pointed elsewhere would write, retire and vacuum someone
+        # else's data).
+        runs="refused",
+    )
 
     # Images.
-    image_size: int = Field(
+    image_size: int = setting(
         default=160,
         ge=8,
         le=2048,
         description="Side of the square images stored and trained on (160: the pretrained default's measured size)",
+        stages=("resize", "split", "cache"),
+        runs="allowed",
     )
-    resize_mode: Literal["letterbox", "center_crop"] = Field(
+    resize_mode: Literal["letterbox", "center_crop"] = setting(
         default="letterbox",
         description="How an image becomes a square: letterbox pads the short side, center_crop cuts the long one",
+        stages=("resize", "promote"),
+        runs="allowed",
     )
-    image_extensions: list[str] = Field(
+    image_extensions: list[str] = setting(
         default_factory=lambda: [".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff"],
         description="File endings that count as images (any case); other files are left out of the listing",
+        stages=("ingest", "score"),
+        runs="allowed",
     )
 
     # Incremental runs, backfills and bad input.
-    start_date: date | None = Field(default=None, description="Only source files of dates on or after this one")
-    end_date: date | None = Field(default=None, description="Only source files of dates on or before this one")
-    retire_deleted: bool = Field(default=False, description="Remove rows whose source file is gone")
-    manifest_roots: list[str] = Field(
+    start_date: date | None = setting(
+        default=None,
+        description="Only source files of dates on or after this one",
+        stages=("ingest", "resize"),
+        runs="allowed",
+    )
+    end_date: date | None = setting(
+        default=None,
+        description="Only source files of dates on or before this one",
+        stages=("ingest", "resize"),
+        runs="allowed",
+    )
+    retire_deleted: bool = setting(
+        default=False,
+        description="Remove rows whose source file is gone",
+        stages=("resize",),
+        # Refused: a policy that removes data.
+        runs="refused",
+    )
+    manifest_roots: list[str] = setting(
         default_factory=list,
         description="Folders or URIs besides a manifest CSV's own folder whose files its rows may name",
+        stages=("ingest",),
+        # Refused: folders a manifest's rows may read from (a run could read any file the worker can).
+        runs="refused",
     )
-    max_file_bytes: int = Field(default=50 * 1024 * 1024, ge=1, description="Larger files are quarantined")
-    read_attempts: int = Field(
+    max_file_bytes: int = setting(
+        default=50 * 1024 * 1024,
+        ge=1,
+        description="Larger files are quarantined",
+        stages=("ingest", "resize"),
+        runs="allowed",
+        # One of the decoder's guards against huge files and decompression bombs.
+        cap=("at most", 50 * 1024 * 1024),
+    )
+    read_attempts: int = setting(
         default=3,
         ge=1,
         description="Reads of a source file before it is left for the next run (a read error is never quarantined)",
+        stages=("resize", "promote", "score"),
+        runs="allowed",
     )
-    requeue_reasons: list[str] = Field(
+    requeue_reasons: list[str] = setting(
         default_factory=list,
         description=(
             "Quarantine reasons whose files every run sends back through (as `imagelake requeue --reason` does once)"
         ),
+        # The requeue stage reads it; that stage runs every time (no stored result).
+        stages=("requeue",),
+        runs="allowed",
     )
-    max_image_pixels: int = Field(
-        default=64_000_000, ge=1, description="Larger images are quarantined as decompression bombs"
+    max_image_pixels: int = setting(
+        default=64_000_000,
+        ge=1,
+        description="Larger images are quarantined as decompression bombs",
+        stages=("resize", "promote"),
+        runs="allowed",
+        # One of the decoder's guards against huge files and decompression bombs.
+        cap=("at most", 64_000_000),
     )
-    max_decode_seconds: float = Field(
+    max_decode_seconds: float = setting(
         default=30.0,
         gt=0,
         description=(
             "A file whose decoding goes on longer is quarantined as decode_timeout (checked as the decoder reads "
             "the file)"
         ),
+        stages=("resize",),
+        runs="allowed",
+        # One of the decoder's guards against huge files and decompression bombs.
+        cap=("at most", 30),
     )
-    max_bad_fraction: float = Field(
-        default=0.2, ge=0, le=1, description="A run with more bad files fails and writes nothing"
+    max_bad_fraction: float = setting(
+        default=0.2,
+        ge=0,
+        le=1,
+        description="A run with more bad files fails and writes nothing",
+        # resize too: a write that refused took back the files the resize stage wrote.
+        stages=("resize", "write"),
+        runs="allowed",
     )
-    max_retire_fraction: float = Field(
-        default=0.5, ge=0, le=1, description="A run that would retire more of any date's rows fails and writes nothing"
+    max_retire_fraction: float = setting(
+        default=0.5,
+        ge=0,
+        le=1,
+        description="A run that would retire more of any date's rows fails and writes nothing",
+        # resize too: a write that refused took back the files the resize stage wrote.
+        stages=("resize", "write"),
+        runs="allowed",
+        # A run that would retire more of a date's rows writes nothing: a run may only be more careful
+        # than the default.
+        cap=("at most", 0.5),
     )
-    decode_in_driver_up_to: int = Field(
+    decode_in_driver_up_to: int = setting(
         default=1000,
         ge=0,
         description=(
             "A run with at most this many files to decode decodes them in the driver, without Spark's Python "
             "workers (0: always on the executors)"
         ),
+        stages=(),
+        runs="allowed",
     )
-    quarantine_table_name: str = Field(
-        default="quarantine", description="Name of the table of bad files (path, reason) under table_root"
+    quarantine_table_name: str = setting(
+        default="quarantine",
+        description="Name of the table of bad files (path, reason) under table_root",
+        stages=(),
+        # Refused: where the worker keeps data (a run pointed elsewhere would write, retire and vacuum someone
+        # else's data).
+        runs="refused",
     )
-    vacuum_retention_hours: float = Field(default=168, ge=0, description="Keep files of table versions this recent")
+    vacuum_retention_hours: float = setting(
+        default=168,
+        ge=0,
+        description="Keep files of table versions this recent",
+        stages=(),
+        runs="allowed",
+        # Vacuum runs with Delta's retention check off and deletes files no commit added yet
+        # (infra/delta.py): below Delta's own week it deletes what time travel, readers and a writer
+        # still committing need.
+        cap=("at least", 168),
+    )
 
     # Split and cache.
-    val_fraction: float = Field(
-        default=0.1, gt=0, lt=1, description="Share of images in the validation split (by hash)"
+    val_fraction: float = setting(
+        default=0.1,
+        gt=0,
+        lt=1,
+        description="Share of images in the validation split (by hash)",
+        stages=("split", "promote"),
+        runs="allowed",
     )
-    test_fraction: float = Field(default=0.1, gt=0, lt=1, description="Share of images in the test split (by hash)")
-    partitions_per_worker: int = Field(
-        default=2, ge=2, description="Cache files of each split per training worker (each worker reads its own share)"
+    test_fraction: float = setting(
+        default=0.1,
+        gt=0,
+        lt=1,
+        description="Share of images in the test split (by hash)",
+        stages=("split", "promote"),
+        runs="allowed",
     )
-    cache_root: str | None = Field(
-        default=None, description="Folder or URI of the Petastorm cache of the splits (default: workspace/cache)"
+    partitions_per_worker: int = setting(
+        default=2,
+        ge=2,
+        description="Cache files of each split per training worker (each worker reads its own share)",
+        stages=("split", "promote"),
+        runs="allowed",
     )
-    cache_format: Literal["raw", "jpeg"] = Field(
+    cache_root: str | None = setting(
+        default=None,
+        description="Folder or URI of the Petastorm cache of the splits (default: workspace/cache)",
+        stages=(),
+        # Refused: where the worker keeps data (a run pointed elsewhere would write, retire and vacuum someone
+        # else's data).
+        runs="refused",
+    )
+    cache_format: Literal["raw", "jpeg"] = setting(
         default="raw",
         description=(
             "How the cache holds each image: raw pixels (no decoding when training) or JPEG (several times fewer "
             "bytes, decoded when read)"
         ),
+        stages=("cache",),
+        runs="allowed",
     )
-    cache_jpeg_quality: int = Field(
-        default=95, ge=50, le=100, description="JPEG quality of a cache_format=jpeg cache (higher: closer, larger)"
+    cache_jpeg_quality: int = setting(
+        default=95,
+        ge=50,
+        le=100,
+        description="JPEG quality of a cache_format=jpeg cache (higher: closer, larger)",
+        stages=("cache",),
+        runs="allowed",
     )
-    staging_root: str | None = Field(default=None, description="Folder or URI for files handed between stages")
+    staging_root: str | None = setting(
+        default=None,
+        description="Folder or URI for files handed between stages",
+        stages=(),
+        # Refused: where the worker keeps data (a run pointed elsewhere would write, retire and vacuum someone
+        # else's data).
+        runs="refused",
+    )
 
     # Training.
-    ray_address: str | None = Field(
-        default=None, description="Ray cluster to join (host:port, ray://host:port or auto); none starts Ray here"
+    ray_address: str | None = setting(
+        default=None,
+        description="Ray cluster to join (host:port, ray://host:port or auto); none starts Ray here",
+        stages=(),
+        # Refused: where the worker connects (a run pointed elsewhere would send the worker's credentials to another
+        # host and unpickle Ray Client's or Prefect's results from it).
+        runs="refused",
     )
-    ray_placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+    ray_placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = setting(
         default="PACK",
         description="How Ray places training workers: PACK fills a node's GPUs first, SPREAD uses more machines",
+        stages=(),
+        runs="allowed",
     )
-    ray_storage_root: str | None = Field(
+    ray_storage_root: str | None = setting(
         default=None,
         description="Folder where Ray Train keeps checkpoints; shared by every node (default: workspace/ray_results)",
+        stages=(),
+        # Refused: where the worker keeps data (a run pointed elsewhere would write, retire and vacuum someone
+        # else's data).
+        runs="refused",
     )
-    num_workers: int = Field(default=2, ge=1, description="Ray Train workers")
-    use_gpu: bool = Field(default=False, description="Train on GPUs: one a worker (gpus_per_worker), bf16")
-    cpus_per_worker: float = Field(default=1, gt=0, description="CPUs Ray reserves for each training worker")
-    gpus_per_worker: float = Field(default=1, gt=0, description="With use_gpu")
-    max_failures: int = Field(default=1, ge=-1, description="Worker failures a training run survives (-1: no limit)")
-    ray_log_to_driver: bool = Field(
+    num_workers: int = setting(
+        default=2, ge=1, description="Ray Train workers", stages=("split", "train"), runs="allowed"
+    )
+    use_gpu: bool = setting(
+        default=False,
+        description="Train on GPUs: one a worker (gpus_per_worker), bf16",
+        stages=("train",),
+        runs="allowed",
+    )
+    cpus_per_worker: float = setting(
+        default=1, gt=0, description="CPUs Ray reserves for each training worker", stages=(), runs="allowed"
+    )
+    gpus_per_worker: float = setting(default=1, gt=0, description="With use_gpu", stages=(), runs="allowed")
+    max_failures: int = setting(
+        default=1,
+        ge=-1,
+        description="Worker failures a training run survives (-1: no limit)",
+        stages=(),
+        runs="allowed",
+    )
+    ray_log_to_driver: bool = setting(
         default=False,
         description=(
             "Show Ray workers' own output on the console too (it is always in Ray's session logs); progress "
             "lines come from the driver"
         ),
+        stages=(),
+        runs="allowed",
     )
-    model_arch: Literal[MODEL_ARCHS] = Field(  # type: ignore[valid-type]
+    model_arch: Literal[MODEL_ARCHS] = setting(  # type: ignore[valid-type]
         default="mobilenet_v2",
         description=(
             "Any torchvision classification model by name (mobilenet_v2, resnet50, efficientnet_b0, convnext_tiny, "
             "vit_b_16, ...), or small_cnn (a small CNN trained from scratch, for tests and tiny images)"
         ),
+        stages=("train",),
+        runs="allowed",
     )
-    pretrained: str | None = Field(
+    pretrained: str | None = setting(
         default="IMAGENET1K_V1",
         description=(
             "Weights to start from: a torchvision weights name (IMAGENET1K_V1, ResNet50_Weights.IMAGENET1K_V2), "
@@ -320,80 +527,124 @@ class Settings(BaseSettings):
             "(`make install` puts MobileNetV2's IMAGENET1K_V1 there) or downloaded into it; the path or URI of a "
             "state dict; or none (from scratch)"
         ),
+        stages=("train",),
+        # Allowed as a weights name only (none, imagenet, torchvision's): a path or URL would be
+        # fetched and loaded (refusal).
+        runs="allowed",
     )
-    freeze_backbone: bool = Field(
-        default=False, description="Train only the classification head (a linear probe of the pretrained features)"
+    freeze_backbone: bool = setting(
+        default=False,
+        description="Train only the classification head (a linear probe of the pretrained features)",
+        stages=("train",),
+        runs="allowed",
     )
-    backbone_lr_factor: float = Field(
+    backbone_lr_factor: float = setting(
         default=0.1,
         gt=0,
         le=1,
         description="With pretrained weights, the backbone's learning rate as a fraction of the new head's",
+        stages=("train",),
+        runs="allowed",
     )
-    augment: Literal["none", "light", "standard"] = Field(
+    augment: Literal["none", "light", "standard"] = setting(
         default="light",
         description=(
             "Training images, drawn per image and epoch: light is a random crop of 60-100% of the area; standard "
             "a crop of 25-100% and colour jitter"
         ),
+        stages=("train",),
+        runs="allowed",
     )
-    augment_flip: bool = Field(
+    augment_flip: bool = setting(
         default=False,
         description=(
             "Also mirror half the training images (for photos; a mirrored digit, letter or sign is another glyph)"
         ),
+        stages=("train",),
+        runs="allowed",
     )
-    label_smoothing: float = Field(default=0.1, ge=0, lt=1, description="Label smoothing of the training loss")
-    class_weights: Literal["none", "balanced"] = Field(
+    label_smoothing: float = setting(
+        default=0.1, ge=0, lt=1, description="Label smoothing of the training loss", stages=("train",), runs="allowed"
+    )
+    class_weights: Literal["none", "balanced"] = setting(
         default="none",
         description=(
             "balanced weighs each label's training loss by the inverse of its share of the train split (for "
             "imbalanced tables)"
         ),
+        stages=("train",),
+        runs="allowed",
     )
-    warm_start: bool = Field(
+    warm_start: bool = setting(
         default=False,
         description=(
             "Start from the champion's weights when it was trained for the same labels (same order), image size, "
             "resize mode and model_arch; else from scratch"
         ),
+        stages=("train",),
+        runs="allowed",
     )
-    max_epochs: int = Field(
+    max_epochs: int = setting(
         default=12,
         ge=1,
         description="Most epochs of one training run (early stopping on val_loss usually ends it sooner)",
+        stages=("train",),
+        runs="allowed",
     )
-    max_train_minutes: float | None = Field(
+    max_train_minutes: float | None = setting(
         default=None,
         gt=0,
         description="Training stops after this long, at the end of an epoch, and keeps its best checkpoint",
+        stages=("train",),
+        runs="allowed",
     )
-    batch_size: int = Field(default=32, ge=1, description="Per worker")
-    base_lr: float = Field(default=1e-3, gt=0, description="Learning rate of one worker; scaled with num_workers")
-    lr_scaling: Literal["linear", "sqrt", "none"] = Field(
-        default="linear", description="How the learning rate grows with the workers"
+    batch_size: int = setting(default=32, ge=1, description="Per worker", stages=("train",), runs="allowed")
+    base_lr: float = setting(
+        default=1e-3,
+        gt=0,
+        description="Learning rate of one worker; scaled with num_workers",
+        stages=("train",),
+        runs="allowed",
     )
-    early_stopping_patience: int | None = Field(
+    lr_scaling: Literal["linear", "sqrt", "none"] = setting(
+        default="linear", description="How the learning rate grows with the workers", stages=("train",), runs="allowed"
+    )
+    early_stopping_patience: int | None = setting(
         default=None,
         ge=0,
         description="Epochs without a better val_loss before training stops (default: half of max_epochs, at least 3)",
+        stages=("train",),
+        runs="allowed",
     )
-    early_stopping_min_delta: float = Field(
-        default=0.0, ge=0, description="Smallest fall of val_loss that counts as better for early stopping"
+    early_stopping_min_delta: float = setting(
+        default=0.0,
+        ge=0,
+        description="Smallest fall of val_loss that counts as better for early stopping",
+        stages=("train",),
+        runs="allowed",
     )
-    early_stopping_threshold: float | None = Field(default=None, description="Stop once val_loss is below this")
-    compile: bool | None = Field(
+    early_stopping_threshold: float | None = setting(
+        default=None, description="Stop once val_loss is below this", stages=("train",), runs="allowed"
+    )
+    compile: bool | None = setting(
         default=None,
         description=(
             "torch.compile the model for training steps; default: on with a GPU (faster for every model "
             "measured), off on CPU"
         ),
+        stages=("train",),
+        runs="allowed",
     )
-    compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = Field(
-        default="default", description="torch.compile's mode when compiling (reduce-overhead adds CUDA graphs)"
+    compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = setting(
+        default="default",
+        description="torch.compile's mode when compiling (reduce-overhead adds CUDA graphs)",
+        stages=("train",),
+        runs="allowed",
     )
-    loader_workers: int = Field(default=2, ge=1, description="Petastorm reader threads per training worker")
-    loader_processes: int | None = Field(
+    loader_workers: int = setting(
+        default=2, ge=1, description="Petastorm reader threads per training worker", stages=(), runs="allowed"
+    )
+    loader_processes: int | None = setting(
         default=None,
         ge=0,
         le=16,
@@ -402,41 +653,92 @@ class Settings(BaseSettings):
             "more feed faster models); 0: in its threads; default: 1 with a GPU (0 where a JPEG cache is decoded on "
             "it), 0 on CPU"
         ),
+        # Two or more processes make other batches than one, though the same for the same seed.
+        stages=("train",),
+        runs="allowed",
     )
-    shuffle_buffer_batches: int = Field(default=4, ge=1, description="Rows shuffled across row groups, in batches")
-    jpeg_decode: Literal["auto", "loader", "device"] = Field(
+    shuffle_buffer_batches: int = setting(
+        default=4, ge=1, description="Rows shuffled across row groups, in batches", stages=("train",), runs="allowed"
+    )
+    jpeg_decode: Literal["auto", "loader", "device"] = setting(
         default="auto",
         description=(
             "Where a cache_format=jpeg cache's images are decoded: in the loader, on CPU; or on the training device "
             "by torchvision, a batch at a time (nvJPEG on a GPU); auto: the device when training on a GPU"
         ),
+        stages=("train",),
+        runs="allowed",
     )
-    bf16: bool = Field(default=True, description="bf16 autocast on GPU (ignored on CPU)")
-    channels_last: bool = Field(default=True, description="channels_last memory format on GPU (ignored on CPU)")
-    pin_memory: bool = Field(default=True, description="Pinned host batches on GPU (ignored on CPU)")
-    seed: int = Field(
-        default=42, description="Seed of the cache's row order, the loader, augmentation and the model's weights"
+    bf16: bool = setting(
+        default=True, description="bf16 autocast on GPU (ignored on CPU)", stages=("train",), runs="allowed"
+    )
+    channels_last: bool = setting(
+        default=True,
+        description="channels_last memory format on GPU (ignored on CPU)",
+        stages=("train",),
+        runs="allowed",
+    )
+    pin_memory: bool = setting(
+        default=True, description="Pinned host batches on GPU (ignored on CPU)", stages=(), runs="allowed"
+    )
+    seed: int = setting(
+        default=42,
+        description="Seed of the cache's row order, the loader, augmentation and the model's weights",
+        stages=("cache", "train"),
+        runs="allowed",
     )
 
     # Tracking and registry.
-    mlflow_tracking_uri: str | None = Field(
-        default=None, description="MLflow tracking server or store (default: a SQLite file in the workspace)"
+    mlflow_tracking_uri: str | None = setting(
+        default=None,
+        description="MLflow tracking server or store (default: a SQLite file in the workspace)",
+        stages=(),
+        # Refused: where the worker connects (a run pointed elsewhere would send the worker's credentials to another
+        # host and unpickle Ray Client's or Prefect's results from it).
+        runs="refused",
     )
-    mlflow_registry_uri: str | None = Field(
-        default=None, description="MLflow model registry (default: the tracking URI)"
+    mlflow_registry_uri: str | None = setting(
+        default=None,
+        description="MLflow model registry (default: the tracking URI)",
+        stages=("promote",),
+        # Refused: where the worker connects (a run pointed elsewhere would send the worker's credentials to another
+        # host and unpickle Ray Client's or Prefect's results from it).
+        runs="refused",
     )
-    mlflow_experiment: str = Field(default="imagelake", description="MLflow experiment of the training runs")
-    mlflow_ui_url: str = Field(default="http://127.0.0.1:5000", description="MLflow UI that Prefect artifacts link to")
-    model_name: str = Field(
-        default="imagelake-classifier", description="Registered model the gate promotes versions of"
+    mlflow_experiment: str = setting(
+        default="imagelake",
+        description="MLflow experiment of the training runs",
+        stages=("train",),
+        # Refused: where the worker's runs and registered model are (a run would train into, or promote, someone
+        # else's).
+        runs="refused",
     )
-    promotion_metric: Literal["accuracy", "macro_f1", "loss"] = Field(
-        default="accuracy", description="What the promotion gate compares"
+    mlflow_ui_url: str = setting(
+        default="http://127.0.0.1:5000",
+        description="MLflow UI that Prefect artifacts link to",
+        stages=(),
+        # Refused: the address every run's Prefect artifacts link to (a run could point readers elsewhere).
+        runs="refused",
     )
-    promotion_margin: float = Field(
-        default=0.0, ge=0, description="How much a candidate must beat the champion by on promotion_metric"
+    model_name: str = setting(
+        default="imagelake-classifier",
+        description="Registered model the gate promotes versions of",
+        stages=("promote",),
+        # Refused: where the worker's runs and registered model are (a run would train into, or promote, someone
+        # else's).
+        runs="refused",
     )
-    min_margin_over_baseline: float | None = Field(
+    promotion_metric: Literal["accuracy", "macro_f1", "loss"] = setting(
+        default="accuracy", description="What the promotion gate compares", stages=("promote",), runs="allowed"
+    )
+    promotion_margin: float = setting(
+        default=0.0,
+        ge=0,
+        description="How much a candidate must beat the champion by on promotion_metric",
+        stages=("promote",),
+        runs="allowed",
+    )
+    min_margin_over_baseline: float | None = setting(
         default=None,
         ge=-1,
         le=1,
@@ -444,91 +746,155 @@ class Settings(BaseSettings):
             "A candidate whose test accuracy is not this much above its run's plain baseline (logistic "
             "regression on 32 px thumbnails) stays challenger; unset: the margin is shown, not enforced"
         ),
+        stages=("promote",),
+        runs="allowed",
     )
-    allow_pickle_models: bool = Field(
-        default=False, description="Load registered models stored by pickling (unsafe for untrusted sources)"
+    allow_pickle_models: bool = setting(
+        default=False,
+        description="Load registered models stored by pickling (unsafe for untrusted sources)",
+        stages=("promote",),
+        # Refused: a policy that loads pickles (code) from the registry.
+        runs="refused",
     )
-    history_table_name: str = Field(default="registry_history", description="Delta table of every alias move")
-    predictions_table_name: str = Field(
+    history_table_name: str = setting(
+        default="registry_history",
+        description="Delta table of every alias move",
+        stages=(),
+        # Refused: where the worker keeps data (a run pointed elsewhere would write, retire and vacuum someone
+        # else's data).
+        runs="refused",
+    )
+    predictions_table_name: str = setting(
         default="predictions",
         description="Delta table of what `imagelake score` answered, one row per image content and model version",
+        stages=(),
+        # Refused: where the worker keeps data (a run pointed elsewhere would write, retire and vacuum someone
+        # else's data).
+        runs="refused",
     )
-    score_top_k: int = Field(
-        default=3, ge=1, description="Labels with their probabilities that `imagelake score` keeps per image"
+    score_top_k: int = setting(
+        default=3,
+        ge=1,
+        description="Labels with their probabilities that `imagelake score` keeps per image",
+        stages=("score",),
+        runs="allowed",
     )
 
     # Orchestration.
-    prefect_api_url: str | None = Field(
-        default=None, description="Prefect API of the runs (default: Prefect's own setting, else a server per run)"
+    prefect_api_url: str | None = setting(
+        default=None,
+        description="Prefect API of the runs (default: Prefect's own setting, else a server per run)",
+        stages=(),
+        # Refused: where the worker connects (a run pointed elsewhere would send the worker's credentials to another
+        # host and unpickle Ray Client's or Prefect's results from it).
+        runs="refused",
     )
-    results_root: str | None = Field(
+    results_root: str | None = setting(
         default=None,
         description="Folder or URI where stage results are stored for reuse (default: workspace/prefect-results)",
+        stages=(),
+        # Refused: where the worker keeps data, and its stored stage results, which are unpickled (a run pointed
+        # elsewhere would write someone else's data, or load someone else's pickles).
+        runs="refused",
     )
-    workspace_retention_hours: float = Field(
+    workspace_retention_hours: float = setting(
         default=168,
         ge=0,
         description=(
             "After each run, remove staging files, stored stage results and training checkpoints unchanged for "
             "this long (keep it above the longest run)"
         ),
+        stages=(),
+        runs="allowed",
+        # Clean-up after each run deletes staging files, stage results and checkpoints this old:
+        # a running run's among them.
+        cap=("at least", 168),
     )
 
     # Time limits: a hung mount or a stuck Spark or Ray job fails its run (TimedOut, its Spark and Ray released) instead
     # of holding up every queued run behind it. Each is generous for its stage; none is in a stage key. none: no limit.
-    flow_timeout_hours: float | None = Field(
+    # A run may shorten its own (a failed run is its own loss); flow_timeout_hours caps the rest.
+    flow_timeout_hours: float | None = setting(
         default=24,
         gt=0,
         description=(
             "A flow run still going after this long fails TimedOut (a run may set at most 24: nightly runs go "
             "one at a time)"
         ),
+        stages=(),
+        runs="allowed",
+        # A run that may run for days holds every run queued behind it (the nightly deployment runs one
+        # at a time); its stages' limits and lock waits need no cap of their own, since the flow's ends
+        # them all.
+        cap=("at most", 24),
     )
-    stage_timeout_minutes: float | None = Field(
+    stage_timeout_minutes: float | None = setting(
         default=360,
         gt=0,
         description=(
             "Time limit of each stage without one of its own (split, summary, retention, requeue, maintain, scoring)"
         ),
+        stages=(),
+        runs="allowed",
     )
-    ingest_timeout_minutes: float | None = Field(
-        default=240, gt=0, description="Time limit of the ingest stage (listing millions of source files)"
+    ingest_timeout_minutes: float | None = setting(
+        default=240,
+        gt=0,
+        description="Time limit of the ingest stage (listing millions of source files)",
+        stages=(),
+        runs="allowed",
     )
-    resize_timeout_minutes: float | None = Field(
-        default=480, gt=0, description="Time limit of the resize stage (decoding millions of images)"
+    resize_timeout_minutes: float | None = setting(
+        default=480,
+        gt=0,
+        description="Time limit of the resize stage (decoding millions of images)",
+        stages=(),
+        runs="allowed",
     )
-    write_timeout_minutes: float | None = Field(
-        default=180, gt=0, description="Time limit of the write stage (the Delta merge)"
+    write_timeout_minutes: float | None = setting(
+        default=180, gt=0, description="Time limit of the write stage (the Delta merge)", stages=(), runs="allowed"
     )
-    cache_timeout_minutes: float | None = Field(
+    cache_timeout_minutes: float | None = setting(
         default=360,
         gt=0,
         description="Time limit of the cache stage, its wait for another run caching the same line included",
+        stages=(),
+        runs="allowed",
     )
-    train_timeout_minutes: float | None = Field(
+    train_timeout_minutes: float | None = setting(
         default=720,
         gt=0,
         description=(
             "Time limit of the train stage, its wait for another run training the same Ray run included (keep it "
             "above max_train_minutes)"
         ),
+        stages=(),
+        runs="allowed",
     )
-    promote_timeout_minutes: float | None = Field(
-        default=60, gt=0, description="Time limit of the promote stage (test predictions, the gate)"
+    promote_timeout_minutes: float | None = setting(
+        default=60,
+        gt=0,
+        description="Time limit of the promote stage (test predictions, the gate)",
+        stages=(),
+        runs="allowed",
     )
-    cache_lock_wait_minutes: float | None = Field(
+    cache_lock_wait_minutes: float | None = setting(
         default=180,
         gt=0,
         description=(
             "How long the cache stage waits for another run caching the same line before it fails naming that run"
         ),
+        stages=(),
+        runs="allowed",
     )
-    train_lock_wait_minutes: float | None = Field(
+    train_lock_wait_minutes: float | None = setting(
         default=360,
         gt=0,
         description=(
             "How long the train stage waits for another run training the same Ray run before it fails naming that run"
         ),
+        stages=(),
+        runs="allowed",
     )
 
     @model_validator(mode="before")
@@ -623,39 +989,47 @@ class Settings(BaseSettings):
         return self.workspace.expanduser().resolve()
 
     @property
+    @in_keys_of("resize", "write")
     def table_uri(self) -> str:
         root = self.table_root or str(self.workspace_dir / "tables")
         return f"{root.rstrip('/')}/{self.table_name}"
 
     @property
+    @in_keys_of("resize", "write", "requeue")
     def quarantine_uri(self) -> str:
         root = self.table_root or str(self.workspace_dir / "tables")
         return f"{root.rstrip('/')}/{self.quarantine_table_name}"
 
     @property
+    @in_keys_of("score")
     def predictions_uri(self) -> str:
         root = self.table_root or str(self.workspace_dir / "tables")
         return f"{root.rstrip('/')}/{self.predictions_table_name}"
 
     @property
+    @in_keys_of("promote")
     def history_uri(self) -> str:
         root = self.table_root or str(self.workspace_dir / "tables")
         return f"{root.rstrip('/')}/{self.history_table_name}"
 
     @property
+    @in_keys_of("cache")
     def cache_uri(self) -> str:
         return self.cache_root or str(self.workspace_dir / "cache")
 
     @property
+    @in_keys_of("ingest", "resize")
     def staging_uri(self) -> str:
         """Where stages hand files to each other: must be reachable from every executor on a cluster."""
         return (self.staging_root or str(self.workspace_dir / "staging")).rstrip("/")
 
     @property
+    @in_keys_of("train")
     def ray_storage_path(self) -> str:
         return (self.ray_storage_root or str(self.workspace_dir / "ray_results")).rstrip("/")
 
     @property
+    @in_keys_of("train", "promote", "score")
     def tracking_uri(self) -> str:
         return self.mlflow_tracking_uri or f"sqlite:///{self.workspace_dir / 'mlflow.db'}"
 
@@ -697,148 +1071,22 @@ def _names_a_secret(key: str) -> bool:
     return bool(_SECRET_KEY.search(key)) and not _SECRET_SOURCE.search(key)
 
 
-# What a run started from a deployment (the UI's form, a schedule, the API) may set: what it ingests, how it trains,
-# splits and promotes, and how much of the worker's cluster it asks for. Nothing here names a host, a folder, a table
-# or a file, so a run can neither send the worker's credentials elsewhere, nor load someone else's pickles, nor write
-# or delete where the worker does not. A new field of Settings goes here or in REFUSED_FROM_RUNS
-# (tests/test_settings.py).
-ALLOWED_FROM_RUNS = frozenset(
-    {
-        # What is ingested.
-        "image_size",
-        "resize_mode",
-        "image_extensions",
-        "start_date",
-        "end_date",
-        "requeue_reasons",
-        "max_file_bytes",
-        "read_attempts",
-        "max_image_pixels",
-        "max_decode_seconds",
-        "max_bad_fraction",
-        "max_retire_fraction",
-        "decode_in_driver_up_to",
-        # Split and cache.
-        "val_fraction",
-        "test_fraction",
-        "partitions_per_worker",
-        "cache_format",
-        "cache_jpeg_quality",
-        # How it trains, and on how much of the worker's cluster.
-        "ray_placement_strategy",
-        "num_workers",
-        "use_gpu",
-        "cpus_per_worker",
-        "gpus_per_worker",
-        "max_failures",
-        "ray_log_to_driver",
-        "model_arch",
-        "pretrained",
-        "freeze_backbone",
-        "backbone_lr_factor",
-        "augment",
-        "augment_flip",
-        "label_smoothing",
-        "class_weights",
-        "warm_start",
-        "max_epochs",
-        "max_train_minutes",
-        "batch_size",
-        "base_lr",
-        "lr_scaling",
-        "early_stopping_patience",
-        "early_stopping_min_delta",
-        "early_stopping_threshold",
-        "compile",
-        "compile_mode",
-        "loader_workers",
-        "loader_processes",
-        "shuffle_buffer_batches",
-        "jpeg_decode",
-        "bf16",
-        "channels_last",
-        "pin_memory",
-        "seed",
-        # How the gate promotes, what scoring keeps, how much `maintain` keeps (within RUN_LIMITS), how much Spark
-        # says.
-        "promotion_metric",
-        "promotion_margin",
-        "min_margin_over_baseline",
-        "score_top_k",
-        "vacuum_retention_hours",
-        "workspace_retention_hours",
-        "spark_log_level",
-        # Time limits: a run may shorten its own (a failed run is its own loss); the flow's limit caps the rest
-        # (RUN_LIMITS).
-        "flow_timeout_hours",
-        "stage_timeout_minutes",
-        "ingest_timeout_minutes",
-        "resize_timeout_minutes",
-        "write_timeout_minutes",
-        "cache_timeout_minutes",
-        "train_timeout_minutes",
-        "promote_timeout_minutes",
-        "cache_lock_wait_minutes",
-        "train_lock_wait_minutes",
-    }
-)
-
-# Only from the worker's config file or IMAGELAKE_* environment: where its clusters, stores, tables, folders and
-# registered model are (a run pointed elsewhere would send the worker's credentials to another host, unpickle Ray
-# Client's or Prefect's results from it, or write, retire and vacuum someone else's data), what code Spark loads, and
-# the policies that remove data (retire_deleted) or load pickles (allow_pickle_models).
-REFUSED_FROM_RUNS = frozenset(
-    {
-        "workspace",
-        "table_root",
-        "table_name",
-        "quarantine_table_name",
-        "history_table_name",
-        "predictions_table_name",
-        "cache_root",
-        "staging_root",
-        "ray_storage_root",
-        "results_root",
-        "manifest_roots",
-        "spark_master",
-        "spark_driver_memory",
-        "spark_jars",
-        "spark_conf",
-        "delta_writer",
-        "spark_merge_min_rows",
-        "ray_address",
-        "mlflow_tracking_uri",
-        "mlflow_registry_uri",
-        "mlflow_experiment",
-        "mlflow_ui_url",
-        "model_name",
-        "prefect_api_url",
-        "retire_deleted",
-        "allow_pickle_models",
-    }
-)
+# Derived from the declarations of Settings' fields (runs=, cap=; infra/declare.py), never written out apart from them.
+ALLOWED_FROM_RUNS = by_runs(Settings, "allowed")
+REFUSED_FROM_RUNS = by_runs(Settings, "refused")
 
 # What a model version recorded may never bring back into a retraining (tasks/registry/models.py:retrain_overrides).
 UNSAFE_FROM_RUNS = tuple(sorted(REFUSED_FROM_RUNS))
 
-# Allowed settings that a run may only make safer than the defaults, as (at least | at most, limit): past them data is
-# lost, a decompression bomb can take the worker down with every run on it, or one run holds up every run behind it.
-RUN_LIMITS: dict[str, tuple[str, float]] = {
-    # A run that would retire more of a date's rows writes nothing: a run may only be more careful than the default.
-    "max_retire_fraction": ("at most", 0.5),
-    # Vacuum runs with Delta's retention check off and deletes files no commit added yet (infra/delta.py): below
-    # Delta's own week it deletes what time travel, readers and a writer still committing need.
-    "vacuum_retention_hours": ("at least", 168),
-    # Clean-up after each run deletes staging files, stage results and checkpoints this old: a running run's among them.
-    "workspace_retention_hours": ("at least", 168),
-    # The decoder's guards against huge files and decompression bombs.
-    "max_file_bytes": ("at most", 50 * 1024 * 1024),
-    "max_image_pixels": ("at most", 64_000_000),
-    "max_decode_seconds": ("at most", 30),
-    # A run that may run for days holds every run queued behind it (the nightly deployment runs one at a time); its
-    # stages' limits and lock waits need no cap of their own, since the flow's ends them all.
-    "flow_timeout_hours": ("at most", 24),
-}
+# Allowed settings that a run may only make safer than the defaults, as (at least | at most, limit): each field's cap=.
+RUN_LIMITS: dict[str, tuple[str, float]] = caps(Settings)
+
+
+def stage_settings(stage: str) -> tuple[str, ...]:
+    """The settings that change STAGE's output, for its `@stage(settings=...)`: every field that declares the stage
+    (stages=...) and every derived location that does (@in_keys_of), in the order Settings declares them."""
+    return stage_fields(Settings, stage)
+
 
 # Torchvision's weights by name (tasks/worker/model.py:is_weights_name takes the same): never a path or a URL.
 _WEIGHTS_NAME = re.compile(r"^(?:[A-Za-z0-9_]+_Weights\.)?[A-Z][A-Z0-9_]*$")

@@ -1,7 +1,7 @@
 """What every stage's Prefect task shares: retries with backoff, a time limit, and a key that says what its stored
 result is made of.
 
-A stage's key is built from named parts: the code of the module that does the work, each upstream
+A stage's key is built from named parts: the code it runs (each file of imagelake its module reaches), each upstream
 result (which carries the Delta table version it read or wrote), the settings that change the
 stage's output (and no others: the Spark log level or the MLflow UI's address never make a stage run again),
 and facts read when the key is computed (the source listing, the table's current version). The
@@ -13,16 +13,13 @@ no key: it changes no output.
 from __future__ import annotations
 
 import functools
-import importlib.util
 import inspect
 import json
-import sys
 import threading
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, TypeVar
 
 import fsspec
@@ -38,6 +35,7 @@ from imagelake.infra.deadline import Overdue, StageTimedOut, deadline, overdue_r
 from imagelake.infra.errors import PermanentError
 from imagelake.infra.holders import LockBusy
 from imagelake.infra.settings import Settings
+from imagelake.tasks.code_graph import code_parts
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -48,27 +46,11 @@ _seconds: dict[str, dict[str, float]] = {}
 _lock = threading.Lock()
 
 
-def module_source(name: str) -> str:
-    """A module's source, read from its file: imported or not (tasks/inference/served_pyfunc.py is run by MLflow, never
-    imported)."""
-    if name in sys.modules:
-        return inspect.getsource(sys.modules[name])
-    spec = importlib.util.find_spec(name)
-    if spec is None or not spec.origin:
-        raise ModuleNotFoundError(f"no module {name!r} to key a stage's result on")
-    return Path(spec.origin).read_text(encoding="utf-8")
-
-
-def code_digest(*modules: str) -> str:
-    """A digest of these modules' source: it changes when any of their code does."""
-    return hash_objects([module_source(name) for name in modules], raise_on_failure=True)
-
-
-def key_parts(
-    fn: Callable[..., Any], inputs: dict[str, Any], settings_fields: tuple[str, ...], code: tuple[str, ...] = ()
-) -> dict[str, str]:
-    """The named parts of a stage's key (values are short digests or the settings' own values)."""
-    parts = {"code": code_digest(fn.__module__, *code)}
+def key_parts(fn: Callable[..., Any], inputs: dict[str, Any], settings_fields: tuple[str, ...]) -> dict[str, str]:
+    """The named parts of a stage's key (values are short digests or the settings' own values): one part for each file
+    of imagelake the stage's module reaches through its imports (tasks/code_graph.py), so that a change to any of them
+    is a miss that names the file."""
+    parts = {f"code {path}": digest for path, digest in code_parts(fn.__module__).items()}
     settings = inputs.get("settings")
     for name, value in inputs.items():
         if name != "settings":
@@ -113,7 +95,6 @@ class StageKey(CachePolicy):
     stage: str = ""
     settings_fields: tuple[str, ...] = ()
     facts: Callable[[dict[str, Any]], dict[str, str]] | None = field(default=None, repr=False)
-    code: tuple[str, ...] = ()  # modules besides the task's own whose code the stage runs
     needs: Callable[[Any], list[str]] | None = field(default=None, repr=False)  # files a result of the stage names
     unfinished: Callable[[Any], str | None] | None = field(
         default=None, repr=False
@@ -124,7 +105,7 @@ class StageKey(CachePolicy):
     ) -> str | None:
         if not task_ctx:
             return None
-        parts = key_parts(task_ctx.task.fn, inputs, self.settings_fields, self.code)
+        parts = key_parts(task_ctx.task.fn, inputs, self.settings_fields)
         if self.facts is not None:
             parts.update(self.facts(inputs))
         key = f"{self.stage}-{hash_objects(parts, raise_on_failure=True)}"
@@ -334,7 +315,6 @@ def stage(
     *,
     settings: tuple[str, ...] = (),
     facts: Callable[[dict[str, Any]], dict[str, str]] | None = None,
-    code: tuple[str, ...] = (),
     needs: Callable[[Any], list[str]] | None = None,
     unfinished: Callable[[Any], str | None] | None = None,
     retries: int = 2,
@@ -345,10 +325,10 @@ def stage(
     (reused while its key holds), and fails TimedOut past the time limit its settings give it (`timeout_setting`: never
     retried).
 
-    `settings` names the settings fields that change the stage's output; `facts` adds key parts read at call time;
-    `code` names other modules whose code the stage runs; `needs` gives the files and folders a result of the stage
-    names, so that a stored result whose files are gone is computed anew; `unfinished` says why a result is not to be
-    reused (work it left for the next run), or None.
+    `settings` names the settings fields that change the stage's output; `facts` adds key parts read at call time; the
+    code in the key is read from the imports of the module that defines the stage (tasks/code_graph.py); `needs`
+    gives the files and folders a result of the stage names, so that a stored result whose files are gone is computed
+    anew; `unfinished` says why a result is not to be reused (work it left for the next run), or None.
     """
 
     def declare(fn: F) -> F:
@@ -360,9 +340,7 @@ def stage(
             retry_jitter_factor=0.5,
             retry_condition_fn=retry_transient_only,
             cache_policy=cache_policy
-            or StageKey(
-                stage=name, settings_fields=settings, facts=facts, code=code, needs=needs, unfinished=unfinished
-            ),
+            or StageKey(stage=name, settings_fields=settings, facts=facts, needs=needs, unfinished=unfinished),
             persist_result=True,
             log_prints=True,
         )

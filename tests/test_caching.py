@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,8 @@ from imagelake.flows.pipeline import pipeline
 from imagelake.flows.score import score_flow
 from imagelake.infra.settings import load_settings
 from imagelake.infra.spark import spark_asks
-from imagelake.tasks.stage import StageKey, code_digest, explain, key_parts, stage_outcomes
+from imagelake.tasks import code_graph
+from imagelake.tasks.stage import explain, key_parts, stage_outcomes
 from imagelake.tasks.stages.summary import RENAMED_KEYS, results_keys, results_report
 from tests.lake import copy_digits
 
@@ -45,29 +47,61 @@ def test_store_uris_enter_the_key_as_digests_only() -> None:
     assert other["setting tracking_uri"] != parts["setting tracking_uri"], "a new store is still a miss"
 
 
-def test_every_stage_s_code_key_reads_its_modules_imported_or_not(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A module a stage names but the driver never imports (the served model, which MLflow runs) still keys the cache:
-    a key that cannot be computed turns the stage's cache off without a word."""
+STAGE_MODULES = [
+    f"imagelake.tasks.stages.{name}" for name in ("ingest", "resize", "write", "split", "cache", "train")
+] + [f"imagelake.tasks.stages.{name}" for name in ("promote", "score", "summary", "maintain", "retention")]
+
+
+def copy_code(folder: Path) -> Path:
+    """A copy of imagelake's source (flows/, tasks/, infra/) under FOLDER, to edit without touching the real one."""
+    for name, source in code_graph.code_folders().items():
+        shutil.copytree(source, folder / name.rpartition(".")[2], ignore=shutil.ignore_patterns("__pycache__"))
+    return folder
+
+
+def stage_keys(folders: dict[str, Path]) -> dict[str, str]:
+    return {module: code_graph.code_digest(module, folders) for module in STAGE_MODULES}
+
+
+def test_a_stage_s_code_key_changes_with_each_file_it_reaches_and_only_those(tmp_path: Path) -> None:
+    """Editing any file of imagelake changes the code key of exactly the stages whose module reaches it through
+    imports; the train stage's key covers the network, the training loop, the augmentation and the loader; a file no
+    stage reaches (the CLI) changes no key."""
+    folders = code_graph.folders_under(copy_code(tmp_path / "code"))
+    before = stage_keys(folders)
+    reaches = {module: set(code_graph.repo_files(module, folders)) for module in STAGE_MODULES}
+    edited_any = set()
+    for path in sorted((tmp_path / "code").rglob("*.py")):
+        shown = str(path.relative_to(tmp_path / "code"))
+        text = path.read_text(encoding="utf-8")
+        path.write_text(text + "\n# edited\n", encoding="utf-8")
+        changed = {module for module, key in stage_keys(folders).items() if key != before[module]}
+        path.write_text(text, encoding="utf-8")
+        assert changed == {module for module in STAGE_MODULES if shown in reaches[module]}, shown
+        edited_any |= changed
+    assert edited_any == set(STAGE_MODULES)
+    for worker in ("model", "train_loop", "augment", "loader"):
+        assert f"tasks/worker/{worker}.py" in reaches["imagelake.tasks.stages.train"], worker
+    assert not any("flows/cli.py" in files for files in reaches.values())
+
+
+def test_a_stage_s_code_key_covers_every_module_its_modules_hold_code_of() -> None:
+    """Read from the running code rather than the source: every module, function or class of imagelake that a module of
+    a stage's key holds (imported, at any depth) comes from a module also in that key, so the graph misses no import."""
     import importlib
-    import sys
+    import inspect
 
-    from prefect import Task
-
-    stages = [
-        value
-        for name in ("ingest", "resize", "write", "split", "cache", "train", "promote")
-        for value in vars(importlib.import_module(f"imagelake.tasks.stages.{name}")).values()
-        if isinstance(value, Task) and isinstance(value.cache_policy, StageKey)
-    ]
-    assert {task.name for task in stages} >= {"ingest", "resize", "write", "split", "cache", "train", "promote"}
-    monkeypatch.delitem(sys.modules, "imagelake.tasks.inference.served_pyfunc", raising=False)
-    for task in stages:
-        assert code_digest(*task.cache_policy.code), task.name
-    assert (
-        "imagelake.tasks.inference.served_pyfunc"
-        in next(task for task in stages if task.name == "promote").cache_policy.code
-    )
-    assert "imagelake.tasks.inference.served_pyfunc" not in sys.modules, "read, not imported"
+    for stage_module in STAGE_MODULES:
+        importlib.import_module(stage_module)
+        keyed = set(code_graph.reached(stage_module))
+        for name in keyed:
+            for value in vars(sys.modules[name]).values():
+                if not (callable(value) or inspect.ismodule(value)):
+                    continue
+                origin = value.__name__ if inspect.ismodule(value) else getattr(value, "__module__", None)
+                # A package's submodules are its attributes once anything imports them: not an import of its own.
+                if isinstance(origin, str) and origin.startswith("imagelake.") and not origin.startswith(f"{name}."):
+                    assert origin in keyed, f"{name} holds {origin}, which the key of {stage_module} leaves out"
 
 
 def test_results_report_says_reused_or_computed_and_why() -> None:
@@ -139,7 +173,7 @@ def asked_for_spark_since(before: dict[str, int]) -> dict[str, int]:
 
 @pytest.mark.slow
 def test_same_data_hits_new_file_reruns_from_ingest_new_size_from_resize(
-    prefect_api: str, digits_dir: Path, tmp_path: Path
+    prefect_api: str, digits_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     source = tmp_path / "src"
     copy_digits(digits_dir, source, labels=("0", "1", "2", "3", "4"), per_label=12)
@@ -180,6 +214,22 @@ def test_same_data_hits_new_file_reruns_from_ingest_new_size_from_resize(
     third, missed = run(source, {**overrides, "spark_log_level": "WARN"})
     assert third["results_reused"] == ALL and missed == {}
     assert third["model_version"] == first["model_version"]
+
+    # The code as an upgrade changes it (the keys read a copy of imagelake's source, edited): the CLI's help text, which
+    # no stage reaches, recomputes nothing; the training loop's source trains again, and promotes what it trained.
+    copy = copy_code(tmp_path / "code")
+    monkeypatch.setattr(code_graph, "code_folders", lambda: code_graph.folders_under(copy))
+    cli = copy / "flows" / "cli.py"
+    cli.write_text(cli.read_text(encoding="utf-8").replace('help="', 'help="(edited) ', 1), encoding="utf-8")
+    unrelated, missed = run(source, overrides)
+    assert unrelated["results_reused"] == ALL and missed == {}, unrelated["results"]
+    loop = copy / "tasks" / "worker" / "train_loop.py"
+    loop.write_text(loop.read_text(encoding="utf-8") + "\n# a change to the training loop\n", encoding="utf-8")
+    retrained, missed = run(source, overrides)
+    assert sorted(missed) == ["promote", "train"], retrained["results"]
+    assert "code tasks/worker/train_loop.py changed" in missed["train"]
+    assert retrained["mlflow_run_id"] != third["mlflow_run_id"]
+    monkeypatch.undo()
 
     # A part file of the cached train split cut short, then one deleted (a cleaned disk): the cache stage's result is
     # no result, the report says why, and the split is written again whole; training never sees the partial split.

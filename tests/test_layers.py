@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -26,11 +27,15 @@ def imported_modules(path: Path) -> set[str]:
 
 
 def imported_packages(path: Path) -> set[str]:
-    """The top-level names every import in a file (function bodies included) reaches."""
-    return {name.split(".")[0] for name in imported_modules(path)}
+    """The top-level names every import in a file (function bodies included) reaches; imagelake's own by their layer
+    (imagelake.tasks.rules.images -> tasks)."""
+    return {
+        name.split(".")[1] if name.startswith("imagelake.") else name.split(".")[0] for name in imported_modules(path)
+    }
 
 
 def test_no_import_runs_up_a_layer() -> None:
+    assert "tasks" in imported_packages(REPO / "flows" / "pipeline.py"), "imagelake's imports are read by their layer"
     upward = []
     for layer, floor in LAYERS.items():
         for path in sorted((REPO / layer).rglob("*.py")):
@@ -75,7 +80,7 @@ def test_the_stages_have_a_room_of_their_own_and_no_helper_or_stage_imports_a_st
         f"{path.relative_to(REPO)} imports {name}"
         for path in sorted((REPO / "tasks").rglob("*.py"))
         for name in sorted(imported_modules(path))
-        if name.startswith("imagelake.tasks.stages.") and name.split(".")[2] != path.stem
+        if name.startswith("imagelake.tasks.stages.") and name.split(".")[3] != path.stem
     ]
     assert not reaching, reaching
 
@@ -106,3 +111,54 @@ def test_the_local_server_tooling_has_a_room_no_pipeline_code_imports() -> None:
         if name.startswith("imagelake.infra.local")
     ]
     assert not reaching, reaching
+
+
+def test_imagelake_is_the_one_name_installed_and_every_package_folder_goes_with_it(tmp_path: Path) -> None:
+    """flows/, tasks/ and infra/ install as imagelake.flows, imagelake.tasks and imagelake.infra: a wheel built from the
+    repository holds `imagelake` alone at its top, with every folder that has an __init__.py, and this environment
+    imports nothing as `tasks`, `flows` or `infra` (another project's packages of those names stay theirs)."""
+    import tomllib
+    import zipfile
+
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    folders = {
+        ".".join(("imagelake", *init.parent.relative_to(REPO).parts))
+        for layer in LAYERS
+        for init in (REPO / layer).rglob("__init__.py")
+    }
+    assert listed == folders, f"pyproject.toml's packages leave out {sorted(folders - listed)}"
+
+    source = tmp_path / "source"
+    for name in ("pyproject.toml", "README.md"):
+        (source / name).parent.mkdir(parents=True, exist_ok=True)
+        (source / name).write_bytes((REPO / name).read_bytes())
+    for layer in LAYERS:
+        shutil.copytree(REPO / layer, source / layer, ignore=shutil.ignore_patterns("__pycache__"))
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), "."],
+        cwd=source,
+        check=True,
+        capture_output=True,
+    )
+    (wheel,) = tmp_path.glob("imagelake-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert {name.split("/")[0] for name in names if not name.split("/")[0].endswith(".dist-info")} == {"imagelake"}
+    assert "imagelake/tasks/inference/served_pyfunc.py" in names and "imagelake/__init__.py" not in names
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    code = (
+        "import importlib.util, json; "
+        "print(json.dumps({n: importlib.util.find_spec(n) is not None "
+        "for n in ('tasks', 'flows', 'infra', 'imagelake.tasks', 'imagelake.flows.cli')}))"
+    )
+    found = json.loads(
+        subprocess.run([sys.executable, "-c", code], cwd=elsewhere, capture_output=True, text=True, check=True).stdout
+    )
+    assert found == {
+        "tasks": False,
+        "flows": False,
+        "infra": False,
+        "imagelake.tasks": True,
+        "imagelake.flows.cli": True,
+    }

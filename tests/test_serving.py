@@ -7,6 +7,7 @@ import base64
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -180,6 +181,39 @@ def test_imagelake_reads_the_served_model_and_an_older_one_without_running_their
     older = {Path(row["path"]).stem: row["label"] for row in predict_files(client, settings, f"{NAME}/2", source)}
     plain = ["apples", "leaves", "blueberries"]
     assert older == {name: plain[LABELS.index(label)] for name, _, label in files()}
+
+
+def test_a_version_saved_before_imagelake_had_one_import_name_still_loads_and_predicts(
+    champion, tmp_path: Path
+) -> None:
+    """Release 0.1.0 installed imagelake's modules as `tasks`, `flows` and `infra`, and saved its pyfunc's code as
+    served_model.py (tests/data/served_model_0_1_0.py, as that release wrote it), which falls back on `tasks.rules`
+    where its saved rules are missing. A folder laid out as that release saved a version still loads, through MLflow and
+    through imagelake, and answers with its label names; no `tasks` module is imported on the way."""
+    import pandas as pd
+    import yaml
+
+    from imagelake.tasks.registry.models import load_model_folder
+
+    store, _ = champion
+    folder = tmp_path / "model-0.1.0"
+    new = Path(mlflow.artifacts.download_artifacts(f"models:/{NAME}/1", dst_path=str(tmp_path / "new")))
+    shutil.copytree(new, folder)
+    meta = yaml.safe_load((folder / "MLmodel").read_text())
+    flavour = meta["flavors"]["python_function"]
+    (folder / Path(flavour["model_code_path"]).name).unlink()
+    shutil.copyfile(Path(__file__).with_name("data") / "served_model_0_1_0.py", folder / "served_model.py")
+    flavour["model_code_path"] = "/checkout/tasks/served_model.py"
+    (folder / "MLmodel").write_text(yaml.safe_dump(meta))
+
+    given = files()
+    loaded = mlflow.pyfunc.load_model(str(folder))
+    answers = loaded.predict(pd.DataFrame({"image": [data for _, data, _ in given]}))
+    assert list(answers["label"]) == [label for _, _, label in given]
+    program = load_model_folder(folder, NAME, "0.1.0")
+    decoded = torch.from_numpy(np.stack([resize_image(data, SIZE)[0] for _, data, _ in given]))
+    assert [LABELS[i] for i in program(decoded).argmax(1).tolist()] == [label for _, _, label in given]
+    assert not [name for name in sys.modules if name == "tasks" or name.startswith("tasks.")]
 
 
 @pytest.fixture(scope="module")

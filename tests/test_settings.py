@@ -151,17 +151,61 @@ def test_a_settings_file_named_by_a_run_may_not_set_what_runs_code_unless_it_shi
     refuse_unsafe_file(planted, "a run")
 
 
-def test_every_setting_is_allowed_from_runs_or_refused_by_name() -> None:
-    # A new field of Settings fails here until someone decides whether a run from a deployment may set it.
+def test_every_setting_declares_whether_runs_may_set_it_and_which_stage_keys_it_enters() -> None:
+    # A new field of Settings fails here until its declaration says whether a run from a deployment may set it and
+    # which stages' output it changes: two decisions, neither with a default (stages=() says "none" on purpose).
+    from imagelake.infra.declare import declaration, undeclared
     from imagelake.infra.settings import ALLOWED_FROM_RUNS, REFUSED_FROM_RUNS, RUN_LIMITS, Settings
 
-    undecided = sorted(set(Settings.model_fields) - ALLOWED_FROM_RUNS - REFUSED_FROM_RUNS)
-    assert not undecided, (
-        f"decide whether a run may set {undecided}: add each to ALLOWED_FROM_RUNS or REFUSED_FROM_RUNS"
+    missing = undeclared(Settings)
+    assert not missing, (
+        f"declare {missing} in infra/settings.py with setting(...) instead of Field(...): runs='allowed' where a run "
+        "from a deployment may set it, runs='refused' where only the worker may; stages=(the stages whose output it "
+        "changes), or stages=() where it changes none; cap=('at most' or 'at least', limit) where a run may only "
+        "make it safer"
     )
     assert not ALLOWED_FROM_RUNS & REFUSED_FROM_RUNS
     assert ALLOWED_FROM_RUNS | REFUSED_FROM_RUNS == set(Settings.model_fields), "names that are not settings"
     assert set(RUN_LIMITS) <= ALLOWED_FROM_RUNS
+    # A time limit or a lock wait changes no output: a run that shortens one must reuse every stored result.
+    timed = [
+        name
+        for name in Settings.model_fields
+        if ("timeout" in name or "lock_wait" in name) and declaration(Settings, name).stages
+    ]
+    assert not timed, f"time limits in stage keys: declare {timed} with stages=()"
+
+
+def test_the_stages_settings_declare_exist_and_take_their_settings_from_the_declarations() -> None:
+    import importlib
+
+    from prefect import Task
+
+    from imagelake.infra.declare import keyed_stages
+    from imagelake.infra.settings import Settings, stage_settings
+    from imagelake.tasks.stage import StageKey
+    from tests.conftest import REPO
+
+    modules = [
+        importlib.import_module(f"imagelake.tasks.stages.{path.stem}")
+        for path in sorted((REPO / "tasks" / "stages").glob("*.py"))
+        if path.stem != "__init__"
+    ]
+    stages = {
+        value.name: value
+        for module in modules
+        for value in vars(module).values()
+        if isinstance(value, Task) and value.fn.__module__ == module.__name__
+    }
+    declared = {stage for names in keyed_stages(Settings).values() for stage in names}
+    assert declared <= set(stages), f"settings declare stages=... that no @stage has: {sorted(declared - set(stages))}"
+    assert {"ingest", "resize", "write", "split", "cache", "train", "promote", "score"} <= declared
+    for name, task in stages.items():
+        if isinstance(task.cache_policy, StageKey):
+            expected = stage_settings(name) if name in declared else ()
+            assert task.cache_policy.settings_fields == expected, (
+                f"{name}: give it @stage(settings=stage_settings({name!r})) and declare its settings' stages=..."
+            )
 
 
 DANGEROUS_FROM_RUNS = [

@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from imagelake.infra.settings import stage_settings
+
 
 def scaled_learning_rate(base_lr: float, num_workers: int, rule: str = "linear") -> float:
     """The global batch grows with the workers, so does the step size: linearly, with the square root, or not at all."""
@@ -21,41 +23,11 @@ def scaled_learning_rate(base_lr: float, num_workers: int, rule: str = "linear")
     raise ValueError(f"unknown lr_scaling {rule!r}: choose linear, sqrt or none")
 
 
-# The settings that change what training produces: they name the Ray run and key the train stage's cache
-# (loader_processes too: two or more processes make other batches than one, though the same for the same seed).
-# With warm_start on, the champion's version it starts from does too (tasks/stages/train.py:warm_start_key).
-TRAINING_SETTINGS = (
-    "model_arch",
-    "pretrained",
-    "freeze_backbone",
-    "backbone_lr_factor",
-    "augment",
-    "augment_flip",
-    "label_smoothing",
-    "class_weights",
-    "warm_start",
-    "max_epochs",
-    "max_train_minutes",
-    "batch_size",
-    "base_lr",
-    "lr_scaling",
-    "num_workers",
-    "early_stopping_patience",
-    "early_stopping_min_delta",
-    "early_stopping_threshold",
-    "seed",
-    "use_gpu",
-    "shuffle_buffer_batches",
-    "loader_processes",
-    "jpeg_decode",
-    "bf16",
-    "channels_last",
-    "compile",
-    "compile_mode",
-    "tracking_uri",
-    "mlflow_experiment",
-    "ray_storage_path",
-)
+# The settings that change what training produces: they name the Ray run and key the train stage's cache. They are
+# the train stage's settings as their declarations in infra/settings.py give them (stages=("train", ...) on a field,
+# @in_keys_of("train", ...) on a derived location). With warm_start on, the champion's version it starts from changes
+# what training produces too (tasks/stages/train.py:warm_start_key).
+TRAINING_SETTINGS = stage_settings("train")
 
 
 def started_from(warm_started_from: str, pretrained_weights: str = "none", pretrained_sha256: str = "") -> str:

@@ -28,7 +28,7 @@ from pyspark.sql import functions as F
 
 from imagelake.infra.compat import collect_arrow
 from imagelake.infra.prefect_env import fence, one_at_a_time
-from imagelake.infra.settings import Settings
+from imagelake.infra.settings import Settings, stage_settings
 from imagelake.infra.spark import SparkSource, on_demand, session_of
 from imagelake.tasks.data.cache_files import (
     GENERATION_BITS,
@@ -430,8 +430,7 @@ def cache_one_at_a_time(spark: SparkSource, plan: SplitPlan, settings: Settings)
 
 @stage(
     "cache",
-    settings=("image_size", "cache_uri", "seed", "cache_format", "cache_jpeg_quality"),
-    code=("imagelake.tasks.data.table", "imagelake.tasks.data.cache_files"),
+    settings=stage_settings("cache"),
     needs=cached_files,
     unfinished=damaged_split,
 )

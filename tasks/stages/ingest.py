@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from imagelake.infra.settings import Settings
+from imagelake.infra.settings import Settings, stage_settings
 from imagelake.tasks.data.listing import save_listing, source_uri
 from imagelake.tasks.results import Listed
 from imagelake.tasks.rules.listing import Scope, SourceError, listing_fingerprint, scope_of
@@ -34,9 +34,8 @@ def source_listing(inputs: dict[str, Any]) -> dict[str, str]:
 
 @stage(
     "ingest",
-    settings=("image_extensions", "start_date", "end_date", "max_file_bytes", "manifest_roots", "staging_uri"),
+    settings=stage_settings("ingest"),
     facts=source_listing,
-    code=("imagelake.tasks.data.listing", "imagelake.tasks.rules.listing", "imagelake.tasks.rules.schemas"),
     needs=lambda listed: [listed.manifest_uri],
 )
 def ingest(source: str, settings: Settings) -> Listed:

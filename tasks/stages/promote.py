@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import mlflow
@@ -18,7 +19,7 @@ from prefect.runtime import flow_run
 from pyspark.sql import functions as F
 
 from imagelake.infra.delta import Table
-from imagelake.infra.settings import Settings
+from imagelake.infra.settings import Settings, stage_settings
 from imagelake.infra.tracking import git_commit, mlflow_client, run_url
 from imagelake.tasks.data.cache_files import pixel_rows, split_files, split_format
 from imagelake.tasks.data.resize_executor import DecodeRules, read_with_retries
@@ -121,18 +122,31 @@ def registered_version(client: MlflowClient, name: str, run_id: str) -> str | No
     return str(max(int(v.version) for v in found)) if found else None
 
 
-def promote_model(
-    trained: Trained, cached: CachedSplits, settings: Settings, flow_run_id: str | None
-) -> tuple[Promoted, Decision, str | None, list[dict]]:
-    """Log and register the trained model with its lineage, then let the gate decide its alias."""
-    client = mlflow_client(settings)
+@dataclass
+class Evaluated:
+    """The trained model and what it answered on the test split: the images and labels the gate compares on, the
+    confusion matrix and each class's precision, recall and F1."""
+
+    model: ImageModel
+    images: np.ndarray
+    labels: np.ndarray
+    matrix: np.ndarray
+    per_class: list[dict]
+
+
+def evaluate_trained(trained: Trained, cached: CachedSplits) -> Evaluated:
+    """Load the trained model from its checkpoint and answer the cached test split with it."""
     model = load_trained_model(trained.checkpoint_path)
     images, labels = read_split(cached.splits["test"], cached.image_size)
-    predicted = predict(model, images)
-    matrix = confusion_matrix(labels, predicted, len(cached.labels))
-    per_class = per_class_metrics(matrix, cached.labels)
-    params = client.get_run(trained.mlflow_run_id).data.params
-    tags = {
+    matrix = confusion_matrix(labels, predict(model, images), len(cached.labels))
+    return Evaluated(model, images, labels, matrix, per_class_metrics(matrix, cached.labels))
+
+
+def lineage_tags(
+    trained: Trained, cached: CachedSplits, settings: Settings, params: dict[str, str], flow_run_id: str | None
+) -> dict[str, str]:
+    """The tags a registered version carries: the data, the training and the run it came from."""
+    return {
         "delta_table": cached.table_uri,
         "delta_version": str(cached.table_version),
         "cache_key": cached.key,
@@ -154,49 +168,53 @@ def promote_model(
             }
         ),
     }
-    # A training run is registered once: a retried stage, or a second flow run that got the same training's result,
-    # finds the version an earlier one registered (under the registry's lock, so two at once cannot both register).
+
+
+def register_once(
+    client: MlflowClient,
+    settings: Settings,
+    trained: Trained,
+    cached: CachedSplits,
+    evaluated: Evaluated,
+    tags: dict[str, str],
+) -> str:
+    """Log the served model in the training's MLflow run and register it with TAGS; return its version.
+
+    A training run is registered once: a retried stage, or a second flow run that got the same training's result,
+    finds the version an earlier one registered (under the registry's lock, so two at once cannot both register) and
+    only sets its tags again."""
     with registry_lock(settings, settings.model_name):
         version = registered_version(client, settings.model_name, trained.mlflow_run_id)
-        if version is None:
-            with mlflow.start_run(run_id=trained.mlflow_run_id):
-                # A pyfunc any MLflow client can call with image files (inference/served_pyfunc.py), around torch.export
-                # program that loads without unpickling. Its requirements are given: inferring them loads the model
-                # again in a new interpreter. Logged before the per-class metrics: MLflow links each of the run's
-                # metrics to the model, a request each.
-                with tempfile.TemporaryDirectory(prefix="imagelake-model-") as folder:
-                    served = served_model(
-                        Path(folder),
-                        model,
-                        cached.labels,
-                        cached.image_size,
-                        settings.resize_mode,
-                        settings.max_image_pixels,
-                        images[:2],
-                    )
-                    info = mlflow.pyfunc.log_model(name="model", **served)
-            # The lineage lands with the version, in one request: no version is ever seen without it.
-            version = str(mlflow.register_model(info.model_uri, settings.model_name, tags=tags).version)
-        else:
+        if version is not None:
             for key, value in tags.items():
                 client.set_model_version_tag(settings.model_name, version, key, value)
-    decision, metrics, champion_version = gate(
-        client,
-        settings,
-        settings.model_name,
-        version,
-        images,
-        labels,
-        len(cached.labels),
-        flow_run_id,
-        baseline=trained.baseline_accuracy,
-        names=cached.labels,
-        rows_at=test_rows_at(settings, cached),
-    )
+            return version
+        with mlflow.start_run(run_id=trained.mlflow_run_id):
+            # A pyfunc any MLflow client can call with image files (inference/served_pyfunc.py), around torch.export
+            # program that loads without unpickling. Its requirements are given: inferring them loads the model
+            # again in a new interpreter. Logged before the per-class metrics: MLflow links each of the run's
+            # metrics to the model, a request each.
+            with tempfile.TemporaryDirectory(prefix="imagelake-model-") as folder:
+                served = served_model(
+                    Path(folder),
+                    evaluated.model,
+                    cached.labels,
+                    cached.image_size,
+                    settings.resize_mode,
+                    settings.max_image_pixels,
+                    evaluated.images[:2],
+                )
+                info = mlflow.pyfunc.log_model(name="model", **served)
+        # The lineage lands with the version, in one request: no version is ever seen without it.
+        return str(mlflow.register_model(info.model_uri, settings.model_name, tags=tags).version)
+
+
+def log_test_results(trained: Trained, cached: CachedSplits, evaluated: Evaluated, metrics: dict[str, float]) -> None:
+    """The gate's test metrics, each class's, the confusion matrix as a figure and as JSON, in the training's run."""
     with mlflow.start_run(run_id=trained.mlflow_run_id):
-        mlflow.log_figure(confusion_figure(matrix, cached.labels), "confusion_matrix.png")
+        mlflow.log_figure(confusion_figure(evaluated.matrix, cached.labels), "confusion_matrix.png")
         mlflow.log_dict(
-            {"labels": cached.labels, "confusion_matrix": matrix.tolist(), "per_class": per_class},
+            {"labels": cached.labels, "confusion_matrix": evaluated.matrix.tolist(), "per_class": evaluated.per_class},
             "test_per_class.json",
         )
         mlflow.log_metrics(
@@ -204,12 +222,25 @@ def promote_model(
                 **{f"test_{key}": value for key, value in metrics.items()},
                 **{
                     f"test_{name}_{key}": row[name]
-                    for row, key in zip(per_class, metric_keys(cached.labels), strict=True)
+                    for row, key in zip(evaluated.per_class, metric_keys(cached.labels), strict=True)
                     for name in ("precision", "recall", "f1")
                 },
             }
         )
-    alias = CHAMPION if decision.promote else CHALLENGER
+
+
+def describe_version(
+    client: MlflowClient,
+    settings: Settings,
+    version: str,
+    trained: Trained,
+    cached: CachedSplits,
+    params: dict[str, str],
+    metrics: dict[str, float],
+    per_class: list[dict],
+    decision: Decision,
+) -> None:
+    """Write the version's model card as its description."""
     data = {
         "table": cached.table_uri,
         "version": cached.table_version,
@@ -225,7 +256,7 @@ def promote_model(
         metrics,
         per_class,
         decision.reason,
-        alias,
+        CHAMPION if decision.promote else CHALLENGER,
         trained.baseline_accuracy,
         started_from(trained.warm_started_from, trained.pretrained_weights, trained.pretrained_sha256),
     )
@@ -233,49 +264,49 @@ def promote_model(
     client.update_model_version(
         settings.model_name, version, description=card if len(card) <= 5000 else card[:4980] + "\n\n(cut)"
     )
+
+
+def promote_model(
+    trained: Trained, cached: CachedSplits, settings: Settings, flow_run_id: str | None
+) -> tuple[Promoted, Decision, str | None, list[dict]]:
+    """Evaluate the trained model on the test split, register it with its lineage, let the gate decide its alias, then
+    log the test results and the model card."""
+    client = mlflow_client(settings)
+    evaluated = evaluate_trained(trained, cached)
+    params = client.get_run(trained.mlflow_run_id).data.params
+    tags = lineage_tags(trained, cached, settings, params, flow_run_id)
+    version = register_once(client, settings, trained, cached, evaluated, tags)
+    decision, metrics, champion_version = gate(
+        client,
+        settings,
+        settings.model_name,
+        version,
+        evaluated.images,
+        evaluated.labels,
+        len(cached.labels),
+        flow_run_id,
+        baseline=trained.baseline_accuracy,
+        names=cached.labels,
+        rows_at=test_rows_at(settings, cached),
+    )
+    log_test_results(trained, cached, evaluated, metrics)
+    describe_version(client, settings, version, trained, cached, params, metrics, evaluated.per_class, decision)
     promoted = Promoted(
         model_name=settings.model_name,
         model_version=version,
-        alias=alias,
+        alias=CHAMPION if decision.promote else CHALLENGER,
         champion_version=version if decision.promote else str(champion_version),
         test_accuracy=metrics["accuracy"],
         baseline_accuracy=trained.baseline_accuracy,
         previous_champion_accuracy=None,
         decision=decision.reason,
     )
-    return promoted, decision, champion_version, per_class
+    return promoted, decision, champion_version, evaluated.per_class
 
 
 @stage(
     "promote",
-    settings=(
-        "model_name",
-        "promotion_metric",
-        "promotion_margin",
-        "min_margin_over_baseline",
-        "allow_pickle_models",
-        "tracking_uri",
-        "mlflow_registry_uri",
-        "history_uri",
-        "resize_mode",
-        "max_image_pixels",
-        "read_attempts",
-        "val_fraction",
-        "test_fraction",
-        "partitions_per_worker",
-    ),
-    code=(
-        "imagelake.tasks.inference.predict",
-        "imagelake.tasks.registry.models",
-        "imagelake.tasks.inference.served_pyfunc",
-        "imagelake.tasks.rules.promotion",
-        "imagelake.tasks.rules.images",
-        "imagelake.tasks.rules.answers",
-        "imagelake.tasks.registry.cards",
-        "imagelake.tasks.data.resize_executor",
-        "imagelake.tasks.data.table",
-        "imagelake.tasks.data.cache_files",
-    ),
+    settings=stage_settings("promote"),
     retries=1,
 )
 def promote(trained: Trained, cached: CachedSplits, settings: Settings) -> Promoted:

@@ -17,7 +17,7 @@ from pyspark.sql import SparkSession
 from pyspark.sql.pandas.types import from_arrow_schema
 
 from imagelake.infra.delta import Table
-from imagelake.infra.settings import Settings
+from imagelake.infra.settings import Settings, stage_settings
 from imagelake.tasks.data.changes import diff_against_table
 from imagelake.tasks.data.resize_executor import (
     PROGRESS_FOLDER,
@@ -181,35 +181,10 @@ def staged_for_write(resized: Resized) -> list[str]:
 
 @stage(
     "resize",
-    # max_bad_fraction and max_retire_fraction too: a write that refused took back the files this stage wrote.
-    settings=(
-        "image_size",
-        "resize_mode",
-        "max_file_bytes",
-        "max_image_pixels",
-        "max_decode_seconds",
-        "read_attempts",
-        "max_bad_fraction",
-        "max_retire_fraction",
-        "retire_deleted",
-        "start_date",
-        "end_date",
-        "table_uri",
-        "quarantine_uri",
-        "staging_uri",
-    ),
+    settings=stage_settings("resize"),
     facts=tables_now,
     needs=staged_for_write,
     unfinished=left_unread,
-    code=(
-        "imagelake.tasks.data.changes",
-        "imagelake.tasks.data.table",
-        "imagelake.tasks.data.resize_executor",
-        "imagelake.tasks.rules.listing",
-        "imagelake.tasks.rules.images",
-        "imagelake.tasks.rules.schemas",
-        "imagelake.tasks.rules.partitions",
-    ),
 )
 def resize(listed: Listed, settings: Settings) -> Resized:
     """Prefect stage: find what is new or changed at this image size, then read, hash and resize it."""

@@ -23,7 +23,7 @@ from pyspark.sql import functions as F
 from pyspark.sql.pandas.types import from_arrow_schema
 
 from imagelake.infra.delta import Table, table_exists
-from imagelake.infra.settings import Settings
+from imagelake.infra.settings import Settings, stage_settings
 from imagelake.infra.spark import spark_session
 from imagelake.infra.tracking import mlflow_client
 from imagelake.tasks.data.listing import source_uri, walk_files
@@ -230,18 +230,10 @@ def score_model(model: str, settings: Settings) -> str:
 
 @stage(
     "score",
-    settings=("image_extensions", "score_top_k", "read_attempts", "predictions_uri", "tracking_uri"),
+    settings=stage_settings("score"),
     facts=source_state,
     needs=lambda scored: (
         [f"{scored['predictions_uri']}/_delta_log"] if scored["predictions_version"] is not None else []
-    ),
-    code=(
-        "imagelake.tasks.inference.batch_scorer",
-        "imagelake.tasks.data.resize_executor",
-        "imagelake.tasks.inference.served_pyfunc",
-        "imagelake.tasks.rules.images",
-        "imagelake.tasks.rules.answers",
-        "imagelake.tasks.rules.schemas",
     ),
 )
 def score(source: str, model: str, settings: Settings) -> dict[str, Any]:

@@ -4,7 +4,7 @@ repartitions it into."""
 from __future__ import annotations
 
 from imagelake.infra.delta import Table
-from imagelake.infra.settings import Settings
+from imagelake.infra.settings import Settings, stage_settings
 from imagelake.infra.spark import SparkSource, on_demand
 from imagelake.tasks.data.split_records import PlanRecords
 from imagelake.tasks.data.table import ImageTable
@@ -51,9 +51,8 @@ def quarantine_now(inputs: dict) -> dict[str, str]:
 
 @stage(
     "split",
-    settings=("image_size", "val_fraction", "test_fraction", "partitions_per_worker", "num_workers"),
+    settings=stage_settings("split"),
     facts=quarantine_now,
-    code=("imagelake.tasks.rules.splits", "imagelake.tasks.data.split_records"),
 )
 def split(table: TableVersion, settings: Settings) -> SplitPlan:
     """Prefect stage: plan the split and the partition count of one table version."""

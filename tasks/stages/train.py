@@ -27,8 +27,9 @@ from ray.train.torch import TorchTrainer
 from imagelake.infra.deadline import sigint_handler_kept
 from imagelake.infra.prefect_env import one_at_a_time
 from imagelake.infra.ray_runtime import connect_ray
-from imagelake.infra.settings import Settings
+from imagelake.infra.settings import Settings, stage_settings
 from imagelake.infra.tracking import experiment_id, mlflow_client, run_url
+from imagelake.tasks.code_graph import code_digest
 from imagelake.tasks.data.cache_files import check_split, label_samples
 from imagelake.tasks.progress import Every, stage_logger
 from imagelake.tasks.registry.baseline import fit_baseline
@@ -38,7 +39,7 @@ from imagelake.tasks.results import CachedSplits, Trained
 from imagelake.tasks.rules.promotion import BASELINE
 from imagelake.tasks.rules.training import TRAINING_SETTINGS, logged_params, scaled_learning_rate
 from imagelake.tasks.rules.warm_start import WarmStart, WeightsShape, decide_warm_start
-from imagelake.tasks.stage import code_digest, stage
+from imagelake.tasks.stage import stage
 from imagelake.tasks.worker.model import pretrained_source
 from imagelake.tasks.worker.train_loop import (
     FIT_SECONDS,
@@ -55,15 +56,7 @@ def run_name(cached: CachedSplits, settings: Settings, fresh: str | None = None,
     `fresh` (a refreshed flow run's id) makes a new run: a refresh trains from scratch, its retries resume it.
     `warm_from` (the champion version a warm start begins from) makes a new run when the champion changes.
     """
-    code = code_digest(
-        __name__,
-        "imagelake.tasks.worker.train_loop",
-        "imagelake.tasks.worker.model",
-        "imagelake.tasks.worker.augment",
-        "imagelake.tasks.worker.loader",
-        "imagelake.tasks.data.cache_files",
-        "imagelake.infra.compat",
-    )
+    code = code_digest(__name__)  # the stage's own code key: every file of imagelake the train stage reaches
     parts = [
         cached.key,
         *(getattr(settings, f) for f in TRAINING_SETTINGS),
@@ -461,14 +454,8 @@ def train_in(
 
 @stage(
     "train",
-    settings=TRAINING_SETTINGS,
+    settings=stage_settings("train"),
     facts=warm_start_key,
-    code=(
-        "imagelake.tasks.rules.training",
-        "imagelake.tasks.rules.warm_start",
-        "imagelake.tasks.registry.baseline",
-        "imagelake.tasks.data.cache_files",
-    ),
     retries=1,
     needs=lambda trained: [trained.checkpoint_path],
 )

@@ -23,7 +23,7 @@ from prefect.cache_policies import NO_CACHE
 
 from imagelake.infra.delta import FileRows, Table, sql_in
 from imagelake.infra.errors import PermanentError
-from imagelake.infra.settings import Settings
+from imagelake.infra.settings import Settings, stage_settings
 from imagelake.tasks.data.changes import mark_in_sync
 from imagelake.tasks.data.table import ImageTable, matching
 from imagelake.tasks.results import Resized, Written, left_unread
@@ -448,7 +448,7 @@ def discard_run_files(resized: Resized) -> None:
         fs.rmdir(folder)
 
 
-@stage("requeue", settings=("quarantine_uri", "requeue_reasons"), cache_policy=NO_CACHE)
+@stage("requeue", settings=stage_settings("requeue"), cache_policy=NO_CACHE)
 def requeue_by_setting(settings: Settings) -> dict[str, int]:
     """Prefect stage (its result never reused): send the files quarantined for a reason in the setting
     requeue_reasons back through."""
@@ -457,8 +457,7 @@ def requeue_by_setting(settings: Settings) -> dict[str, int]:
 
 @stage(
     "write",
-    settings=("table_uri", "quarantine_uri", "max_bad_fraction", "max_retire_fraction", "delta_writer"),
-    code=("imagelake.tasks.rules.schemas", "imagelake.tasks.rules.bad_files", "imagelake.tasks.data.table"),
+    settings=stage_settings("write"),
     unfinished=left_unread,
 )
 def write(resized: Resized, settings: Settings) -> Written:
