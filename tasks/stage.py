@@ -72,16 +72,28 @@ def explain(previous: dict[str, Any] | None, key: str, parts: dict[str, str], re
     if previous["key"] == key:
         return "same code, inputs and settings as the last run"
     old = previous["parts"]
-    changed = []
-    for name in sorted(set(parts) | set(old)):
-        if parts.get(name) != old.get(name):
-            detail = (
-                f" {old.get(name)} -> {parts.get(name)}"
-                if name.startswith(("setting", "table", "warm start", "stored result"))
-                else ""
-            )
-            changed.append(f"{name} changed{detail}")
+    differ = [name for name in sorted(set(parts) | set(old)) if parts.get(name) != old.get(name)]
+    code = [name.removeprefix("code ") for name in differ if name.startswith("code ")]
+    changed = [code_change(code, legacy="code" in differ)] if code or "code" in differ else []
+    for name in differ:
+        if name == "code" or name.startswith("code "):
+            continue
+        detail = (
+            f" {old.get(name)} -> {parts.get(name)}"
+            if name.startswith(("setting", "table", "warm start", "stored result"))
+            else ""
+        )
+        changed.append(f"{name} changed{detail}")
     return "; ".join(changed)
+
+
+def code_change(files: list[str], legacy: bool = False, shown: int = 3) -> str:
+    """The files whose code changed, the first few by name: `code tasks/worker/train_loop.py changed`."""
+    if legacy:  # the last key was made by an imagelake that keyed a stage's code as one digest
+        return "code changed (the last key was made by an earlier imagelake)"
+    if len(files) <= shown:
+        return f"code {', '.join(files)} changed"
+    return f"code of {len(files)} files changed ({', '.join(files[:shown])}, ...)"
 
 
 MAX_LINKS = 50  # results passed over before a stage stops looking for a usable one and computes anew

@@ -23,12 +23,22 @@ ALL = ["ingest", "resize", "write", "split", "cache", "train", "promote"]
 
 
 def test_explain_names_what_changed() -> None:
-    parts = {"code": "a", "input listed": "b", "setting image_size": "32", "table version": "0"}
+    code = {f"code tasks/m{i}.py": "a" for i in range(5)}
+    parts = {**code, "input listed": "b", "setting image_size": "32", "table version": "0"}
     assert explain(None, "k", parts, False) == "no earlier run of this stage in these results"
     assert explain({"key": "k", "parts": parts}, "k", parts, False).startswith("same code")
     assert explain({"key": "k", "parts": parts}, "k", parts, True).startswith("refresh requested")
-    changed = explain({"key": "j", "parts": {**parts, "setting image_size": "64", "code": "z"}}, "k", parts, False)
-    assert changed == "code changed; setting image_size changed 64 -> 32"
+    changed = explain(
+        {"key": "j", "parts": {**parts, "setting image_size": "64", "code tasks/m1.py": "z"}}, "k", parts, False
+    )
+    assert changed == "code tasks/m1.py changed; setting image_size changed 64 -> 32"
+    many = explain({"key": "j", "parts": {**parts, **dict.fromkeys(code, "z")}}, "k", parts, False)
+    assert many == "code of 5 files changed (tasks/m0.py, tasks/m1.py, tasks/m2.py, ...)"
+    # A key recorded by an imagelake that keyed the code as one digest: one reason, not one for each file.
+    earlier = {"code": "old", "input listed": "b", "setting image_size": "32", "table version": "0"}
+    assert explain({"key": "j", "parts": earlier}, "k", parts, False) == (
+        "code changed (the last key was made by an earlier imagelake)"
+    )
 
 
 def test_store_uris_enter_the_key_as_digests_only() -> None:

@@ -162,3 +162,27 @@ def test_imagelake_is_the_one_name_installed_and_every_package_folder_goes_with_
         "imagelake.tasks": True,
         "imagelake.flows.cli": True,
     }
+
+
+def test_no_module_of_imagelake_reaches_itself_again_through_its_imports() -> None:
+    """No circle: no module reaches itself through the imports of the modules it imports (imports in functions
+    included)."""
+    from imagelake.tasks import code_graph
+
+    folders = code_graph.code_folders()
+    circles = []
+    for layer in LAYERS:
+        for path in sorted((REPO / layer).rglob("*.py")):
+            parts = path.relative_to(REPO).with_suffix("").parts
+            module = ".".join(("imagelake", *(part for part in parts if part != "__init__")))
+            imported = {name for name in code_graph.imports_of(module, path) if name != module}
+            back = [
+                name
+                for name in imported
+                # A package is reached as the enclosing package of its own modules: that is no import of it.
+                if code_graph.module_file(name, folders)
+                and not name.startswith(f"{module}.")
+                and module in code_graph.reached(name, folders)
+            ]
+            circles += [f"{module} -> {name} -> ... -> {module}" for name in sorted(back)]
+    assert not circles, circles
