@@ -5,12 +5,13 @@ side by side.
     300]
 
 Creates FILES empty .jpg files in LABELS label folders (label<k>/<n>.jpg, FILES/LABELS a folder; --labels 1 puts them
-all in one folder), then lists them into a staging folder with data/listing.py:save_listing (what the ingest stage and
-its key call) in a fresh process per checkout: (a) the code under --against (an earlier checkout, e.g. a git
-worktree of HEAD), (b) this tree. Each prints its peak resident memory above the process's own after its imports
-and a one-file listing (ru_maxrss; the first listing pages in some 45 MB of Arrow's and Parquet's code, whatever its
-size), in MB and in bytes per listed file, and its seconds; then (b) over (a), whether both listings have one
-fingerprint, and whether (b) stays within --bound-mb (the exit status is 1 when it does not).
+all in one folder), then lists them into a staging folder with tasks/data/listing.py:save_listing (what the ingest
+stage and its key call) in a fresh process per checkout: (a) the code under --against (an earlier checkout, e.g. a git
+worktree of HEAD, imported as imagelake through bench/checkout.py), (b) this tree. Each prints its peak resident
+memory above the process's own after its imports and a one-file listing (ru_maxrss; the first listing pages in some
+45 MB of Arrow's and Parquet's code, whatever its size), in MB and in bytes per listed file, and its seconds; then (b)
+over (a), whether both listings have one fingerprint, and whether (b) stays within --bound-mb (the exit status is 1
+when it does not).
 
 Creating the files is the slow part (about 10-30 s per million on a local disk): --keep DIR builds them there once
 and re-uses them on the next run with the same --files and --labels; without it they go in a temp folder, removed after.
@@ -28,16 +29,14 @@ import tempfile
 import time
 from pathlib import Path
 
+import checkout  # bench/checkout.py: a checkout's code under the name imagelake
+
 REPO = Path(__file__).resolve().parent.parent
 
 CHILD = r"""
-import json, resource, sys, time
-sys.path.insert(0, sys.argv[1])
-try:
-    import imagelake.tasks.data.listing as listing
-except ImportError:  # a checkout from before the listing left the ingest stage's module
-    import imagelake.tasks.ingest as listing
-from imagelake.tasks.rules.listing import Scope
+import importlib, json, resource, sys, time
+listing = importlib.import_module(sys.argv[1])  # the checkout's, first on PYTHONPATH (bench/checkout.py)
+Scope = listing.Scope  # the listing's own (a checkout from before the rename imports it as tasks.rules.listing)
 # a one-file listing: Arrow and Parquet's code paged in
 listing.save_listing(listing.source_uri(sys.argv[4]), Scope((".jpg",)), sys.argv[3])
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -81,21 +80,26 @@ def source_in(work: Path, files: int, labels: int) -> Path:
 def measure(code: Path, source: Path, work: Path) -> dict:
     """List SOURCE with the save_listing of the checkout at CODE, in a fresh process, into a staging folder removed
     after."""
+    # the listing's module now, then where it was before: tasks/listing.py, and earlier still the ingest stage's
+    module = checkout.module_in(
+        code, "imagelake.tasks.data.listing", "imagelake.tasks.listing", "imagelake.tasks.ingest"
+    )
     staging, tiny = Path(tempfile.mkdtemp(prefix="staging-", dir=work)), work / "one-file"
     build(tiny, 1, 1)
     try:
         done = subprocess.run(
-            [sys.executable, "-c", CHILD, str(code), str(source), str(staging), str(tiny)],
+            [sys.executable, "-c", CHILD, module, str(source), str(staging), str(tiny)],
             capture_output=True,
             text=True,
+            cwd=code,  # the first import path entry: another tree's tasks/ there would shadow an old checkout's
+            env=checkout.environ(checkout.import_path(code)),
         )
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     if done.returncode:
         sys.exit(f"listing with the code at {code} failed:\n{done.stderr[-3000:]}")
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    if not result["code"].startswith(str(code)):
-        sys.exit(f"the child imported {result['code']}, not the code at {code}: is {code} a checkout?")
+    checkout.verify(code, result["code"])
     return result
 
 

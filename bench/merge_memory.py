@@ -7,11 +7,11 @@ For each checkout ((a) the one under --against, e.g. a `git worktree add /tmp/me
 and each engine, in a folder of its own: a table of 10 rows, then what the resize stage leaves for the next run, made
 directly (decoding is not what is measured): IMAGES new rows of SIDE x SIDE RGB pixels in uncommitted data files in
 the table's folder (2,048 rows a file, row groups of 16, as the executors write them) and the staged bookkeeping rows,
-with one row of the table retired. A fresh process with that checkout's code (and, for Spark's Delta, its Spark
-session started first) then runs tasks/stages/write.py:write_images, a merge. It prints the growth of the driver's peak
-resident memory over the write (the Python process: its peak is reset through /proc/self/clear_refs where Linux
-allows, else ru_maxrss), in MB and in bytes per new image; for Spark's Delta also the JVM's peak, which on an
-embedded Spark (local[2]) holds the executors too. Then (b) over (a).
+with one row of the table retired. A fresh process with that checkout's code (imported as imagelake through
+bench/checkout.py; for Spark's Delta, its Spark session started first) then runs tasks/stages/write.py:write_images, a
+merge. It prints the growth of the driver's peak resident memory over the write (the Python process: its peak is reset
+through /proc/self/clear_refs where Linux allows, else ru_maxrss), in MB and in bytes per new image; for Spark's Delta
+also the JVM's peak, which on an embedded Spark (local[2]) holds the executors too. Then (b) over (a).
 
 The data files take IMAGES x SIDE^2 x 3 bytes of disk (15 GB for 100,000 images at 224 px), the merge's output as
 much again, and Spark's Delta materialises the merge's source on its local disk a third time: size IMAGES to the disk.
@@ -29,21 +29,18 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
+import checkout  # bench/checkout.py: a checkout's code under the name imagelake
+
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 CHILD = r"""
-import json, os, resource, sys, time
-sys.path.insert(0, sys.argv[1])
+import importlib, json, os, resource, sys, time
+write = importlib.import_module(sys.argv[1])  # the checkout's, first on PYTHONPATH (bench/checkout.py)
 args = json.loads(sys.argv[2])
-try:
-    import imagelake.tasks.stages.write as write
-except ImportError:  # a checkout from before the stages had a folder of their own
-    import imagelake.tasks.write as write
-from imagelake.infra.settings import Settings
 from imagelake.infra.spark import on_demand, spark_session
-from imagelake.tasks.results import Resized
-from imagelake.tasks.data.table import ImageTable
+# the write's own classes (a checkout from before the rename imports them as infra.settings, tasks.results, ...)
+Settings, Resized, ImageTable = write.Settings, write.Resized, write.ImageTable
 
 def status(pid):
     with open(f"/proc/{pid}/status") as handle:
@@ -131,6 +128,8 @@ def stage(root: Path, images: int, side: int) -> dict:
 
 def measure(code: Path, engine: str, images: int, side: int) -> dict:
     """One merge with the checkout at CODE and ENGINE, in a fresh process, on data staged in a folder removed after."""
+    # the write stage's module now, then where it was before the stages had a folder of their own
+    module = checkout.module_in(code, "imagelake.tasks.stages.write", "imagelake.tasks.write")
     root = Path(tempfile.mkdtemp(prefix="merge-memory-"))
     try:
         args = {
@@ -140,16 +139,20 @@ def measure(code: Path, engine: str, images: int, side: int) -> dict:
             "quarantine": str(root / "tables" / "quarantine"),
             "workspace": str(root / "ws"),
         }
+        # PYTHONPATH, not sys.path: Spark's Python workers import the checkout's code too
         done = subprocess.run(
-            [sys.executable, "-c", CHILD, str(code), json.dumps(args)], capture_output=True, text=True, cwd=code
+            [sys.executable, "-c", CHILD, module, json.dumps(args)],
+            capture_output=True,
+            text=True,
+            cwd=code,
+            env=checkout.environ(checkout.import_path(code)),
         )
     finally:
         shutil.rmtree(root, ignore_errors=True)
     if done.returncode:
         sys.exit(f"the write with the code at {code} ({engine}) failed ({done.returncode}):\n{done.stderr[-3000:]}")
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    if not result["code"].startswith(str(code)):
-        sys.exit(f"the child imported {result['code']}, not the code at {code}: is {code} a checkout?")
+    checkout.verify(code, result["code"])
     if (result["rows"], result["retired"]) != (images, 1):
         sys.exit(
             f"the write with the code at {code} ({engine}) landed {result['rows']} rows, retired {result['retired']}"

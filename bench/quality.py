@@ -16,7 +16,8 @@ accuracy, the run's own baseline (logistic regression on 32 px thumbnails, fitte
 boosting on the same thumbnails of the same cached split (fitted here), the model's margin over the better of the two,
 the epochs, the files quarantined and the wall time; then the median of each per data set. Run k uses seed=k
 (--same-seed: the default seed every time). With --ref, the same runs are made with the code of that git revision (a
-worktree, the same virtual environment) first, as the baseline side by side.
+worktree, the same virtual environment, its code imported as imagelake through bench/checkout.py) first, as the
+baseline side by side.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import checkout  # bench/checkout.py: a checkout's code under the name imagelake
 
 REPO = Path(__file__).resolve().parent.parent
 STAMPS = Path("/usr/share/tuxpaint/stamps")
@@ -67,11 +70,16 @@ def gradient_boosting(summary: dict) -> float:
     return float((model.predict(test_x) == test_y).mean())
 
 
+def code_env(code: Path) -> dict[str, str]:
+    """A run's environment: no IMAGELAKE_ settings of this shell, and the code under test first on the import path, as
+    imagelake, ahead of the editable install (bench/checkout.py)."""
+    env = {key: value for key, value in os.environ.items() if not key.startswith("IMAGELAKE_")}
+    return checkout.environ(checkout.import_path(code), env)
+
+
 def one_run(code: Path, source: Path, workspace: Path, extra: list[str]) -> dict:
     """One `imagelake run` in a fresh workspace: its summary's figures, the gradient boosting baseline and the wall
     time."""
-    env = {key: value for key, value in os.environ.items() if not key.startswith("IMAGELAKE_")}
-    env["PYTHONPATH"] = str(code)  # the code under test, ahead of the editable install
     command = [
         sys.executable,
         "-m",
@@ -85,7 +93,7 @@ def one_run(code: Path, source: Path, workspace: Path, extra: list[str]) -> dict
         *extra,
     ]
     started = time.perf_counter()
-    done = subprocess.run(command, cwd=code, env=env, capture_output=True, text=True, timeout=3600)
+    done = subprocess.run(command, cwd=code, env=code_env(code), capture_output=True, text=True, timeout=3600)
     wall = time.perf_counter() - started
     if done.returncode != 0:
         raise RuntimeError(f"imagelake run failed ({done.returncode}):\n{done.stderr[-3000:]}")
@@ -166,6 +174,8 @@ def main() -> None:
             versions.insert(0, (f"baseline {args.ref}", worktree))
         table = []
         try:
+            for _, code in versions:  # the module the runs start, from the code under test
+                checkout.verify_module(code, code_env(code), "imagelake.flows.cli", cwd=code)
             for label, code in versions:
                 print(f"{label}:", flush=True)
                 for name, (folder, extra) in sources.items():
@@ -186,6 +196,7 @@ def main() -> None:
                     cwd=REPO,
                     capture_output=True,
                 )
+                checkout.forget(scratch / "baseline-code")
         print(
             "\n| code | data set | runs | test accuracy (median, min-max) | logistic regression | gradient "
             "boosting | margin over the better | wall s |"

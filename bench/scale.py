@@ -10,7 +10,8 @@ reports itself (`stage_seconds`). The data stages are ingest to cache; the ratio
 over the cold run's, Spark's start-up included where a data stage started Spark (the user waits for it: a run that
 needs no Spark job starts none). Spark's start-up is also shown apart, with the stage it fell in, and the ratio
 without it. Also: bytes the run added to the Petastorm cache, and the Python driver's peak RSS. --code runs the
-pipeline from another checkout of imagelake (an older commit's, say) with this environment, to compare the two.
+pipeline from another checkout of imagelake (an older commit's, say) with this environment, to compare the two: its
+flows/, tasks/ and infra/ imported as imagelake.flows, ... (bench/checkout.py), checked before the first run.
 
 With --listing-only: FILES/10 and FILES empty files (date=/label folders of 1,000 to 2,000 files); in a fresh process
 each, the listing streamed to staging, then the driver's diff of that listing with one holding NEW x more files;
@@ -31,6 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import checkout  # bench/checkout.py: a checkout's code under the name imagelake
 import numpy as np
 from PIL import Image
 
@@ -66,11 +68,10 @@ def folder_bytes(path: Path) -> int:
 
 
 def run_env(code: Path | None) -> dict[str, str]:
-    """The run's environment: no IMAGELAKE_ settings of this shell, and CODE (a checkout) first on the import path."""
+    """The run's environment: no IMAGELAKE_ settings of this shell, and CODE (a checkout) first on the import path, as
+    imagelake (bench/checkout.py)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("IMAGELAKE_")}
-    if code is not None:
-        env["PYTHONPATH"] = os.pathsep.join([str(code.resolve()), *filter(None, [env.get("PYTHONPATH")])])
-    return env
+    return env if code is None else checkout.environ(checkout.import_path(code), env)
 
 
 def reused(summary: dict) -> list[str]:
@@ -97,6 +98,7 @@ def run(source: Path, workspace: Path, code: Path | None = None) -> dict:
         capture_output=True,
         text=True,
         env=run_env(code),
+        cwd=code,  # a checkout's run in it: its workers' first import path entry (see bench/checkout.py)
     )
     wall = time.perf_counter() - started
     if done.returncode:
@@ -232,7 +234,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.measure_listing:
         return measure_listing(*args.measure_listing, args.new)
-    root = args.keep or Path(tempfile.mkdtemp(prefix="imagelake-scale-"))
+    if args.code is not None:  # `imagelake run` (its console script) imports imagelake.flows.cli: the checkout's
+        checkout.verify_module(args.code, run_env(args.code), "imagelake.flows.cli", cwd=args.code)
+    root = args.keep.resolve() if args.keep else Path(tempfile.mkdtemp(prefix="imagelake-scale-"))
     if args.listing_only:
         try:
             return listing_scale([max(1, args.files // 10), args.files], args.new, root)

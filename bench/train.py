@@ -30,6 +30,7 @@ so the script runs on a bare GPU machine with bench/gpu/run.sh.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -45,6 +46,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import checkout  # bench/checkout.py: the repository's code under the name imagelake
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -57,13 +59,12 @@ from ray.train import RunConfig, ScalingConfig
 from ray.train.lightning import RayTrainReportCallback
 from ray.train.torch import TorchTrainer
 
-sys.path.insert(
-    0, str(Path(__file__).resolve().parent.parent)
-)  # the repository, for `python3 bench/train.py` without an install
+if importlib.util.find_spec("imagelake") is None:  # `python3 bench/train.py` without an install: the repository's
+    checkout.use(Path(__file__).resolve().parent.parent)  # code as imagelake, here and in Ray's workers
 
 from imagelake.tasks.worker.loader import ShardBatches  # noqa: E402
 from imagelake.tasks.worker.model import IMAGENET_MEAN, IMAGENET_STD, ImageModel  # noqa: E402
-from imagelake.tasks.worker.model import compiled as compiled_model
+from imagelake.tasks.worker.model import compiled as compiled_model  # noqa: E402
 from imagelake.tasks.worker.train_loop import DataWait, make_model, make_trainer, ray_trainer, shard_loaders  # noqa: E402
 
 ROW_GROUP_BYTES = 8 * 1024 * 1024  # as the cache stage writes (parquet.block.size)

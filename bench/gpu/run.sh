@@ -53,7 +53,10 @@ spec = importlib.machinery.PathFinder.find_spec("sitecustomize", [p for p in sys
 if spec is not None and spec.loader is not None:
     spec.loader.exec_module(importlib.util.module_from_spec(spec))
 PY
-export PYTHONPATH="$site:$PWD" PYTHONUNBUFFERED=1 RAY_USAGE_STATS_ENABLED=0 PYTHONWARNINGS=ignore
+# The repository's flows/, tasks/ and infra/ as imagelake.flows, ... (nothing installs them here): bench/checkout.py's
+# link folder, then the repository itself.
+code=$(python3 bench/checkout.py "$PWD") || exit 1
+export PYTHONPATH="$site:$code" PYTHONUNBUFFERED=1 RAY_USAGE_STATS_ENABLED=0 PYTHONWARNINGS=ignore
 mkdir -p "$results"
 {
   date -u +"%Y-%m-%d %H:%M UTC"
