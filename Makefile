@@ -111,7 +111,9 @@ ui: install $(if $(filter postgres,$(UI_DATABASE)),postgres)
 UI_API = PREFECT_API_URL=$${PREFECT_API_URL:-http://127.0.0.1:4200/api} \
 	PREFECT_API_AUTH_STRING="$${PREFECT_API_AUTH_STRING:-$$(sed -n 's/^PREFECT_API_AUTH_STRING=//p' $(WORKSPACE)/ui/ui.env 2>/dev/null)}"
 worker: install
-	$(UI_API) $(BIN)/prefect work-pool create imagelake-process --type process 2>/dev/null || true
+	@# The pool's job template lets a run set neither its command, nor its working folder, nor its environment.
+	$(UI_API) $(BIN)/prefect work-pool create imagelake-process --type process --overwrite \
+		--base-job-template infra/clusters/process-pool.json
 	$(UI_API) $(BIN)/prefect deploy --all
 	$(UI_API) PREFECT_FLOWS_HEARTBEAT_FREQUENCY=$${PREFECT_FLOWS_HEARTBEAT_FREQUENCY:-30} $(BIN)/python -m imagelake.infra.lifecycle
 	$(UI_API) IMAGELAKE_HOME=$(CURDIR) $(BIN)/prefect worker start --pool imagelake-process

@@ -14,7 +14,13 @@ from prefect.utilities.hashing import file_hash
 
 from imagelake.infra.deadline import Deadline, FlowTimedOut, deadline
 from imagelake.infra.lifecycle import release_after_timeout, release_compute, watch_worker
-from imagelake.infra.settings import Settings, load_settings, refuse_unsafe, refuse_unsafe_file
+from imagelake.infra.settings import (
+    Settings,
+    load_settings,
+    refuse_job_variables,
+    refuse_unsafe,
+    refuse_unsafe_file,
+)
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -132,5 +138,6 @@ def check_run_parameters(config_file: str | None, overrides: dict[str, Any] | No
     context = FlowRunContext.get()
     if context is not None and context.flow_run is not None and context.flow_run.deployment_id is not None:
         where = f"the parameters of a deployment run ({context.flow_run.name})"
+        refuse_job_variables(context.flow_run.job_variables, f"a deployment run ({context.flow_run.name})")
         refuse_unsafe(overrides, where)
         refuse_unsafe_file(config_file, where)

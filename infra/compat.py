@@ -37,13 +37,22 @@ JSON-lines file under `_delta_log` naming the data files it adds (and removes) b
 of them `{"commitInfo": {...}}` | a commit's version is its file's name; delta-rs writes a commit's custom metadata as
 keys of its `commitInfo`, Spark its `userMetadata` as one | `delta_log_commits` |
 `test_delta_log_commits_numbered_by_file_name` |
+| torch 2.13.0 | the layout of a `torch.export.save` archive (`torch.export.pt2_archive`) | tensors are raw bytes
+named `weight_N` / `tensor_N` unless their payload config says `use_pickle`; anything else (a pickled weight or
+constant, a custom or opaque object, a legacy `.pt` of weights, sample inputs that are not plain tensors) is
+unpickled by `torch.export.load` | `program_refusal` | `test_program_refusal_passes_a_saved_program_and_names_pickles` |
 
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
+import json
+import re
+import zipfile
 from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -187,3 +196,44 @@ def petastorm_ventilation_order(
     if shuffle:
         np.random.RandomState(seed).shuffle(mine)
     return mine
+
+
+# --- torch.export ----------------------------------------------------------------------------
+
+# The files a torch.export.save archive holds when every tensor is stored as raw bytes, relative to its one top folder.
+_PROGRAM_FILES = re.compile(
+    r"(archive_format|archive_version|byteorder|\.data/version|\.data/serialization_id|models/[^/]+\.json"
+    r"|data/weights/weight_\d+|data/weights/[^/]+_weights_config\.json"
+    r"|data/constants/tensor_\d+|data/constants/[^/]+_constants_config\.json|data/sample_inputs/[^/]+\.pt)"
+)
+
+
+def program_refusal(path: str | Path) -> str | None:
+    """Why the torch.export archive at PATH is not data alone, or None: `torch.export.load` unpickles (runs code from)
+    a weight or constant whose payload config says `use_pickle`, a custom or opaque object, a legacy `.pt` of weights
+    or constants, and sample inputs that do not load as plain tensors; an archive of raw tensors and JSON holds none."""
+    import torch
+
+    try:
+        archive = zipfile.ZipFile(path)
+    except (OSError, zipfile.BadZipFile) as exc:
+        return f"not a torch.export archive ({exc})"
+    with archive:
+        names = [name for name in archive.namelist() if not name.endswith("/")]
+        tops = {name.split("/", 1)[0] for name in names}
+        if len(tops) != 1:
+            return f"not one torch.export archive (top folders: {', '.join(sorted(tops))})"
+        for name in names:
+            inner = name.split("/", 1)[1] if "/" in name else ""
+            if not _PROGRAM_FILES.fullmatch(inner):
+                return f"it holds {inner or name}, which torch.export.load would unpickle or run"
+            if inner.endswith("_config.json"):
+                for fqn, payload in json.loads(archive.read(name)).get("config", {}).items():
+                    if payload.get("use_pickle") or not re.fullmatch(r"(weight|tensor)_\d+", payload["path_name"]):
+                        return f"its {inner.rsplit('/', 1)[1]} stores {fqn} pickled ({payload['path_name']})"
+            if inner.startswith("data/sample_inputs/"):
+                try:
+                    torch.load(io.BytesIO(archive.read(name)), weights_only=True)
+                except Exception as exc:  # noqa: BLE001 - anything torch's data-only loader refuses is refused here
+                    return f"its sample inputs are not plain tensors ({type(exc).__name__})"
+    return None

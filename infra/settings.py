@@ -1152,21 +1152,49 @@ def refuse_unsafe(overrides: dict[str, Any] | None, where: str) -> dict[str, Any
     return overrides
 
 
-# The folder of the code a run executes: a settings file inside it ships with the code and is reviewed as code.
+# The folder of the code a run executes, and the settings files shipped in it (infra/clusters/*.yaml): reviewed as
+# code. Nothing else under the code folder is: the workspace, a landing folder or a clone's scratch may lie there.
 CODE_ROOT = Path(__file__).resolve().parents[1]
+SHIPPED_SETTINGS = CODE_ROOT / "infra" / "clusters"
 
 
 def refuse_unsafe_file(config_file: str | Path | None, where: str) -> None:
-    """Refuse a settings file named by WHERE (a run's parameters) that sets what refuse_unsafe refuses, unless it lies
-    in CODE_ROOT (infra/clusters/*.yaml: part of the deployment) or IMAGELAKE_ALLOW_FROM_RUNS allows those settings."""
+    """Refuse a settings file named by WHERE (a run's parameters) that sets what refuse_unsafe refuses, unless it is one
+    of the settings files shipped with the code (directly in infra/clusters/, `..` and links followed) or
+    IMAGELAKE_ALLOW_FROM_RUNS allows those settings."""
     if not config_file:
         return
     path = Path(config_file)
-    if path.resolve().is_relative_to(CODE_ROOT):  # a relative path against the working folder, `..` and links followed
+    resolved = path.resolve()  # a relative path against the working folder, `..` and links followed
+    if resolved.parent == SHIPPED_SETTINGS.resolve() and resolved.suffix in (".yaml", ".yml", ".toml", ".json"):
         return
     refuse_unsafe(
-        read_config_file(path), f"the settings file {path}, named by {where} and outside the code folder {CODE_ROOT}"
+        read_config_file(path),
+        f"the settings file {path}, named by {where} and not one of the settings files shipped in {SHIPPED_SETTINGS}",
     )
+
+
+# What a run's job variables (laid over the deployment's by the worker) may hold: the runs' heartbeat alone. The
+# command, the working folder and the environment come from the worker: an IMAGELAKE_* variable would bypass the run
+# policy above, PYTHONPATH or another variable would change what code runs. imagelake's pool
+# (infra/clusters/process-pool.json) refuses the rest at the API; this refuses them in the run, on any other pool.
+RUN_JOB_VARIABLES = {"env": {"PREFECT_FLOWS_HEARTBEAT_FREQUENCY"}, "name": None, "labels": None, "stream_output": None}
+
+
+def refuse_job_variables(job_variables: dict[str, Any] | None, where: str) -> None:
+    """Refuse job variables of a run (WHERE) that set its command, working folder or environment."""
+    refused = []
+    for key, value in sorted((job_variables or {}).items()):
+        if key not in RUN_JOB_VARIABLES:
+            refused.append(key)
+        elif key == "env":
+            refused += [f"env {name}" for name in sorted(value or {}) if name not in RUN_JOB_VARIABLES["env"]]
+    if refused:
+        raise SettingsError(
+            f"the job variables of {where} set {', '.join(refused)}: a run's command, working folder and environment "
+            "come from the worker. Give settings as the run's parameters (overrides), within what runs may set; "
+            "set the rest in the worker's config file or environment"
+        )
 
 
 def load_settings(config_file: str | Path | None = None, overrides: dict[str, Any] | None = None) -> Settings:

@@ -21,6 +21,7 @@ from imagelake.flows.demo_data import write_digits
 from imagelake.infra.settings import Settings, load_settings
 
 REPO = Path(__file__).resolve().parent.parent
+PROCESS_POOL = "infra/clusters/process-pool.json"  # imagelake's process pool's job template (make worker's)
 SUITE_MODEL = {name: os.environ[name] for name in ("IMAGELAKE_MODEL_ARCH", "IMAGELAKE_PRETRAINED")}
 
 

@@ -174,3 +174,61 @@ def test_delta_log_commits_numbered_by_file_name(spark, tmp_path: Path) -> None:
     assert all(info["operation"] in ("WRITE", "CREATE TABLE") and info["timestamp"] > 0 for _, info in commits)
     assert DeltaTable(uri).version() == 2
     assert list(compat.delta_log_commits(f"file://{uri}")) == commits
+
+
+# --- torch.export ----------------------------------------------------------------------------
+
+
+def saved_program(path: Path) -> Path:
+    """A small module exported and saved as torch.export.save writes it."""
+    import torch
+
+    module = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2)).eval()
+    torch.export.save(torch.export.export(module, (torch.zeros(4, 3),)), str(path))
+    return path
+
+
+def pickled_program(path: Path, marker: Path) -> Path:
+    """A saved program whose first weight is stored pickled (its config says `use_pickle`), the pickle writing MARKER
+    when it is loaded."""
+    import io
+    import json
+    import zipfile
+
+    import torch
+
+    class Payload:
+        def __reduce__(self):
+            return (exec, (f"open({str(marker)!r}, 'w').write('payload ran')",))
+
+    pickled = io.BytesIO()
+    torch.save(Payload(), pickled)
+    with zipfile.ZipFile(saved_program(path.with_name(f"plain-{path.name}"))) as source:
+        (config_name,) = [name for name in source.namelist() if name.endswith("_weights_config.json")]
+        config = json.loads(source.read(config_name))
+        first = next(iter(config["config"].values()))
+        first["use_pickle"] = True
+        weight = f"{config_name.rsplit('/', 1)[0]}/{first['path_name']}"
+        with zipfile.ZipFile(path, "w") as crafted:
+            for item in source.infolist():
+                data = {config_name: json.dumps(config).encode(), weight: pickled.getvalue()}.get(item.filename)
+                crafted.writestr(item, data if data is not None else source.read(item))
+    return path
+
+
+def test_program_refusal_passes_a_saved_program_and_names_pickles(tmp_path: Path) -> None:
+    """A program as torch.export.save writes it is data alone; one whose weight config says `use_pickle` is refused
+    by name, and torch.export.load really runs its pickle (the behaviour the refusal guards against)."""
+    import torch
+
+    plain = saved_program(tmp_path / "plain.pt2")
+    assert compat.program_refusal(plain) is None
+    assert torch.export.load(str(plain)).module()(torch.ones(4, 3)).shape == (4, 2)
+
+    marker = tmp_path / "payload-ran"
+    crafted = pickled_program(tmp_path / "crafted.pt2", marker)
+    assert "stores" in compat.program_refusal(crafted) and "pickled" in compat.program_refusal(crafted)
+    assert not marker.exists()
+    with pytest.raises(Exception):  # noqa: B017 - whatever torch makes of the payload's None, after running it
+        torch.export.load(str(crafted))
+    assert marker.exists(), "torch.export.load unpickles a weight marked use_pickle"

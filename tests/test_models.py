@@ -392,3 +392,26 @@ def test_each_epochs_metrics_cover_its_own_steps_and_are_handed_to_lightning_onc
     assert len(record.epochs) == 3 and all(got == pytest.approx(mean) for got, mean in record.epochs), record.epochs
     assert len({got for got, _ in record.epochs}) == 3, "each epoch's own steps, not all steps so far"
     assert sorted(logged) == sorted(["train_loss", "train_acc", "val_loss", "val_acc"] * 3), logged
+
+
+def test_a_checkpoint_read_back_from_shared_storage_is_loaded_as_data_and_never_unpickled(tmp_path: Path) -> None:
+    """A Lightning checkpoint on shared storage (Ray's run folder) is tensors and plain values: one that holds an object
+    to unpickle is refused where a run resumes from it (no epoch: not a checkpoint to resume) and where promote reads
+    the trained model, and its payload never runs."""
+    from imagelake.tasks.stages.promote import load_trained_model
+    from imagelake.tasks.worker.train_loop import checkpoint_epoch
+
+    marker = tmp_path / "payload-ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (exec, (f"open({str(marker)!r}, 'w').write('payload ran')",))
+
+    path = tmp_path / "checkpoint.ckpt"
+    torch.save({"epoch": 3, "state_dict": {}, "hyper_parameters": {"num_classes": 2}, "extra": Payload()}, path)
+    assert checkpoint_epoch(str(path)) is None
+    with pytest.raises(Exception, match="Weights only load failed"):
+        load_trained_model(str(path))
+    assert not marker.exists(), "the checkpoint's payload never ran"
+    torch.load(path, weights_only=False)
+    assert marker.exists(), "the payload is real"

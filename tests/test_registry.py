@@ -24,6 +24,7 @@ from imagelake.tasks.registry.models import (
     force_promote,
     gate,
     history,
+    load_model_folder,
     load_registered_model,
     rollback,
     served_model,
@@ -284,6 +285,25 @@ def test_a_pickled_model_is_refused_and_its_payload_never_runs(registry, tmp_pat
         load_registered_model(client, NAME, str(version))
     assert not marker.exists(), "the crafted pickle was never loaded"
     assert pickle.loads((folder / "data" / "model.pth").read_bytes()) is None and marker.exists(), "the payload is real"
+
+
+def test_a_program_with_a_pickled_weight_is_refused_and_its_payload_never_runs(tmp_path: Path) -> None:
+    """A pt2 program (the served model's, or an older pytorch-flavour one) whose archive stores a weight pickled would
+    run code in torch.export.load: imagelake refuses it before loading, whatever allow_pickle_models says (`imagelake
+    predict`, the gate's champion, a warm start all load through here)."""
+    from tests.test_compat import pickled_program
+
+    marker = tmp_path / "payload-ran"
+    folder = tmp_path / "model"
+    (folder / "data").mkdir(parents=True)
+    pickled_program(folder / "data" / "model.pt2", marker)
+    (folder / "MLmodel").write_text(
+        yaml.safe_dump({"flavors": {"pytorch": {"model_data": "data", "pytorch_version": str(torch.__version__)}}})
+    )
+    for allow_pickle in (False, True):
+        with pytest.raises(UnsafeModel, match="stores .* pickled"):
+            load_model_folder(folder, NAME, "3", allow_pickle=allow_pickle)
+    assert not marker.exists(), "the crafted weight was never unpickled"
 
 
 def test_a_model_versions_recorded_settings_never_turn_on_what_runs_code_or_loads_pickles() -> None:

@@ -16,6 +16,7 @@ import psutil
 import pytest
 
 from imagelake.infra.lifecycle import processes_with
+from tests.conftest import REPO
 from tests.servers import PatientClient, PrefectServer, custom_run_body, form_defaults
 from tests.test_summary import report_facts
 
@@ -173,7 +174,15 @@ def deployed(tmp_path_factory: pytest.TempPathFactory, digits_dir: Path):
             # A retryable database error (SQLite busy) reaches clients as a bare 503; the server's log should say which.
             env.setenv("PREFECT_API_LOG_RETRYABLE_ERRORS", "true")
             server.start()
-        server.prefect("work-pool", "create", POOL, "--type", "process")
+        server.prefect(
+            "work-pool",
+            "create",
+            POOL,
+            "--type",
+            "process",
+            "--base-job-template",
+            str(REPO / "infra/clusters/process-pool.json"),
+        )
         server.prefect("deploy", "--all")
         workspace = root / "workspace"
         worker_log = root / "worker.log"
@@ -307,6 +316,29 @@ def test_nor_through_a_settings_file_it_names_outside_the_code(deployed: Deploye
         expected,
     )
     assert expected in logs, logs[-3000:]
+
+
+def test_a_run_may_not_bring_its_own_command_working_folder_or_environment(deployed: Deployed) -> None:
+    """The worker lays a run's job variables over the deployment's: an `env` of IMAGELAKE_* would pass no run policy,
+    PYTHONPATH or a `command` would run other code. imagelake's pool (infra/clusters/process-pool.json) refuses them
+    when the run is asked for, so no run exists, not even a failed one."""
+    nightly = deployed.deployment("imagelake-pipeline", "nightly")
+    runs_of_nightly = {"flow_runs": {"deployment_id": {"any_": [nightly["id"]]}}}
+    before = deployed.flow_runs(runs_of_nightly)
+    for variables in (
+        {"command": "sh -c id"},
+        {"working_dir": "/tmp"},
+        {"env": {"IMAGELAKE_ALLOW_PICKLE_MODELS": "true"}},
+        {"env": {"IMAGELAKE_ALLOW_FROM_RUNS": "allow_pickle_models"}},
+        {"env": {"PYTHONPATH": "/tmp/planted"}},
+    ):
+        body = {
+            **custom_run_body(nightly, {"source": str(deployed.source)}, "job-variables"),
+            "job_variables": variables,
+        }
+        refused = deployed.create_run(nightly, body)
+        assert refused.status_code == 422, (variables, refused.status_code, refused.text)
+    assert deployed.flow_runs(runs_of_nightly) == before
 
 
 def test_a_custom_run_through_the_ui_api_call_completes_and_publishes_its_summary(deployed: Deployed) -> None:

@@ -216,6 +216,48 @@ def test_a_version_saved_before_imagelake_had_one_import_name_still_loads_and_pr
     assert not [name for name in sys.modules if name == "tasks" or name.startswith("tasks.")]
 
 
+def test_scoring_answers_with_imagelake_s_own_served_model_never_the_code_a_version_carries(
+    champion, tmp_path: Path
+) -> None:
+    """A version holding imagelake's program and labels but other code (a registry anyone could write to) is answered by
+    this installation's served model: the version's code never runs; a version that is not imagelake's served model
+    is refused, before any executor loads it."""
+    import yaml
+
+    from imagelake.tasks.inference.batch_scorer import ScoreJob, answer_rows
+    from imagelake.tasks.registry.models import UnsafeModel
+
+    store, _ = champion
+    client = MlflowClient(store, store)
+    marker = tmp_path / "carried-code-ran"
+    folder = tmp_path / "carried"
+    shutil.copytree(mlflow.artifacts.download_artifacts(f"models:/{NAME}/1", dst_path=str(tmp_path / "v1")), folder)
+    code = Path(yaml.safe_load((folder / "MLmodel").read_text())["flavors"]["python_function"]["model_code_path"]).name
+    (folder / code).write_text(
+        (folder / code)
+        .read_text(encoding="utf-8")
+        .replace(
+            "    def load_context(self, context) -> None:\n",
+            f"    def load_context(self, context) -> None:\n        open({str(marker)!r}, 'w').write('ran')\n",
+        ),
+        encoding="utf-8",
+    )
+    assert mlflow.pyfunc.load_model(str(folder)) and marker.exists(), "MLflow runs the code a version carries"
+    marker.unlink()
+    with mlflow.start_run() as run:
+        mlflow.log_artifacts(str(folder), "model")
+    version = client.create_model_version(NAME, f"{run.info.artifact_uri}/model", run.info.run_id).version
+    given = files()
+    job = ScoreJob(f"models:/{NAME}/{version}", store, store, None, frozenset())
+    answered = answer_rows(job, [(name, "0" * 64, data) for name, data, _ in given])
+    assert [row["label"] for row in answered] == [label for _, _, label in given]
+    assert not marker.exists(), "scoring never ran the version's own code"
+
+    # Version 2 is a pytorch-flavour program, not imagelake's served model: refused with what to do.
+    with pytest.raises(UnsafeModel, match="scoring runs only imagelake's own served model"):
+        answer_rows(ScoreJob(f"models:/{NAME}/2", store, store, None, frozenset()), [("a", "0" * 64, given[0][1])])
+
+
 @pytest.fixture(scope="module")
 def served(champion):
     """`mlflow models serve` of the champion on a loopback port, as a consumer would start it."""

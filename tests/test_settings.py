@@ -131,8 +131,8 @@ def test_a_settings_file_named_by_a_run_may_not_set_what_runs_code_unless_it_shi
     with pytest.raises(
         SettingsError,
         match=(
-            rf"allow_pickle_models cannot be set from the settings file {planted}, named by a run and outside "
-            r"the code folder"
+            rf"allow_pickle_models cannot be set from the settings file {planted}, named by a run and not one of "
+            r"the settings files shipped in"
         ),
     ):
         refuse_unsafe_file(planted, "a run")
@@ -141,6 +141,15 @@ def test_a_settings_file_named_by_a_run_may_not_set_what_runs_code_unless_it_shi
     climbing = Path("infra/clusters") / os.path.relpath(planted, CODE_ROOT / "infra/clusters")
     with pytest.raises(SettingsError, match="allow_pickle_models cannot be set"):
         refuse_unsafe_file(climbing, "a run")
+    # Nor is a file under the code folder that did not ship with it: the workspace (.imagelake by default) lies there.
+    inside = CODE_ROOT / ".imagelake" / f"planted-{tmp_path.name}.yaml"
+    inside.parent.mkdir(exist_ok=True)
+    inside.write_text(planted.read_text())
+    try:
+        with pytest.raises(SettingsError, match="allow_pickle_models cannot be set"):
+            refuse_unsafe_file(inside, "a run")
+    finally:
+        inside.unlink()
     # The deployments' own settings files set spark_conf and folders: they ship with the code.
     refuse_unsafe_file("infra/clusters/kubernetes.yaml", "a run")
     refuse_unsafe_file(CODE_ROOT / "infra/clusters/local.yaml", "a run")
@@ -414,3 +423,22 @@ def test_a_settings_file_a_run_names_outside_the_code_follows_the_same_rule(monk
         refuse_unsafe_file(planted, "a run")
     # The deployments' own files set addresses, folders and a state dict's path: they ship with the code.
     refuse_unsafe_file(CODE_ROOT / "infra/clusters/kubernetes.yaml", "a run")
+
+
+def test_a_run_s_job_variables_may_not_set_its_command_working_folder_or_environment() -> None:
+    """Job variables are another door for settings: the worker lays a run's `env` over its own (IMAGELAKE_* would pass
+    no run policy, PYTHONPATH would change the code) and takes its `command` and `working_dir`. A run may set only the
+    heartbeat, its process's name, labels and output streaming."""
+    from imagelake.infra.settings import SettingsError, refuse_job_variables
+
+    refuse_job_variables(None, "a run")
+    refuse_job_variables({"env": {"PREFECT_FLOWS_HEARTBEAT_FREQUENCY": "30"}, "labels": {"a": "b"}}, "a run")
+    for variables, named in (
+        ({"env": {"IMAGELAKE_ALLOW_PICKLE_MODELS": "true"}}, "env IMAGELAKE_ALLOW_PICKLE_MODELS"),
+        ({"env": {"IMAGELAKE_ALLOW_FROM_RUNS": "allow_pickle_models"}}, "env IMAGELAKE_ALLOW_FROM_RUNS"),
+        ({"env": {"PYTHONPATH": "/tmp/planted"}}, "env PYTHONPATH"),
+        ({"command": "sh -c id"}, "command"),
+        ({"working_dir": "/tmp/planted"}, "working_dir"),
+    ):
+        with pytest.raises(SettingsError, match=f"the job variables of a run set {named}: .* come from the worker"):
+            refuse_job_variables(variables, "a run")

@@ -7,6 +7,7 @@ import hashlib
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import fsspec
@@ -26,7 +27,7 @@ from imagelake.tasks.rules.schemas import ANSWERED_SCHEMA
 
 _models: dict[
     tuple[str, str | None, str], Any
-] = {}  # (tracking, registry, model URI) -> the loaded pyfunc, for the worker process's life
+] = {}  # (tracking, registry, model URI) -> the served model, for the worker process's life
 
 
 @dataclass(frozen=True)
@@ -57,9 +58,14 @@ def loaded_model(job: ScoreJob) -> Any:
         # cores.
         context = TaskContext.get()
         torch.set_num_threads(max(1, context.cpus() if context is not None else 1))
+        from imagelake.tasks.registry.models import own_served_model
+
         mlflow.set_tracking_uri(job.tracking_uri)
         mlflow.set_registry_uri(job.registry_uri or job.tracking_uri)  # as the driver's client does (infra/tracking.py)
-        _models[key] = mlflow.pyfunc.load_model(job.model_uri)
+        # The version's program and labels, answered by this installation's served model: never the code it carries.
+        folder = Path(mlflow.artifacts.download_artifacts(job.model_uri))
+        name, _, version = job.model_uri.removeprefix("models:/").rpartition("/")
+        _models[key] = own_served_model(folder, name, version)
     return _models[key]
 
 
@@ -70,12 +76,12 @@ def answer_rows(job: ScoreJob, items: list[tuple[str, str, Any]]) -> list[dict]:
     model = loaded_model(job)
     params = {"top_k": job.top_k}
     if job.image_size is None:
-        answers = model.predict(pd.DataFrame({"image": [image for _, _, image in items]}), params=params)
+        answers = model.predict(None, pd.DataFrame({"image": [image for _, _, image in items]}), params=params)
     else:  # decoded already, as the table stores them: (N, size, size, 3) uint8
         pixels = np.stack(
             [np.frombuffer(image, dtype=np.uint8).reshape(job.image_size, job.image_size, 3) for _, _, image in items]
         )
-        answers = model.unwrap_python_model().predict(None, pixels, params=params)
+        answers = model.predict(None, pixels, params=params)
     return [
         {
             "path": path,

@@ -49,13 +49,19 @@ class ImageClassifierModel(mlflow.pyfunc.PythonModel):
 
     def load_context(self, context) -> None:
         meta = json.loads(Path(context.artifacts[META]).read_text())
+        self.use(meta, torch.export.load(context.artifacts[PROGRAM]).module())
+
+    def use(self, meta: dict, network: torch.nn.Module) -> ImageClassifierModel:
+        """Answer with NETWORK (the program, loaded) and META (its labels and sizes): what `load_context` does with a
+        version's files, and what imagelake's batch scorer does with a program it has loaded and checked itself."""
         self.labels: list[str] = meta["labels"]
         self.image_size, self.resize_mode, self.max_pixels = (
             int(meta["image_size"]),
             meta["resize_mode"],
             meta.get("max_image_pixels"),
         )
-        self.network = torch.export.load(context.artifacts[PROGRAM]).module()
+        self.network = network
+        return self
 
     def predict(self, context, model_input, params: dict | None = None) -> pd.DataFrame:
         top_k = int((params or {}).get("top_k", TOP_K))

@@ -33,6 +33,7 @@ from PIL import Image
 
 import imagelake.tasks.rules.answers as answer_rules
 import imagelake.tasks.rules.images as image_rules
+from imagelake.infra.compat import program_refusal
 from imagelake.infra.delta import Table
 from imagelake.infra.prefect_env import fence, one_at_a_time
 from imagelake.infra.settings import UNSAFE_FROM_RUNS, Settings
@@ -160,6 +161,7 @@ def load_model_folder(folder: Path, name: str, version: str, allow_pickle: bool 
     served = served_files(folder, meta)
     exported = served[0] if served else folder / (flavor or {}).get("model_data", "data") / PROGRAM_FILE
     if (served or flavor) and exported.is_file():
+        check_program(exported, name, version)
         with _EXPORT_LOAD:  # torch.export.load keeps global state while it reads: one at a time per process
             return torch.export.load(str(exported)).module()
     if not allow_pickle:
@@ -172,6 +174,17 @@ def load_model_folder(folder: Path, name: str, version: str, allow_pickle: bool 
     return mlflow.pytorch.load_model(str(folder)) if flavor else mlflow.pyfunc.load_model(str(folder))
 
 
+def check_program(path: Path, name: str, version: str) -> None:
+    """Refuse a torch.export program that is not data alone (torch.export.load would unpickle part of it: a weight
+    stored pickled, a custom object), whatever allow_pickle_models says."""
+    refused = program_refusal(path)
+    if refused is not None:
+        raise UnsafeModel(
+            f"{name} v{version}'s program is not data alone: {refused}. Re-register it from a model saved by "
+            "torch.export.save with plain tensors"
+        )
+
+
 def served_files(folder: Path, meta: dict | None = None) -> tuple[Path, Path] | None:
     """The program and the JSON of labels and sizes of a model saved by `served_model`, or None for another format."""
     meta = meta or yaml.safe_load((folder / "MLmodel").read_text())
@@ -179,6 +192,21 @@ def served_files(folder: Path, meta: dict | None = None) -> tuple[Path, Path] | 
     if PROGRAM not in artifacts or META not in artifacts:
         return None
     return folder / artifacts[PROGRAM]["path"], folder / artifacts[META]["path"]
+
+
+def own_served_model(folder: Path, name: str, version: str) -> served_pyfunc.ImageClassifierModel:
+    """A version's program and labels answered by imagelake's own served model (this installation's served_pyfunc.py),
+    never by the code the version carries: the program is loaded as data (`load_model_folder`), and a version that is
+    not imagelake's served model is refused."""
+    served = served_files(folder)
+    if served is None or not all(path.is_file() for path in served):
+        raise UnsafeModel(
+            f"{name} v{version} is not a model imagelake registered (no program and labels of its served model): "
+            "scoring runs only imagelake's own served model, never the code a version carries. Register the model "
+            "with imagelake (`imagelake run` or `imagelake retrain`)"
+        )
+    meta = json.loads(served[1].read_text(encoding="utf-8"))
+    return served_pyfunc.ImageClassifierModel().use(meta, load_model_folder(folder, name, version))
 
 
 def model_labels(folder: Path, tags: dict[str, str]) -> list[str]:

@@ -39,7 +39,10 @@ from imagelake.tasks.worker.model import ImageClassifier, ImageModel
 def load_trained_model(checkpoint_path: str) -> ImageModel:
     """The plain torch model from a Lightning checkpoint, in eval mode on the CPU."""
     # The trained weights are all in the checkpoint: never fetch the pretrained ones again.
-    module = ImageClassifier.load_from_checkpoint(checkpoint_path, map_location="cpu", pretrained=None)
+    # As data only: a checkpoint read back from shared storage is tensors and plain values, never code to unpickle.
+    module = ImageClassifier.load_from_checkpoint(
+        checkpoint_path, map_location="cpu", pretrained=None, weights_only=True
+    )
     return module.model.eval()
 
 

@@ -30,7 +30,7 @@ from imagelake.tasks.data.listing import source_uri, walk_files
 from imagelake.tasks.data.resize_executor import PROGRESS_FOLDER, files_done
 from imagelake.tasks.inference.batch_scorer import ScoreJob, score_partition
 from imagelake.tasks.progress import Every, rate_line, stage_logger
-from imagelake.tasks.registry.models import model_files, resolve, served_files
+from imagelake.tasks.registry.models import check_program, model_files, resolve, served_files
 from imagelake.tasks.rules.schemas import ANSWERED_SCHEMA, PREDICTIONS_SCHEMA
 from imagelake.tasks.stage import stage
 
@@ -159,6 +159,7 @@ def served_meta(client: Any, name: str, version: str) -> dict[str, Any]:
             f"{name} version {version} was registered before models answered image bytes: register it again "
             "(imagelake retrain) to score with it"
         )
+    check_program(found[0], name, version)  # before any executor loads it
     return json.loads(found[1].read_text())
 
 

@@ -59,7 +59,7 @@ class CheckpointUnusable(PermanentError, RuntimeError):
 def checkpoint_epoch(path: str) -> int | None:
     """The epoch a Lightning checkpoint file was saved at, or None if it does not load or lacks weights and an epoch."""
     try:
-        state = torch.load(path, map_location="cpu", weights_only=False)
+        state = torch.load(path, map_location="cpu", weights_only=True)  # tensors and plain values: never code
     except Exception:  # a truncated or garbled file raises any of several errors
         return None
     return int(state["epoch"]) if isinstance(state, dict) and "state_dict" in state and "epoch" in state else None
@@ -358,6 +358,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             train_dataloaders=train_batches,
             val_dataloaders=val_batches,
             ckpt_path=resume,
+            weights_only=True,  # a checkpoint on shared storage is read as data, never unpickled as code
         )
     if rank == 0 and config.get("mlflow_run_id"):
         from mlflow import MlflowClient
