@@ -482,7 +482,12 @@ class Settings(BaseSettings):
         runs="refused",
     )
     num_workers: int = setting(
-        default=2, ge=1, description="Ray Train workers", stages=("split", "train"), runs="allowed"
+        default=2,
+        ge=1,
+        description="Ray Train workers",
+        stages=("split", "train"),
+        runs="allowed",
+        cap=("at most", 64),  # each holds a loader, its buffers and a model: a run may not take a whole cluster
     )
     use_gpu: bool = setting(
         default=False,
@@ -493,7 +498,9 @@ class Settings(BaseSettings):
     cpus_per_worker: float = setting(
         default=1, gt=0, description="CPUs Ray reserves for each training worker", stages=(), runs="allowed"
     )
-    gpus_per_worker: float = setting(default=1, gt=0, description="With use_gpu", stages=(), runs="allowed")
+    gpus_per_worker: float = setting(
+        default=1, gt=0, description="With use_gpu", stages=(), runs="allowed", cap=("at most", 8)
+    )
     max_failures: int = setting(
         default=1,
         ge=-1,
@@ -598,7 +605,15 @@ class Settings(BaseSettings):
         stages=("train",),
         runs="allowed",
     )
-    batch_size: int = setting(default=32, ge=1, description="Per worker", stages=("train",), runs="allowed")
+    batch_size: int = setting(
+        default=32,
+        ge=1,
+        description="Per worker",
+        stages=("train",),
+        runs="allowed",
+        # A run's batch sizes every buffer of the node it trains on (pinned and shared memory, the shuffle buffer).
+        cap=("at most", 1024),
+    )
     base_lr: float = setting(
         default=1e-3,
         gt=0,
@@ -642,7 +657,12 @@ class Settings(BaseSettings):
         runs="allowed",
     )
     loader_workers: int = setting(
-        default=2, ge=1, description="Petastorm reader threads per training worker", stages=(), runs="allowed"
+        default=2,
+        ge=1,
+        description="Petastorm reader threads per training worker",
+        stages=(),
+        runs="allowed",
+        cap=("at most", 16),  # each thread holds row groups in memory
     )
     loader_processes: int | None = setting(
         default=None,
@@ -658,7 +678,12 @@ class Settings(BaseSettings):
         runs="allowed",
     )
     shuffle_buffer_batches: int = setting(
-        default=4, ge=1, description="Rows shuffled across row groups, in batches", stages=("train",), runs="allowed"
+        default=4,
+        ge=1,
+        description="Rows shuffled across row groups, in batches",
+        stages=("train",),
+        runs="allowed",
+        cap=("at most", 64),  # held in the training process's memory: batch_size rows of images each
     )
     jpeg_decode: Literal["auto", "loader", "device"] = setting(
         default="auto",

@@ -3,6 +3,7 @@ threads do."""
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
@@ -350,3 +351,19 @@ def test_a_loader_process_ends_when_its_training_process_is_killed(tmp_path: Pat
             pytest.fail(f"the loader process {loader_pid} outlived its killed training process by 60 s")
     finally:
         training.kill()
+
+
+def test_loader_processes_check_shared_memory_before_they_allocate_their_buffers(spark, tmp_path: Path) -> None:
+    """Batch buffers past the node's free /dev/shm are refused before any is allocated (past it, the first write to a
+    missing page kills the process with SIGBUS), naming the settings and what to do; within it they are made."""
+    import shutil
+
+    from imagelake.tasks.worker.loader import SHARED_MEMORY, BatchProcesses, SharedMemoryShort
+
+    url = write_label_runs(spark, tmp_path / "split", rows=40, partitions=2)
+    spec = {"url": url, "shard": 0, "shard_count": 1, "seed": 3, "shuffle": True, "workers": 1, "key_field": "sha256"}
+    free = shutil.disk_usage(SHARED_MEMORY).free
+    side = math.isqrt(free // (BatchProcesses.SLOTS * 3 * 40)) + 1  # 40-image batches of SIDE px overflow it
+    with pytest.raises(SharedMemoryShort, match=rf"batch_size=40 at image_size={side}.*lower batch_size"):
+        BatchProcesses(spec, 1, [40], side)
+    assert shutil.disk_usage(SHARED_MEMORY).free >= free - 2**20, "nothing was allocated"

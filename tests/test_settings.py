@@ -372,6 +372,12 @@ def test_what_the_shipped_deployments_and_the_form_send_passes(monkeypatch) -> N
         ("max_retire_fraction", 1, "at most 0.5"),
         ("max_file_bytes", 10**12, "at most 52428800"),
         ("max_image_pixels", 10**12, "at most 64000000"),
+        # Sizes that take a shared node down: its memory, shared memory, GPUs and the cluster's slots.
+        ("batch_size", 100_000, "at most 1024"),
+        ("shuffle_buffer_batches", 10_000, "at most 64"),
+        ("num_workers", 1_000, "at most 64"),
+        ("gpus_per_worker", 64, "at most 8"),
+        ("loader_workers", 512, "at most 16"),
         (
             "flow_timeout_hours",
             48,

@@ -30,6 +30,7 @@ from petastorm.workers_pool import EmptyResultError
 from pyarrow.filesystem import DaskFileSystem
 
 from imagelake.infra.compat import petastorm_ventilation_order, replace_petastorm_results_reader
+from imagelake.infra.errors import PermanentError
 from imagelake.tasks.data.cache_files import (
     POSITION,
     encoded_rows,
@@ -427,6 +428,32 @@ def piece_sizes(sizes: list[int], rows: list[int]) -> list[list[int]]:
     return pieces
 
 
+class SharedMemoryShort(PermanentError, RuntimeError):
+    """The loader processes' batch buffers would not fit in the node's shared memory (/dev/shm)."""
+
+
+SHARED_MEMORY = "/dev/shm"
+
+
+def check_shared_memory(needed: int, batch_size: int, image_size: int, folder: str = SHARED_MEMORY) -> None:
+    """Refuse to allocate NEEDED bytes of shared memory where FOLDER (the node's /dev/shm) has fewer free: past it the
+    allocation does not fail but the first write to the missing pages kills the process (SIGBUS), and a run that fills
+    /dev/shm starves every process on the node that shares it."""
+    import shutil
+
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:
+        return  # no such folder (not Linux): torch shares memory another way
+    if needed > free:
+        raise SharedMemoryShort(
+            f"the training loader's processes need {needed / 2**30:.1f} GiB of shared memory for their batch buffers "
+            f"(batch_size={batch_size} at image_size={image_size}), and {folder} has {free / 2**30:.1f} GiB free: "
+            "lower batch_size, set loader_processes=0 (batches made in the training process), or give the nodes "
+            "more shared memory (a container's --shm-size)"
+        )
+
+
 class BatchProcesses:
     """Processes of their own that make a ShardBatches' batches in shared memory, one epoch per `start`.
 
@@ -465,6 +492,7 @@ class BatchProcesses:
                 {**spec, "shard": shard, "shard_count": spec["shard_count"] * count, "sizes": piece}
                 for shard, piece in zip(shards, pieces, strict=True)
             ]
+        check_shared_memory(self.SLOTS * max(sizes) * image_size * image_size * 3, max(sizes), image_size)
         self.slots = [
             torch.empty((max(sizes), image_size, image_size, 3), dtype=torch.uint8).share_memory_()
             for _ in range(self.SLOTS)
