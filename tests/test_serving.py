@@ -355,6 +355,25 @@ def test_mlflow_models_serve_answers_a_bad_row_with_its_reason_and_refuses_an_em
     assert status == 400 and "the request has no images" in answer["message"], answer
 
 
+def test_mlflow_models_serve_bounds_a_request_s_images_and_their_pixels(served: str) -> None:
+    """A small body can hold many tiny images or a few huge ones: a request of more than MAX_ROWS images, or whose
+    images decode to more pixels than REQUEST_PIXELS_AT_MAX of the largest a model takes, is a 400 naming the bound,
+    and the server goes on answering."""
+    from imagelake.tasks.inference.served_pyfunc import MAX_ROWS, REQUEST_PIXELS_AT_MAX
+
+    tiny = base64.b64encode(encoded(drawing(0, 1), "PNG")).decode()
+    status, answer = invoke(served, {"dataframe_split": {"columns": ["image"], "data": [[tiny]] * (MAX_ROWS + 1)}})
+    assert status == 400 and f"a request may hold at most {MAX_ROWS}" in answer["message"], answer
+    # The colour model takes at most 10,000,000 pixels an image: 9,000,000-pixel images, one more than the budget.
+    big = io.BytesIO()
+    Image.new("RGB", (3000, 3000), (200, 30, 30)).save(big, format="PNG")
+    rows = [[base64.b64encode(big.getvalue()).decode()]] * (REQUEST_PIXELS_AT_MAX * 10_000_000 // 9_000_000 + 1)
+    status, answer = invoke(served, {"dataframe_split": {"columns": ["image"], "data": rows}})
+    assert status == 400 and "send them in several requests" in answer["message"], answer
+    status, answer = invoke(served, {"dataframe_split": {"columns": ["image"], "data": rows[:2]}})
+    assert status == 200 and len(answer["predictions"]) == 2, answer
+
+
 def test_score_answers_a_folder_a_prefix_and_a_table_version_on_spark_once_per_content_and_model_version(
     champion, spark, s3, tmp_path: Path
 ) -> None:

@@ -29,6 +29,10 @@ except ModuleNotFoundError:  # in imagelake's own process (tasks/registry/models
 PROGRAM, META = "program", "meta"  # its artifacts (tasks/registry/models.py logs them): the program, labels and sizes
 IMAGE = "image"  # the input column
 TOP_K = 3  # the default of the top_k parameter
+# A request's bounds: a small body can hold many tiny images (1 KB of Parquet, 100,000 PNGs) or a few huge ones.
+MAX_ROWS = 4096  # images a request may hold
+REQUEST_PIXELS_AT_MAX = 16  # source pixels a request may decode, as images of max_image_pixels each
+DECODE_BATCH = 64  # images decoded, answered and let go at a time
 
 
 def table(rows: list[dict]) -> pd.DataFrame:
@@ -40,6 +44,15 @@ def table(rows: list[dict]) -> pd.DataFrame:
             for column in ("label", "probability", "top_k", "error")
         }
     )
+
+
+def bounded(rows: int) -> None:
+    """Refuse a request of more than MAX_ROWS images (a 400 that names the bound)."""
+    if rows > MAX_ROWS:
+        raise MlflowException(
+            f"the request holds {rows} images; a request may hold at most {MAX_ROWS}: send them in several requests",
+            error_code=BAD_REQUEST,
+        )
 
 
 class ImageClassifierModel(mlflow.pyfunc.PythonModel):
@@ -71,6 +84,7 @@ class ImageClassifierModel(mlflow.pyfunc.PythonModel):
         if isinstance(
             model_input, np.ndarray
         ):  # images already decoded: (N, size, size, 3) uint8, as the table stores them
+            bounded(len(model_input))
             return table(self._answer(model_input, top_k))
         frame = model_input if isinstance(model_input, pd.DataFrame) else pd.DataFrame(model_input)
         if IMAGE not in frame.columns or frame.empty:
@@ -79,20 +93,33 @@ class ImageClassifierModel(mlflow.pyfunc.PythonModel):
                 "per row (base64 in JSON)",
                 error_code=BAD_REQUEST,
             )
+        bounded(len(frame))
         rows: list[dict | None] = [None] * len(frame)
-        decoded, places = [], []
-        for place, value in enumerate(frame[IMAGE]):
-            try:
-                pixels, _, _ = resize_image(image_bytes(value), self.image_size, self.resize_mode, self.max_pixels)
-            except Exception as exc:  # any failure of one row is that row's answer, never the request's
-                reason = str(exc) if isinstance(exc, ValueError) else f"undecodable: {type(exc).__name__}: {exc}"
-                rows[place] = {"label": None, "probability": None, "top_k": [], "error": reason}
-                continue
-            decoded.append(pixels)
-            places.append(place)
-        if decoded:
-            for place, answer in zip(places, self._answer(np.stack(decoded), top_k), strict=True):
-                rows[place] = answer
+        budget = REQUEST_PIXELS_AT_MAX * (self.max_pixels or 64_000_000)
+        spent = 0
+        for start in range(0, len(frame), DECODE_BATCH):  # at most one batch's pixels held at a time
+            decoded, places = [], []
+            for place, value in enumerate(frame[IMAGE].iloc[start : start + DECODE_BATCH], start):
+                try:
+                    pixels, width, height = resize_image(
+                        image_bytes(value), self.image_size, self.resize_mode, self.max_pixels
+                    )
+                except Exception as exc:  # any failure of one row is that row's answer, never the request's
+                    reason = str(exc) if isinstance(exc, ValueError) else f"undecodable: {type(exc).__name__}: {exc}"
+                    rows[place] = {"label": None, "probability": None, "top_k": [], "error": reason}
+                    continue
+                spent += width * height
+                if spent > budget:
+                    raise MlflowException(
+                        f"the request's images decode to more than {budget:,} pixels (as {REQUEST_PIXELS_AT_MAX} "
+                        "images of the largest size a model takes): send them in several requests",
+                        error_code=BAD_REQUEST,
+                    )
+                decoded.append(pixels)
+                places.append(place)
+            if decoded:
+                for place, answer in zip(places, self._answer(np.stack(decoded), top_k), strict=True):
+                    rows[place] = answer
         return table(rows)
 
     @torch.no_grad()
