@@ -461,3 +461,29 @@ def test_score_answers_a_folder_a_prefix_and_a_table_version_on_spark_once_per_c
     assert [(row["path"], row["label"]) for row in newest] == [("file:///a/green.png", LABELS[1])]
     with pytest.raises(ScoreSourceError, match="not a Delta table"):
         score_images(f"{folder}@3", f"{NAME}@champion", settings)
+
+    # Two runs of one version at once on a new folder (the CLI beside the nightly): they overlap in time, take turns on
+    # the predictions table, and each content is answered once.
+    import threading
+
+    raced = tmp_path / "raced"
+    raced.mkdir()
+    for number in range(4):
+        (raced / f"{number}.png").write_bytes(encoded(drawing(number % 3, 500 + number), "PNG"))
+    before = DeltaTable(settings.predictions_uri).to_pyarrow_table().num_rows
+    ready, times, results = threading.Barrier(2), {}, {}
+
+    def race(run: str) -> None:
+        ready.wait()
+        started = time.monotonic()
+        results[run] = score_images(str(raced), f"{NAME}/1", settings)
+        times[run] = (started, time.monotonic())
+
+    threads = [threading.Thread(target=race, args=(run,)) for run in ("cli", "nightly")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert times["cli"][0] < times["nightly"][1] and times["nightly"][0] < times["cli"][1], "the two runs overlapped"
+    assert sorted(result["answered"] for result in results.values()) == [0, 4], results
+    assert DeltaTable(settings.predictions_uri).to_pyarrow_table().num_rows == before + 4

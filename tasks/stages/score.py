@@ -23,6 +23,7 @@ from pyspark.sql import functions as F
 from pyspark.sql.pandas.types import from_arrow_schema
 
 from imagelake.infra.delta import Table, table_exists
+from imagelake.infra.prefect_env import fence, one_at_a_time
 from imagelake.infra.settings import Settings, stage_settings
 from imagelake.infra.spark import spark_session
 from imagelake.infra.tracking import mlflow_client
@@ -78,9 +79,19 @@ def answered_before(settings: Settings, spark: SparkSession, name: str, version:
 
 def score_images(source: str, model: str, settings: Settings) -> dict[str, Any]:
     """Answer every image of SOURCE that MODEL (NAME@ALIAS or NAME/VERSION) has not answered before, and append the
-    answers to the predictions table in one commit. Returns what it did."""
+    answers to the predictions table in one commit. Returns what it did.
+
+    Two runs of one model version at once (the CLI beside the nightly) take turns on the predictions table, so the
+    second reads what the first committed and answers none of the same content again."""
     client = mlflow_client(settings)
     name, version = resolve(client, model)
+    what = f"score {settings.predictions_uri} {name}/{version}"
+    with one_at_a_time(settings, what, timeout=None):
+        return score_as_one(source, client, name, version, settings, what)
+
+
+def score_as_one(source: str, client: Any, name: str, version: str, settings: Settings, what: str) -> dict[str, Any]:
+    """score_images' work, under the lock on WHAT."""
     meta = served_meta(client, name, version)
     spark = spark_session(settings)
     known = answered_before(settings, spark, name, int(version))
@@ -137,6 +148,7 @@ def score_images(source: str, model: str, settings: Settings) -> dict[str, Any]:
         rows = rows.append_column(
             PREDICTIONS_SCHEMA.field(column), pa.array([value] * rows.num_rows, PREDICTIONS_SCHEMA.field(column).type)
         )
+    fence(what)  # the lock's lease lapsed: another run of this version may be committing the same answers
     committed = Table(settings.predictions_uri).append(rows) if rows.num_rows else None
     return {
         "model": f"{name}/{version}",
