@@ -22,8 +22,10 @@ def main(name: str, version: str, split: str, go: str, out: str) -> None:
     Path(f"{out}.ready").touch()
     while not Path(go).exists():
         time.sleep(0.01)
+    started = time.time()
     decision, _, compared = gate(client, settings, name, version, data["images"], data["labels"], 4)
-    Path(out).write_text(json.dumps({"promoted": decision.promote, "compared_with": compared}))
+    result = {"promoted": decision.promote, "compared_with": compared, "started": started, "ended": time.time()}
+    Path(out).write_text(json.dumps(result))
 
 
 if __name__ == "__main__":

@@ -429,7 +429,9 @@ def test_cluster_down_leaves_no_process_behind_and_a_start_again_in_its_folder_k
     assert {"java", "raylet", "gcs_server", "postgres"} <= set(stopped), stopped
     # PostgreSQL went last, by a fast shutdown that wrote its checkpoint (no recovery on the next start).
     assert "database system is shut down" in (root / "logs" / "postgres.log").read_text()
-    time.sleep(1)
+    deadline = time.monotonic() + 30
+    while local_cluster.running(root) and time.monotonic() < deadline:  # processes reaped as they exit
+        time.sleep(0.1)
     assert local_cluster.running(root) == []
     ray_leftovers = [
         p

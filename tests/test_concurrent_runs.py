@@ -63,9 +63,11 @@ def test_two_runs_of_one_cache_key_at_once_train_once_and_register_one_version(
             and all(r.poll() is None for r in racers)
         ):
             time.sleep(0.1)
+        assert all(Path(f"{out}.ready").exists() for out in outs), "both racers ready before the signal: else no race"
         go.touch()
         assert [racer.wait(600) for racer in racers] == [0, 0], "both runs complete"
         a, b = (json.loads(out.read_text()) for out in outs)
+        assert a["started"] < b["ended"] and b["started"] < a["ended"], "the two runs overlapped"
         assert a["run"] == b["run"] and a["checkpoint"] == b["checkpoint"], "one trained; the other took its result"
         assert a["version"] == b["version"] and {a["alias"], b["alias"]} == {"champion"}
         client = mlflow_client(

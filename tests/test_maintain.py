@@ -90,7 +90,23 @@ def test_no_answer_from_the_registry_means_nothing_is_vacuumed(
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     client = MlflowClient(f"http://127.0.0.1:{port}", f"http://127.0.0.1:{port}")
     with pytest.raises(RuntimeError, match=r"nothing was compacted, vacuumed or removed"):  # RegistryUnavailable
-        keep = protected_versions(client, "digits", lake.table)
-        maintain_table(Table(lake.table, lake.spark, lake.engine), retention_hours=0, keep_versions=keep)
+        protected_versions(client, "digits", lake.table)
+    # The stages themselves, as `imagelake maintain` runs them, with nothing kept by retention: they fail closed too.
+    from imagelake.infra.settings import load_settings
+    from imagelake.tasks.stages.maintain import maintain_cache, maintain_images
+
+    settings = load_settings(
+        overrides={
+            "workspace": str(tmp_path / "ws"),
+            "table_root": str(Path(lake.table).parent),
+            "table_name": Path(lake.table).name,
+            "mlflow_tracking_uri": f"http://127.0.0.1:{port}",
+            "vacuum_retention_hours": 0,
+        }
+    )
+    assert settings.table_uri.removeprefix("file://") == lake.table.removeprefix("file://")
+    for maintain in (maintain_images, maintain_cache):
+        with pytest.raises(RuntimeError, match=r"nothing was compacted, vacuumed or removed"):
+            maintain.fn(settings)
     assert sorted(p.name for p in Path(lake.table).glob("*.parquet")) == files
     assert read_version(lake.spark, lake.table, 0, lake.engine).count() == 40

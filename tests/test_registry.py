@@ -539,9 +539,14 @@ def test_two_hosts_promoting_at_once_are_serialised_by_the_prefect_server(
             and all(r.poll() is None for r in racers)
         ):
             time.sleep(0.1)  # until both have loaded what they need and wait for the signal
+        assert all((tmp_path / f"out-{version}.json.ready").exists() for version in candidates), (
+            "both racers ready before the signal: else there is no race"
+        )
         go.touch()
         assert [racer.wait(300) for racer in racers] == [0, 0]
         results = {version: json.loads((tmp_path / f"out-{version}.json").read_text()) for version in candidates}
+        first, second = (results[version] for version in candidates)
+        assert first["started"] < second["ended"] and second["started"] < first["ended"], "the two gates overlapped"
         winner = next(version for version, result in results.items() if result["promoted"])
         loser = next(version for version in candidates if version != winner)
         assert results[winner]["compared_with"] == champion and not results[loser]["promoted"]

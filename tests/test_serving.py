@@ -27,7 +27,7 @@ from PIL import Image
 from imagelake.infra.local.cluster import free_port
 from imagelake.infra.settings import load_settings
 from imagelake.tasks.inference.cli_serving import predict_files
-from imagelake.tasks.registry.models import load_registered_model, served_model
+from imagelake.tasks.registry.models import served_model
 from imagelake.tasks.rules.images import resize_image
 from imagelake.tasks.rules.warm_start import labels_tag
 from imagelake.tasks.worker.model import ImageModel
@@ -163,6 +163,30 @@ def test_mlflow_s_own_loader_takes_image_files_and_answers_label_names(champion)
     assert json.loads((folder / "artifacts" / "meta.json").read_text(encoding="utf-8"))["labels"] == LABELS
 
 
+def version_carrying_code(client: MlflowClient, tmp_path: Path, marker: Path) -> str:
+    """A new version of the colour model: version 1's program and labels, but its pyfunc's code writes MARKER when
+    loaded (what a registry anyone could write to may hold). MLflow's own loader runs that code."""
+    import yaml
+
+    folder = tmp_path / "carried"
+    shutil.copytree(mlflow.artifacts.download_artifacts(f"models:/{NAME}/1", dst_path=str(tmp_path / "v1")), folder)
+    code = Path(yaml.safe_load((folder / "MLmodel").read_text())["flavors"]["python_function"]["model_code_path"]).name
+    (folder / code).write_text(
+        (folder / code)
+        .read_text(encoding="utf-8")
+        .replace(
+            "    def load_context(self, context) -> None:\n",
+            f"    def load_context(self, context) -> None:\n        open({str(marker)!r}, 'w').write('ran')\n",
+        ),
+        encoding="utf-8",
+    )
+    assert mlflow.pyfunc.load_model(str(folder)) and marker.exists(), "MLflow runs the code a version carries"
+    marker.unlink()
+    with mlflow.start_run() as run:
+        mlflow.log_artifacts(str(folder), "model")
+    return client.create_model_version(NAME, f"{run.info.artifact_uri}/model", run.info.run_id).version
+
+
 def test_imagelake_reads_the_served_model_and_an_older_one_without_running_their_code(champion, tmp_path: Path) -> None:
     store, _ = champion
     source = tmp_path / "images"
@@ -176,7 +200,12 @@ def test_imagelake_reads_the_served_model_and_an_older_one_without_running_their
         Path(row["path"]).stem: row["label"] for row in predict_files(client, settings, f"{NAME}@champion", source)
     }
     assert found == {name: label for name, _, label in files()}
-    assert type(load_registered_model(client, NAME, "1")).__name__ != "ImageClassifierModel"
+    # A version whose code would write a marker when run: `imagelake predict` answers from its program alone.
+    marker = tmp_path / "carried-code-ran"
+    carrying = version_carrying_code(client, tmp_path, marker)
+    carried = predict_files(client, settings, f"{NAME}/{carrying}", source)
+    assert {Path(row["path"]).stem: row["label"] for row in carried} == found
+    assert not marker.exists(), "imagelake predict never ran the version's code"
     # A version registered by earlier releases (pytorch flavour, labels comma-joined) still predicts.
     older = {Path(row["path"]).stem: row["label"] for row in predict_files(client, settings, f"{NAME}/2", source)}
     plain = ["apples", "leaves", "blueberries"]
@@ -222,31 +251,12 @@ def test_scoring_answers_with_imagelake_s_own_served_model_never_the_code_a_vers
     """A version holding imagelake's program and labels but other code (a registry anyone could write to) is answered by
     this installation's served model: the version's code never runs; a version that is not imagelake's served model
     is refused, before any executor loads it."""
-    import yaml
-
     from imagelake.tasks.inference.batch_scorer import ScoreJob, answer_rows
     from imagelake.tasks.registry.models import UnsafeModel
 
     store, _ = champion
-    client = MlflowClient(store, store)
     marker = tmp_path / "carried-code-ran"
-    folder = tmp_path / "carried"
-    shutil.copytree(mlflow.artifacts.download_artifacts(f"models:/{NAME}/1", dst_path=str(tmp_path / "v1")), folder)
-    code = Path(yaml.safe_load((folder / "MLmodel").read_text())["flavors"]["python_function"]["model_code_path"]).name
-    (folder / code).write_text(
-        (folder / code)
-        .read_text(encoding="utf-8")
-        .replace(
-            "    def load_context(self, context) -> None:\n",
-            f"    def load_context(self, context) -> None:\n        open({str(marker)!r}, 'w').write('ran')\n",
-        ),
-        encoding="utf-8",
-    )
-    assert mlflow.pyfunc.load_model(str(folder)) and marker.exists(), "MLflow runs the code a version carries"
-    marker.unlink()
-    with mlflow.start_run() as run:
-        mlflow.log_artifacts(str(folder), "model")
-    version = client.create_model_version(NAME, f"{run.info.artifact_uri}/model", run.info.run_id).version
+    version = version_carrying_code(MlflowClient(store, store), tmp_path, marker)
     given = files()
     job = ScoreJob(f"models:/{NAME}/{version}", store, store, None, frozenset())
     answered = answer_rows(job, [(name, "0" * 64, data) for name, data, _ in given])

@@ -20,11 +20,14 @@ def main(cached_json: str, go: str, out: str) -> None:
     Path(f"{out}.ready").touch()
     while not Path(go).exists():
         time.sleep(0.01)
+    started = time.time()
     trained = train_model(cached, settings)
     promoted, *_ = promote_model(trained, cached, settings, None)
     Path(out).write_text(
         json.dumps(
             {
+                "started": started,
+                "ended": time.time(),
                 "run": trained.mlflow_run_id,
                 "checkpoint": trained.checkpoint_path,
                 "epochs": trained.epochs_run,
