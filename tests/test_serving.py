@@ -497,3 +497,23 @@ def test_score_answers_a_folder_a_prefix_and_a_table_version_on_spark_once_per_c
     assert times["cli"][0] < times["nightly"][1] and times["nightly"][0] < times["cli"][1], "the two runs overlapped"
     assert sorted(result["answered"] for result in results.values()) == [0, 4], results
     assert DeltaTable(settings.predictions_uri).to_pyarrow_table().num_rows == before + 4
+
+    # Ingest's guards: a link out of the folder, an empty file and one over max_file_bytes are not read (reported by
+    # reason, no answer stored); a decode that ran out of time is no final answer either.
+    from imagelake.tasks.inference.batch_scorer import is_final
+
+    guarded = tmp_path / "guarded"
+    guarded.mkdir()
+    (guarded / "ok.png").write_bytes(encoded(drawing(1, 70), "PNG"))
+    (guarded / "empty.png").write_bytes(b"")
+    noise = np.random.default_rng(0).integers(0, 255, (120, 120, 3), dtype=np.uint8)
+    (guarded / "big.png").write_bytes(encoded(noise, "PNG"))
+    (tmp_path / "elsewhere.png").write_bytes(encoded(drawing(2, 71), "PNG"))
+    (guarded / "link.png").symlink_to(tmp_path / "elsewhere.png")
+    small = settings.model_copy(update={"max_file_bytes": 20_000})
+    assert (guarded / "big.png").stat().st_size > 20_000 > (guarded / "ok.png").stat().st_size
+    result = score_images(str(guarded), f"{NAME}/1", small)
+    assert (result["images"], result["answered"]) == (1, 1), result
+    assert result["unread"] == {"empty_file": 1, "file_too_large": 1, "symlink_outside_source": 1}
+    assert not is_final("decode_timeout: decoding went on past 30 s (max_decode_seconds)")
+    assert is_final("not_an_image: cannot identify image file") and is_final(None)

@@ -63,10 +63,8 @@ def _folder_entry(fs: Any, root: str, path: str, info: dict[str, Any], scope: Sc
     label_folders = [f for f in folders if not DATE_FOLDER.match(f)]
     if any(part.startswith(".") for part in parts):
         issue = "hidden_path"
-    elif info.get("islink") and not os.path.realpath(path).startswith(os.path.realpath(root) + os.sep):
-        issue = "symlink_outside_source"
-    elif info.get("islink") and not os.path.exists(path):
-        issue = "unreadable"
+    else:
+        issue = link_issue(path, root, info) or issue
     size, mtime = int(info.get("size") or 0), modified_seconds(info)
     stamp = stamp_of(fs, path, info) if issue is None else None
     return file_entry(
@@ -79,6 +77,15 @@ def _folder_entry(fs: Any, root: str, path: str, info: dict[str, Any], scope: Sc
         scope.max_file_bytes,
         stamp,
     )
+
+
+def link_issue(path: str, root: str, info: dict[str, Any]) -> str | None:
+    """Why a link at PATH is not read: it leads outside ROOT (`symlink_outside_source`) or nowhere (`unreadable`)."""
+    if info.get("islink") and not os.path.realpath(path).startswith(os.path.realpath(root) + os.sep):
+        return "symlink_outside_source"
+    if info.get("islink") and not os.path.exists(path):
+        return "unreadable"
+    return None
 
 
 def modified_seconds(info: dict[str, Any]) -> float:

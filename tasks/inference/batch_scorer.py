@@ -44,6 +44,11 @@ class ScoreJob:
     read_attempts: int = 3
     read_backoff: float = 0.5
     progress: str | None = None  # folder where each partition reports how many images it has done
+    max_file_bytes: int | None = None  # a file read larger than this (grown since it was listed) is not decoded
+
+
+# Errors that say nothing final about the image: the next run tries it again rather than store them as its answer.
+TRANSIENT = ("decode_timeout",)
 
 
 def loaded_model(job: ScoreJob) -> Any:
@@ -92,7 +97,14 @@ def answer_rows(job: ScoreJob, items: list[tuple[str, str, Any]]) -> list[dict]:
             "error": answer["error"],
         }
         for (path, sha, _), answer in zip(items, answers.to_dict("records"), strict=True)
+        if is_final(answer["error"])
     ]
+
+
+def is_final(error: str | None) -> bool:
+    """Whether an answer may be stored as the model version's answer for its content: any but a transient error (a
+    decode that ran out of time says nothing of the image; the next run tries it again)."""
+    return not (error or "").startswith(TRANSIENT)
 
 
 def score_partition(
@@ -115,6 +127,11 @@ def score_partition(
                     continue
                 sha = hashlib.sha256(image).hexdigest()
             if sha in job.known:
+                continue
+            if job.max_file_bytes and row["image"] is None and len(image) > job.max_file_bytes:
+                too_large = {"label": None, "probability": None, "top_k": [], "path": row["path"], "sha256": sha}
+                error = f"file_too_large: {len(image)} bytes > max_file_bytes"
+                yield pa.RecordBatch.from_pylist([{**too_large, "error": error}], schema=ANSWERED_SCHEMA)
                 continue
             pending.append((row["path"], sha, image))
             if len(pending) == job.batch_size:

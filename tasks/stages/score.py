@@ -27,7 +27,7 @@ from imagelake.infra.prefect_env import fence, one_at_a_time
 from imagelake.infra.settings import Settings, stage_settings
 from imagelake.infra.spark import spark_session
 from imagelake.infra.tracking import mlflow_client
-from imagelake.tasks.data.listing import source_uri, walk_files
+from imagelake.tasks.data.listing import link_issue, source_uri, walk_files
 from imagelake.tasks.data.resize_executor import PROGRESS_FOLDER, files_done
 from imagelake.tasks.inference.batch_scorer import ScoreJob, score_partition
 from imagelake.tasks.progress import Every, rate_line, stage_logger
@@ -65,7 +65,19 @@ def image_files(uri: str, extensions: list[str]) -> Iterator[tuple[str, dict[str
     suffixes = tuple(e.lower() for e in extensions)
     for path, info in walk_files(fs, root):
         if path.lower().endswith(suffixes) and "/_" not in path[len(root) :]:
-            yield fs.unstrip_protocol(path), info
+            yield fs.unstrip_protocol(path), {**info, "issue": link_issue(path, root, info)}
+
+
+def unread_reason(info: dict[str, Any], max_bytes: int | None) -> str | None:
+    """Why scoring does not read a listed file, with ingest's reasons: a link out of the source or to nothing, an empty
+    file, one over max_file_bytes. Such a file is left unanswered (reported by reason), and read again by no run until
+    it changes."""
+    size = int(info.get("size") or 0)
+    if info.get("issue"):
+        return info["issue"]
+    if size == 0:
+        return "empty_file"
+    return "file_too_large" if max_bytes and size > max_bytes else None
 
 
 def answered_before(settings: Settings, spark: SparkSession, name: str, version: int) -> frozenset[str]:
@@ -95,6 +107,7 @@ def score_as_one(source: str, client: Any, name: str, version: str, settings: Se
     meta = served_meta(client, name, version)
     spark = spark_session(settings)
     known = answered_before(settings, spark, name, int(version))
+    unread: dict[str, int] = {}  # files of a folder source not read, by ingest's reasons
     table = table_source(source)
     if table is not None:
         uri, table_version = table
@@ -114,8 +127,12 @@ def score_as_one(source: str, client: Any, name: str, version: str, settings: Se
             )
     else:
         uri, table_version, size = source_uri(source), None, None
-        files = [path for path, _ in image_files(uri, settings.image_extensions)]
-        if not files:
+        listed = list(image_files(uri, settings.image_extensions))
+        files = [path for path, info in listed if unread_reason(info, settings.max_file_bytes) is None]
+        for reason in (unread_reason(info, settings.max_file_bytes) for _, info in listed):
+            if reason:
+                unread[reason] = unread.get(reason, 0) + 1
+        if not listed:
             raise ScoreSourceError(
                 f"--source {source} holds no image files ({', '.join(settings.image_extensions)}): give a "
                 "folder or prefix of images, or a Delta table"
@@ -133,8 +150,9 @@ def score_as_one(source: str, client: Any, name: str, version: str, settings: Se
         settings.score_top_k,
         read_attempts=settings.read_attempts,
         progress=f"{settings.staging_uri}/score-{uuid.uuid4().hex[:12]}",
+        max_file_bytes=settings.max_file_bytes,
     )
-    answered = answer_on_executors(spark, frame, total, job)
+    answered = answer_on_executors(spark, frame, total, job) if total else pa.table([], schema=ANSWERED_SCHEMA)
     rows = unique_content(answered)
     scored_at = datetime.now(UTC)
     constants = {
@@ -156,6 +174,7 @@ def score_as_one(source: str, client: Any, name: str, version: str, settings: Se
         "images": total,
         "answered": rows.num_rows,
         "errors": rows.num_rows - pc.count(rows.column("label")).as_py(),
+        "unread": unread,
         "predictions_uri": settings.predictions_uri,
         "predictions_version": committed,
     }
