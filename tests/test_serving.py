@@ -163,28 +163,34 @@ def test_mlflow_s_own_loader_takes_image_files_and_answers_label_names(champion)
     assert json.loads((folder / "artifacts" / "meta.json").read_text(encoding="utf-8"))["labels"] == LABELS
 
 
-def version_carrying_code(client: MlflowClient, tmp_path: Path, marker: Path) -> str:
-    """A new version of the colour model: version 1's program and labels, but its pyfunc's code writes MARKER when
-    loaded (what a registry anyone could write to may hold). MLflow's own loader runs that code."""
+def version_carrying_code(
+    client: MlflowClient, tmp_path: Path, marker: Path | None, name: str = NAME, folder_name: str = "carried"
+) -> str:
+    """A new version of model NAME in a run of its own: the colour model's version 1 program and labels, its pyfunc's
+    code changed to write MARKER when loaded (what a registry anyone could write to may hold; MLflow's own loader runs
+    that code), or as it was (no MARKER)."""
     import yaml
 
-    folder = tmp_path / "carried"
-    shutil.copytree(mlflow.artifacts.download_artifacts(f"models:/{NAME}/1", dst_path=str(tmp_path / "v1")), folder)
-    code = Path(yaml.safe_load((folder / "MLmodel").read_text())["flavors"]["python_function"]["model_code_path"]).name
-    (folder / code).write_text(
-        (folder / code)
-        .read_text(encoding="utf-8")
-        .replace(
-            "    def load_context(self, context) -> None:\n",
-            f"    def load_context(self, context) -> None:\n        open({str(marker)!r}, 'w').write('ran')\n",
-        ),
-        encoding="utf-8",
+    folder = tmp_path / folder_name
+    shutil.copytree(
+        mlflow.artifacts.download_artifacts(f"models:/{NAME}/1", dst_path=str(tmp_path / f"{folder_name}-v1")), folder
     )
-    assert mlflow.pyfunc.load_model(str(folder)) and marker.exists(), "MLflow runs the code a version carries"
-    marker.unlink()
+    code = Path(yaml.safe_load((folder / "MLmodel").read_text())["flavors"]["python_function"]["model_code_path"]).name
+    if marker is not None:
+        (folder / code).write_text(
+            (folder / code)
+            .read_text(encoding="utf-8")
+            .replace(
+                "    def load_context(self, context) -> None:\n",
+                f"    def load_context(self, context) -> None:\n        open({str(marker)!r}, 'w').write('ran')\n",
+            ),
+            encoding="utf-8",
+        )
+        assert mlflow.pyfunc.load_model(str(folder)) and marker.exists(), "MLflow runs the code a version carries"
+        marker.unlink()
     with mlflow.start_run() as run:
         mlflow.log_artifacts(str(folder), "model")
-    return client.create_model_version(NAME, f"{run.info.artifact_uri}/model", run.info.run_id).version
+    return client.create_model_version(name, f"{run.info.artifact_uri}/model", run.info.run_id).version
 
 
 def test_imagelake_reads_the_served_model_and_an_older_one_without_running_their_code(champion, tmp_path: Path) -> None:
@@ -517,3 +523,18 @@ def test_score_answers_a_folder_a_prefix_and_a_table_version_on_spark_once_per_c
     assert result["unread"] == {"empty_file": 1, "file_too_large": 1, "symlink_outside_source": 1}
     assert not is_final("decode_timeout: decoding went on past 30 s (max_decode_seconds)")
     assert is_final("not_an_image: cannot identify image file") and is_final(None)
+
+    # Answers are keyed by the version's run: a model deleted and created again issues version 1 anew, and its answers
+    # are its own (keyed by name and number, the new version 1 answered nothing, taken for the old one).
+    client = MlflowClient(store, store)
+    client.create_registered_model("recreated")
+    old_one = version_carrying_code(client, tmp_path, None, "recreated", "recreated-a")
+    assert score_images(str(raced), f"recreated/{old_one}", settings)["answered"] == 4
+    client.delete_registered_model("recreated")
+    client.create_registered_model("recreated")
+    new_one = version_carrying_code(client, tmp_path, None, "recreated", "recreated-b")
+    assert str(new_one) == str(old_one) == "1"
+    again = score_images(str(raced), f"recreated/{new_one}", settings)
+    assert again["answered"] == 4, again
+    runs = DeltaTable(settings.predictions_uri).to_pyarrow_table(columns=["model_name", "model_run_id"]).to_pylist()
+    assert len({row["model_run_id"] for row in runs if row["model_name"] == "recreated"}) == 2

@@ -88,6 +88,9 @@ PREDICTIONS_SCHEMA = pa.schema(
         ("error", pa.string()),
         ("model_name", pa.string()),
         ("model_version", pa.int64()),
+        # The version's MLflow run: an identity no later model takes again (a deleted and re-created model issues
+        # version 1 anew); what a version answered before is read by it. Name and version stay, for reading.
+        ("model_run_id", pa.string()),
         ("source", pa.string()),
         ("source_version", pa.int64()),  # the Delta table version scored; null for a folder or object-store prefix
         ("scored_at", pa.timestamp("us", tz="UTC")),

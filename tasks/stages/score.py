@@ -80,12 +80,14 @@ def unread_reason(info: dict[str, Any], max_bytes: int | None) -> str | None:
     return "file_too_large" if max_bytes and size > max_bytes else None
 
 
-def answered_before(settings: Settings, spark: SparkSession, name: str, version: int) -> frozenset[str]:
-    """The content this model version has answered already (the predictions table's sha256 for it)."""
+def answered_before(settings: Settings, spark: SparkSession, run_id: str) -> frozenset[str]:
+    """The content this model version has answered already: the predictions table's sha256 for its MLflow run (never
+    its name and number, which a re-created model issues again). Rows from before the run id was kept have none, and
+    are answered again once."""
     predictions = Table(settings.predictions_uri, spark)
-    if not predictions.exists():
+    if not predictions.exists() or "model_run_id" not in predictions.columns():
         return frozenset()
-    rows = predictions.read(["sha256"], (F.col("model_name") == name) & (F.col("model_version") == version))
+    rows = predictions.read(["sha256"], F.col("model_run_id") == run_id)
     return frozenset(rows.column("sha256").to_pylist())
 
 
@@ -106,7 +108,8 @@ def score_as_one(source: str, client: Any, name: str, version: str, settings: Se
     """score_images' work, under the lock on WHAT."""
     meta = served_meta(client, name, version)
     spark = spark_session(settings)
-    known = answered_before(settings, spark, name, int(version))
+    run_id = client.get_model_version(name, version).run_id
+    known = answered_before(settings, spark, run_id)
     unread: dict[str, int] = {}  # files of a folder source not read, by ingest's reasons
     table = table_source(source)
     if table is not None:
@@ -158,6 +161,7 @@ def score_as_one(source: str, client: Any, name: str, version: str, settings: Se
     constants = {
         "model_name": name,
         "model_version": int(version),
+        "model_run_id": run_id,
         "source": where,
         "source_version": table_version,
         "scored_at": scored_at,
@@ -167,7 +171,10 @@ def score_as_one(source: str, client: Any, name: str, version: str, settings: Se
             PREDICTIONS_SCHEMA.field(column), pa.array([value] * rows.num_rows, PREDICTIONS_SCHEMA.field(column).type)
         )
     fence(what)  # the lock's lease lapsed: another run of this version may be committing the same answers
-    committed = Table(settings.predictions_uri).append(rows) if rows.num_rows else None
+    predictions = Table(settings.predictions_uri)
+    if rows.num_rows:
+        predictions.add_columns(PREDICTIONS_SCHEMA)  # a predictions table from before model_run_id gets it first
+    committed = predictions.append(rows) if rows.num_rows else None
     return {
         "model": f"{name}/{version}",
         "source": where,
