@@ -5,8 +5,10 @@ over a listing the tables already hold starts no Spark job at all; the cache of 
 
 from __future__ import annotations
 
+import os
 import random
 import shutil
+import time
 import uuid
 from pathlib import Path
 
@@ -14,7 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from imagelake.infra.delta import Table
-from imagelake.tasks.data.cache_files import clean_cache, split_files
+from imagelake.tasks.data.cache_files import clean_cache, mark_read, split_files
 from imagelake.tasks.data.changes import (
     NotInPathOrder,
     changes_between,
@@ -316,6 +318,13 @@ def test_maintain_removes_cache_files_no_kept_version_needs(
         "files": 0,
         "bytes": 0,
     }
+    # v1's manifests three hours old: a run that reads v1 again (a retrain on a stored cache result) marks them read,
+    # and `maintain` with an hour's retention keeps them while it trains.
+    hours_ago = time.time() - 3 * 3600
+    for uri in c1.splits.values():
+        os.utime(uri.removeprefix("file://"), (hours_ago, hours_ago))
+    mark_read(list(c1.splits.values()))
+    assert clean_cache(str(root), {v0.table_uri: [v0.version]}, retention_hours=1)["manifests"] == 0
     # v0 is a registered model's and v2 the newest: v1's manifests go, and no file (v2 names all of v1's).
     removed = clean_cache(str(root), {v0.table_uri: [v0.version]}, retention_hours=0)
     assert (removed["manifests"], removed["files"]) == (3, 0)

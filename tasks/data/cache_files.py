@@ -114,6 +114,17 @@ def nearest(versions: list[int], version: int) -> int | None:
     return before[-1] if before else (versions[0] if versions else None)
 
 
+def mark_read(manifests: list[str]) -> None:
+    """Mark the split manifests a run is about to read as in use now: each is written again as it is (aside, then
+    moved over), so that `clean_cache` counts its retention from now. A run that reuses an old cache version (a
+    retrain, a stored cache result) would otherwise read files `maintain` may be removing."""
+    for uri in manifests:
+        fs, path = fsspec.core.url_to_fs(uri)
+        aside = f"{path}.{uuid.uuid4().hex}"
+        fs.pipe_file(aside, fs.cat_file(path))
+        fs.mv(aside, path)
+
+
 def clean_cache(
     cache_root: str, keep_versions: dict[str, list[int]], retention_hours: float, now: float | None = None
 ) -> dict[str, int]:

@@ -30,7 +30,7 @@ from imagelake.infra.ray_runtime import connect_ray
 from imagelake.infra.settings import Settings, stage_settings
 from imagelake.infra.tracking import experiment_id, mlflow_client, run_url
 from imagelake.tasks.code_graph import code_digest
-from imagelake.tasks.data.cache_files import check_split, label_samples
+from imagelake.tasks.data.cache_files import check_split, label_samples, mark_read
 from imagelake.tasks.progress import Every, stage_logger
 from imagelake.tasks.registry.baseline import fit_baseline
 from imagelake.tasks.registry.cards import dataset_card_markdown, dataset_card_of, sample_grid
@@ -395,6 +395,7 @@ def train_model(
     """
     for split, uri in cached.splits.items():
         check_split(uri, split, cached.counts[split])
+    mark_read(list(cached.splits.values()))  # in use from now: `maintain` keeps what a training reads
     connect_ray(settings)
     client = mlflow_client(settings)
     warm = warm_start_of(client, settings, cached)
