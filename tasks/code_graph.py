@@ -84,6 +84,12 @@ def reached(module: str, folders: dict[str, Path] | None = None) -> dict[str, Pa
     folders = folders if folders is not None else code_folders()
     found: dict[str, Path] = {}
     pending = [module]
+    if module_file(module, folders) is None:  # a stage defined outside imagelake (a test's, a plugin's): its own file
+        spec = importlib.util.find_spec(module)
+        if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+            raise ModuleNotFoundError(f"no module {module!r} to key a stage's result on")
+        found[module] = Path(spec.origin)
+        pending = [name for name in imports_of(module, found[module]) if name.startswith(f"{PACKAGE}.")]
     while pending:
         name = pending.pop(0)
         parts = name.split(".")
@@ -125,8 +131,9 @@ def files_reached(module: str, folders: dict[str, Path]) -> list[Path]:
 
 
 def repo_path(path: Path, folders: dict[str, Path]) -> str:
-    """A file of imagelake as its path in the repository: tasks/stages/train.py."""
-    return next(str(path.relative_to(folder.parent)) for folder in folders.values() if path.is_relative_to(folder))
+    """A file of imagelake as its path in the repository (tasks/stages/train.py); another file as its own path."""
+    inside = (str(path.relative_to(folder.parent)) for folder in folders.values() if path.is_relative_to(folder))
+    return next(inside, str(path))
 
 
 def repo_files(module: str, folders: dict[str, Path] | None = None) -> list[str]:

@@ -273,6 +273,10 @@ def test_same_data_hits_new_file_reruns_from_ingest_new_size_from_resize(
         "promotion_decision"
     ]
 
+    # Another resize mode at a size the table holds is refused before anything is decoded: one size, one crop.
+    with pytest.raises(Exception, match=r"holds its 16 px images cut by resize_mode=letterbox"):
+        run(source, {**overrides, "resize_mode": "center_crop"})
+
     # refresh: every stage recomputes though a stored result of each is there.
     sixth, missed = run(source, {**overrides, "image_size": 20}, refresh=True)
     assert sixth["results_reused"] == [] and set(missed.values()) == {

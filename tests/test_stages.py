@@ -699,3 +699,18 @@ def test_two_identical_runs_at_once_keep_their_own_staging_and_a_short_one_write
     assert Table(settings.table_uri).version() == version
     again = resize.fn(ingest.fn(str(source), settings), settings)
     assert again.decoded == 1 and write.fn(again, settings).rows == 1
+
+
+def test_each_image_size_of_a_table_keeps_the_resize_mode_it_was_decoded_in(tmp_path: Path) -> None:
+    """The first run at a size records its resize mode beside the table; a run at that size in another mode is refused
+    naming both and what to do, while another size may take its own mode."""
+    from imagelake.tasks.data.table import ResizeModeChanged, hold_resize_mode
+
+    table = f"file://{tmp_path / 'images'}"
+    hold_resize_mode(table, 64, "letterbox")
+    hold_resize_mode(table, 64, "letterbox")
+    with pytest.raises(ResizeModeChanged, match=r"64 px images cut by resize_mode=letterbox; resize_mode=center_crop"):
+        hold_resize_mode(table, 64, "center_crop")
+    hold_resize_mode(table, 128, "center_crop")
+    with pytest.raises(ResizeModeChanged, match="resize_mode=center_crop; resize_mode=letterbox"):
+        hold_resize_mode(table, 128, "letterbox")

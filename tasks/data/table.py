@@ -8,6 +8,8 @@ that can answer from the Delta log and staging alone starts none. Which engine r
 
 from __future__ import annotations
 
+import json
+import uuid
 from collections import Counter
 from dataclasses import dataclass
 
@@ -19,6 +21,7 @@ from pyspark.sql import functions as F
 
 from imagelake.infra.compat import collect_arrow
 from imagelake.infra.delta import Engine, Table, check_plain_files
+from imagelake.infra.errors import PermanentError
 from imagelake.infra.settings import Settings
 from imagelake.infra.spark import SparkSource
 from imagelake.tasks.results import TableVersion
@@ -235,3 +238,31 @@ def matching(
         hit = known if hit is None else hit | known
     batches = collect_arrow(frame.where(hit).select(*columns))
     return pa.Table.from_batches(batches) if batches else empty
+
+
+class ResizeModeChanged(PermanentError, ValueError):
+    """A run would decode new images at a size the table holds in another resize mode: one table version, two crops."""
+
+
+MODES_RECORD = "_imagelake/resize_modes.json"  # beside the Delta log; Delta's readers and vacuum pass `_` folders by
+
+
+def hold_resize_mode(table_uri: str, image_size: int, mode: str) -> None:
+    """Keep each image size of the table in one resize mode: the first run at a size records its mode beside the table;
+    a later run at that size in another mode is refused before it decodes anything (its new images would be cut one
+    way and the rest another, the cache reused, and the registered version would say the new mode)."""
+    fs, folder = fsspec.core.url_to_fs(table_uri)
+    path = f"{folder}/{MODES_RECORD}"
+    modes = json.loads(fs.cat_file(path)) if fs.exists(path) else {}
+    held = modes.get(str(image_size))
+    if held is None:
+        fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+        aside = f"{path}.{uuid.uuid4().hex}"
+        fs.pipe_file(aside, json.dumps({**modes, str(image_size): mode}, indent=1, sort_keys=True).encode())
+        fs.mv(aside, path)
+    elif held != mode:
+        raise ResizeModeChanged(
+            f"the table {table_uri} holds its {image_size} px images cut by resize_mode={held}; resize_mode={mode} "
+            f"would train on one crop and serve another. Keep resize_mode={held}, or decode the images anew at "
+            "another image_size or into another table (table_name)"
+        )

@@ -28,7 +28,7 @@ from imagelake.tasks.data.resize_executor import (
     files_done,
     process_partition,
 )
-from imagelake.tasks.data.table import ImageTable
+from imagelake.tasks.data.table import ImageTable, hold_resize_mode
 from imagelake.tasks.progress import Every, rate_line, stage_logger
 from imagelake.tasks.results import Listed, ListingDiff, Resized, left_unread
 from imagelake.tasks.rules.listing import scope_of
@@ -188,6 +188,7 @@ def staged_for_write(resized: Resized) -> list[str]:
 )
 def resize(listed: Listed, settings: Settings) -> Resized:
     """Prefect stage: find what is new or changed at this image size, then read, hash and resize it."""
+    hold_resize_mode(settings.table_uri, settings.image_size, settings.resize_mode)
     table = ImageTable.of(settings)
     ingested = diff_against_table(table, listed, scope_of(settings), settings.retire_deleted, settings.staging_uri)
     rules = DecodeRules(
