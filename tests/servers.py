@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 
 from imagelake.infra.local.cluster import free_port
-from tests.conftest import REPO, cli_env
+from tests.conftest import PROCESS_POOL, REPO, cli_env
 
 BIN = Path(sys.executable).parent
 
@@ -150,6 +150,11 @@ class PrefectServer:
             f"prefect {' '.join(args)} exited {done.returncode}:\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
         )
         return done
+
+    def create_pool(self, pool: str) -> None:
+        """The process work pool POOL with imagelake's job template (`make worker`'s): a run may set neither its
+        command, nor its working folder, nor its environment."""
+        self.prefect("work-pool", "create", pool, "--type", "process", "--base-job-template", str(REPO / PROCESS_POOL))
 
     def start_worker(self, pool: str, log: Path, extra_env: dict[str, str] | None = None) -> subprocess.Popen:
         """A process worker for POOL, run from the repository root (where the deployments' entrypoints are), which its

@@ -163,6 +163,15 @@ def cut_short(path: Path) -> None:
     pq.write_table(table.slice(0, table.num_rows - 1), path)
 
 
+def damage_inside(path: Path) -> None:
+    """Flip bytes in the middle of a Parquet file, its size and footer kept (its rows still count right)."""
+    with path.open("r+b") as handle:
+        handle.seek(path.stat().st_size // 3)
+        data = handle.read(16)
+        handle.seek(path.stat().st_size // 3)
+        handle.write(bytes(b ^ 0xFF for b in data))
+
+
 def rows_cached(summary: dict) -> dict[str, int]:
     """Rows in the files each split's manifest names, for the run's table version."""
     line, manifest = cache_line(summary)
@@ -247,6 +256,7 @@ def test_same_data_hits_new_file_reruns_from_ingest_new_size_from_resize(
     for damage, why in (
         (cut_short, r"the cached train split .* holds \d+ rows where its table version has \d+"),
         (Path.unlink, r"needs file://.*\.parquet, which is gone"),
+        (damage_inside, r"the cached train split .* names .*\.parquet, which is damaged"),
     ):
         damage(part_files(damaged, "train")[0])
         damaged, missed = run(source, overrides)

@@ -40,7 +40,6 @@ from imagelake.infra.lifecycle import (
     ensure_crash_detection,
     processes_with,
 )
-from tests.conftest import REPO
 from tests.servers import WORKER_GRACE, PrefectServer, stop_group
 from tests.test_summary import report_facts
 
@@ -185,15 +184,7 @@ def deployed(tmp_path_factory: pytest.TempPathFactory, digits_dir: Path) -> Iter
     root = tmp_path_factory.mktemp("cancel")
     server = PrefectServer(root / "server").start()
     try:
-        server.prefect(
-            "work-pool",
-            "create",
-            POOL,
-            "--type",
-            "process",
-            "--base-job-template",
-            str(REPO / "infra/clusters/process-pool.json"),
-        )
+        server.create_pool(POOL)
         server.prefect("deploy", "--all")
         with temporary_settings({PREFECT_API_URL: server.api_url}), get_client(sync_client=True) as client:
             ensure_crash_detection(HEARTBEAT_SECONDS, MISSED_HEARTBEATS)

@@ -16,7 +16,6 @@ import psutil
 import pytest
 
 from imagelake.infra.lifecycle import processes_with
-from tests.conftest import REPO
 from tests.servers import PatientClient, PrefectServer, custom_run_body, form_defaults
 from tests.test_summary import report_facts
 
@@ -174,15 +173,7 @@ def deployed(tmp_path_factory: pytest.TempPathFactory, digits_dir: Path):
             # A retryable database error (SQLite busy) reaches clients as a bare 503; the server's log should say which.
             env.setenv("PREFECT_API_LOG_RETRYABLE_ERRORS", "true")
             server.start()
-        server.prefect(
-            "work-pool",
-            "create",
-            POOL,
-            "--type",
-            "process",
-            "--base-job-template",
-            str(REPO / "infra/clusters/process-pool.json"),
-        )
+        server.create_pool(POOL)
         server.prefect("deploy", "--all")
         workspace = root / "workspace"
         worker_log = root / "worker.log"

@@ -9,6 +9,7 @@ this module, which imports no Petastorm and no Spark.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import math
@@ -68,12 +69,21 @@ class CacheLine:
         )
 
     def write(self, version: int, files: dict[str, list[str]], generation: int, cached: CachedSplits) -> None:
+        # Each file's sha256, so that damage inside a file (its footer intact, its rows counted right) is found: files
+        # an earlier manifest of the line recorded keep their digest, the new ones are read once to make theirs.
+        known = {
+            name: digest
+            for earlier in self.versions()
+            for manifest in self.read(earlier).values()
+            for name, digest in manifest.get("digests", {}).items()
+        }
         for split in SPLITS:  # test last: its manifest's presence means the version is complete
             record = {
                 "files": sorted(files[split]),
                 "generation": generation,
                 "cached": cached.model_dump(mode="json"),
                 "rows": cached.counts[split],
+                "digests": {name: known.get(name) or self.digest(name) for name in sorted(files[split])},
             }
             aside = f"{self.manifest(split, version)}.{uuid.uuid4().hex}"
             self.fs.pipe_file(aside, json.dumps(record, indent=1).encode())
@@ -91,14 +101,29 @@ class CacheLine:
         )
 
     def problem(self, version: int) -> str | None:
-        """What is wrong with a cached version's files (one gone, or other rows than its manifest records); None if
-        nothing."""
+        """What is wrong with a cached version's files (one gone, other rows than its manifest records, or damage
+        inside one: another sha256 than the one recorded when it was written); None if nothing."""
         try:
             for split, manifest in self.read(version).items():
-                check_split(self.fs.unstrip_protocol(self.manifest(split, version)), split, manifest["rows"])
+                uri = self.fs.unstrip_protocol(self.manifest(split, version))
+                check_split(uri, split, manifest["rows"])
+                for name, digest in manifest.get("digests", {}).items():  # a manifest from before digests has none
+                    if self.digest(name) != digest:
+                        return (
+                            f"the cached {split} split {uri} names {name}, which is damaged (its sha256 is not the one "
+                            "recorded when it was written)"
+                        )
         except (FileNotFoundError, ValueError) as exc:
             return str(exc)
         return None
+
+    def digest(self, name: str) -> str:
+        """The sha256 of the line's file NAME, read in pieces."""
+        sha = hashlib.sha256()
+        with self.fs.open(f"{self.root}/{name}", "rb") as handle:
+            while piece := handle.read(8 << 20):
+                sha.update(piece)
+        return sha.hexdigest()
 
     def rows_in(self, files: list[str]) -> int:
         total = 0
