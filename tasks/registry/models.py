@@ -178,6 +178,8 @@ def check_program(path: Path, name: str, version: str) -> None:
     """Refuse a torch.export program that is not data alone (torch.export.load would unpickle part of it: a weight
     stored pickled, a custom object), whatever allow_pickle_models says."""
     refused = program_refusal(path)
+    if refused is not None and refused.startswith("not "):  # no archive at all: no model, nothing unsafe to run
+        raise RegistryError(f"{name} v{version}'s program is {refused}: it is no model")
     if refused is not None:
         raise UnsafeModel(
             f"{name} v{version}'s program is not data alone: {refused}. Re-register it from a model saved by "
