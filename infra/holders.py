@@ -13,9 +13,11 @@ import json
 import os
 import re
 import socket
+import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +29,38 @@ from imagelake.infra.lease import client_of
 class LockBusy(TimeoutError):
     """A wait for a lock gave up: the message names who holds it and what to do. Never retried (the retry would wait as
     long)."""
+
+
+class OrphanedSlot(LockBusy):
+    """The Prefect slot of a lock is taken, but its holder stopped renewing its lease long ago: a Prefect server that
+    keeps leases in memory lost them in a restart, and nothing will ever give the slot back."""
+
+
+# A holder whose published record was not renewed for this many lease durations holds no live lease.
+ORPHANED_AFTER_LEASES = 3
+
+
+def orphan_check(api: str, limit: str, what: str, after_seconds: float) -> Callable[[], None]:
+    """For the wait on LIMIT's slot: raise OrphanedSlot when the slot is taken and its holder's record (renewed with
+    its lease) is older than AFTER_SECONDS, rather than wait forever for a slot no lease holds."""
+
+    def check() -> None:
+        holder = _quietly(lambda: shared_record(api, limit))
+        renewed = (holder or {}).get("renewed_at")
+        if not renewed:
+            return  # a record of an older imagelake, or none: nothing to judge by
+        age = (datetime.now(UTC) - datetime.fromisoformat(renewed)).total_seconds()
+        if age > after_seconds:
+            raise OrphanedSlot(
+                f"the lock on {what} is taken on the Prefect server at {api}, but its holder ({describe(holder)}) "
+                f"last renewed its lease {age:.0f} s ago: no live run holds it (a Prefect server keeping leases in "
+                "memory forgets them when it restarts). Free the slot with `prefect global-concurrency-limit update "
+                f"{limit} --active-slots 0` once that run is gone, and keep leases across restarts with "
+                "PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE=prefect.server.concurrency.lease_storage.filesystem on the "
+                "server (as imagelake's own servers do)"
+            )
+
+    return check
 
 
 def holder_now() -> dict[str, Any]:
@@ -83,6 +117,8 @@ def waiting_for(what: str, timeout: float | None, holder: Callable[[], dict[str,
     HOLDER()."""
     try:
         yield
+    except LockBusy:
+        raise
     except TimeoutError as exc:
         raise LockBusy(busy_message(what, timeout, _quietly(holder))) from exc
 
@@ -155,14 +191,28 @@ def shared_record(api: str, limit: str) -> dict[str, Any] | None:
 
 
 @contextlib.contextmanager
-def shared(api: str, limit: str) -> Iterator[None]:
-    """While the body holds the slot of LIMIT: this holder in a Prefect variable, removed before the slot is given
-    back."""
-    holder = holder_now()
-    _quietly(lambda: _publish(api, limit, holder))
+def shared(api: str, limit: str, lease: Any) -> Iterator[None]:
+    """While the body holds the slot of LIMIT under LEASE (infra/lease.py:HeldLease): this holder in a Prefect variable,
+    its `renewed_at` brought up to date as long as the lease is renewed, removed before the slot is given back."""
+    holder = {**holder_now(), "lease_id": str(lease.lease_id)}
+    stop = threading.Event()
+
+    def publish() -> None:
+        renewed = datetime.now(UTC) - timedelta(seconds=time.monotonic() - lease.renewed)
+        _quietly(lambda: _publish(api, limit, {**holder, "renewed_at": renewed.isoformat(timespec="seconds")}))
+
+    def keep() -> None:
+        while not stop.wait(lease.duration / 4) and lease.lost is None:
+            publish()
+
+    publish()
+    thread = threading.Thread(target=keep, name=f"holder-{limit}", daemon=True)
+    thread.start()
     try:
         yield
     finally:
+        stop.set()
+        thread.join(timeout=5)
         _quietly(lambda: _withdraw(api, limit, holder))
 
 
@@ -180,7 +230,7 @@ def _publish(api: str, limit: str, holder: dict[str, Any] | None) -> None:
 def _withdraw(api: str, limit: str, holder: dict[str, Any]) -> None:
     """Remove the record if it is still this holder's (a lease that lapsed may have let another holder write its
     own)."""
-    if shared_record(api, limit) != holder:
+    if (shared_record(api, limit) or {}).get("lease_id") != holder["lease_id"]:
         return
     with client_of(api) as client:
         client.delete_variable_by_name(variable_name(limit))

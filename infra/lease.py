@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from uuid import UUID
 
 from prefect.client.orchestration import SyncPrefectClient, get_client
@@ -89,9 +90,11 @@ class HeldLease:
                     raise
 
 
-def acquire(api: str, name: str, timeout: float | None, duration: float = 60) -> HeldLease:
+def acquire(
+    api: str, name: str, timeout: float | None, duration: float = 60, on_busy: Callable[[], None] | None = None
+) -> HeldLease:
     """Wait for the one slot of limit NAME on the Prefect API at API (TimeoutError after TIMEOUT seconds; None: as long
-    as it takes) and hold it."""
+    as it takes) and hold it. ON_BUSY is called each time the slot is found taken (it may raise)."""
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
         try:
@@ -105,6 +108,8 @@ def acquire(api: str, name: str, timeout: float | None, duration: float = 60) ->
             if exc.response.status_code != 423:  # 423: the slot is taken
                 raise
             wait = float(exc.response.headers.get("Retry-After", 1) or 1)
+        if on_busy is not None:
+            on_busy()
         if deadline is not None and time.monotonic() + wait > deadline:
             raise TimeoutError(f"the lock {name!r} was not free within {timeout:.0f} s")
         time.sleep(min(wait, 5))

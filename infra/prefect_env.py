@@ -5,8 +5,9 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import hashlib
+import logging
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from types import MappingProxyType
 
 from prefect.context import FlowRunContext
@@ -20,7 +21,8 @@ from prefect.settings import (
 )
 
 from imagelake.infra.compat import flow_run_context_with_result_storage
-from imagelake.infra.holders import file_lock, shared, shared_record, waiting_for
+from imagelake.infra.holders import ORPHANED_AFTER_LEASES, file_lock, orphan_check, shared, shared_record, waiting_for
+from imagelake.infra.lease import LeaseLost
 from imagelake.infra.settings import Settings
 
 
@@ -93,10 +95,16 @@ def one_at_a_time(settings: Settings, what: str, timeout: float | None = 600) ->
             # the
             # lease may then lapse and the next holder go on, so what the lock protects is fenced (`fence`).
         with waiting_for(what, timeout, lambda: shared_record(api, name)):
-            lease = acquire(api, name, timeout, duration=LEASE_SECONDS)
+            lease = acquire(
+                api,
+                name,
+                timeout,
+                duration=LEASE_SECONDS,
+                on_busy=orphan_check(api, name, what, ORPHANED_AFTER_LEASES * LEASE_SECONDS),
+            )
         token = _leases.set({**_leases.get(), what: lease})
         try:
-            with shared(api, name):  # every host that may wait for it can name the holder
+            with shared(api, name, lease):  # every host that may wait for it can name the holder
                 yield
         finally:
             _leases.reset(token)
@@ -116,6 +124,26 @@ def fence(what: str) -> None:
     lease = _leases.get().get(what)
     if lease is not None:
         lease.check()
+
+
+def lease_watch(what: str, logger: logging.Logger | logging.LoggerAdapter) -> Callable[[], None]:
+    """For a long hold of the lock on WHAT (hours of training): a check to call every few minutes from any thread that
+    renews the lease at once and, the first time it finds it lost, says so in the log (another run may now enter and
+    do the same work); `fence(WHAT)` before the result is published then refuses it. Nothing to check for a lock held
+    by its file alone."""
+    lease = _leases.get().get(what)  # read here: the calling thread's leases, which a report thread does not inherit
+    lost: list[Exception] = []
+
+    def watch() -> None:
+        if lease is None or lost:
+            return
+        try:
+            lease.check()
+        except LeaseLost as exc:
+            lost.append(exc)
+            logger.warning(f"{what}: {exc}; the work goes on, and its result will be refused at the end")
+
+    return watch
 
 
 def ensure_one_slot(limit: str) -> None:

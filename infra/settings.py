@@ -804,6 +804,18 @@ class Settings(BaseSettings):
         stages=("score",),
         runs="allowed",
     )
+    score_commit_images: int = setting(
+        default=50_000,
+        ge=1,
+        description=(
+            "Images `imagelake score` answers between two commits of the predictions table: a run that fails keeps "
+            "what it committed, and the next goes on from there"
+        ),
+        stages=(),  # how the work is cut, not what is answered: the same answers in more or fewer commits
+        # A run may cut less finely, not into thousands of tiny commits (each one a file in the table's log).
+        runs="allowed",
+        cap=("at least", 1000),
+    )
 
     # Orchestration.
     prefect_api_url: str | None = setting(

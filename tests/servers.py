@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 
-from imagelake.infra.local.cluster import free_port
+from imagelake.infra.local.cluster import LEASES_KEPT, free_port
 from tests.conftest import PROCESS_POOL, REPO, cli_env
 
 BIN = Path(sys.executable).parent
@@ -117,9 +117,11 @@ class PrefectServer:
         env.update(extra or {})
         return env
 
-    def start(self, timeout: float = 120) -> PrefectServer:
+    def start(self, timeout: float = 120, leases_kept: bool = True) -> PrefectServer:
+        """Start (or start again) the server; with LEASES_KEPT, its concurrency leases on disk as imagelake's own
+        servers keep them, else in memory (Prefect's default)."""
         self.root.mkdir(parents=True, exist_ok=True)
-        env = self.env()
+        env = self.env(LEASES_KEPT if leases_kept else None)
         env.pop("PREFECT_API_URL")  # the server itself must not think it is a client of another
         with self.log.open("w") as out:
             self.process = subprocess.Popen(

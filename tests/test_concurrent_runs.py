@@ -106,3 +106,81 @@ def test_two_runs_caching_one_table_version_at_once_write_it_once(
     assert line.problem(plan.version) is None
     assert sorted([first.reused, second.reused]) == [False, True], "one wrote the version, the other reused it"
     assert line.read(plan.version)["test"]["generation"] == 0 and line.versions() == [plan.version]
+
+
+@pytest.mark.slow
+def test_a_prefect_server_restart_keeps_a_live_holder_s_lease_and_a_slot_no_lease_holds_is_named_not_waited_for(
+    tmp_path: Path,
+) -> None:
+    """A lock's holder keeps its Prefect slot across a restart of a server that keeps leases on disk (as imagelake's
+    servers do): a second host waits and times out naming it. On a server keeping leases in memory, the restart loses
+    the lease and the slot stays taken: the second host names the slot as held by no live lease (with the command to
+    free it) instead of waiting for ever."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from imagelake.infra.holders import OrphanedSlot, orphan_check, shared, waiting_for
+    from imagelake.infra.lease import LeaseLost, acquire
+    from imagelake.infra.prefect_env import ensure_one_slot
+    from tests.servers import PrefectServer
+
+    for kept in (True, False):
+        server = PrefectServer(tmp_path / f"prefect-{kept}").start(leases_kept=kept)
+        try:
+            name = f"imagelake-restart-{kept}".lower()
+            with temporary_settings(updates={PREFECT_API_URL: server.api_url}):
+                ensure_one_slot(name)
+            holder = acquire(server.api_url, name, timeout=10, duration=60)
+            with shared(server.api_url, name, holder):
+                server.stop()
+                server.start(leases_kept=kept)
+                if kept:
+                    holder.check()  # still the holder: the lease outlived the restart
+                    assert holder.lost is None
+                    continue
+                # The holder's record stops being renewed with its lease: a waiter judging by 3 s (3 leases in use)
+                # names the orphan rather than wait.
+                waiter = orphan_check(server.api_url, name, "the restart test", after_seconds=3)
+                with pytest.raises(OrphanedSlot) as raised, waiting_for("the restart test", 30, lambda: None):
+                    acquire(server.api_url, name, timeout=30, duration=60, on_busy=waiter)
+                with pytest.raises(LeaseLost, match="no longer holds lease"):
+                    holder.check()  # the restarted server no longer knows the lease
+                free = f"global-concurrency-limit update {name} --active-slots 0"
+                assert free in str(raised.value)
+                server.prefect(*free.split())  # as the message says: the slot is free again
+                acquire(server.api_url, name, timeout=10, duration=60).release()
+            holder.release()
+        finally:
+            server.stop()
+
+
+def test_a_long_hold_of_a_lock_finds_its_lease_lost_as_it_works_and_its_result_is_fenced(
+    prefect_api: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The train lock's check, called as the epochs are reported from another thread: while the lease holds it says
+    nothing; once the server has dropped the lease (and another host entered), it says so once, and the fence before
+    the result is published refuses it."""
+    import logging
+
+    from imagelake.infra.lease import LeaseLost, acquire, client_of
+    from imagelake.infra.prefect_env import _leases, fence, lease_watch, lock_name, one_at_a_time
+
+    settings = load_settings(overrides={"workspace": str(tmp_path / "ws"), "prefect_api_url": prefect_api})
+    logger = logging.getLogger("imagelake.test.lease_watch")
+    with one_at_a_time(settings, "train-watched"):
+        watch = lease_watch("train-watched", logger)
+        checked = threading.Thread(target=watch)  # as the report thread calls it
+        checked.start(), checked.join()
+        assert "train-watched" not in caplog.text
+        with client_of(prefect_api) as prefect:  # lapsed: the server gives the slot to the next caller
+            prefect.release_concurrency_slots_with_lease(_leases.get()["train-watched"].lease_id)
+        other = acquire(prefect_api, lock_name("train-watched"), timeout=30)
+        try:
+            with caplog.at_level(logging.WARNING, logger.name):
+                for _ in range(2):
+                    checked = threading.Thread(target=watch)
+                    checked.start(), checked.join()
+            assert caplog.text.count("train-watched: the lock") == 1, caplog.text
+            with pytest.raises(LeaseLost, match="may be held by another run now"):
+                fence("train-watched")
+        finally:
+            other.release()

@@ -475,6 +475,36 @@ def test_an_alias_move_cut_short_is_finished_before_the_next_decision(spark, reg
     ], "every move has its history row, once"
 
 
+def test_a_holder_paused_past_its_lease_gives_up_a_move_another_run_made_meanwhile(
+    spark, registry, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fence passes, then the holder pauses past its lease, and another run moves the champion: when the paused
+    holder goes on, it finds the alias moved at write time and gives its move up (the other run's champion stays); its
+    written-down move is dropped, not finished, by the next holder."""
+    import imagelake.tasks.registry.models as registry_models
+    from imagelake.tasks.registry.models import PENDING_MOVE, MovedMeanwhile, crown, finish_pending_move
+
+    client, settings, models, images, labels = registry
+    first, mine, theirs = (register(models[kind]) for kind in ("bad", "good", "bad"))
+    crown(client, settings, NAME, first, "manual", "the champion before")
+    real_fence, fenced = registry_models.fence, []
+
+    def pause_after_the_fence(what: str) -> None:
+        real_fence(what)
+        fenced.append(what)
+        if len(fenced) == 2:  # the fence before the champion is set passed: now the pause, and another run's move
+            client.set_registered_model_alias(NAME, CHAMPION, theirs)
+
+    monkeypatch.setattr(registry_models, "fence", pause_after_the_fence)
+    with pytest.raises(MovedMeanwhile, match=rf"{NAME}@champion points at v{theirs} now, moved by another run"):
+        crown(client, settings, NAME, mine, "manual", "decided before the pause")
+    monkeypatch.setattr(registry_models, "fence", real_fence)
+    assert alias_version(client, NAME, CHAMPION) == theirs
+    assert PENDING_MOVE in client.get_registered_model(NAME).tags
+    assert finish_pending_move(client, settings, NAME) and PENDING_MOVE not in client.get_registered_model(NAME).tags
+    assert (alias_version(client, NAME, CHAMPION), alias_version(client, NAME, PREVIOUS)) == (theirs, None)
+
+
 @pytest.mark.slow
 def test_two_hosts_promoting_at_once_are_serialised_by_the_prefect_server(
     prefect_api: str, saved: dict[str, Path], tmp_path: Path

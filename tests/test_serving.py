@@ -391,7 +391,7 @@ def test_mlflow_models_serve_bounds_a_request_s_images_and_their_pixels(served: 
 
 
 def test_score_answers_a_folder_a_prefix_and_a_table_version_on_spark_once_per_content_and_model_version(
-    champion, spark, s3, tmp_path: Path
+    champion, spark, s3, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """`imagelake score`'s stage: every image of a folder answered on the executors into the predictions table (a bad
     file with its reason, one row for content found at two paths); a second run answers only what is new to that
@@ -425,7 +425,7 @@ def test_score_answers_a_folder_a_prefix_and_a_table_version_on_spark_once_per_c
         "again.png": LABELS[0],
     }, "the first path in path order keeps a content found twice"
     assert by_path["broken.png"]["label"] is None and by_path["broken.png"]["error"]
-    assert {row["model_version"] for row in table.to_pylist()} == {1} and len(table.column("top_k")[0].as_py()) == 3
+    assert {row["model_version"] for row in table.to_pylist()} == {1} and len(by_path["again.png"]["top_k"]) == 3
     assert len(set(table.column("sha256").to_pylist())) == table.num_rows
 
     (folder / "later.png").write_bytes(encoded(drawing(2, 999), "PNG"))
@@ -538,3 +538,40 @@ def test_score_answers_a_folder_a_prefix_and_a_table_version_on_spark_once_per_c
     assert again["answered"] == 4, again
     runs = DeltaTable(settings.predictions_uri).to_pyarrow_table(columns=["model_name", "model_run_id"]).to_pylist()
     assert len({row["model_run_id"] for row in runs if row["model_name"] == "recreated"}) == 2
+
+    # Rounds: the executors write the answers and the driver commits every score_commit_images images. A run that
+    # fails in its second round keeps the first round's answers and leaves no file behind; the next run answers only
+    # the rest, one commit per round.
+    import imagelake.tasks.stages.score as score_stage
+
+    rounds = tmp_path / "rounds"
+    rounds.mkdir()
+    for number in range(5):
+        (rounds / f"{number}.png").write_bytes(encoded(drawing(number % 3, 900 + number), "PNG"))
+    by_two = settings.model_copy(update={"score_commit_images": 2})
+    real, calls = score_stage.keep_one_per_content, []
+
+    def crash_in_second_round(job, written):
+        calls.append(written.num_rows)
+        if len(calls) == 2:
+            raise RuntimeError("the driver went away")
+        return real(job, written)
+
+    before = DeltaTable(settings.predictions_uri)
+    monkeypatch.setattr(score_stage, "keep_one_per_content", crash_in_second_round)
+    with pytest.raises(RuntimeError, match="went away"):
+        score_images(str(rounds), f"{NAME}/1", by_two)
+    monkeypatch.setattr(score_stage, "keep_one_per_content", real)
+    after = DeltaTable(settings.predictions_uri)
+    kept = [row["path"].rsplit("/", 1)[-1] for row in after.to_pyarrow_table().to_pylist() if "/rounds/" in row["path"]]
+    assert (calls, sorted(kept), after.version()) == ([2, 2], ["0.png", "1.png"], before.version() + 1)
+    folder_files = {path.name for path in Path(settings.predictions_uri.removeprefix("file://")).glob("*.parquet")}
+    assert folder_files == {Path(name).name for name in after.file_uris()}, "the failed round's files are removed"
+    resumed = score_images(str(rounds), f"{NAME}/1", by_two)
+    assert (resumed["images"], resumed["answered"]) == (5, 3), resumed
+    resumed_commits = [c for c in DeltaTable(settings.predictions_uri).history() if c["version"] > after.version()]
+    assert len(resumed_commits) == 2, "one commit per round of two images (three images, two rounds with answers)"
+    every = [
+        row for row in DeltaTable(settings.predictions_uri).to_pyarrow_table().to_pylist() if "/rounds/" in row["path"]
+    ]
+    assert sorted(row["path"].rsplit("/", 1)[-1] for row in every) == [f"{n}.png" for n in range(5)]

@@ -36,6 +36,10 @@ from imagelake.infra.java import ensure_java
 from imagelake.infra.lifecycle import processes_with, stop_processes
 from imagelake.infra.local import postgres
 
+# For the Prefect servers imagelake starts: leases kept on disk, so that a server restart neither drops a live holder's
+# lease nor leaves a slot taken that no lease holds (Prefect's default keeps them in the server's memory).
+LEASES_KEPT = {"PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE": "prefect.server.concurrency.lease_storage.filesystem"}
+
 CLUSTER_VARIABLE = "IMAGELAKE_CLUSTER"
 BIN = Path(sys.executable).parent
 DEFAULT_ROOT = Path(".imagelake/cluster")
@@ -697,6 +701,7 @@ def _start_prefect(cluster: Cluster, timeout: float, auth_string: str, database:
         PREFECT_SERVER_API_AUTH_STRING=auth_string,
         PREFECT_SERVER_ANALYTICS_ENABLED="false",
         PREFECT_UI_API_URL=f"{cluster.prefect_url}/api",
+        **LEASES_KEPT,
     )
     server = _spawn(
         "prefect",

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from imagelake.infra.local import postgres
-from imagelake.infra.local.cluster import BIN, DATABASES, read_env_file, write_private
+from imagelake.infra.local.cluster import BIN, DATABASES, LEASES_KEPT, read_env_file, write_private
 
 PASSWORD = "IMAGELAKE_UI_POSTGRES_PASSWORD"
 AUTH_STRING = "PREFECT_API_AUTH_STRING"  # the name Prefect's clients read it under: `. ui.env` sets it for them
@@ -82,6 +82,7 @@ def prefect_server_env(env: dict[str, str], auth_string: str, port: int) -> dict
         "PREFECT_SERVER_CSRF_PROTECTION_ENABLED": "true",
         "PREFECT_SERVER_CORS_ALLOWED_ORIGINS": origin,
         "PREFECT_UI_API_URL": f"{origin}/api",
+        **LEASES_KEPT,
     }
 
 

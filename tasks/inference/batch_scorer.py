@@ -1,10 +1,12 @@
 """The score stage's executor side: answer one partition's images with a registered model, loaded once per Python
-worker process. This code runs inside Spark's Python workers."""
+worker process, and write the answers as an uncommitted data file of the predictions table. This code runs inside
+Spark's Python workers; the driver gets back only each answer's path, content hash and file."""
 
 from __future__ import annotations
 
 import hashlib
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +16,7 @@ import fsspec
 import numpy as np
 import pandas as pd
 import pyarrow as pa
+import pyarrow.parquet as pq
 from pyspark import TaskContext
 
 from imagelake.tasks.data.resize_executor import (
@@ -23,7 +26,7 @@ from imagelake.tasks.data.resize_executor import (
     read_with_retries,
     report_progress,
 )
-from imagelake.tasks.rules.schemas import ANSWERED_SCHEMA
+from imagelake.tasks.rules.schemas import PREDICTIONS_SCHEMA
 
 _models: dict[
     tuple[str, str | None, str], Any
@@ -45,6 +48,13 @@ class ScoreJob:
     read_backoff: float = 0.5
     progress: str | None = None  # folder where each partition reports how many images it has done
     max_file_bytes: int | None = None  # a file read larger than this (grown since it was listed) is not decoded
+    table_uri: str | None = None  # the predictions table, whose folder the answers' data files are written into
+    prefix: str = "part"  # the start of this round's data file names (the driver removes the round's uncommitted ones)
+    constants: tuple[tuple[str, Any], ...] = ()  # the run's columns of every row (model, run id, source, time)
+
+
+# What score_partition hands back to the driver: a line per answer, never the answer itself.
+WRITTEN_SCHEMA = pa.schema([("path", pa.string()), ("sha256", pa.string()), ("data_file", pa.string())])
 
 
 # Errors that say nothing final about the image: the next run tries it again rather than store them as its answer.
@@ -107,42 +117,78 @@ def is_final(error: str | None) -> bool:
     return not (error or "").startswith(TRANSIENT)
 
 
+class AnswerFile:
+    """One task's answers, written as they come into a data file of the predictions table (created with its first
+    answer; uncommitted, no reader sees it), in the table's schema with the run's constants."""
+
+    def __init__(self, job: ScoreJob, partition: int) -> None:
+        self.job = job
+        self.name = f"{job.prefix}-{partition:05d}-{uuid.uuid4()}-c000.imagelake.parquet"
+        self.handle = self.writer = None
+
+    def write(self, rows: list[dict]) -> Iterator[pa.RecordBatch]:
+        """Append ROWS (answered rows) to the file; yields the driver's line for each."""
+        if not rows:
+            return
+        if self.writer is None:
+            fs, folder = fsspec.core.url_to_fs(self.job.table_uri)
+            fs.makedirs(folder, exist_ok=True)
+            self.handle = fs.open(f"{folder}/{self.name}", "wb")
+            self.writer = pq.ParquetWriter(self.handle, PREDICTIONS_SCHEMA)
+        constants = dict(self.job.constants)
+        self.writer.write_table(pa.Table.from_pylist([{**row, **constants} for row in rows], schema=PREDICTIONS_SCHEMA))
+        yield pa.RecordBatch.from_pylist(
+            [{"path": row["path"], "sha256": row["sha256"], "data_file": self.name} for row in rows],
+            schema=WRITTEN_SCHEMA,
+        )
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.handle.close()
+
+
 def score_partition(
     batches: Iterator[pa.RecordBatch], job: ScoreJob, partition: int | None = None
 ) -> Iterator[pa.RecordBatch]:
-    """mapInArrow's function: rows of (path, sha256, image) in, predictions rows out. A folder's rows come with neither
-    image nor sha256: the file is read here. Content this model version answered before is skipped; a file that
-    cannot be read in all its attempts is left out (no row), so a later run tries it again."""
+    """mapInArrow's function: rows of (path, sha256, image) in; answers written into one data file of the predictions
+    table, and a (path, sha256, data_file) line out for each. A folder's rows come with neither image nor sha256: the
+    file is read here. Content this model version answered before is skipped; a file that cannot be read in all its
+    attempts is left out (no row), so a later run tries it again."""
     partition = TaskContext.get().partitionId() if partition is None else partition
     fs = fsspec.core.url_to_fs(job.progress)[0] if job.progress else None
     done, reported = 0, time.monotonic()
     pending: list[tuple[str, str, Any]] = []
-    for batch in batches:
-        for row in batch.to_pylist():
-            image, sha = row["image"], row["sha256"]
-            if image is None:
-                try:
-                    image, _ = read_with_retries(row["path"], job.read_attempts, job.read_backoff)
-                except (ReadFailed, FileNotFoundError):
+    out = AnswerFile(job, partition)
+    try:
+        for batch in batches:
+            for row in batch.to_pylist():
+                image, sha = row["image"], row["sha256"]
+                if image is None:
+                    try:
+                        image, _ = read_with_retries(row["path"], job.read_attempts, job.read_backoff)
+                    except (ReadFailed, FileNotFoundError):
+                        continue
+                    sha = hashlib.sha256(image).hexdigest()
+                if sha in job.known:
                     continue
-                sha = hashlib.sha256(image).hexdigest()
-            if sha in job.known:
-                continue
-            if job.max_file_bytes and row["image"] is None and len(image) > job.max_file_bytes:
-                too_large = {"label": None, "probability": None, "top_k": [], "path": row["path"], "sha256": sha}
-                error = f"file_too_large: {len(image)} bytes > max_file_bytes"
-                yield pa.RecordBatch.from_pylist([{**too_large, "error": error}], schema=ANSWERED_SCHEMA)
-                continue
-            pending.append((row["path"], sha, image))
-            if len(pending) == job.batch_size:
-                yield pa.RecordBatch.from_pylist(answer_rows(job, pending), schema=ANSWERED_SCHEMA)
-                done += len(pending)
-                pending.clear()
-            if fs is not None and time.monotonic() - reported >= PROGRESS_SECONDS:
-                report_progress(fs, f"{job.progress}/{PROGRESS_FOLDER}/{partition:05d}", done)
-                reported = time.monotonic()
-    if pending:
-        yield pa.RecordBatch.from_pylist(answer_rows(job, pending), schema=ANSWERED_SCHEMA)
-        done += len(pending)
+                if job.max_file_bytes and row["image"] is None and len(image) > job.max_file_bytes:
+                    error = f"file_too_large: {len(image)} bytes > max_file_bytes"
+                    too_large = {"label": None, "probability": None, "top_k": [], "error": error}
+                    yield from out.write([{**too_large, "path": row["path"], "sha256": sha}])
+                    continue
+                pending.append((row["path"], sha, image))
+                if len(pending) == job.batch_size:
+                    yield from out.write(answer_rows(job, pending))
+                    done += len(pending)
+                    pending.clear()
+                if fs is not None and time.monotonic() - reported >= PROGRESS_SECONDS:
+                    report_progress(fs, f"{job.progress}/{PROGRESS_FOLDER}/{partition:05d}", done)
+                    reported = time.monotonic()
+        if pending:
+            yield from out.write(answer_rows(job, pending))
+            done += len(pending)
+    finally:
+        out.close()
     if fs is not None:
         report_progress(fs, f"{job.progress}/{PROGRESS_FOLDER}/{partition:05d}", done)

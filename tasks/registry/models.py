@@ -6,6 +6,7 @@ from __future__ import annotations
 import getpass
 import io
 import json
+import logging
 import os
 import shutil
 import threading
@@ -35,6 +36,7 @@ import imagelake.tasks.rules.answers as answer_rules
 import imagelake.tasks.rules.images as image_rules
 from imagelake.infra.compat import program_refusal
 from imagelake.infra.delta import Table
+from imagelake.infra.lease import LeaseLost
 from imagelake.infra.prefect_env import fence, one_at_a_time
 from imagelake.infra.settings import UNSAFE_FROM_RUNS, Settings
 from imagelake.infra.spark import on_demand
@@ -407,6 +409,11 @@ def history(settings: Settings, name: str) -> list[dict]:
     return sorted(rows.filter(pc.equal(rows["model"], name)).to_pylist(), key=lambda row: row["at"])
 
 
+class MovedMeanwhile(LeaseLost):
+    """An alias this move was to set was moved by another run after the move was decided (a holder paused past its
+    lease): the move is given up, nothing more changed."""
+
+
 # A registered model's tag that holds an alias move begun and not yet finished: the next move under the lock finishes
 # it.
 PENDING_MOVE = "imagelake.pending_move"
@@ -446,6 +453,8 @@ def move_aliases(
     move = {
         "id": move_id,
         "targets": {alias: str(version) for alias, version in targets.items()},
+        # Where each alias pointed when the move was decided: checked again as each alias is set.
+        "before": {alias: alias_version(client, name, alias) for alias in targets},
         "drop": drop,
         "rows": rows,
     }
@@ -459,6 +468,14 @@ def carry_out(client: MlflowClient, settings: Settings, name: str, move: dict) -
     appended only if the history lacks them), so a move cut short is finished by doing it again."""
     for alias, version in move["targets"].items():
         fence(lock_of(name))  # before each step: a move cut short here is finished by the next holder
+        # At write time, the alias itself: a holder paused past its lease finds another holder's move here.
+        now = alias_version(client, name, alias)
+        if "before" in move and now not in (move["before"].get(alias), version):
+            raise MovedMeanwhile(
+                f"{name}@{alias} points at v{now} now, moved by another run after this move (to v{version}, from "
+                f"v{move['before'].get(alias)}) was decided: this move is given up and nothing more is changed. "
+                "Run again to decide anew."
+            )
         client.set_registered_model_alias(name, alias, version)
     if move.get("drop") and alias_version(client, name, move["drop"]) in set(move["targets"].values()):
         fence(lock_of(name))
@@ -479,7 +496,11 @@ def finish_pending_move(client: MlflowClient, settings: Settings, name: str) -> 
             return False
         raise
     if pending:
-        carry_out(client, settings, name, json.loads(pending))
+        try:
+            carry_out(client, settings, name, json.loads(pending))
+        except MovedMeanwhile as stale:  # overtaken by a later move: the written-down one is not carried out
+            logging.getLogger(__name__).warning(f"a pending alias move of {name} is dropped: {stale}")
+            client.delete_registered_model_tag(name, PENDING_MOVE)
     return bool(pending)
 
 

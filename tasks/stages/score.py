@@ -10,12 +10,14 @@ import re
 import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
 
 import fsspec
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 from prefect.cache_policies import NO_CACHE
 from prefect.utilities.hashing import hash_objects
 from pyspark.sql import SparkSession
@@ -29,10 +31,10 @@ from imagelake.infra.spark import spark_session
 from imagelake.infra.tracking import mlflow_client
 from imagelake.tasks.data.listing import link_issue, source_uri, walk_files
 from imagelake.tasks.data.resize_executor import PROGRESS_FOLDER, files_done
-from imagelake.tasks.inference.batch_scorer import ScoreJob, score_partition
+from imagelake.tasks.inference.batch_scorer import WRITTEN_SCHEMA, ScoreJob, score_partition
 from imagelake.tasks.progress import Every, rate_line, stage_logger
 from imagelake.tasks.registry.models import check_program, model_files, resolve, served_files
-from imagelake.tasks.rules.schemas import ANSWERED_SCHEMA, PREDICTIONS_SCHEMA
+from imagelake.tasks.rules.schemas import PREDICTIONS_SCHEMA
 from imagelake.tasks.stage import stage
 
 ROWS_PER_SCORE_TASK = 2_000  # images per Spark task, beyond one task per core
@@ -93,7 +95,8 @@ def answered_before(settings: Settings, spark: SparkSession, run_id: str) -> fro
 
 def score_images(source: str, model: str, settings: Settings) -> dict[str, Any]:
     """Answer every image of SOURCE that MODEL (NAME@ALIAS or NAME/VERSION) has not answered before, and append the
-    answers to the predictions table in one commit. Returns what it did.
+    answers to the predictions table: written by the executors, committed every score_commit_images images, so that
+    a run that fails keeps what it committed and the next goes on from there. Returns what it did.
 
     Two runs of one model version at once (the CLI beside the nightly) take turns on the predictions table, so the
     second reads what the first committed and answers none of the same content again."""
@@ -121,7 +124,7 @@ def score_as_one(source: str, client: Any, name: str, version: str, settings: Se
             .where(F.col("image_size") == meta["image_size"])
             .select("path", "sha256", "image")
         )
-        size, where = meta["image_size"], f"{uri}@{table_version}"
+        size, where, files = meta["image_size"], f"{uri}@{table_version}", None
         total = frame.count()
         if not total:
             raise ScoreSourceError(
@@ -140,10 +143,15 @@ def score_as_one(source: str, client: Any, name: str, version: str, settings: Se
                 f"--source {source} holds no image files ({', '.join(settings.image_extensions)}): give a "
                 "folder or prefix of images, or a Delta table"
             )
-        frame = spark.createDataFrame(
-            [(path, None, None) for path in files], "path string, sha256 string, image binary"
-        )
-        where, total = uri, len(files)
+        frame, images, where, total = None, None, uri, len(files)
+    run = {
+        "model_name": name,
+        "model_version": int(version),
+        "model_run_id": run_id,
+        "source": where,
+        "source_version": table_version,
+        "scored_at": datetime.now(UTC),
+    }
     job = ScoreJob(
         f"models:/{name}/{version}",
         settings.tracking_uri,
@@ -152,39 +160,158 @@ def score_as_one(source: str, client: Any, name: str, version: str, settings: Se
         known,
         settings.score_top_k,
         read_attempts=settings.read_attempts,
-        progress=f"{settings.staging_uri}/score-{uuid.uuid4().hex[:12]}",
         max_file_bytes=settings.max_file_bytes,
+        table_uri=settings.predictions_uri,
+        constants=tuple(run.items()),
     )
-    answered = answer_on_executors(spark, frame, total, job) if total else pa.table([], schema=ANSWERED_SCHEMA)
-    rows = unique_content(answered)
-    scored_at = datetime.now(UTC)
-    constants = {
-        "model_name": name,
-        "model_version": int(version),
-        "model_run_id": run_id,
-        "source": where,
-        "source_version": table_version,
-        "scored_at": scored_at,
-    }
-    for column, value in constants.items():
-        rows = rows.append_column(
-            PREDICTIONS_SCHEMA.field(column), pa.array([value] * rows.num_rows, PREDICTIONS_SCHEMA.field(column).type)
-        )
-    fence(what)  # the lock's lease lapsed: another run of this version may be committing the same answers
     predictions = Table(settings.predictions_uri)
-    if rows.num_rows:
+    if predictions.exists():
         predictions.add_columns(PREDICTIONS_SCHEMA)  # a predictions table from before model_run_id gets it first
-    committed = predictions.append(rows) if rows.num_rows else None
+    answered = errors = 0
+    committed = None
+    rounds = list(score_rounds(spark, frame, files, images, table_version, size, total, settings.score_commit_images))
+    logger, started, done = stage_logger(), time.monotonic(), 0
+    for number, (part, count) in enumerate(rounds):
+        round_job = replace(
+            job,
+            known=frozenset(known),
+            prefix=f"part-score-{uuid.uuid4().hex[:12]}",
+            progress=f"{settings.staging_uri}/score-{uuid.uuid4().hex[:12]}",
+        )
+        files_kept = answer_round(spark, part, count, round_job, (logger, started, done, total))
+        done += count
+        if files_kept.written:
+            fence(what)  # the lock's lease lapsed: another run of this version may be committing the same answers
+            committed = predictions.commit_files(PREDICTIONS_SCHEMA, files_kept.written)
+            known |= files_kept.content
+            answered += files_kept.rows
+            errors += files_kept.errors
+        if len(rounds) > 1:
+            logger.info(f"score: round {number + 1} of {len(rounds)} committed ({answered} answers so far)")
+    logger.info(rate_line("score", total, total, time.monotonic() - started, "images"))
     return {
         "model": f"{name}/{version}",
         "source": where,
         "images": total,
-        "answered": rows.num_rows,
-        "errors": rows.num_rows - pc.count(rows.column("label")).as_py(),
+        "answered": answered,
+        "errors": errors,
         "unread": unread,
         "predictions_uri": settings.predictions_uri,
         "predictions_version": committed,
     }
+
+
+def score_rounds(
+    spark: SparkSession,
+    frame: Any,
+    files: list[str] | None,
+    images: Table | None,
+    table_version: int | None,
+    size: int | None,
+    total: int,
+    per_round: int,
+) -> Iterator[tuple[Any, int]]:
+    """The run's work in rounds of about PER_ROUND images, each committed before the next starts: (frame, images) each.
+    A folder's FILES go in path order; a table version's data files (FRAME the whole version) in groups."""
+    if not total:
+        return
+    rounds = math.ceil(total / per_round)
+    if files is not None:
+        ordered = sorted(files)
+        for start in range(0, len(ordered), per_round):
+            part = ordered[start : start + per_round]
+            yield (
+                spark.createDataFrame(
+                    [(path, None, None) for path in part], "path string, sha256 string, image binary"
+                ),
+                len(part),
+            )
+        return
+    if rounds == 1:
+        yield frame, total
+        return
+    names = images.files(table_version)
+    step = math.ceil(len(names) / rounds)
+    for start in range(0, len(names), step):
+        part = images.frame(table_version, files=names[start : start + step]).where(F.col("image_size") == size)
+        part = part.select("path", "sha256", "image")
+        yield part, part.count()
+
+
+@dataclass
+class Written:
+    """A round's answers as the executors wrote them: the data files to commit, and what they hold."""
+
+    written: list[str]
+    content: set[str]
+    rows: int
+    errors: int
+
+
+def answer_round(spark: SparkSession, frame: Any, count: int, job: ScoreJob, progress: tuple) -> Written:
+    """One round: score_partition over FRAME in tasks of at most ROWS_PER_SCORE_TASK images (one per core at least),
+    answers written by the executors into data files of the predictions table; the driver gets a (path, sha256, file)
+    line per answer, keeps one answer per content (the first path in path order; rewriting a file that held a
+    second), and removes every file of the round it does not return."""
+    logger, started, done_before, total = progress
+    fs, folder = fsspec.core.url_to_fs(job.progress)
+    fs.makedirs(f"{folder}/{PROGRESS_FOLDER}", exist_ok=True)
+    cores = spark.sparkContext.defaultParallelism
+    tasks = max(1, min(count, cores * max(1, math.ceil(count / (cores * ROWS_PER_SCORE_TASK)))))
+    lines = frame.repartition(tasks).mapInArrow(
+        lambda batches: score_partition(batches, job), from_arrow_schema(WRITTEN_SCHEMA)
+    )
+    try:
+        with Every(
+            lambda: logger.info(
+                rate_line("score", done_before + files_done(job.progress), total, time.monotonic() - started, "images")
+            ),
+            logger,
+        ):
+            written = pa.Table.from_pylist([row.asDict() for row in lines.collect()], schema=WRITTEN_SCHEMA)
+        return keep_one_per_content(job, written)
+    except BaseException:
+        remove_round_files(job, [])
+        raise
+    finally:
+        fs.rm(folder, recursive=True)
+
+
+def keep_one_per_content(job: ScoreJob, written: pa.Table) -> Written:
+    """Drop the rows of a content written twice in a round (the same image at two paths: the first path in path order
+    stays) from their data files, and every data file of the round not among the written ones (a retried task's)."""
+    table_fs, table_folder = fsspec.core.url_to_fs(job.table_uri)
+    written = written.sort_by([("sha256", "ascending"), ("path", "ascending")])
+    sha = written.column("sha256").to_pylist()
+    paths = written.column("path").to_pylist()
+    data_files = written.column("data_file").to_pylist()
+    second = {(data_files[i], paths[i]) for i in range(1, len(sha)) if sha[i] == sha[i - 1]}
+    kept = sorted(set(data_files))
+    for name in sorted({name for name, _ in second}):
+        rows = pq.read_table(table_fs.open(f"{table_folder}/{name}", "rb"), schema=PREDICTIONS_SCHEMA)
+        drop = {path for file, path in second if file == name}
+        rows = rows.filter(pc.invert(pc.is_in(rows.column("path"), pa.array(sorted(drop)))))
+        kept.remove(name)
+        if rows.num_rows:
+            renamed = f"{job.prefix}-{uuid.uuid4()}-c000.imagelake.parquet"
+            with table_fs.open(f"{table_folder}/{renamed}", "wb") as out:
+                pq.write_table(rows, out)
+            kept.append(renamed)
+    remove_round_files(job, kept)
+    clean = 0  # rows with no error
+    for name in kept:
+        with table_fs.open(f"{table_folder}/{name}", "rb") as handle:
+            clean += pq.read_table(handle, columns=["error"]).column("error").null_count
+    rows = len(sha) - len(second)
+    return Written(sorted(kept), set(sha), rows, rows - clean)
+
+
+def remove_round_files(job: ScoreJob, keep: list[str]) -> None:
+    """Delete the round's data files (by its name prefix) other than KEEP: none was committed."""
+    fs, folder = fsspec.core.url_to_fs(job.table_uri)
+    for path in fs.glob(f"{folder}/{job.prefix}-*"):
+        if path.rsplit("/", 1)[-1] not in keep:
+            fs.rm(path)
 
 
 def served_meta(client: Any, name: str, version: str) -> dict[str, Any]:
@@ -199,41 +326,6 @@ def served_meta(client: Any, name: str, version: str) -> dict[str, Any]:
         )
     check_program(found[0], name, version)  # before any executor loads it
     return json.loads(found[1].read_text())
-
-
-def answer_on_executors(spark: SparkSession, frame: Any, total: int, job: ScoreJob) -> pa.Table:
-    """score_partition over FRAME in tasks of at most ROWS_PER_SCORE_TASK images (one per core at least), with the
-    driver's progress line from the tasks' progress files."""
-    fs, folder = fsspec.core.url_to_fs(job.progress)
-    fs.makedirs(f"{folder}/{PROGRESS_FOLDER}", exist_ok=True)
-    cores = spark.sparkContext.defaultParallelism
-    tasks = max(1, min(total, cores * max(1, math.ceil(total / (cores * ROWS_PER_SCORE_TASK)))))
-    answered = frame.repartition(tasks).mapInArrow(
-        lambda batches: score_partition(batches, job), from_arrow_schema(ANSWERED_SCHEMA)
-    )
-    logger, started = stage_logger(), time.monotonic()
-    try:
-        with Every(
-            lambda: logger.info(
-                rate_line("score", files_done(job.progress), total, time.monotonic() - started, "images")
-            ),
-            logger,
-        ):
-            rows = [row.asDict(recursive=True) for row in answered.collect()]
-    finally:
-        fs.rm(folder, recursive=True)
-    logger.info(rate_line("score", total, total, time.monotonic() - started, "images"))
-    return pa.Table.from_pylist(rows, schema=ANSWERED_SCHEMA)
-
-
-def unique_content(rows: pa.Table) -> pa.Table:
-    """One row per content: the same image at two paths is answered once (the first path in path order)."""
-    if not rows.num_rows:
-        return rows
-    rows = rows.sort_by([("sha256", "ascending"), ("path", "ascending")])
-    sha = rows.column("sha256").to_pylist()
-    keep = [i for i in range(len(sha)) if i == 0 or sha[i] != sha[i - 1]]
-    return rows.take(pa.array(keep)).sort_by("path")
 
 
 def source_state(inputs: dict[str, Any]) -> dict[str, str]:

@@ -25,7 +25,8 @@ from ray.train.lightning import RayTrainReportCallback
 from ray.train.torch import TorchTrainer
 
 from imagelake.infra.deadline import sigint_handler_kept
-from imagelake.infra.prefect_env import one_at_a_time
+from imagelake.infra.lease import LeaseLost
+from imagelake.infra.prefect_env import fence, lease_watch, one_at_a_time
 from imagelake.infra.ray_runtime import connect_ray
 from imagelake.infra.settings import Settings, stage_settings
 from imagelake.infra.tracking import experiment_id, mlflow_client, run_url
@@ -442,10 +443,16 @@ def train_in(
             on_start(run_id)
         log_dataset_card(client, run_id, cached)
         log_baseline(client, run_id, cached, settings)
-        with Every(lambda: report.show(logger), logger):
+        # The train lock is checked as the epochs are reported: a lease lost on the way is said at once, and the
+        # result is fenced before it is published (another run of the same training may have entered meanwhile).
+        watch = lease_watch(f"train-{name}", logger)
+        with Every(lambda: (report.show(logger), watch()), logger):
             trained = fit(cached, settings, client, run_id, name, warm)
         report.show(logger)
+        fence(f"train-{name}")
         client.log_figure(run_id, learning_curves(client, run_id), "learning_curves.png")
+    except LeaseLost:
+        raise  # the MLflow run may be another holder's now: left as it is
     except BaseException:
         client.set_terminated(run_id, status="FAILED")
         raise
