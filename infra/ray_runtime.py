@@ -7,8 +7,6 @@ import os
 import time
 import warnings
 
-import ray
-
 from imagelake.infra.lifecycle import exit_on_cancel
 from imagelake.infra.settings import Settings
 
@@ -19,6 +17,8 @@ CLIENT_ATTEMPTS = 3
 
 def connect_ray(settings: Settings) -> dict[str, float]:
     """Start or join Ray for these settings; return the cluster's resources."""
+    import ray  # loaded by the stage that needs it (start-up)
+
     # A notice about a future default, on every start: nothing a user of these settings can act on.
     warnings.filterwarnings("ignore", message="Tip: In future versions of Ray", category=FutureWarning)
     if not ray.is_initialized():
@@ -39,6 +39,8 @@ def connect_ray(settings: Settings) -> dict[str, float]:
 
 def join_ray(address: str, log_to_driver: bool) -> None:
     """Join a running Ray cluster; a Ray client connection whose server failed to start is tried again."""
+    import ray  # loaded by the stage that needs it (start-up)
+
     attempts = CLIENT_ATTEMPTS if address.startswith("ray://") else 1
     for attempt in range(1, attempts + 1):
         try:

@@ -5,16 +5,20 @@ from __future__ import annotations
 
 import subprocess
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import quote
 
-import mlflow
-from mlflow import MlflowClient
-
 from imagelake.infra.settings import Settings
+
+if TYPE_CHECKING:  # MLflow loads when a client is asked for (start-up: a run that reuses every stage needs none)
+    from mlflow import MlflowClient
 
 
 def mlflow_client(settings: Settings) -> MlflowClient:
     """Point MLflow at the settings' tracking and registry stores and return a client for them."""
+    import mlflow
+    from mlflow import MlflowClient
+
     if not settings.mlflow_tracking_uri:
         settings.workspace_dir.mkdir(parents=True, exist_ok=True)
     mlflow.set_tracking_uri(settings.tracking_uri)

@@ -12,6 +12,8 @@ import pytest
 
 # Before Prefect is imported: the test server must not try to send telemetry.
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+# Prefect's own server for a process (a CLI run) may take over its default 20 s to start on a loaded 2-core machine.
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 # The suite trains the small CNN from scratch (every process it starts inherits this, cli_env's too): tests of the
 # pretrained default set model_arch and pretrained themselves (docs/testing.md).
 os.environ.setdefault("IMAGELAKE_MODEL_ARCH", "small_cnn")

@@ -186,3 +186,37 @@ def test_no_module_of_imagelake_reaches_itself_again_through_its_imports() -> No
             ]
             circles += [f"{module} -> {name} -> ... -> {module}" for name in sorted(back)]
     assert not circles, circles
+
+
+# What a flow-run process must not load before a stage needs it: seconds of start-up each (torch and Lightning most).
+LOADED_BY_STAGES = (
+    "torch",
+    "torchvision",
+    "pytorch_lightning",
+    "lightning",
+    "torchmetrics",
+    "matplotlib",
+    "ray",
+    "mlflow",
+)
+
+
+def test_the_flow_modules_deployments_import_load_no_model_library_before_a_stage_needs_it() -> None:
+    """Every flow module prefect.yaml's deployments name, imported in a fresh interpreter as a flow run imports it:
+    torch, Lightning, torchvision, matplotlib, Ray and MLflow stay unloaded (the stages that use them import them)."""
+    import yaml
+
+    deployments = yaml.safe_load((REPO / "prefect.yaml").read_text())["deployments"]
+    modules = sorted(
+        {"imagelake." + d["entrypoint"].split(":")[0].removesuffix(".py").replace("/", ".") for d in deployments}
+    )
+    assert "imagelake.flows.pipeline" in modules
+    script = (
+        "import importlib, json, sys\n"
+        f"for name in {modules!r}:\n"
+        "    importlib.import_module(name)\n"
+        f"print(json.dumps(sorted(m for m in {list(LOADED_BY_STAGES)!r} if m in sys.modules)))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == [], f"loaded on import of {modules}"

@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from matplotlib.figure import Figure
 
 from imagelake.tasks.rules.markdown import markdown_text
 from imagelake.tasks.rules.promotion import BASELINE
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure  # loaded by the function that draws (start-up)
 
 
 def confusion_matrix(labels: np.ndarray, predicted: np.ndarray, classes: int) -> np.ndarray:
@@ -133,6 +135,8 @@ GRID_LABELS = 40  # rows of the sample grid: beyond this a figure is too tall to
 
 def sample_grid(samples: dict[str, np.ndarray]) -> Figure:
     """One row per label (the first 40 in order) of sample images (N, H, W, 3 uint8), as the model sees them."""
+    from matplotlib.figure import Figure
+
     labels = sorted(samples)[:GRID_LABELS]
     size = max((s.shape[1] for s in samples.values() if len(s)), default=8)
     columns = max((len(s) for s in samples.values()), default=1)

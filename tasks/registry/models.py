@@ -41,6 +41,7 @@ from imagelake.infra.prefect_env import fence, one_at_a_time
 from imagelake.infra.settings import UNSAFE_FROM_RUNS, Settings
 from imagelake.infra.spark import on_demand
 from imagelake.tasks.inference.predict import evaluate
+from imagelake.tasks.registry.aliases import RegistryError, alias_version
 from imagelake.tasks.rules.promotion import CHALLENGER, CHAMPION, PREVIOUS, Decision, decide_promotion, held_by_baseline
 from imagelake.tasks.rules.schemas import HISTORY_SCHEMA
 from imagelake.tasks.rules.training import PARAM_SETTINGS
@@ -62,10 +63,6 @@ PROGRAM, META = served_pyfunc.PROGRAM, served_pyfunc.META  # the served model's 
 
 
 _EXPORT_LOAD = threading.Lock()
-
-
-class RegistryError(ValueError):
-    """An unknown model, version or alias, or an operation the registry's state does not allow."""
 
 
 class UnsafeModel(RegistryError):
@@ -320,22 +317,6 @@ def champion_metric(
         return ChampionCheck(
             None, uncompared=f"{where} could not be evaluated on the test split: {type(exc).__name__}: {exc}"[:400]
         )
-
-
-def alias_version(client: MlflowClient, name: str, alias: str) -> str | None:
-    """The version an alias points at, or None; unknown models are an error."""
-    try:
-        return str(client.get_model_version_by_alias(name, alias).version)
-    except MlflowException as exc:
-        if exc.error_code not in ("INVALID_PARAMETER_VALUE", "RESOURCE_DOES_NOT_EXIST"):
-            raise  # a server that did not answer says nothing about the alias
-        try:
-            client.get_registered_model(name)
-        except MlflowException as missing:
-            if missing.error_code == "RESOURCE_DOES_NOT_EXIST":
-                raise RegistryError(f"no registered model named {name!r}") from exc
-            raise
-        return None
 
 
 def champion_of(client: MlflowClient, name: str) -> Champion | None:

@@ -3,8 +3,8 @@ on."""
 
 from __future__ import annotations
 
-from mlflow import MlflowClient
-from mlflow.exceptions import MlflowException
+from typing import TYPE_CHECKING
+
 from prefect.cache_policies import NO_CACHE
 
 from imagelake.infra.delta import Table
@@ -12,6 +12,9 @@ from imagelake.infra.settings import Settings
 from imagelake.infra.tracking import mlflow_client
 from imagelake.tasks.data.cache_files import clean_cache
 from imagelake.tasks.stage import stage
+
+if TYPE_CHECKING:  # MLflow loads when the registry is asked (start-up)
+    from mlflow import MlflowClient
 
 
 class RegistryUnavailable(RuntimeError):
@@ -23,6 +26,8 @@ def protected_versions(client: MlflowClient, model_name: str, table_uri: str) ->
 
     Every page of the registry's model versions is read and matched on the name here, so any name works (a filter
     string would need the name quoted). No answer raises `RegistryUnavailable`: `maintain` fails closed."""
+    from mlflow.exceptions import MlflowException
+
     versions, token = [], None
     try:
         while True:

@@ -7,13 +7,11 @@ import json
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import mlflow
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-from matplotlib.figure import Figure
-from mlflow import MlflowClient
 from prefect.artifacts import create_markdown_artifact
 from prefect.runtime import flow_run
 from pyspark.sql import functions as F
@@ -24,20 +22,25 @@ from imagelake.infra.tracking import git_commit, mlflow_client, run_url
 from imagelake.tasks.data.cache_files import pixel_rows, split_files, split_format
 from imagelake.tasks.data.resize_executor import DecodeRules, read_with_retries
 from imagelake.tasks.data.table import matching
-from imagelake.tasks.inference.predict import predict
-from imagelake.tasks.registry.cards import confusion_matrix, metric_keys, model_card, per_class_metrics, per_class_table
-from imagelake.tasks.registry.models import TestRowsAt, gate, registry_lock, served_model
 from imagelake.tasks.results import CachedSplits, Promoted, Trained
 from imagelake.tasks.rules.images import resize_image
 from imagelake.tasks.rules.promotion import CHALLENGER, CHAMPION, Decision, decision_markdown
 from imagelake.tasks.rules.training import started_from
 from imagelake.tasks.rules.warm_start import labels_tag
 from imagelake.tasks.stage import stage
-from imagelake.tasks.worker.model import ImageClassifier, ImageModel
+
+if TYPE_CHECKING:  # torch, Lightning, MLflow and matplotlib load in the functions that use them (start-up)
+    from matplotlib.figure import Figure
+    from mlflow import MlflowClient
+
+    from imagelake.tasks.registry.models import TestRowsAt
+    from imagelake.tasks.worker.model import ImageModel
 
 
 def load_trained_model(checkpoint_path: str) -> ImageModel:
     """The plain torch model from a Lightning checkpoint, in eval mode on the CPU."""
+    from imagelake.tasks.worker.model import ImageClassifier
+
     # The trained weights are all in the checkpoint: never fetch the pretrained ones again.
     # As data only: a checkpoint read back from shared storage is tensors and plain values, never code to unpickle.
     module = ImageClassifier.load_from_checkpoint(
@@ -121,6 +124,7 @@ def confusion_figure(matrix: np.ndarray, names: list[str]) -> Figure:
 
 def registered_version(client: MlflowClient, name: str, run_id: str) -> str | None:
     """The version of model NAME registered from run RUN_ID, if there is one (the newest, if several)."""
+
     found = [v for v in client.search_model_versions(f"run_id = '{run_id}'") if v.name == name]
     return str(max(int(v.version) for v in found)) if found else None
 
@@ -139,6 +143,9 @@ class Evaluated:
 
 def evaluate_trained(trained: Trained, cached: CachedSplits) -> Evaluated:
     """Load the trained model from its checkpoint and answer the cached test split with it."""
+    from imagelake.tasks.inference.predict import predict
+    from imagelake.tasks.registry.cards import confusion_matrix, per_class_metrics
+
     model = load_trained_model(trained.checkpoint_path)
     images, labels = read_split(cached.splits["test"], cached.image_size)
     matrix = confusion_matrix(labels, predict(model, images), len(cached.labels))
@@ -186,6 +193,10 @@ def register_once(
     A training run is registered once: a retried stage, or a second flow run that got the same training's result,
     finds the version an earlier one registered (under the registry's lock, so two at once cannot both register) and
     only sets its tags again."""
+    import mlflow
+
+    from imagelake.tasks.registry.models import registry_lock, served_model
+
     with registry_lock(settings, settings.model_name):
         version = registered_version(client, settings.model_name, trained.mlflow_run_id)
         if version is not None:
@@ -214,6 +225,10 @@ def register_once(
 
 def log_test_results(trained: Trained, cached: CachedSplits, evaluated: Evaluated, metrics: dict[str, float]) -> None:
     """The gate's test metrics, each class's, the confusion matrix as a figure and as JSON, in the training's run."""
+    import mlflow
+
+    from imagelake.tasks.registry.cards import metric_keys
+
     with mlflow.start_run(run_id=trained.mlflow_run_id):
         mlflow.log_figure(confusion_figure(evaluated.matrix, cached.labels), "confusion_matrix.png")
         mlflow.log_dict(
@@ -244,6 +259,8 @@ def describe_version(
     decision: Decision,
 ) -> None:
     """Write the version's model card as its description."""
+    from imagelake.tasks.registry.cards import model_card
+
     data = {
         "table": cached.table_uri,
         "version": cached.table_version,
@@ -274,6 +291,8 @@ def promote_model(
 ) -> tuple[Promoted, Decision, str | None, list[dict]]:
     """Evaluate the trained model on the test split, register it with its lineage, let the gate decide its alias, then
     log the test results and the model card."""
+    from imagelake.tasks.registry.models import gate
+
     client = mlflow_client(settings)
     evaluated = evaluate_trained(trained, cached)
     params = client.get_run(trained.mlflow_run_id).data.params
@@ -314,6 +333,8 @@ def promote_model(
 )
 def promote(trained: Trained, cached: CachedSplits, settings: Settings) -> Promoted:
     """Prefect stage: registry promotion through the quality gate, with the decision as a markdown artifact."""
+    from imagelake.tasks.registry.cards import per_class_table
+
     promoted, decision, champion_version, per_class = promote_model(
         trained, cached, settings, str(flow_run.id) if flow_run.id else None
     )

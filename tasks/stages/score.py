@@ -33,7 +33,6 @@ from imagelake.tasks.data.listing import link_issue, source_uri, walk_files
 from imagelake.tasks.data.resize_executor import PROGRESS_FOLDER, files_done
 from imagelake.tasks.inference.batch_scorer import WRITTEN_SCHEMA, ScoreJob, score_partition
 from imagelake.tasks.progress import Every, rate_line, stage_logger
-from imagelake.tasks.registry.models import check_program, model_files, resolve, served_files
 from imagelake.tasks.rules.schemas import PREDICTIONS_SCHEMA
 from imagelake.tasks.stage import stage
 
@@ -100,6 +99,8 @@ def score_images(source: str, model: str, settings: Settings) -> dict[str, Any]:
 
     Two runs of one model version at once (the CLI beside the nightly) take turns on the predictions table, so the
     second reads what the first committed and answers none of the same content again."""
+    from imagelake.tasks.registry.models import resolve
+
     client = mlflow_client(settings)
     name, version = resolve(client, model)
     what = f"score {settings.predictions_uri} {name}/{version}"
@@ -317,6 +318,8 @@ def remove_round_files(job: ScoreJob, keep: list[str]) -> None:
 def served_meta(client: Any, name: str, version: str) -> dict[str, Any]:
     """The served model's meta (labels, image size, resize mode) from its files; a version older than the served pyfunc
     is refused."""
+    from imagelake.tasks.registry.models import check_program, model_files, served_files
+
     folder = model_files(client, name, version)
     found = served_files(folder)
     if found is None:
@@ -355,6 +358,8 @@ def source_state(inputs: dict[str, Any]) -> dict[str, str]:
 @stage("score-model", cache_policy=NO_CACHE)
 def score_model(model: str, settings: Settings) -> str:
     """Prefect stage: the registered version MODEL names now (NAME@ALIAS moves), as NAME/VERSION."""
+    from imagelake.tasks.registry.models import resolve
+
     name, version = resolve(mlflow_client(settings), model)
     return f"{name}/{version}"
 

@@ -13,8 +13,6 @@ from prefect.utilities.urls import url_for
 from imagelake.infra.settings import Settings
 from imagelake.infra.spark import spark_application, spark_started_by, spark_startup_seconds
 from imagelake.infra.tracking import mlflow_client, model_version_url, run_url
-from imagelake.tasks.registry.cards import dataset_card_markdown, dataset_card_of
-from imagelake.tasks.registry.models import alias_version
 from imagelake.tasks.results import CachedSplits, Promoted, Resized, TableVersion, Trained, Written
 from imagelake.tasks.rules.markdown import markdown_text
 from imagelake.tasks.rules.promotion import BASELINE, CHAMPION
@@ -268,6 +266,9 @@ def summarize(
     settings: Settings,
 ) -> dict[str, Any]:
     """Prefect stage (runs every time): read the current champion and publish the run's summary."""
+    from imagelake.tasks.registry.aliases import alias_version
+    from imagelake.tasks.registry.cards import dataset_card_markdown, dataset_card_of
+
     client = mlflow_client(settings)
     champion_version = alias_version(client, promoted.model_name, CHAMPION)
     summary = run_summary(resized, table, cached, trained, promoted, champion_version)

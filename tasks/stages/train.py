@@ -10,19 +10,12 @@ import re
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import fsspec
-import torch
-from matplotlib.figure import Figure
-from mlflow import MlflowClient
-from mlflow.entities import Metric, Param
 from prefect.artifacts import create_link_artifact
 from prefect.runtime import flow_run
 from prefect.settings import PREFECT_TASKS_REFRESH_CACHE
-from ray.train import CheckpointConfig, FailureConfig, Result, RunConfig, ScalingConfig
-from ray.train.lightning import RayTrainReportCallback
-from ray.train.torch import TorchTrainer
 
 from imagelake.infra.deadline import sigint_handler_kept
 from imagelake.infra.lease import LeaseLost
@@ -33,22 +26,16 @@ from imagelake.infra.tracking import experiment_id, mlflow_client, run_url
 from imagelake.tasks.code_graph import code_digest
 from imagelake.tasks.data.cache_files import check_split, label_samples, mark_read
 from imagelake.tasks.progress import Every, stage_logger
-from imagelake.tasks.registry.baseline import fit_baseline
-from imagelake.tasks.registry.cards import dataset_card_markdown, dataset_card_of, sample_grid
-from imagelake.tasks.registry.models import champion_of, champion_state_dict
 from imagelake.tasks.results import CachedSplits, Trained
 from imagelake.tasks.rules.promotion import BASELINE
 from imagelake.tasks.rules.training import TRAINING_SETTINGS, logged_params, scaled_learning_rate
 from imagelake.tasks.rules.warm_start import WarmStart, WeightsShape, decide_warm_start
 from imagelake.tasks.stage import stage
-from imagelake.tasks.worker.model import pretrained_source
-from imagelake.tasks.worker.train_loop import (
-    FIT_SECONDS,
-    WORKER_NODES_TAG,
-    LightningMismatch,
-    ray_lightning_problem,
-    train_loop_per_worker,
-)
+
+if TYPE_CHECKING:  # torch, Lightning, Ray Train, MLflow and matplotlib load in the functions that use them (start-up)
+    from matplotlib.figure import Figure
+    from mlflow import MlflowClient
+    from ray.train import Result
 
 
 def run_name(cached: CachedSplits, settings: Settings, fresh: str | None = None, warm_from: str | None = None) -> str:
@@ -71,6 +58,8 @@ def run_name(cached: CachedSplits, settings: Settings, fresh: str | None = None,
 
 def warm_start_of(client: MlflowClient, settings: Settings, cached: CachedSplits) -> WarmStart:
     """Where this run's weights start: the champion's if warm_start is on and it was trained for this data's shape."""
+    from imagelake.tasks.registry.models import champion_of
+
     if not settings.warm_start:
         return WarmStart(None, "warm_start is off")
     wanted = WeightsShape(tuple(cached.labels), cached.image_size, settings.model_arch, settings.resize_mode)
@@ -88,6 +77,10 @@ def warm_start_key(inputs: dict[str, Any]) -> dict[str, str]:
 
 def staged_champion_weights(client: MlflowClient, settings: Settings, version: str) -> str:
     """The champion's weights as a state dict file in staging, which every Ray worker reads (as it reads the cache)."""
+    import torch
+
+    from imagelake.tasks.registry.models import champion_state_dict
+
     uri = f"{settings.staging_uri}/warm-start/{re.sub(r'[^A-Za-z0-9._-]', '_', settings.model_name)}-v{version}.pt"
     fs, path = fsspec.core.url_to_fs(uri)
     if fs.exists(path):  # a registered version's weights never change
@@ -182,6 +175,13 @@ def fit(
     cached: CachedSplits, settings: Settings, client: MlflowClient, run_id: str, name: str, warm: WarmStart
 ) -> Trained:
     """Run the TorchTrainer and return the best checkpoint by validation loss."""
+    from mlflow.entities import Param
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from imagelake.tasks.worker.model import pretrained_source
+    from imagelake.tasks.worker.train_loop import LightningMismatch, ray_lightning_problem, train_loop_per_worker
+
     weights = staged_champion_weights(client, settings, warm.version) if warm.version else None
     config = training_config(cached, settings, client.tracking_uri, run_id, name, weights)
     pretrained, digest = pretrained_source(settings.model_arch, settings.pretrained)
@@ -233,6 +233,10 @@ def trained_of(
     warm: WarmStart,
 ) -> Trained:
     """A Ray Train result as the stage's result: its best checkpoint by validation loss, and what rank 0 logged."""
+    from ray.train.lightning import RayTrainReportCallback
+
+    from imagelake.tasks.worker.train_loop import FIT_SECONDS, WORKER_NODES_TAG
+
     checkpoint, metrics = min(result.best_checkpoints, key=lambda pair: pair[1]["val_loss"])
     recorded = client.get_run(run_id).data  # what rank 0 logged: its Ray node ids and its fit time
     return Trained(
@@ -260,6 +264,8 @@ def finished_training(client: MlflowClient, settings: Settings, name: str, warm:
     """The result of Ray run NAME if a run with the same key has finished it (its MLflow run FINISHED, its best
     checkpoint
     still there), else None."""
+    from ray.train import Result
+
     found = client.search_runs(
         [experiment_id(client, settings)],
         filter_string=f"tags.ray_run = '{name}' and attributes.status = 'FINISHED'",
@@ -300,6 +306,8 @@ def training_run(client: MlflowClient, settings: Settings, cached: CachedSplits,
 
 def learning_curves(client: MlflowClient, run_id: str) -> Figure:
     """Loss and accuracy per epoch, train and validation, from the run's own metric history."""
+    from matplotlib.figure import Figure
+
     figure = Figure(figsize=(9, 3.5))
     for axis, metric in zip(figure.subplots(1, 2), ("loss", "acc"), strict=True):
         for split in ("train", "val"):
@@ -349,6 +357,8 @@ class EpochReport:
 
 def log_dataset_card(client: MlflowClient, run_id: str, cached: CachedSplits) -> dict:
     """The data this run trains on, as MLflow artifacts: dataset/card.json, card.md and samples.png."""
+    from imagelake.tasks.registry.cards import dataset_card_markdown, dataset_card_of, sample_grid
+
     card = dataset_card_of(cached)
     client.log_dict(run_id, card, "dataset/card.json")
     client.log_text(run_id, dataset_card_markdown(card, "samples.png"), "dataset/card.md")
@@ -365,6 +375,10 @@ BASELINE_METRIC = "baseline_test_accuracy"
 
 def log_baseline(client: MlflowClient, run_id: str, cached: CachedSplits, settings: Settings) -> None:
     """Fit the run's plain baseline on the same split and log its test accuracy (once: a resumed run has it)."""
+    from mlflow.entities import Metric, Param
+
+    from imagelake.tasks.registry.baseline import fit_baseline
+
     if BASELINE_METRIC in client.get_run(run_id).data.metrics:
         return
     found = fit_baseline(cached.splits["train"], cached.splits["test"], cached.image_size, cached.counts, settings.seed)
