@@ -109,6 +109,8 @@ def test_rows_at(settings: Settings, cached: CachedSplits) -> TestRowsAt:
 
 
 def confusion_figure(matrix: np.ndarray, names: list[str]) -> Figure:
+    from matplotlib.figure import Figure
+
     figure = Figure(figsize=(1 + 0.5 * len(names), 0.8 + 0.5 * len(names)))
     axis = figure.subplots()
     axis.imshow(matrix, cmap="Blues")
