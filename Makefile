@@ -13,7 +13,7 @@ CLUSTER := $(WORKSPACE)/cluster
 CLUSTER_DATABASE ?= postgres
 UI_DATABASE ?= sqlite
 
-.PHONY: install weights run demo-data lint test test-quick test-shuffled doctor ui worker clean browser postgres stamps cluster-up cluster-down cluster-status cluster-run
+.PHONY: install weights run demo-data lint test test-quick test-shuffled doctor ui worker kubernetes-pool clean browser postgres stamps cluster-up cluster-down cluster-status cluster-run
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -117,6 +117,18 @@ worker: install
 	$(UI_API) $(BIN)/prefect deploy --all
 	$(UI_API) PREFECT_FLOWS_HEARTBEAT_FREQUENCY=$${PREFECT_FLOWS_HEARTBEAT_FREQUENCY:-30} $(BIN)/python -m imagelake.infra.lifecycle
 	$(UI_API) IMAGELAKE_HOME=$(CURDIR) $(BIN)/prefect worker start --pool imagelake-process
+
+# imagelake's Kubernetes pool (a run sets neither its image, command, namespace, service account nor environment), for
+# workers started on a cluster with `prefect worker start --pool imagelake-kubernetes` (prefect-kubernetes installed).
+IMAGE ?= imagelake:latest
+NAMESPACE ?= imagelake
+SERVICE_ACCOUNT ?= imagelake-flow-runs
+kubernetes-pool: install
+	mkdir -p $(WORKSPACE)
+	$(BIN)/python -m imagelake.infra.pools kubernetes --image $(IMAGE) --namespace $(NAMESPACE) \
+		--service-account $(SERVICE_ACCOUNT) > $(WORKSPACE)/kubernetes-pool.json
+	$(UI_API) $(BIN)/prefect work-pool create imagelake-kubernetes --type kubernetes --overwrite \
+		--base-job-template $(WORKSPACE)/kubernetes-pool.json
 
 # A Spark standalone master and 2 workers, 2 Ray nodes, PostgreSQL, an MLflow server (basic auth) and a Prefect server, on 127.0.0.1.
 cluster-up: install $(if $(filter postgres,$(CLUSTER_DATABASE)),postgres)

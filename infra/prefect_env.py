@@ -126,11 +126,15 @@ def fence(what: str) -> None:
         lease.check()
 
 
-def lease_watch(what: str, logger: logging.Logger | logging.LoggerAdapter) -> Callable[[], None]:
+def lease_watch(
+    what: str,
+    logger: logging.Logger | logging.LoggerAdapter,
+    on_lost: Callable[[LeaseLost], None] | None = None,
+) -> Callable[[], None]:
     """For a long hold of the lock on WHAT (hours of training): a check to call every few minutes from any thread that
-    renews the lease at once and, the first time it finds it lost, says so in the log (another run may now enter and
-    do the same work); `fence(WHAT)` before the result is published then refuses it. Nothing to check for a lock held
-    by its file alone."""
+    renews the lease at once and, the first time it finds it lost, says so in the log and calls ON_LOST (another run
+    may now enter and do the same work: stop what is under way); `fence(WHAT)` before the result is published then
+    refuses it. Nothing to check for a lock held by its file alone."""
     lease = _leases.get().get(what)  # read here: the calling thread's leases, which a report thread does not inherit
     lost: list[Exception] = []
 
@@ -141,7 +145,13 @@ def lease_watch(what: str, logger: logging.Logger | logging.LoggerAdapter) -> Ca
             lease.check()
         except LeaseLost as exc:
             lost.append(exc)
-            logger.warning(f"{what}: {exc}; the work goes on, and its result will be refused at the end")
+            logger.warning(
+                f"{what}: {exc}; "
+                + ("the work stops at its next step" if on_lost else "the work goes on")
+                + ", and its result will be refused at the end"
+            )
+            if on_lost is not None:
+                on_lost(exc)
 
     return watch
 

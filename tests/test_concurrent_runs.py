@@ -158,7 +158,8 @@ def test_a_long_hold_of_a_lock_finds_its_lease_lost_as_it_works_and_its_result_i
 ) -> None:
     """The train lock's check, called as the epochs are reported from another thread: while the lease holds it says
     nothing; once the server has dropped the lease (and another host entered), it says so once, and the fence before
-    the result is published refuses it."""
+    the result is published refuses it; what it is told to call when the lease is lost (training writes the workers'
+    stop marker) is called once."""
     import logging
 
     from imagelake.infra.lease import LeaseLost, acquire, client_of
@@ -167,10 +168,11 @@ def test_a_long_hold_of_a_lock_finds_its_lease_lost_as_it_works_and_its_result_i
     settings = load_settings(overrides={"workspace": str(tmp_path / "ws"), "prefect_api_url": prefect_api})
     logger = logging.getLogger("imagelake.test.lease_watch")
     with one_at_a_time(settings, "train-watched"):
-        watch = lease_watch("train-watched", logger)
+        told: list[str] = []
+        watch = lease_watch("train-watched", logger, on_lost=lambda exc: told.append(str(exc)))
         checked = threading.Thread(target=watch)  # as the report thread calls it
         checked.start(), checked.join()
-        assert "train-watched" not in caplog.text
+        assert "train-watched" not in caplog.text and not told
         with client_of(prefect_api) as prefect:  # lapsed: the server gives the slot to the next caller
             prefect.release_concurrency_slots_with_lease(_leases.get()["train-watched"].lease_id)
         other = acquire(prefect_api, lock_name("train-watched"), timeout=30)
@@ -180,6 +182,7 @@ def test_a_long_hold_of_a_lock_finds_its_lease_lost_as_it_works_and_its_result_i
                     checked = threading.Thread(target=watch)
                     checked.start(), checked.join()
             assert caplog.text.count("train-watched: the lock") == 1, caplog.text
+            assert len(told) == 1, "the work under way is told once to stop (training: at the end of its epoch)"
             with pytest.raises(LeaseLost, match="may be held by another run now"):
                 fence("train-watched")
         finally:

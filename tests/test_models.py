@@ -321,6 +321,32 @@ def test_a_time_budget_ends_training_at_the_end_of_an_epoch() -> None:
     assert trainer.current_epoch == 1, "the budget was spent during epoch 0, which ran to its end"
 
 
+def test_the_driver_s_stop_marker_ends_training_at_the_end_of_the_epoch_it_is_in(tmp_path: Path) -> None:
+    """The driver writes the marker when the train lock's lease is lost (tasks/stages/train.py:train_in); the workers
+    read it at each epoch's end and stop there (a checkpoint is still written), instead of training on for hours."""
+    from pytorch_lightning.callbacks import Callback
+
+    from imagelake.tasks.worker.train_loop import ask_to_stop, asked_to_stop, forget_stop
+
+    marker = str(tmp_path / "ray_results" / "run.stop-1")
+
+    class AskDuringEpoch(Callback):
+        def on_train_epoch_start(self, trainer, pl_module) -> None:  # type: ignore[no-untyped-def]
+            if trainer.current_epoch == 1:
+                ask_to_stop(marker, "the train lock was lost")
+
+    settings = config(stop_marker=marker)
+    images = torch.randint(0, 256, (8, 16, 16, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    batches = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(images, torch.arange(8) % 3), batch_size=4)
+    trainer = make_trainer({**settings, "max_epochs": 6}, [AskDuringEpoch()], 2, 1, accelerator="cpu")
+    trainer.fit(make_model(settings), train_dataloaders=batches, val_dataloaders=batches)
+    assert trainer.current_epoch == 2, "asked during epoch 1, which ran to its end; epochs 2 to 5 never ran"
+    assert Path(marker).read_text() == "the train lock was lost"
+    forget_stop(marker)
+    assert not asked_to_stop(marker)
+    assert fit(make_model(settings), settings, epochs=3).current_epoch == 3, "no marker: every epoch runs"
+
+
 def test_a_training_step_hands_its_metrics_tensors_only_and_the_epoch_loss_is_a_mean_over_images(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -332,6 +332,68 @@ def test_a_run_may_not_bring_its_own_command_working_folder_or_environment(deplo
     assert deployed.flow_runs(runs_of_nightly) == before
 
 
+def test_on_imagelake_s_kubernetes_pool_a_run_may_not_bring_its_own_image_command_namespace_or_environment(
+    deployed: Deployed,
+) -> None:
+    """The same refusal on the Kubernetes pool's template (infra/clusters/kubernetes-pool.json, rendered for a cluster
+    as `make kubernetes-pool` does): the API answers 422 for the image, the command, the namespace, the service
+    account and IMAGELAKE_* variables, before any job exists; a name, labels and timeouts stay a run's to set."""
+    from imagelake.infra.pools import kubernetes_template
+
+    template = kubernetes_template("registry.example/imagelake:1", "ml", "imagelake-runs")
+    pool = "imagelake-kubernetes-check"
+    created = deployed.api.post(
+        "/work_pools/", json={"name": pool, "type": "kubernetes", "base_job_template": template}
+    )
+    assert created.status_code == 201, created.text
+    nightly = deployed.deployment("imagelake-pipeline", "nightly")
+    made = deployed.api.post(
+        "/deployments/",
+        json={
+            "name": "kubernetes-check",
+            "flow_id": nightly["flow_id"],
+            "entrypoint": nightly["entrypoint"],
+            "work_pool_name": pool,
+            "paused": True,
+        },
+    )
+    assert made.status_code in (200, 201), made.text
+    deployment = made.json()
+    try:
+        for variables in (
+            {"image": "attacker/imagelake:evil"},
+            {"command": "sh -c id"},
+            {"namespace": "kube-system"},
+            {"service_account_name": "cluster-admin"},
+            {"cluster_config": {"config": {}, "context_name": "other"}},
+            {"env": {"IMAGELAKE_ALLOW_PICKLE_MODELS": "true"}},
+            {"env": {"PYTHONPATH": "/tmp/planted"}},
+            {"name": "Not A DNS Name; rm -rf"},
+        ):
+            body = {**custom_run_body(deployment, {}, "kubernetes-job-variables"), "job_variables": variables}
+            refused = deployed.create_run(deployment, body)
+            assert refused.status_code == 422, (variables, refused.status_code, refused.text)
+        allowed = {
+            "name": "nightly-rerun",
+            "labels": {"team": "vision"},
+            "finished_job_ttl": 3600,
+            "env": {"PREFECT_FLOWS_HEARTBEAT_FREQUENCY": "30"},
+        }
+        body = {**custom_run_body(deployment, {}, "kubernetes-allowed"), "job_variables": allowed}
+        accepted = deployed.create_run(deployment, body)
+        assert accepted.status_code == 201, accepted.text
+        assert deployed.api.delete(f"/flow_runs/{accepted.json()['id']}").status_code == 204
+        job = template["job_configuration"]["job_manifest"]["spec"]["template"]["spec"]
+        assert (job["containers"][0]["image"], job["serviceAccountName"]) == (
+            "registry.example/imagelake:1",
+            "imagelake-runs",
+        )
+        assert "args" not in job["containers"][0], "the worker's own command (prefect flow-run execute) runs"
+    finally:
+        deployed.api.delete(f"/deployments/{deployment['id']}")
+        deployed.api.delete(f"/work_pools/{pool}")
+
+
 def test_a_custom_run_through_the_ui_api_call_completes_and_publishes_its_summary(deployed: Deployed) -> None:
     adhoc = deployed.deployment("imagelake-adhoc", "adhoc")
     params = run_params(adhoc, deployed.source)

@@ -171,10 +171,29 @@ def storage_uri(filesystem, path: str) -> str:
     return path if kind == "local" else f"{kind}://{path}"
 
 
+def ask_workers_to_stop(marker: str, reason: str) -> None:
+    from imagelake.tasks.worker.train_loop import ask_to_stop
+
+    ask_to_stop(marker, f"the train lock was lost: {reason}")
+
+
+def forget_stop_marker(marker: str) -> None:
+    from imagelake.tasks.worker.train_loop import forget_stop
+
+    forget_stop(marker)
+
+
 def fit(
-    cached: CachedSplits, settings: Settings, client: MlflowClient, run_id: str, name: str, warm: WarmStart
+    cached: CachedSplits,
+    settings: Settings,
+    client: MlflowClient,
+    run_id: str,
+    name: str,
+    warm: WarmStart,
+    stop_marker: str | None = None,
 ) -> Trained:
-    """Run the TorchTrainer and return the best checkpoint by validation loss."""
+    """Run the TorchTrainer and return the best checkpoint by validation loss; the workers stop at the end of an
+    epoch once STOP_MARKER exists."""
     from mlflow.entities import Param
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
@@ -183,7 +202,10 @@ def fit(
     from imagelake.tasks.worker.train_loop import LightningMismatch, ray_lightning_problem, train_loop_per_worker
 
     weights = staged_champion_weights(client, settings, warm.version) if warm.version else None
-    config = training_config(cached, settings, client.tracking_uri, run_id, name, weights)
+    config = {
+        **training_config(cached, settings, client.tracking_uri, run_id, name, weights),
+        "stop_marker": stop_marker,
+    }
     pretrained, digest = pretrained_source(settings.model_arch, settings.pretrained)
     params = {
         **logged_params(config, settings),
@@ -459,9 +481,14 @@ def train_in(
         log_baseline(client, run_id, cached, settings)
         # The train lock is checked as the epochs are reported: a lease lost on the way is said at once, and the
         # result is fenced before it is published (another run of the same training may have entered meanwhile).
-        watch = lease_watch(f"train-{name}", logger)
-        with Every(lambda: (report.show(logger), watch()), logger):
-            trained = fit(cached, settings, client, run_id, name, warm)
+        # A lost lease also asks the workers to stop at the end of their epoch: the run's result cannot be used.
+        stop = f"{settings.ray_storage_path}/{name}.stop-{uuid.uuid4().hex}"
+        watch = lease_watch(f"train-{name}", logger, on_lost=lambda exc: ask_workers_to_stop(stop, str(exc)))
+        try:
+            with Every(lambda: (report.show(logger), watch()), logger):
+                trained = fit(cached, settings, client, run_id, name, warm, stop)
+        finally:
+            forget_stop_marker(stop)
         report.show(logger)
         fence(f"train-{name}")
         client.log_figure(run_id, learning_curves(client, run_id), "learning_curves.png")

@@ -13,6 +13,7 @@ from typing import Any
 import pytorch_lightning as pl
 import ray.train
 import torch
+from pyarrow.fs import FileType
 from pytorch_lightning.callbacks import Callback, EarlyStopping, Timer
 from ray.train.lightning import (
     RayDDPStrategy,
@@ -127,6 +128,53 @@ class KillWorkerOnce(Callback):
             os._exit(1)
 
 
+def _storage(uri: str) -> tuple[Any, str]:
+    """The pyarrow filesystem of a path in Ray's storage (a local folder or a URI such as s3://) and the path in it."""
+    from pyarrow import fs
+
+    if "://" not in uri:
+        return fs.LocalFileSystem(), os.path.abspath(uri)
+    return fs.FileSystem.from_uri(uri)
+
+
+def ask_to_stop(marker: str, reason: str) -> None:
+    """Ask the workers given MARKER (`stop_marker` in their config) to stop at the end of the epoch they are in."""
+    filesystem, path = _storage(marker)
+    filesystem.create_dir(path.rsplit("/", 1)[0], recursive=True)
+    with filesystem.open_output_stream(path) as out:
+        out.write(reason.encode())
+
+
+def asked_to_stop(marker: str) -> bool:
+    filesystem, path = _storage(marker)
+    return filesystem.get_file_info(path).type != FileType.NotFound
+
+
+def forget_stop(marker: str) -> None:
+    """Remove MARKER if it was written; storage that cannot be reached now leaves it (the run's own error counts)."""
+    try:
+        filesystem, path = _storage(marker)
+        if filesystem.get_file_info(path).type != FileType.NotFound:
+            filesystem.delete_file(path)
+    except OSError:
+        pass
+
+
+class StopWhenAsked(Callback):
+    """Ends training at the end of an epoch once the driver has written the run's stop marker (its lock was lost:
+    another run may be doing the same work). Every rank takes the same decision, so DDP ranks stop together."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        asked = trainer.strategy.reduce_boolean_decision(asked_to_stop(self.marker), all=False)
+        if asked:
+            trainer.should_stop = True
+            if trainer.is_global_zero:
+                print(f"imagelake: stopped after epoch {trainer.current_epoch}: the driver asked ({self.marker})")
+
+
 class DataWait(Callback):
     """Measures how much of each training step was spent waiting for the next batch."""
 
@@ -173,6 +221,8 @@ def make_trainer(
     if config.get("max_train_minutes"):
         # Checked at the end of each epoch (Lightning's max_time stops mid-epoch, before the epoch's checkpoint).
         callbacks = [Timer(timedelta(minutes=config["max_train_minutes"]), interval="epoch"), *callbacks]
+    if config.get("stop_marker"):
+        callbacks = [StopWhenAsked(config["stop_marker"]), *callbacks]
     return pl.Trainer(
         max_epochs=config["max_epochs"],
         precision="bf16-mixed" if gpu and config.get("bf16", True) else "32-true",
