@@ -7,7 +7,7 @@ import json
 from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 
@@ -16,6 +16,9 @@ from imagelake.flows.doctor import run_checks
 from imagelake.infra.settings import Settings, SettingsError, load_settings
 from imagelake.tasks.rules.report import accuracy, count, counts, duration, in_split_order, margin
 from imagelake.tasks.rules.training import started_from
+
+if TYPE_CHECKING:
+    from imagelake.infra.prefect_server import TemporaryServer
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Train image models on a lakehouse.")
 
@@ -72,16 +75,35 @@ def _settings_or_exit(config: Path | None, pairs: list[str] | None) -> tuple[Set
         raise typer.Exit(2) from None
 
 
+def _prefect_server(settings: Settings) -> TemporaryServer | None:
+    """Prefect's temporary server where no API is configured, started before the command imports its flow (the two
+    go on at once: infra/prefect_server.py). It stops when the process exits, as Prefect's own does: after Prefect has
+    sent the run's last logs and events (atexit runs the handlers registered later first)."""
+    import atexit
+
+    from imagelake.infra.prefect_server import start_if_needed
+
+    server = start_if_needed(settings.prefect_api_url)
+    if server is not None:
+        atexit.register(server.stop)
+    return server
+
+
 def _start(
-    settings: Settings, flow: Callable[..., Any], errors: tuple[type[Exception], ...] = (), **parameters: Any
+    settings: Settings,
+    flow: Callable[..., Any],
+    errors: tuple[type[Exception], ...] = (),
+    prefect_server: TemporaryServer | None = None,
+    **parameters: Any,
 ) -> Any:
-    """Run FLOW with the settings' Prefect API and result store. Bad input or settings (ValueError, FileNotFoundError,
-    ERRORS) end the command with exit code 2 and the message, which says what to do; the traceback is in the log
-    above."""
+    """Run FLOW with the settings' Prefect API (else PREFECT_SERVER's) and result store. Bad input or settings
+    (ValueError, FileNotFoundError, ERRORS) end the command with exit code 2 and the message, which says what to do; the
+    traceback is in the log above."""
     from imagelake.infra.prefect_env import prefect_for
 
     try:
-        with prefect_for(settings):
+        api_url = prefect_server.wait() if prefect_server is not None else None
+        with prefect_for(settings, api_url):
             return flow(**parameters)
     except (ValueError, FileNotFoundError, *errors) as exc:
         _fail(exc)
@@ -106,10 +128,17 @@ def run(
 ) -> None:
     """Run the whole pipeline on SOURCE and print a summary."""
     settings, overrides = _settings_or_exit(config, set_)
+    server = _prefect_server(settings)
     from imagelake.flows.pipeline import pipeline
 
     summary = _start(
-        settings, pipeline, source=source, config_file=_file(config), overrides=overrides or None, refresh=refresh
+        settings,
+        pipeline,
+        prefect_server=server,
+        source=source,
+        config_file=_file(config),
+        overrides=overrides or None,
+        refresh=refresh,
     )
     _print_summary(summary, as_json)
 
@@ -229,6 +258,7 @@ def backfill(
 ) -> None:
     """Ingest every date of START..END that is missing or stale, then train once on the resulting table version."""
     settings, overrides = _settings_or_exit(config, set_)
+    server = _prefect_server(settings)
     from imagelake.flows.backfill import BackfillFailed
     from imagelake.flows.backfill import backfill as backfill_flow
 
@@ -236,6 +266,7 @@ def backfill(
         result = _start(
             settings,
             backfill_flow,
+            prefect_server=server,
             source=source,
             start_date=start.date(),
             end_date=end.date(),
@@ -266,9 +297,12 @@ def maintain(config: Path | None = ConfigOption, set_: list[str] | None = SetOpt
     """Compact and vacuum the Delta tables (keeping every registered model's table version), clean the Petastorm cache
     and the workspace."""
     settings, overrides = _settings_or_exit(config, set_)
+    server = _prefect_server(settings)
     from imagelake.flows.maintain import maintain as maintain_flow
 
-    report = _start(settings, maintain_flow, config_file=_file(config), overrides=overrides or None)
+    report = _start(
+        settings, maintain_flow, prefect_server=server, config_file=_file(config), overrides=overrides or None
+    )
     typer.echo(json.dumps(report, indent=2, default=str))
 
 
@@ -380,6 +414,7 @@ def retrain(
 ) -> None:
     """Train again on exactly the Delta table version a model version was trained on, with its training settings."""
     settings, client = _registry_or_exit(config, set_)
+    server = _prefect_server(settings)
     from imagelake.flows.pipeline import retrain_flow
     from imagelake.tasks.registry.models import RegistryError, retrain_overrides
     from imagelake.tasks.registry.models import lineage as read_lineage
@@ -393,6 +428,7 @@ def retrain(
         settings,
         retrain_flow,
         (RegistryError,),
+        prefect_server=server,
         table_uri=found["delta_table"],
         table_version=int(found["delta_version"]),
         config_file=_file(config),
@@ -499,6 +535,7 @@ def score(
 ) -> None:
     """Label a folder, prefix or table version on Spark with a registered model, into the Delta table `predictions`."""
     settings, overrides = _settings_or_exit(config, set_)
+    server = _prefect_server(settings)
     from imagelake.flows.score import score_flow
     from imagelake.tasks.registry.models import RegistryError
 
@@ -506,6 +543,7 @@ def score(
         settings,
         score_flow,
         (RegistryError,),
+        prefect_server=server,
         model=model,
         source=source,
         config_file=_file(config),

@@ -101,8 +101,18 @@ def run_settings(config_file: str | None, overrides: dict[str, Any] | None, **fi
 
 def check_weights(settings: Settings) -> None:
     """Before any data stage of a run that trains: the pretrained weights its settings name are in torchvision's cache
-    with the publisher's digest (else WeightsUnavailable, never retried, naming the file and what to do)."""
-    from imagelake.tasks.worker.model import pretrained_source
+    with the publisher's digest (else WeightsUnavailable, never retried, naming the file and what to do). Weights
+    imagelake knows by name and digest (infra/weights.py:KNOWN) that are in the cache are checked without torch, as is
+    a run from scratch or from a state dict: only the others load torchvision here (seconds at every run's start)."""
+    from imagelake.infra.weights import checkpoints_dir, is_weights_name, known_setting, verified_file
+
+    if not is_weights_name(settings.pretrained):
+        return  # from scratch, or a state dict's path: read (and checked) where the model is built
+    entry = known_setting(settings.model_arch, settings.pretrained)
+    if entry is not None and (checkpoints_dir() / entry.file).is_file():
+        verified_file(entry.file, settings.pretrained, entry.url)
+        return
+    from imagelake.tasks.worker.model import pretrained_source  # names torchvision's file; downloads it where it can
 
     pretrained_source(settings.model_arch, settings.pretrained)
 

@@ -17,6 +17,7 @@ from prefect.settings import (
     PREFECT_LOCAL_STORAGE_PATH,
     PREFECT_SERVER_ANALYTICS_ENABLED,
     PREFECT_TASKS_REFRESH_CACHE,
+    PREFECT_UI_URL,
     temporary_settings,
 )
 
@@ -27,12 +28,15 @@ from imagelake.infra.settings import Settings
 
 
 @contextlib.contextmanager
-def prefect_for(settings: Settings) -> Iterator[None]:
-    """Results persist under the workspace; the API is the configured server, else Prefect's own default."""
+def prefect_for(settings: Settings, api_url: str | None = None) -> Iterator[None]:
+    """Results persist under the workspace; the API is the configured server, else API_URL (a temporary server the
+    command started: infra/prefect_server.py), else Prefect's own default."""
     # No telemetry: an ephemeral server would try to reach the internet on every run.
     updates = {PREFECT_LOCAL_STORAGE_PATH: settings.prefect_results_dir, PREFECT_SERVER_ANALYTICS_ENABLED: False}
     if settings.prefect_api_url:
         updates[PREFECT_API_URL] = settings.prefect_api_url
+    elif api_url:  # a temporary server, which serves no UI: no "View at" links to it
+        updates.update({PREFECT_API_URL: api_url, PREFECT_UI_URL: ""})
     with temporary_settings(updates=updates):
         yield
 

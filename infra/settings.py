@@ -1125,7 +1125,8 @@ def stage_settings(stage: str) -> tuple[str, ...]:
     return stage_fields(Settings, stage)
 
 
-# Torchvision's weights by name (tasks/worker/model.py:is_weights_name takes the same): never a path or a URL.
+# Torchvision's weights by name (infra/weights.py:is_weights_name takes the same; kept apart so that the weights module
+# stays out of every stage's code key): never a path or a URL.
 _WEIGHTS_NAME = re.compile(r"^(?:[A-Za-z0-9_]+_Weights\.)?[A-Z][A-Z0-9_]*$")
 _RENAMED = {"pretrained_weights": "pretrained"}  # old names Settings still reads (Settings._renamed)
 ALLOW_FROM_RUNS_VARIABLE = "IMAGELAKE_ALLOW_FROM_RUNS"

@@ -93,6 +93,22 @@ def known(file: str) -> KnownWeights | None:
     return next((entry for entry in KNOWN if entry.file == file), None)
 
 
+# Torchvision's weights by name (imagenet, DEFAULT, IMAGENET1K_V2, ResNet50_Weights.IMAGENET1K_V2): never a path or URL.
+_WEIGHTS_NAME = re.compile(r"^(?:[A-Za-z0-9_]+_Weights\.)?[A-Z][A-Z0-9_]*$")
+
+
+def is_weights_name(pretrained: str | None) -> bool:
+    """Whether `pretrained` names torchvision weights rather than a file."""
+    return bool(pretrained) and (pretrained == "imagenet" or bool(_WEIGHTS_NAME.match(pretrained)))
+
+
+def known_setting(arch: str, pretrained: str | None) -> KnownWeights | None:
+    """The known weights that `pretrained` names by their own name for ARCH (IMAGENET1K_V1 or
+    MobileNet_V2_Weights.IMAGENET1K_V1), found without torchvision; None for any other value (imagenet and DEFAULT
+    stand for whatever torchvision's best weights are: only torchvision can say)."""
+    return next((entry for entry in KNOWN if entry.arch == arch and pretrained in (entry.setting, entry.weights)), None)
+
+
 def expected_digest(file: str) -> str | None:
     """The SHA-256 (or its first digits, from torchvision's file name) that FILE's bytes must have; None: no rule."""
     entry = known(file)

@@ -86,8 +86,10 @@ def overrides_settings(overrides: dict):
 
 def test_the_cli_plans_a_backfill_and_refuses_a_reversed_range(digits_dir: Path, tmp_path: Path) -> None:
     import json
+    import sqlite3
     import subprocess
 
+    from imagelake.infra.lifecycle import processes_with
     from tests.conftest import REPO, cli_env
     from tests.servers import BIN
 
@@ -95,15 +97,23 @@ def test_the_cli_plans_a_backfill_and_refuses_a_reversed_range(digits_dir: Path,
     copy_digits(digits_dir, source / "date=2024-03-01", labels=("0", "1"), per_label=4)
     copy_digits(digits_dir, source / "date=2024-03-03", labels=("0", "1"), per_label=4)
     command = [str(BIN / "imagelake"), "backfill", "--source", str(source), "--set", f"workspace={tmp_path / 'ws'}"]
+    # No Prefect API, as for a user without a server: the command starts Prefect's temporary server itself, before
+    # it imports the flow (infra/prefect_server.py), runs the flow on it, and leaves no process behind.
+    home = tmp_path / "prefect-home"
+    alone = {key: value for key, value in cli_env({"PREFECT_HOME": str(home)}).items() if key != "PREFECT_API_URL"}
     done = subprocess.run(
         [*command, "2024-03-01", "2024-03-04", "--dry-run", "--json"],
         cwd=REPO,
-        env=cli_env(),
+        env=alone,
         capture_output=True,
         text=True,
         timeout=600,
     )
     assert done.returncode == 0, done.stderr[-3000:]
+    assert "Starting temporary server" not in done.stdout + done.stderr, "Prefect started a server of its own"
+    with sqlite3.connect(home / "prefect.db") as db:
+        assert ("imagelake-backfill",) in db.execute("SELECT name FROM flow").fetchall()
+    assert not [p.cmdline() for p in processes_with("PREFECT_HOME", str(home)) if p.is_running()], "left running"
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["dry_run"] and [(p["date"], p["status"], p["files"]) for p in result["plan"]] == [
         ("2024-03-01", "missing", 8),

@@ -203,7 +203,9 @@ LOADED_BY_STAGES = (
 
 def test_the_flow_modules_deployments_import_load_no_model_library_before_a_stage_needs_it() -> None:
     """Every flow module prefect.yaml's deployments name, imported in a fresh interpreter as a flow run imports it:
-    torch, Lightning, torchvision, matplotlib, Ray and MLflow stay unloaded (the stages that use them import them)."""
+    torch, Lightning, torchvision, matplotlib, Ray and MLflow stay unloaded (the stages that use them import them). So
+    they do after the weights check every training run makes before its first stage, for the default weights (known
+    by digest, in the cache after `make install`) and from scratch."""
     import yaml
 
     deployments = yaml.safe_load((REPO / "prefect.yaml").read_text())["deployments"]
@@ -215,6 +217,10 @@ def test_the_flow_modules_deployments_import_load_no_model_library_before_a_stag
         "import importlib, json, sys\n"
         f"for name in {modules!r}:\n"
         "    importlib.import_module(name)\n"
+        "from imagelake.flows.flow import check_weights\n"
+        "from imagelake.infra.settings import load_settings\n"
+        "for weights in ('IMAGENET1K_V1', 'MobileNet_V2_Weights.IMAGENET1K_V1', 'none'):\n"
+        "    check_weights(load_settings(overrides={'model_arch': 'mobilenet_v2', 'pretrained': weights}))\n"
         f"print(json.dumps(sorted(m for m in {list(LOADED_BY_STAGES)!r} if m in sys.modules)))\n"
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, timeout=300)

@@ -24,6 +24,7 @@ from imagelake.infra.weights import (
     WeightsUnavailable,
     cached_of,
     checkpoints_dir,
+    is_weights_name,
     missing_message,
     sha256_of,
     verified_file,
@@ -70,15 +71,6 @@ def check_arch(arch: str) -> str:
             "(resnet50, efficientnet_b0, ...)"
         )
     return arch
-
-
-_WEIGHTS_NAME = re.compile(r"^(?:[A-Za-z0-9_]+_Weights\.)?[A-Z][A-Z0-9_]*$")
-
-
-def is_weights_name(pretrained: str | None) -> bool:
-    """Whether `pretrained` names torchvision weights (imagenet, DEFAULT, IMAGENET1K_V2, ResNet50_Weights.IMAGENET1K_V2)
-    rather than a file."""
-    return bool(pretrained) and (pretrained == "imagenet" or bool(_WEIGHTS_NAME.match(pretrained)))
 
 
 def weights_of(arch: str, pretrained: str) -> torchvision.models.WeightsEnum:
