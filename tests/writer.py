@@ -12,7 +12,7 @@ from pathlib import Path
 
 import imagelake.tasks.stages.write
 from imagelake.infra.settings import Settings
-from imagelake.infra.spark import spark_session
+from imagelake.infra.spark import on_demand
 from imagelake.tasks.data.table import ImageTable
 from imagelake.tasks.results import Resized
 from imagelake.tasks.stages.write import write_images
@@ -31,7 +31,8 @@ def stop_at(phase: str) -> Callable[[str], None]:
 
 if __name__ == "__main__":
     args = json.loads(sys.argv[1])
-    spark = spark_session(Settings(workspace=Path(args["workspace"]), spark_master="local[1]"))
+    # Started only if the write asks for it, as the write stage's own process does: a delta-rs write needs no JVM.
+    spark = on_demand(Settings(workspace=Path(args["workspace"]), spark_master="local[1]"))
     resized = Resized.model_validate(args["resized"])
     if args.get("stop_at"):
         imagelake.tasks.stages.write.on_phase = stop_at(args["stop_at"])
