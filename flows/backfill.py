@@ -17,7 +17,7 @@ from imagelake.tasks.data.changes import date_counts
 from imagelake.tasks.data.listing import save_listing, source_uri
 from imagelake.tasks.data.table import ImageTable
 from imagelake.tasks.results import TableVersion
-from imagelake.tasks.rules.listing import Scope, date_plan
+from imagelake.tasks.rules.listing import Scope, check_date_range, date_plan
 from imagelake.tasks.stages.ingest import ingest
 from imagelake.tasks.stages.resize import resize
 from imagelake.tasks.stages.write import requeue_by_setting, write
@@ -62,8 +62,7 @@ def backfill(
 ) -> dict[str, Any]:
     """Plan the dates from start_date to end_date, publish the plan, then (unless dry_run) ingest each date that is
     not done as its own subflow run, at most max_concurrency at once, and train once on the resulting table version."""
-    if start_date > end_date:
-        raise ValueError(f"start_date {start_date} is after end_date {end_date}: swap them")
+    check_date_range(start_date, end_date)
     if max_concurrency < 1:
         raise ValueError(f"max_concurrency must be at least 1, got {max_concurrency}")
     settings = run_settings(config_file, overrides)

@@ -14,6 +14,7 @@ import typer
 from imagelake.flows.doctor import PARTS as DOCTOR_PARTS
 from imagelake.flows.doctor import run_checks
 from imagelake.infra.settings import Settings, SettingsError, load_settings
+from imagelake.tasks.rules.listing import check_date_range
 from imagelake.tasks.rules.report import accuracy, count, counts, duration, in_split_order, margin
 from imagelake.tasks.rules.training import started_from
 
@@ -258,6 +259,10 @@ def backfill(
 ) -> None:
     """Ingest every date of START..END that is missing or stale, then train once on the resulting table version."""
     settings, overrides = _settings_or_exit(config, set_)
+    try:  # before a Prefect server or the flow is started for it (the flow checks it again)
+        check_date_range(start.date(), end.date())
+    except ValueError as exc:
+        _fail(exc)
     server = _prefect_server(settings)
     from imagelake.flows.backfill import BackfillFailed
     from imagelake.flows.backfill import backfill as backfill_flow

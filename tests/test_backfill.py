@@ -121,12 +121,20 @@ def test_the_cli_plans_a_backfill_and_refuses_a_reversed_range(digits_dir: Path,
     ]
     assert "2024-03-03  missing" in done.stdout
     assert not (tmp_path / "ws" / "tables" / "images").exists(), "a dry run writes nothing"
+    # A reversed range is refused before anything starts: no Prefect server (none made a database in its home).
+    refused_home = tmp_path / "refused-prefect-home"
     reversed_range = subprocess.run(
-        [*command, "2024-03-04", "2024-03-01"], cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=600
+        [*command, "2024-03-04", "2024-03-01"],
+        cwd=REPO,
+        env={**alone, "PREFECT_HOME": str(refused_home)},
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert (
         reversed_range.returncode == 2
         and "start_date 2024-03-04 is after end_date 2024-03-01: swap them" in reversed_range.stderr
     )
+    assert not (refused_home / "prefect.db").exists(), "a Prefect server was started for a refused range"
     version = subprocess.run([str(BIN / "imagelake"), "--version"], capture_output=True, text=True, timeout=60)
     assert version.returncode == 0 and version.stdout.startswith("imagelake ")

@@ -134,6 +134,12 @@ def is_changed(entry: dict[str, Any], known: Known) -> bool:
     return row[2] is not None and row[2] != entry.get("stamp")
 
 
+def check_date_range(start: date, end: date) -> None:
+    """Refuse a backfill range whose first date comes after its last."""
+    if start > end:
+        raise ValueError(f"start_date {start} is after end_date {end}: swap them")
+
+
 def date_plan(days: dict[date, dict[str, int]], start: date, end: date) -> list[dict[str, Any]]:
     """A backfill's plan: each date from START to END with listed files or table rows is missing (no rows yet, every
     listed file new), stale (files new, changed or gone since the table) or done. DAYS gives per date the files listed,
