@@ -41,6 +41,18 @@ def run_cli(args: list[str], env: dict[str, str], timeout: int = 900) -> subproc
     return subprocess.run([IMAGELAKE, *args], env=env, capture_output=True, text=True, timeout=timeout)
 
 
+def run_here(args: list[str]) -> subprocess.CompletedProcess:
+    """The `imagelake` command's app in this process (the registry commands, which start no Spark or Ray: a process of
+    their own would add only its start-up), answered as run_cli answers; the Prefect API is the session's, as in
+    run_cli's environment."""
+    from typer.testing import CliRunner
+
+    from imagelake.flows.cli import app
+
+    done = CliRunner().invoke(app, args)
+    return subprocess.CompletedProcess(["imagelake", *args], done.exit_code, done.stdout, done.stderr)
+
+
 def run_pipeline(
     source: Path, workspace: Path, env: dict[str, str], *extra: str, output: list[str] | None = None
 ) -> tuple[dict, float]:
@@ -349,7 +361,7 @@ def test_a_weaker_model_stays_challenger_and_new_images_make_a_new_version(
 
     # Operators: lineage, retraining on exactly v1's data, predictions, a forced promotion, a rollback, the history.
     ws = ["--set", f"workspace={workspace}"]
-    lineage = run_cli(["lineage", MODEL, "1", *ws], env, 300)
+    lineage = run_here(["lineage", MODEL, "1", *ws])
     assert (
         lineage.returncode == 0
         and "delta_version        0" in lineage.stdout
@@ -392,17 +404,15 @@ def test_a_weaker_model_stays_challenger_and_new_images_make_a_new_version(
     right = sum(row["label"] == Path(row["path"]).parent.name for row in rows)
     assert right > 50, f"{right} of 100 held-out digits right (chance is 10)"
 
-    nothing = run_cli(["rollback", "--model", MODEL, *ws], env, 300)
+    nothing = run_here(["rollback", "--model", MODEL, *ws])
     assert nothing.returncode == 2 and "nothing to roll back to" in nothing.stderr
-    assert (
-        run_cli(["promote", "--model", MODEL, "--version", "2", "--reason", "e2e check", *ws], env, 300).returncode == 0
-    )
-    back = run_cli(["rollback", "--model", MODEL, "--reason", "v2 is worse", *ws], env, 300)
+    assert run_here(["promote", "--model", MODEL, "--version", "2", "--reason", "e2e check", *ws]).returncode == 0
+    back = run_here(["rollback", "--model", MODEL, "--reason", "v2 is worse", *ws])
     assert back.returncode == 0 and "champion v2 -> v1" in back.stdout
     assert str(client.get_model_version_by_alias(MODEL, "champion").version) == "1"
-    moves = run_cli(["history", "--model", MODEL, *ws], env, 300).stdout
+    moves = run_here(["history", "--model", MODEL, *ws]).stdout
     assert "[manual] e2e check" in moves and "[rollback] v2 is worse" in moves and "[gate]" in moves
-    unknown = run_cli(["promote", "--model", MODEL, "--version", "99", "--reason", "typo", *ws], env, 300)
+    unknown = run_here(["promote", "--model", MODEL, "--version", "99", "--reason", "typo", *ws])
     assert unknown.returncode == 2 and "no version '99'" in unknown.stderr
 
 

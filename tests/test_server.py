@@ -396,7 +396,8 @@ def test_on_imagelake_s_kubernetes_pool_a_run_may_not_bring_its_own_image_comman
 
 def test_a_custom_run_through_the_ui_api_call_completes_and_publishes_its_summary(deployed: Deployed) -> None:
     adhoc = deployed.deployment("imagelake-adhoc", "adhoc")
-    params = run_params(adhoc, deployed.source)
+    # The small CNN on one worker: the form's default model is what the browser's run trains (the test below).
+    params = run_params(adhoc, deployed.source, num_workers=1, model_arch="small_cnn")
     created = deployed.create_run(adhoc, custom_run_body(adhoc, {"params": params}, "api-custom-run"))
     assert created.status_code == 201, created.text
     run = deployed.wait_for_run(created.json()["id"])
