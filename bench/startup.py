@@ -9,6 +9,9 @@ turn so that a busier minute falls on both:
   help      `imagelake --help`;
   rerun     `imagelake run` on a source whose every stage's result is stored (unchanged data, the default model:
             MobileNetV2 from its ImageNet weights), with Prefect's temporary server as a user without one gets.
+With --cluster, a fourth:
+  cluster   `make cluster-up`'s start of the local cluster (Spark, two Ray nodes, PostgreSQL, MLflow and Prefect
+            servers, each waited for until it answers), in a fresh folder; stopped again after each start (not counted).
 Before the reruns each checkout makes its stored results with one run of its own (not counted; 32 px, one epoch).
 Then the ratio of this tree's median to the other's. DIR: e.g. `git worktree add /tmp/old COMMIT`, imported as
 imagelake through bench/checkout.py (the installed packages are this tree's).
@@ -36,6 +39,15 @@ IMPORT = (
     "import imagelake.flows.pipeline as p\n"
     f"print(json.dumps({{'loaded': [m for m in {HEAVY!r} if m in sys.modules], 'file': p.__file__}}))\n"
 )
+CLUSTER = (
+    "import json, os, sys, tempfile, time\n"
+    "from pathlib import Path\n"
+    "from imagelake.infra.local import cluster\n"
+    "root = Path(tempfile.mkdtemp(prefix='imagelake-cluster-')); os.chmod(root, 0o711)\n"
+    "started = time.perf_counter(); cluster.up(root, cluster.Ports.free()); seconds = time.perf_counter() - started\n"
+    "cluster.down(root)\n"
+    "print(json.dumps({'up': seconds, 'file': cluster.__file__}))\n"
+)
 CLI = "import sys; from imagelake.flows.cli import app; sys.argv[0] = 'imagelake'; app()"
 RUN_SETTINGS = ("image_size=32", "max_epochs=1", "num_workers=1", "batch_size=16")
 
@@ -59,6 +71,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--against", type=Path, help="another checkout (a git worktree), run side by side")
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--cluster", action="store_true", help="also time the local cluster's start")
     parser.add_argument("--keep", type=Path, help="a folder for the sources and workspaces (default: a temp folder)")
     args = parser.parse_args()
 
@@ -91,7 +104,8 @@ def main() -> int:
         seconds, _ = timed(run[name], envs[name], path)
         print(f"{name}: first run (makes the stored results where missing) {seconds:.1f} s", flush=True)
 
-    figures: dict[str, dict[str, list[float]]] = {name: {"import": [], "help": [], "rerun": []} for name in trees}
+    measures = ["import", "help", "rerun", *(["cluster"] if args.cluster else [])]
+    figures: dict[str, dict[str, list[float]]] = {name: {m: [] for m in measures} for name in trees}
     loaded: dict[str, list[str]] = {}
     for _ in range(args.runs):
         for name, path in trees.items():
@@ -103,6 +117,12 @@ def main() -> int:
             loaded[name] = facts["loaded"]
             figures[name]["help"].append(timed([sys.executable, "-c", CLI, "--help"], envs[name], path)[0])
             figures[name]["rerun"].append(timed(run[name], envs[name], path)[0])
+            if args.cluster:
+                out = timed([sys.executable, "-c", CLUSTER], envs[name], path)[1]
+                facts = json.loads(out.strip().splitlines()[-1])
+                if not os.path.realpath(facts["file"]).startswith(str(path)):
+                    sys.exit(f"{name}: started the cluster of {facts['file']}, not the checkout's")
+                figures[name]["cluster"].append(facts["up"])
 
     names = list(trees)
     print(
@@ -110,7 +130,7 @@ def main() -> int:
         + "".join(f"{name:>24}" for name in names)
         + ("   ratio" * (len(names) > 1))
     )
-    for measure in ("import", "help", "rerun"):
+    for measure in measures:
         cells = []
         for name in names:
             values = figures[name][measure]

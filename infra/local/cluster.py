@@ -25,10 +25,12 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
 from base64 import b64encode
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -231,8 +233,29 @@ def load(root: Path = DEFAULT_ROOT) -> Cluster:
     )
 
 
+_RECORDING = threading.Lock()  # the parts start at once: one at a time records its process in the state file
+
+
 def _save(cluster: Cluster) -> None:
     _state_file(Path(cluster.root)).write_text(json.dumps(asdict(cluster), indent=2))
+
+
+def _record(cluster: Cluster, pid: int) -> None:
+    """Add a started part's process (its session) to the cluster's state file, which `down` reads."""
+    with _RECORDING:
+        cluster.sessions.append(pid)
+        _save(cluster)
+
+
+def _at_once(*starts) -> None:
+    """Run the parts' starts side by side (each mostly waits for its process to answer) and wait for all of them; the
+    first failure is raised once every start has ended, so that `down` finds each process that did start."""
+    if not starts:
+        return
+    with ThreadPoolExecutor(max_workers=len(starts)) as pool:
+        futures = [pool.submit(start) for start in starts]
+    for future in futures:
+        future.result()
 
 
 def write_private(path: Path, text: str) -> None:
@@ -277,8 +300,7 @@ def _spawn(
             cwd=root,
             user=user,
         )
-    cluster.sessions.append(process.pid)
-    _save(cluster)
+    _record(cluster, process.pid)
     return process
 
 
@@ -411,19 +433,24 @@ def up(
         + "get it).\n"
         + f"{POSTGRES_PASSWORD}={database_password}\n",
     )
+    ray_env = {"MLFLOW_TRACKING_USERNAME": MLFLOW_USER, "MLFLOW_TRACKING_PASSWORD": mlflow_password, **ray_auth}
+    urls = cluster.database_urls(database_password)
     try:
-        if compute:
-            _start_spark(cluster, timeout, spark_secret)
-            _start_ray(
-                cluster,
-                timeout,
-                {"MLFLOW_TRACKING_USERNAME": MLFLOW_USER, "MLFLOW_TRACKING_PASSWORD": mlflow_password, **ray_auth},
+
+        def servers() -> None:  # the MLflow and Prefect servers need the database, and nothing else
+            if database == "postgres":
+                _start_postgres(cluster, timeout, database_password)
+            _at_once(
+                lambda: _start_mlflow(cluster, timeout, mlflow_password, urls["mlflow"]),
+                lambda: _start_prefect(cluster, timeout, f"{PREFECT_USER}:{prefect_token}", urls["prefect"]),
             )
-        if database == "postgres":
-            _start_postgres(cluster, timeout, database_password)
-        urls = cluster.database_urls(database_password)
-        _start_mlflow(cluster, timeout, mlflow_password, urls["mlflow"])
-        _start_prefect(cluster, timeout, f"{PREFECT_USER}:{prefect_token}", urls["prefect"])
+
+        # Spark, Ray and the servers need nothing of each other: they start side by side (bench/startup.py --cluster).
+        _at_once(
+            *([lambda: _start_spark(cluster, timeout, spark_secret)] if compute else []),
+            *([lambda: _start_ray(cluster, timeout, ray_env)] if compute else []),
+            servers,
+        )
     except BaseException:
         down(root)
         raise
@@ -607,8 +634,7 @@ def _start_postgres(cluster: Cluster, timeout: float, password: str) -> None:
         {CLUSTER_VARIABLE: str(root)},
         timeout,
     )
-    cluster.sessions.append(server.pid)
-    _save(cluster)
+    _record(cluster, server.pid)
 
 
 def _start_mlflow(cluster: Cluster, timeout: float, password: str, database: str) -> None:
