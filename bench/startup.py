@@ -8,7 +8,8 @@ turn so that a busier minute falls on both:
             first; and which of torch, torchvision, pytorch_lightning, ray, mlflow and matplotlib it loaded;
   help      `imagelake --help`;
   rerun     `imagelake run` on a source whose every stage's result is stored (unchanged data, the default model:
-            MobileNetV2 from its ImageNet weights), with Prefect's temporary server as a user without one gets.
+            MobileNetV2 from its ImageNet weights), with Prefect's temporary server as a user without one gets;
+  history   `imagelake history` of the model that run registered (a registry command: no flow, no server).
 With --cluster, a fourth:
   cluster   `make cluster-up`'s start of the local cluster (Spark, two Ray nodes, PostgreSQL, MLflow and Prefect
             servers, each waited for until it answers), in a fresh folder; stopped again after each start (not counted).
@@ -49,7 +50,8 @@ CLUSTER = (
     "print(json.dumps({'up': seconds, 'file': cluster.__file__}))\n"
 )
 CLI = "import sys; from imagelake.flows.cli import app; sys.argv[0] = 'imagelake'; app()"
-RUN_SETTINGS = ("image_size=32", "max_epochs=1", "num_workers=1", "batch_size=16")
+MODEL = "startup-digits"
+RUN_SETTINGS = ("image_size=32", "max_epochs=1", "num_workers=1", "batch_size=16", f"model_name={MODEL}")
 
 
 def timed(command: list[str], env: dict[str, str], cwd: Path) -> tuple[float, str]:
@@ -100,11 +102,24 @@ def main() -> int:
         ]
         for name in trees
     }
+    history = {
+        name: [
+            sys.executable,
+            "-c",
+            CLI,
+            "history",
+            "--model",
+            MODEL,
+            "--set",
+            f"workspace={root / name.replace(' ', '-')}",
+        ]
+        for name in trees
+    }
     for name, path in trees.items():  # each checkout's stored results, made once
         seconds, _ = timed(run[name], envs[name], path)
         print(f"{name}: first run (makes the stored results where missing) {seconds:.1f} s", flush=True)
 
-    measures = ["import", "help", "rerun", *(["cluster"] if args.cluster else [])]
+    measures = ["import", "help", "rerun", "history", *(["cluster"] if args.cluster else [])]
     figures: dict[str, dict[str, list[float]]] = {name: {m: [] for m in measures} for name in trees}
     loaded: dict[str, list[str]] = {}
     for _ in range(args.runs):
@@ -117,6 +132,7 @@ def main() -> int:
             loaded[name] = facts["loaded"]
             figures[name]["help"].append(timed([sys.executable, "-c", CLI, "--help"], envs[name], path)[0])
             figures[name]["rerun"].append(timed(run[name], envs[name], path)[0])
+            figures[name]["history"].append(timed(history[name], envs[name], path)[0])
             if args.cluster:
                 out = timed([sys.executable, "-c", CLUSTER], envs[name], path)[1]
                 facts = json.loads(out.strip().splitlines()[-1])

@@ -226,3 +226,21 @@ def test_the_flow_modules_deployments_import_load_no_model_library_before_a_stag
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads(done.stdout.strip().splitlines()[-1]) == [], f"loaded on import of {modules}"
+
+
+def test_the_registry_commands_load_no_torch_and_name_the_served_model_as_it_is() -> None:
+    """`imagelake history`, `lineage`, `promote` and `rollback` import the registry module only: in a fresh interpreter
+    it loads neither torch nor the served model, whose file and artifact keys it names as the served model does."""
+    script = (
+        "import json, sys\n"
+        "import imagelake.tasks.registry.models as models\n"
+        "loaded = sorted(m for m in ('torch', 'torchvision', 'pytorch_lightning', "
+        "'imagelake.tasks.inference.served_pyfunc') if m in sys.modules)\n"
+        "from imagelake.tasks.inference import served_pyfunc\n"
+        "same = [models.PROGRAM, models.META, str(models.SERVED_MODEL)] == "
+        "[served_pyfunc.PROGRAM, served_pyfunc.META, served_pyfunc.__file__]\n"
+        "print(json.dumps({'loaded': loaded, 'same': same}))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == {"loaded": [], "same": True}

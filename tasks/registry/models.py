@@ -4,6 +4,7 @@ lineage."""
 from __future__ import annotations
 
 import getpass
+import importlib.util
 import io
 import json
 import logging
@@ -16,21 +17,15 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import mlflow
 import numpy as np
-import pandas as pd
-import PIL
 import pyarrow as pa
 import pyarrow.compute as pc
-import torch
 import yaml
 from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
-from mlflow.models import ModelSignature
-from mlflow.types.schema import Array, ColSpec, Object, ParamSchema, ParamSpec, Property, Schema
-from PIL import Image
 
 import imagelake.tasks.rules.answers as answer_rules
 import imagelake.tasks.rules.images as image_rules
@@ -40,26 +35,37 @@ from imagelake.infra.lease import LeaseLost
 from imagelake.infra.prefect_env import fence, one_at_a_time
 from imagelake.infra.settings import UNSAFE_FROM_RUNS, Settings
 from imagelake.infra.spark import on_demand
-from imagelake.tasks.inference.predict import evaluate
 from imagelake.tasks.registry.aliases import RegistryError, alias_version
 from imagelake.tasks.rules.promotion import CHALLENGER, CHAMPION, PREVIOUS, Decision, decide_promotion, held_by_baseline
 from imagelake.tasks.rules.schemas import HISTORY_SCHEMA
 from imagelake.tasks.rules.training import PARAM_SETTINGS
 from imagelake.tasks.rules.warm_start import Champion, labels_change, labels_of_tag, shape_from_tags
 
-with warnings.catch_warnings(record=True):
-    # MLflow warns, as the class is defined, that `predict` takes untyped input (the logged signature checks it
-    # instead), under a filter of its own: recorded here and dropped, so that every command importing this is quiet.
+if TYPE_CHECKING:  # torch, pandas and the served model load in the functions that use them: a registry command
+    # (history, lineage, promote, rollback) needs none of them
+    import torch
+
     from imagelake.tasks.inference import served_pyfunc
 
-# The pyfunc MLflow runs (a model "from code"): imported here only for its file, which MLflow saves with each version
-# and runs in its own module; imported, it also puts that file in the code key of every stage that registers or scores.
-SERVED_MODEL = Path(served_pyfunc.__file__)
+# The pyfunc MLflow runs (a model "from code"), found here only for its file, which MLflow saves with each version and
+# runs in its own module; imported where it answers (own_served_model), it is in the code key of every stage that
+# registers or scores.
+SERVED_MODEL = Path(importlib.util.find_spec("imagelake.tasks.inference.served_pyfunc").origin)
 SERVED_RULES = (
     "imagelake_served"  # the package of decoding and answer rules saved with it (served_pyfunc.py imports it)
 )
 PROGRAM_FILE, META_FILE = "model.pt2", "meta.json"
-PROGRAM, META = served_pyfunc.PROGRAM, served_pyfunc.META  # the served model's artifact keys
+# The served model's artifact keys, served_pyfunc.PROGRAM and META (tests/test_layers.py pins them equal): the served
+# file is not imported for them.
+PROGRAM, META = "program", "meta"
+
+
+def served_pyfunc_module():
+    """imagelake's served model (tasks/inference/served_pyfunc.py), imported quietly: MLflow warns, as the class is
+    defined, that `predict` takes untyped input (the logged signature checks it instead), under a filter of its own."""
+    with warnings.catch_warnings(record=True):
+        from imagelake.tasks.inference import served_pyfunc
+    return served_pyfunc
 
 
 _EXPORT_LOAD = threading.Lock()
@@ -80,6 +86,13 @@ def model_files(client: MlflowClient, name: str, version: str) -> Path:
     return Path(mlflow.artifacts.download_artifacts(artifact_uri=source))
 
 
+def evaluate(model: torch.nn.Module, images: np.ndarray, labels: np.ndarray, classes: int) -> dict[str, float]:
+    """The gate's metrics of MODEL on a split (tasks/inference/predict.py, which loads torch: imported when called)."""
+    from imagelake.tasks.inference import predict
+
+    return predict.evaluate(model, images, labels, classes)
+
+
 def load_registered_model(client: MlflowClient, name: str, version: str, allow_pickle: bool = False) -> torch.nn.Module:
     """Load a registered version without unpickling: only torch.export (pt2) programs load unless `allow_pickle`."""
     return load_model_folder(model_files(client, name, version), name, version, allow_pickle)
@@ -98,6 +111,13 @@ def served_model(
     torch.export program and a JSON file of its labels and sizes (written under `folder`), served_pyfunc.py as
     the code MLflow runs, and the decoding rules it imports. `examples`: two or more (N, size, size, 3) uint8 images,
     to trace the program with a batch dimension of any size and to make the logged input example."""
+    import pandas as pd
+    import PIL
+    import torch
+    from mlflow.models import ModelSignature
+    from mlflow.types.schema import Array, ColSpec, Object, ParamSchema, ParamSpec, Property, Schema
+    from PIL import Image
+
     folder.mkdir(parents=True, exist_ok=True)
     batch = torch.export.Dim.AUTO
     exported = torch.export.export(
@@ -155,6 +175,8 @@ def load_model_folder(folder: Path, name: str, version: str, allow_pickle: bool 
     """A downloaded model folder as a module. The MLmodel file is read as YAML, nothing of the model is imported or
     unpickled before the format is known to be safe: the served pyfunc's program and an older pytorch-flavour pt2 load
     as torch.export programs, without running the model's code."""
+    import torch
+
     meta = yaml.safe_load((folder / "MLmodel").read_text())
     flavor = (meta.get("flavors") or {}).get("pytorch")
     served = served_files(folder, meta)
@@ -207,7 +229,7 @@ def own_served_model(folder: Path, name: str, version: str) -> served_pyfunc.Ima
             "with imagelake (`imagelake run` or `imagelake retrain`)"
         )
     meta = json.loads(served[1].read_text(encoding="utf-8"))
-    return served_pyfunc.ImageClassifierModel().use(meta, load_model_folder(folder, name, version))
+    return served_pyfunc_module().ImageClassifierModel().use(meta, load_model_folder(folder, name, version))
 
 
 def model_labels(folder: Path, tags: dict[str, str]) -> list[str]:
