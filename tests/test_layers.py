@@ -198,14 +198,15 @@ LOADED_BY_STAGES = (
     "matplotlib",
     "ray",
     "mlflow",
+    "pandas",
 )
 
 
 def test_the_flow_modules_deployments_import_load_no_model_library_before_a_stage_needs_it() -> None:
     """Every flow module prefect.yaml's deployments name, imported in a fresh interpreter as a flow run imports it:
-    torch, Lightning, torchvision, matplotlib, Ray and MLflow stay unloaded (the stages that use them import them). So
-    they do after the weights check every training run makes before its first stage, for the default weights (known
-    by digest, in the cache after `make install`) and from scratch."""
+    torch, Lightning, torchvision, matplotlib, Ray, MLflow and pandas stay unloaded (the stages that use them import
+    them). So they do after the weights check every training run makes before its first stage, for the default weights
+    (known by digest, in the cache after `make install`) and from scratch."""
     import yaml
 
     deployments = yaml.safe_load((REPO / "prefect.yaml").read_text())["deployments"]

@@ -14,7 +14,6 @@ from typing import Any
 
 import fsspec
 import numpy as np
-import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 from pyspark import TaskContext
@@ -91,6 +90,8 @@ def answer_rows(job: ScoreJob, items: list[tuple[str, str, Any]]) -> list[dict]:
     model = loaded_model(job)
     params = {"top_k": job.top_k}
     if job.image_size is None:
+        import pandas as pd  # in the Spark task that scores, not in every flow run that imports this stage
+
         answers = model.predict(None, pd.DataFrame({"image": [image for _, _, image in items]}), params=params)
     else:  # decoded already, as the table stores them: (N, size, size, 3) uint8
         pixels = np.stack(

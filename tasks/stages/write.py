@@ -14,11 +14,11 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from typing import TYPE_CHECKING
 
 import fsspec
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.dataset as ds
 from prefect.cache_policies import NO_CACHE
 
 from imagelake.infra.delta import FileRows, Table, sql_in
@@ -30,6 +30,9 @@ from imagelake.tasks.results import Resized, Written, left_unread
 from imagelake.tasks.rules.bad_files import TooManyBadFiles, TooManyRetired, check_bad_fraction, check_retire_fraction
 from imagelake.tasks.rules.schemas import IMAGE_TABLE_SCHEMA, STAGED_ARROW_SCHEMA
 from imagelake.tasks.stage import stage
+
+if TYPE_CHECKING:
+    import pyarrow.dataset as ds
 
 
 class StagingIncomplete(PermanentError):
@@ -57,6 +60,8 @@ def check_staged(resized: Resized) -> None:
 def staged_rows(resized: Resized) -> ds.Dataset:
     """The resize stage's bookkeeping rows (a folder of small Parquet files, possibly none: an object store then has no
     folder)."""
+    import pyarrow.dataset as ds  # with pandas: 0.4 s that a run with nothing new to write never needs
+
     fs, folder = fsspec.core.url_to_fs(resized.staging_uri)
     if not fs.exists(folder):
         return ds.dataset(STAGED_ARROW_SCHEMA.empty_table())
