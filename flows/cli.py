@@ -241,6 +241,74 @@ def engines(summary: dict[str, Any]) -> str:
 
 
 @app.command()
+def tune(
+    source: str = typer.Option(..., "--source", help="Folder (or URI) of images laid out as <label>/<file>."),
+    trials: int = typer.Option(8, "--trials", min=1, help="Trials to run (each a training run of up to max_epochs)."),
+    space: Path | None = typer.Option(
+        None, "--space", help="Search space file (YAML, see docs/training.md); default: the built-in space."
+    ),
+    time_budget: float | None = typer.Option(
+        None, "--time-budget", min=1, help="Seconds the search may take; trials not started by then are not run."
+    ),
+    promote: bool = typer.Option(
+        False, "--promote", help="Train the best trial's settings and promote them through the gate."
+    ),
+    as_json: bool = JsonOption,
+    refresh: bool = typer.Option(False, "--refresh", help="Recompute every stage even where a stored result fits."),
+    config: Path | None = ConfigOption,
+    set_: list[str] | None = SetOption,
+) -> None:
+    """Search the training settings for SOURCE with Ray Tune; print the trials and save the best ones as a settings
+    file."""
+    settings, overrides = _settings_or_exit(config, set_)
+    server = _prefect_server(settings)
+    from imagelake.flows.tune import tune_flow
+
+    summary = _start(
+        settings,
+        tune_flow,
+        prefect_server=server,
+        source=source,
+        trials=trials,
+        space_file=str(space) if space else None,
+        time_budget_s=time_budget,
+        promote=promote,
+        config_file=_file(config),
+        overrides=overrides or None,
+        refresh=refresh,
+    )
+    typer.echo(format_search(summary))
+    if as_json:
+        typer.echo(json.dumps(summary, sort_keys=True, default=str))
+
+
+def format_search(summary: dict[str, Any]) -> str:
+    """The search's table, its best settings and where they were saved, and the promotion's decision."""
+    from imagelake.tasks.rules.tuning import search_table
+
+    best = summary["best_settings"]
+    lines = [
+        f"imagelake tune {summary['search_name']}: {len(summary['trials'])} trial(s) in {duration(summary['seconds'])}",
+        search_table(summary["trials"]),
+        (
+            f"best          {', '.join(f'{k}={v}' for k, v in sorted(best.items()))} "
+            f"(val accuracy {accuracy(summary['best_val_accuracy'])})"
+            if best
+            else "best          none: no trial reported a validation accuracy"
+        ),
+        f"settings file {summary['settings_file']} (imagelake run --config ...)",
+        f"MLflow run    {summary['mlflow_run_id']} (a child run per trial)",
+    ]
+    promoted = summary.get("promoted")
+    if promoted:
+        lines.append(
+            f"decision      {promoted['model_name']} v{promoted['model_version']} -> {promoted['alias']}: "
+            f"{promoted['decision']}"
+        )
+    return "\n".join(lines)
+
+
+@app.command()
 def backfill(
     start: datetime = typer.Argument(..., formats=["%Y-%m-%d"], help="First date (YYYY-MM-DD) of the range."),
     end: datetime = typer.Argument(..., formats=["%Y-%m-%d"], help="Last date (YYYY-MM-DD) of the range, included."),

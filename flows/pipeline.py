@@ -51,12 +51,18 @@ def pipeline(
     settings = run_settings(config_file, overrides)
     check_weights(settings)
     with stage_results(settings, refresh):
-        if settings.requeue_reasons:
-            requeue_by_setting(settings)
-        listed = ingest(source, settings)
-        resized = resize(listed, settings)
-        written = write(resized, settings)
+        resized, written = land(source, settings)
         return train_and_promote(written, settings, resized)
+
+
+def land(source: str, settings: Settings) -> tuple[Resized, TableVersion]:
+    """Bring SOURCE's new and changed images into the images table (within a flow, under `stage_results`): the run's
+    resize result and the table version written."""
+    if settings.requeue_reasons:
+        requeue_by_setting(settings)
+    listed = ingest(source, settings)
+    resized = resize(listed, settings)
+    return resized, write(resized, settings)
 
 
 @imagelake_flow("imagelake-retrain")

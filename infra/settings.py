@@ -485,14 +485,14 @@ class Settings(BaseSettings):
         default=2,
         ge=1,
         description="Ray Train workers",
-        stages=("split", "train"),
+        stages=("split", "train", "tune"),
         runs="allowed",
         cap=("at most", 64),  # each holds a loader, its buffers and a model: a run may not take a whole cluster
     )
     use_gpu: bool = setting(
         default=False,
         description="Train on GPUs: one a worker (gpus_per_worker), bf16",
-        stages=("train",),
+        stages=("train", "tune"),
         runs="allowed",
     )
     cpus_per_worker: float = setting(
@@ -523,7 +523,7 @@ class Settings(BaseSettings):
             "Any torchvision classification model by name (mobilenet_v2, resnet50, efficientnet_b0, convnext_tiny, "
             "vit_b_16, ...), or small_cnn (a small CNN trained from scratch, for tests and tiny images)"
         ),
-        stages=("train",),
+        stages=("train", "tune"),
         runs="allowed",
     )
     pretrained: str | None = setting(
@@ -534,7 +534,7 @@ class Settings(BaseSettings):
             "(`make install` puts MobileNetV2's IMAGENET1K_V1 there) or downloaded into it; the path or URI of a "
             "state dict; or none (from scratch)"
         ),
-        stages=("train",),
+        stages=("train", "tune"),
         # Allowed as a weights name only (none, imagenet, torchvision's): a path or URL would be
         # fetched and loaded (refusal).
         runs="allowed",
@@ -542,7 +542,7 @@ class Settings(BaseSettings):
     freeze_backbone: bool = setting(
         default=False,
         description="Train only the classification head (a linear probe of the pretrained features)",
-        stages=("train",),
+        stages=("train", "tune"),
         runs="allowed",
     )
     backbone_lr_factor: float = setting(
@@ -550,7 +550,15 @@ class Settings(BaseSettings):
         gt=0,
         le=1,
         description="With pretrained weights, the backbone's learning rate as a fraction of the new head's",
-        stages=("train",),
+        stages=("train", "tune"),
+        runs="allowed",
+    )
+    weight_decay: float = setting(
+        default=0.01,
+        ge=0,
+        lt=1,
+        description="AdamW's weight decay, of every trained layer (0.01: AdamW's own default)",
+        stages=("train", "tune"),
         runs="allowed",
     )
     augment: Literal["none", "light", "standard"] = setting(
@@ -559,7 +567,7 @@ class Settings(BaseSettings):
             "Training images, drawn per image and epoch: light is a random crop of 60-100% of the area; standard "
             "a crop of 25-100% and colour jitter"
         ),
-        stages=("train",),
+        stages=("train", "tune"),
         runs="allowed",
     )
     augment_flip: bool = setting(
@@ -567,11 +575,16 @@ class Settings(BaseSettings):
         description=(
             "Also mirror half the training images (for photos; a mirrored digit, letter or sign is another glyph)"
         ),
-        stages=("train",),
+        stages=("train", "tune"),
         runs="allowed",
     )
     label_smoothing: float = setting(
-        default=0.1, ge=0, lt=1, description="Label smoothing of the training loss", stages=("train",), runs="allowed"
+        default=0.1,
+        ge=0,
+        lt=1,
+        description="Label smoothing of the training loss",
+        stages=("train", "tune"),
+        runs="allowed",
     )
     class_weights: Literal["none", "balanced"] = setting(
         default="none",
@@ -579,7 +592,7 @@ class Settings(BaseSettings):
             "balanced weighs each label's training loss by the inverse of its share of the train split (for "
             "imbalanced tables)"
         ),
-        stages=("train",),
+        stages=("train", "tune"),
         runs="allowed",
     )
     warm_start: bool = setting(
@@ -588,28 +601,28 @@ class Settings(BaseSettings):
             "Start from the champion's weights when it was trained for the same labels (same order), image size, "
             "resize mode and model_arch; else from scratch"
         ),
-        stages=("train",),
+        stages=("train", "tune"),
         runs="allowed",
     )
     max_epochs: int = setting(
         default=12,
         ge=1,
         description="Most epochs of one training run (early stopping on val_loss usually ends it sooner)",
-        stages=("train",),
+        stages=("train", "tune"),
         runs="allowed",
     )
     max_train_minutes: float | None = setting(
         default=None,
         gt=0,
         description="Training stops after this long, at the end of an epoch, and keeps its best checkpoint",
-        stages=("train",),
+        stages=("train", "tune"),
         runs="allowed",
     )
     batch_size: int = setting(
         default=32,
         ge=1,
         description="Per worker",
-        stages=("train",),
+        stages=("train", "tune"),
         runs="allowed",
         # A run's batch sizes every buffer of the node it trains on (pinned and shared memory, the shuffle buffer).
         cap=("at most", 1024),
@@ -618,28 +631,31 @@ class Settings(BaseSettings):
         default=1e-3,
         gt=0,
         description="Learning rate of one worker; scaled with num_workers",
-        stages=("train",),
+        stages=("train", "tune"),
         runs="allowed",
     )
     lr_scaling: Literal["linear", "sqrt", "none"] = setting(
-        default="linear", description="How the learning rate grows with the workers", stages=("train",), runs="allowed"
+        default="linear",
+        description="How the learning rate grows with the workers",
+        stages=("train", "tune"),
+        runs="allowed",
     )
     early_stopping_patience: int | None = setting(
         default=None,
         ge=0,
         description="Epochs without a better val_loss before training stops (default: half of max_epochs, at least 3)",
-        stages=("train",),
+        stages=("train", "tune"),
         runs="allowed",
     )
     early_stopping_min_delta: float = setting(
         default=0.0,
         ge=0,
         description="Smallest fall of val_loss that counts as better for early stopping",
-        stages=("train",),
+        stages=("train", "tune"),
         runs="allowed",
     )
     early_stopping_threshold: float | None = setting(
-        default=None, description="Stop once val_loss is below this", stages=("train",), runs="allowed"
+        default=None, description="Stop once val_loss is below this", stages=("train", "tune"), runs="allowed"
     )
     compile: bool | None = setting(
         default=None,
@@ -647,13 +663,13 @@ class Settings(BaseSettings):
             "torch.compile the model for training steps; default: on with a GPU (faster for every model "
             "measured), off on CPU"
         ),
-        stages=("train",),
+        stages=("train", "tune"),
         runs="allowed",
     )
     compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = setting(
         default="default",
         description="torch.compile's mode when compiling (reduce-overhead adds CUDA graphs)",
-        stages=("train",),
+        stages=("train", "tune"),
         runs="allowed",
     )
     loader_workers: int = setting(
@@ -674,14 +690,14 @@ class Settings(BaseSettings):
             "it), 0 on CPU"
         ),
         # Two or more processes make other batches than one, though the same for the same seed.
-        stages=("train",),
+        stages=("train", "tune"),
         runs="allowed",
     )
     shuffle_buffer_batches: int = setting(
         default=4,
         ge=1,
         description="Rows shuffled across row groups, in batches",
-        stages=("train",),
+        stages=("train", "tune"),
         runs="allowed",
         cap=("at most", 64),  # held in the training process's memory: batch_size rows of images each
     )
@@ -691,16 +707,16 @@ class Settings(BaseSettings):
             "Where a cache_format=jpeg cache's images are decoded: in the loader, on CPU; or on the training device "
             "by torchvision, a batch at a time (nvJPEG on a GPU); auto: the device when training on a GPU"
         ),
-        stages=("train",),
+        stages=("train", "tune"),
         runs="allowed",
     )
     bf16: bool = setting(
-        default=True, description="bf16 autocast on GPU (ignored on CPU)", stages=("train",), runs="allowed"
+        default=True, description="bf16 autocast on GPU (ignored on CPU)", stages=("train", "tune"), runs="allowed"
     )
     channels_last: bool = setting(
         default=True,
         description="channels_last memory format on GPU (ignored on CPU)",
-        stages=("train",),
+        stages=("train", "tune"),
         runs="allowed",
     )
     pin_memory: bool = setting(
@@ -709,7 +725,7 @@ class Settings(BaseSettings):
     seed: int = setting(
         default=42,
         description="Seed of the cache's row order, the loader, augmentation and the model's weights",
-        stages=("cache", "train"),
+        stages=("cache", "train", "tune"),
         runs="allowed",
     )
 
@@ -733,7 +749,7 @@ class Settings(BaseSettings):
     mlflow_experiment: str = setting(
         default="imagelake",
         description="MLflow experiment of the training runs",
-        stages=("train",),
+        stages=("train", "tune"),
         # Refused: where the worker's runs and registered model are (a run would train into, or promote, someone
         # else's).
         runs="refused",
@@ -1061,12 +1077,12 @@ class Settings(BaseSettings):
         return (self.staging_root or str(self.workspace_dir / "staging")).rstrip("/")
 
     @property
-    @in_keys_of("train")
+    @in_keys_of("train", "tune")
     def ray_storage_path(self) -> str:
         return (self.ray_storage_root or str(self.workspace_dir / "ray_results")).rstrip("/")
 
     @property
-    @in_keys_of("train", "promote", "score")
+    @in_keys_of("train", "tune", "promote", "score")
     def tracking_uri(self) -> str:
         return self.mlflow_tracking_uri or f"sqlite:///{self.workspace_dir / 'mlflow.db'}"
 

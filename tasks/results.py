@@ -6,7 +6,7 @@ a staging copy sits), not what the data is: they stay out of the next stage's ke
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
@@ -139,6 +139,18 @@ class Trained(BaseModel):
         None  # test accuracy of the plain baseline on the same split (tasks/registry/baseline.py)
     )
     fit_seconds: float = Field(default=0.0, exclude=True)  # Lightning's fit on rank 0, Ray's start-up apart
+
+
+class Searched(BaseModel):
+    """A hyperparameter search over one cache: its trials and the best one's settings."""
+
+    search_name: str  # Ray Tune's experiment, under ray_storage_path: a killed search resumes from it
+    mlflow_run_id: str  # the search's parent run; each trial is a child run of it
+    trials: list[dict[str, Any]]  # trial, settings, val_acc, epochs, seconds, ended, mlflow_run_id (rules/tuning.py)
+    best_settings: dict[str, Any]  # the best trial's values of the searched settings ({} if no trial reported one)
+    best_val_accuracy: float | None
+    settings_file: str  # the training settings of the best trial, as a settings file (--config)
+    seconds: float
 
 
 class Promoted(BaseModel):

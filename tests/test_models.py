@@ -16,10 +16,10 @@ from imagelake.infra.settings import MODEL_ARCHS, Settings
 from imagelake.infra.weights import KNOWN, checkpoints_dir
 from imagelake.infra.weights import status as weights_status
 from imagelake.tasks.results import CachedSplits
-from imagelake.tasks.stages.train import balanced_weights
 from imagelake.tasks.worker.augment import augment, epoch_generator
 from imagelake.tasks.worker.model import ImageClassifier, ImageModel, WeightsUnavailable, weights_file
 from imagelake.tasks.worker.train_loop import make_model, make_trainer
+from imagelake.tasks.worker.trainer import balanced_weights
 
 IMAGES = torch.randint(0, 256, (4, 32, 32, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
 

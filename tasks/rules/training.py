@@ -47,6 +47,7 @@ PARAM_SETTINGS = {
     "pretrained": "pretrained",
     "freeze_backbone": "freeze_backbone",
     "backbone_lr_factor": "backbone_lr_factor",
+    "weight_decay": "weight_decay",
     "augment": "augment",
     "augment_flip": "augment_flip",
     "label_smoothing": "label_smoothing",

@@ -28,9 +28,10 @@ from imagelake.tasks.data.cache_files import check_split, label_samples, mark_re
 from imagelake.tasks.progress import Every, stage_logger
 from imagelake.tasks.results import CachedSplits, Trained
 from imagelake.tasks.rules.promotion import BASELINE
-from imagelake.tasks.rules.training import TRAINING_SETTINGS, logged_params, scaled_learning_rate
+from imagelake.tasks.rules.training import TRAINING_SETTINGS, logged_params
 from imagelake.tasks.rules.warm_start import WarmStart, WeightsShape, decide_warm_start
 from imagelake.tasks.stage import stage
+from imagelake.tasks.worker.trainer import torch_trainer, training_config
 
 if TYPE_CHECKING:  # torch, Lightning, Ray Train, MLflow and matplotlib load in the functions that use them (start-up)
     from matplotlib.figure import Figure
@@ -95,76 +96,6 @@ def staged_champion_weights(client: MlflowClient, settings: Settings, version: s
     return uri
 
 
-def training_config(
-    cached: CachedSplits,
-    settings: Settings,
-    tracking_uri: str,
-    run_id: str,
-    name: str,
-    warm_start_weights: str | None = None,
-) -> dict:
-    """Everything a worker needs, as plain values; `warm_start_weights` is a state dict file the model starts from."""
-    return {
-        "train_uri": cached.splits["train"],
-        "val_uri": cached.splits["val"],
-        "train_rows": cached.counts["train"],
-        "val_rows": cached.counts["val"],
-        "num_classes": len(cached.labels),
-        "image_size": cached.image_size,
-        "arch": settings.model_arch,
-        "pretrained": settings.pretrained,
-        "freeze_backbone": settings.freeze_backbone,
-        "backbone_lr_factor": settings.backbone_lr_factor,
-        "augment": settings.augment,
-        "augment_flip": settings.augment_flip,
-        "label_smoothing": settings.label_smoothing,
-        "class_weights": settings.class_weights,
-        "loss_weights": balanced_weights(cached) if settings.class_weights == "balanced" else None,
-        "max_train_minutes": settings.max_train_minutes,
-        "warm_start_weights": warm_start_weights,
-        "batch_size": settings.batch_size,
-        "learning_rate": scaled_learning_rate(settings.base_lr, settings.num_workers, settings.lr_scaling),
-        "lr_scaling": settings.lr_scaling,
-        "max_epochs": settings.max_epochs,
-        "patience": settings.patience,
-        "min_delta": settings.early_stopping_min_delta,
-        "stopping_threshold": settings.early_stopping_threshold,
-        "seed": settings.seed,
-        "use_gpu": settings.use_gpu,
-        "bf16": settings.bf16,
-        "channels_last": settings.channels_last,
-        "pin_memory": settings.pin_memory,
-        "compile": settings.compile,
-        "compile_mode": settings.compile_mode,
-        "loader_workers": settings.loader_workers,
-        "loader_processes": settings.loader_processes,
-        "jpeg_decode": settings.jpeg_decode,
-        "shuffle_buffer_batches": settings.shuffle_buffer_batches,
-        "tracking_uri": tracking_uri,
-        "mlflow_run_id": run_id,
-        "run_path": f"{settings.ray_storage_path.rstrip('/')}/{name}",
-        "kill_worker": kill_worker_from_env(),
-    }
-
-
-def balanced_weights(cached: CachedSplits) -> list[float]:
-    """Each label's weight in the training loss: the inverse of its share of the train split (1 for every label of a
-    balanced one). A label with no training image gets 0: it never appears in the loss."""
-    counts = [cached.label_counts.get("train", {}).get(label, 0) for label in cached.labels]
-    total, present = sum(counts), sum(1 for count in counts if count)
-    return [total / (present * count) if count else 0.0 for count in counts]
-
-
-def kill_worker_from_env() -> dict | None:
-    """Fault injection for tests: IMAGELAKE_KILL_WORKER=RANK:EPOCH:MARKER_FILE makes that rank exit once at that
-    epoch."""
-    spec = os.environ.get("IMAGELAKE_KILL_WORKER")
-    if not spec:
-        return None
-    rank, epoch, marker = spec.split(":", 2)
-    return {"rank": int(rank), "epoch": int(epoch), "marker": marker}
-
-
 def storage_uri(filesystem, path: str) -> str:
     """A path in Ray's storage filesystem (pyarrow) as a URI that fsspec opens: as it is locally, s3://... on S3."""
     kind = getattr(filesystem, "type_name", "local")
@@ -195,11 +126,8 @@ def fit(
     """Run the TorchTrainer and return the best checkpoint by validation loss; the workers stop at the end of an
     epoch once STOP_MARKER exists."""
     from mlflow.entities import Param
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
 
     from imagelake.tasks.worker.model import pretrained_source
-    from imagelake.tasks.worker.train_loop import LightningMismatch, ray_lightning_problem, train_loop_per_worker
 
     weights = staged_champion_weights(client, settings, warm.version) if warm.version else None
     config = {
@@ -215,31 +143,7 @@ def fit(
     }
     client.log_batch(run_id, params=[Param(key, value) for key, value in params.items()])
     client.set_tag(run_id, "warm_start_reason", warm.reason)
-    run_config = RunConfig(
-        name=name,
-        storage_path=settings.ray_storage_path,
-        failure_config=FailureConfig(max_failures=settings.max_failures),
-        checkpoint_config=CheckpointConfig(
-            num_to_keep=2, checkpoint_score_attribute="val_loss", checkpoint_score_order="min"
-        ),
-    )
-    scaling = ScalingConfig(
-        num_workers=settings.num_workers,
-        use_gpu=settings.use_gpu,
-        resources_per_worker={
-            "CPU": settings.cpus_per_worker,
-            **({"GPU": settings.gpus_per_worker} if settings.use_gpu else {}),
-        },
-        placement_strategy=settings.ray_placement_strategy,
-    )
-    problem = ray_lightning_problem()
-    if problem:  # every worker would fail on it, after Ray's start-up
-        raise LightningMismatch(problem)
-    # Ray Train resumes a run whose (storage_path, name) already holds checkpoints: a retried task, or a
-    # re-run after a crash, continues from the interrupted run's latest checkpoint instead of starting over.
-    trainer = TorchTrainer(
-        train_loop_per_worker, train_loop_config=config, scaling_config=scaling, run_config=run_config
-    )
+    trainer = torch_trainer(config, settings, name)
     with sigint_handler_kept():  # fit() leaves a SIGINT handler of its own behind: later interrupts must not reach it
         result = trainer.fit()
     return trained_of(result, settings, client, run_id, name, config["learning_rate"], warm)

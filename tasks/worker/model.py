@@ -401,6 +401,7 @@ class ImageClassifier(pl.LightningModule):
         label_smoothing: float = 0.0,
         class_weights: list[float] | None = None,
         backbone_lr_factor: float = 1.0,
+        weight_decay: float = 0.01,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -494,7 +495,7 @@ class ImageClassifier(pl.LightningModule):
         ]
         # One fused kernel for the whole update on a GPU (the per-tensor loop costs host time at every step).
         fused = bool(trainable) and all(p.is_cuda for _, p in trainable)
-        optimizer = torch.optim.AdamW(groups, lr=rate, fused=fused or None)
+        optimizer = torch.optim.AdamW(groups, lr=rate, weight_decay=self.hparams.weight_decay, fused=fused or None)
         total, warmup = self.hparams.total_steps, self.hparams.warmup_steps
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: warmup_cosine(step, total, warmup))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}

@@ -279,6 +279,7 @@ def make_model(config: dict[str, Any], steps_per_epoch: int = 0) -> ImageClassif
         # A lower rate for the backbone only when it starts from pretrained weights: from scratch, all layers learn
         # alike.
         backbone_lr_factor=config.get("backbone_lr_factor", 1.0) if config.get("pretrained") else 1.0,
+        weight_decay=config.get("weight_decay", 0.01),
     )
     if config.get("warm_start_weights"):  # the champion's weights, over the fresh (or pretrained) ones
         model.model.load_weights(load_state_dict(config["warm_start_weights"], "warm start weights"))
