@@ -117,13 +117,15 @@ def _print_summary(summary: dict[str, Any], as_json: bool) -> None:
 
 
 JsonOption = typer.Option(False, "--json", help="Print the summary as one JSON object on the last line.")
+SourceOption = typer.Option(..., "--source", help="Folder (or URI) of images laid out as <label>/<file>.")
+RefreshOption = typer.Option(False, "--refresh", help="Recompute every stage even where a stored result fits.")
 
 
 @app.command()
 def run(
-    source: str = typer.Option(..., "--source", help="Folder (or URI) of images laid out as <label>/<file>."),
+    source: str = SourceOption,
     as_json: bool = JsonOption,
-    refresh: bool = typer.Option(False, "--refresh", help="Recompute every stage even where a stored result fits."),
+    refresh: bool = RefreshOption,
     config: Path | None = ConfigOption,
     set_: list[str] | None = SetOption,
 ) -> None:
@@ -242,7 +244,7 @@ def engines(summary: dict[str, Any]) -> str:
 
 @app.command()
 def tune(
-    source: str = typer.Option(..., "--source", help="Folder (or URI) of images laid out as <label>/<file>."),
+    source: str = SourceOption,
     trials: int = typer.Option(8, "--trials", min=1, help="Trials to run (each a training run of up to max_epochs)."),
     space: Path | None = typer.Option(
         None, "--space", help="Search space file (YAML, see docs/training.md); default: the built-in space."
@@ -254,7 +256,7 @@ def tune(
         False, "--promote", help="Train the best trial's settings and promote them through the gate."
     ),
     as_json: bool = JsonOption,
-    refresh: bool = typer.Option(False, "--refresh", help="Recompute every stage even where a stored result fits."),
+    refresh: bool = RefreshOption,
     config: Path | None = ConfigOption,
     set_: list[str] | None = SetOption,
 ) -> None:
