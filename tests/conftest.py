@@ -22,13 +22,6 @@ os.environ.setdefault("IMAGELAKE_PRETRAINED", "none")
 from imagelake.flows.demo_data import write_digits
 from imagelake.infra.settings import Settings, load_settings
 
-# The suite's Spark JVMs (the driver of this process and of every process it starts, the local cluster's daemons) live
-# for seconds to minutes on tiny data: the client compiler alone and the serial collector spend 13-40% less CPU on
-# them than the JVM's defaults (docs/testing.md), on a machine where the suite's processes share two cores.
-SUITE_JVM = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
-os.environ.setdefault("SPARK_SUBMIT_OPTS", SUITE_JVM)
-os.environ.setdefault("SPARK_DAEMON_JAVA_OPTS", SUITE_JVM)
-
 REPO = Path(__file__).resolve().parent.parent
 PROCESS_POOL = "infra/clusters/process-pool.json"  # imagelake's process pool's job template (make worker's)
 SUITE_MODEL = {name: os.environ[name] for name in ("IMAGELAKE_MODEL_ARCH", "IMAGELAKE_PRETRAINED")}
