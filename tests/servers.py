@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 
-from imagelake.infra.local.cluster import LEASES_KEPT, free_port
+from imagelake.infra.local.cluster import LEASES_KEPT, NO_MLFLOW_JOBS, free_port
 from tests.conftest import PROCESS_POOL, REPO, cli_env
 
 BIN = Path(sys.executable).parent

@@ -142,6 +142,20 @@ def test_every_part_of_the_cluster_listens_on_loopback_only(cluster_run: Cluster
     } <= ports, listening
     exposed = [entry for entry in listening if entry[1] not in LOOPBACK]
     assert not exposed, f"listening beyond loopback: {exposed}"
+    assert not mlflow_job_runners(processes), "the MLflow server runs no job runner: imagelake submits no MLflow job"
+
+
+def mlflow_job_runners(processes: list[psutil.Process]) -> list[str]:
+    """The command lines of MLflow's job runner and Huey consumers among PROCESSES."""
+    found = []
+    for process in processes:
+        try:
+            line = " ".join(process.cmdline())
+        except psutil.Error:
+            continue
+        if "mlflow.server.jobs" in line:
+            found.append(line)
+    return found
 
 
 def test_the_spark_stages_ran_as_an_application_of_the_standalone_master(cluster_run: ClusterRun) -> None:
@@ -587,6 +601,8 @@ def test_the_ui_servers_on_postgresql_keep_their_records_there_and_stop_with_it(
         made = local_cluster.http_json(
             f"http://127.0.0.1:{mlflow_port}/api/2.0/mlflow/experiments/create", data={"name": "kept-in-postgres"}
         )
+        runners = mlflow_job_runners(psutil.Process(served.pid).children(recursive=True))
+        assert not runners, f"the MLflow server runs no job runner: {runners}"
         secrets_found = local_cluster.read_env_file(workspace / "ui" / "ui.env")
         password, auth_string = secrets_found[ui.PASSWORD], secrets_found[ui.AUTH_STRING]
         assert oct((workspace / "ui" / "ui.env").stat().st_mode & 0o777) == "0o600"

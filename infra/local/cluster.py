@@ -41,6 +41,10 @@ from imagelake.infra.local import postgres
 # For the Prefect servers imagelake starts: leases kept on disk, so that a server restart neither drops a live holder's
 # lease nor leaves a slot taken that no lease holds (Prefect's default keeps them in the server's memory).
 LEASES_KEPT = {"PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE": "prefect.server.concurrency.lease_storage.filesystem"}
+# For the MLflow servers imagelake starts: no job runner. MLflow's server otherwise starts a job runner and a Huey
+# consumer process for each kind of job it can run (GenAI evaluation, trace rollups); imagelake submits none of them,
+# and they cost a start seconds and every server tens of seconds of CPU (bench/mlflow_server.py).
+NO_MLFLOW_JOBS = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
 
 CLUSTER_VARIABLE = "IMAGELAKE_CLUSTER"
 BIN = Path(sys.executable).parent
@@ -658,6 +662,7 @@ def _start_mlflow(cluster: Cluster, timeout: float, password: str, database: str
         MLFLOW_AUTH_ADMIN_PASSWORD=admin_password,
         MLFLOW_FLASK_SERVER_SECRET_KEY=secrets.token_hex(16),
         MLFLOW_BACKEND_STORE_URI=database,
+        **NO_MLFLOW_JOBS,
     )
     server = _spawn(
         "mlflow",

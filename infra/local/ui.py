@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from imagelake.infra.local import postgres
-from imagelake.infra.local.cluster import BIN, DATABASES, LEASES_KEPT, read_env_file, write_private
+from imagelake.infra.local.cluster import BIN, DATABASES, LEASES_KEPT, NO_MLFLOW_JOBS, read_env_file, write_private
 
 PASSWORD = "IMAGELAKE_UI_POSTGRES_PASSWORD"
 AUTH_STRING = "PREFECT_API_AUTH_STRING"  # the name Prefect's clients read it under: `. ui.env` sets it for them
@@ -102,7 +102,7 @@ def serve(
     if "prefect" in urls:
         prefect_env["PREFECT_API_DATABASE_CONNECTION_URL"] = urls["prefect"]
     # The URL (and its password) through the environment, never the command line.
-    mlflow_env = {**env, "MLFLOW_BACKEND_STORE_URI": urls["mlflow"]}
+    mlflow_env = {**env, "MLFLOW_BACKEND_STORE_URI": urls["mlflow"], **NO_MLFLOW_JOBS}
     mlflow_origin = f"http://127.0.0.1:{mlflow_port}"
     servers = [
         subprocess.Popen(
