@@ -160,12 +160,13 @@ class PrefectServer:
 
     def start_worker(self, pool: str, log: Path, extra_env: dict[str, str] | None = None) -> subprocess.Popen:
         """A process worker for POOL, run from the repository root (where the deployments' entrypoints are), which its
-        runs' pull step (prefect.yaml) finds through IMAGELAKE_HOME."""
+        runs' pull step (prefect.yaml) finds through IMAGELAKE_HOME. It polls every 5 s rather than Prefect's 10, so a
+        run starts soon after it is created (each poll writes to SQLite, so not too often)."""
         with log.open("w") as out:
             worker = subprocess.Popen(
                 [str(BIN / "prefect"), "worker", "start", "--pool", pool, "--type", "process"],
                 cwd=REPO,
-                env=self.env({"IMAGELAKE_HOME": str(REPO), **(extra_env or {})}),
+                env=self.env({"IMAGELAKE_HOME": str(REPO), "PREFECT_WORKER_QUERY_SECONDS": "5", **(extra_env or {})}),
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
@@ -216,7 +217,7 @@ class MlflowServer:
             stdout=log.open("a"),
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            env=cli_env(),
+            env=cli_env(NO_MLFLOW_JOBS),
             cwd=self.root,
         )
         wait_http(f"{self.url}/health", 120, self.process, log)

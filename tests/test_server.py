@@ -177,11 +177,7 @@ def deployed(tmp_path_factory: pytest.TempPathFactory, digits_dir: Path):
         server.prefect("deploy", "--all")
         workspace = root / "workspace"
         worker_log = root / "worker.log"
-        # The worker polls more often than every 10 s, so a run starts soon after it is created (each poll writes to
-        # SQLite, so not too often).
-        server.start_worker(
-            POOL, worker_log, {"IMAGELAKE_WORKSPACE": str(workspace), "PREFECT_WORKER_QUERY_SECONDS": "5"}
-        )
+        server.start_worker(POOL, worker_log, {"IMAGELAKE_WORKSPACE": str(workspace)})
         print(f"server up, deployed, worker started in {time.monotonic() - started:.0f} s")
         yield Deployed(server, api, workspace, digits_dir, worker_log)
     finally:
