@@ -18,10 +18,6 @@ os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 # pretrained default set model_arch and pretrained themselves (docs/testing.md).
 os.environ.setdefault("IMAGELAKE_MODEL_ARCH", "small_cnn")
 os.environ.setdefault("IMAGELAKE_PRETRAINED", "none")
-# The Spark drivers of the processes the suite starts (CLI and flow runs, writers) live for a few small jobs: their JVMs
-# compile with C1 alone and collect with one thread. The session's own Spark below, which serves every test of a pytest
-# process, keeps the JVM's defaults: with C1 alone its tests took longer (docs/testing.md).
-os.environ.setdefault("SPARK_SUBMIT_OPTS", "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC")
 
 from imagelake.flows.demo_data import write_digits
 from imagelake.infra.settings import Settings, load_settings
@@ -29,6 +25,11 @@ from imagelake.infra.settings import Settings, load_settings
 REPO = Path(__file__).resolve().parent.parent
 PROCESS_POOL = "infra/clusters/process-pool.json"  # imagelake's process pool's job template (make worker's)
 SUITE_MODEL = {name: os.environ[name] for name in ("IMAGELAKE_MODEL_ARCH", "IMAGELAKE_PRETRAINED")}
+# The Spark drivers of the processes the suite starts (CLI and flow runs, writers) live for a few small jobs: their JVMs
+# compile with C1 alone and collect with one thread (bench/spark_driver.py). The session's own Spark below, which serves
+# every test of a pytest process, keeps the JVM's defaults: with C1 alone its tests took longer (docs/testing.md).
+CHILD_JVM_OPTIONS = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
+os.environ.setdefault("SPARK_SUBMIT_OPTS", CHILD_JVM_OPTIONS)
 
 
 @pytest.fixture(scope="session")
@@ -74,12 +75,14 @@ def spark(tmp_path_factory: pytest.TempPathFactory, s3):
     """One real local SparkSession for the whole test session (S3A pointed at the test's S3 server)."""
     from imagelake.infra.spark import spark_session
 
-    child_options = os.environ.pop("SPARK_SUBMIT_OPTS", None)
+    ours = os.environ.get("SPARK_SUBMIT_OPTS") == CHILD_JVM_OPTIONS  # a developer's own options stay
+    if ours:
+        del os.environ["SPARK_SUBMIT_OPTS"]
     try:
         session = spark_session(Settings(workspace=tmp_path_factory.mktemp("spark-ws"), spark_master="local[2]"))
     finally:
-        if child_options is not None:
-            os.environ["SPARK_SUBMIT_OPTS"] = child_options
+        if ours:
+            os.environ["SPARK_SUBMIT_OPTS"] = CHILD_JVM_OPTIONS
     yield session
     session.stop()
 
