@@ -13,7 +13,7 @@ CLUSTER := $(WORKSPACE)/cluster
 CLUSTER_DATABASE ?= postgres
 UI_DATABASE ?= sqlite
 
-.PHONY: install weights run demo-data lint test test-quick test-shuffled doctor ui worker kubernetes-pool clean browser postgres stamps cluster-up cluster-down cluster-status cluster-run
+.PHONY: install weights class-archive run demo-data lint test test-quick test-shuffled doctor ui worker kubernetes-pool clean browser postgres stamps cluster-up cluster-down cluster-status cluster-run
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -39,7 +39,13 @@ $(JARS): infra/jars.py | $(STAMP)
 weights: | $(STAMP)
 	$(BIN)/python -m imagelake.infra.weights install
 
-install: $(STAMP) $(JARS) weights
+# The classes of a Spark driver's JVM, recorded once into an archive that every driver then maps instead of loading
+# them again (infra/class_archive.py): a Spark session starts in about two thirds of the time. Kept while the JVM and
+# pyspark's jars are those it was made with; made again (about a minute) when they change.
+class-archive: | $(STAMP) $(JARS)
+	$(BIN)/python -m imagelake.infra.local.class_archive build || echo "class archive: none, so Spark drivers load their classes at each start"
+
+install: $(STAMP) $(JARS) weights class-archive
 
 $(DEMO): | $(STAMP)
 	$(BIN)/imagelake demo-data $(DEMO)

@@ -1,13 +1,19 @@
-"""A short-lived Spark driver, as a command, a flow run or a test's writer starts one, with the JVM's defaults against
-the client compiler only and a one-thread collector (`-XX:TieredStopAtLevel=1 -XX:+UseSerialGC` in SPARK_SUBMIT_OPTS,
-which the test suite sets for the processes it starts), side by side.
+"""A short-lived Spark driver, as a command, a flow run or a test's writer starts one, two ways side by side:
 
-    .venv/bin/python bench/spark_driver.py [--runs 3] [--rows 20000]
+- `--compare flags` (default): the JVM's defaults against the client compiler only and a one-thread collector
+  (`-XX:TieredStopAtLevel=1 -XX:+UseSerialGC` in SPARK_SUBMIT_OPTS, which the test suite sets for the processes it
+  starts);
+- `--compare archive`: without and with the class archive `make install` makes (infra/class_archive.py), with the
+  JVM's defaults and with the suite's flags. The side without it names the JDK's own base archive, which every JVM
+  maps anyway, so that imagelake adds none.
+
+    .venv/bin/python bench/spark_driver.py [--compare flags|archive] [--runs 3] [--rows 20000]
 
 Each run is a fresh process that starts imagelake's Spark session (local[2], with the Delta and S3A jars), writes ROWS
-rows to a new Delta table, reads them back grouped by label and stops; the two sides in turn, so that a busier minute
-falls on both. Per side, the median (min and max) of the wall seconds and of the CPU seconds of the process and its
-children (the JVM's included, read from /proc until they end), then the ratio of the flags' median to the defaults'.
+rows to a new Delta table, reads them back grouped by label and stops; the sides in turn, so that a busier minute
+falls on each. Per side, the median (min and max) of the wall seconds and of the CPU seconds of the process and its
+children (the JVM's included, read from /proc until they end), then the ratio of each side's medians to the first
+side's (for `archive`, of each "archive" side to its "no archive" side).
 """
 
 from __future__ import annotations
@@ -66,27 +72,55 @@ def one_run(options: str | None, rows: int) -> tuple[float, float]:
     return wall, sum(cpu.values())
 
 
+def base_archive() -> str:
+    """The JDK's own class archive, which a JVM maps when no other is named."""
+    from imagelake.infra.java import ensure_java
+
+    found = sorted(ensure_java().resolve().glob("lib/server/classes.jsa"))
+    if not found:
+        sys.exit("no base class archive in this JDK (lib/server/classes.jsa): nothing to compare against")
+    return f"-XX:SharedArchiveFile={found[0]}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--compare", choices=["flags", "archive"], default="flags")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--rows", type=int, default=20000)
     args = parser.parse_args()
-    sides = {"defaults": None, "C1, serial GC": FLAGS}
+    if args.compare == "flags":
+        sides: dict[str, str | None] = {"defaults": None, "C1, serial GC": FLAGS}
+        pairs = [("C1, serial GC", "defaults")]
+    else:
+        from imagelake.infra.class_archive import driver_archive
+        from imagelake.infra.java import ensure_java
+
+        if driver_archive(ensure_java()) is None:
+            sys.exit("no class archive for this JVM and pyspark: `make install` makes it")
+        base = base_archive()
+        sides = {
+            "no archive": base,
+            "archive": None,
+            "flags, no arch.": f"{FLAGS} {base}",
+            "flags, archive": FLAGS,
+        }
+        pairs = [("archive", "no archive"), ("flags, archive", "flags, no arch.")]
     figures: dict[str, list[tuple[float, float]]] = {side: [] for side in sides}
     for run in range(args.runs):
         for side, options in sides.items():
             figures[side].append(one_run(options, args.rows))
             wall, cpu = figures[side][-1]
-            print(f"run {run + 1} {side:14} wall {wall:5.1f} s  CPU {cpu:5.1f} s", flush=True)
-    print(f"\n{'':14}  {'wall s':>20}  {'CPU s':>20}")
+            print(f"run {run + 1} {side:15} wall {wall:5.1f} s  CPU {cpu:5.1f} s", flush=True)
+    print(f"\n{'':15}  {'wall s':>20}  {'CPU s':>20}")
     medians = {}
     for side, rows in figures.items():
         walls, cpus = zip(*rows, strict=True)
         medians[side] = (statistics.median(walls), statistics.median(cpus))
         cells = [f"{statistics.median(c):5.1f} ({min(c):.1f}-{max(c):.1f})" for c in (walls, cpus)]
-        print(f"{side:14}  {cells[0]:>20}  {cells[1]:>20}")
-    flags, defaults = medians["C1, serial GC"], medians["defaults"]
-    print(f"{'ratio':14}  {flags[0] / defaults[0]:>20.2f}  {flags[1] / defaults[1]:>20.2f}   (flags / defaults)")
+        print(f"{side:15}  {cells[0]:>20}  {cells[1]:>20}")
+    for side, against in pairs:
+        ratio = [medians[side][i] / medians[against][i] for i in (0, 1)]
+        print(f"{'ratio':15}  {ratio[0]:>20.2f}  {ratio[1]:>20.2f}   ({side} / {against})")
 
 
 if __name__ == "__main__":

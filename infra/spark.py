@@ -12,6 +12,7 @@ from pathlib import Path
 
 from pyspark.sql import SparkSession
 
+from imagelake.infra.class_archive import driver_java_options
 from imagelake.infra.compat import instantiated_spark_session, load_jvm_class
 from imagelake.infra.jars import runtime_jars
 from imagelake.infra.java import ensure_java
@@ -99,7 +100,7 @@ def spark_session(settings: Settings) -> SparkSession:
             active.sparkContext.setLogLevel(settings.spark_log_level)
             return active
         started = time.perf_counter()
-        ensure_java()
+        java_home = ensure_java()
         loopback = on_loopback(settings.spark_master)
         if loopback:
             # An embedded Spark, or one on this machine's loopback, listens on loopback only.
@@ -138,6 +139,10 @@ def spark_session(settings: Settings) -> SparkSession:
             builder = builder.config(key, value)
         for key, value in settings.spark_conf.items():
             builder = builder.config(key, value)
+        # The classes of a driver's JVM, mapped from the archive `make install` made (infra/class_archive.py).
+        java_options = driver_java_options(java_home, settings.spark_conf.get("spark.driver.extraJavaOptions", ""))
+        if java_options:
+            builder = builder.config("spark.driver.extraJavaOptions", java_options)
         for key, value in authentication_conf(settings.spark_master).items():
             builder = builder.config(key, value)
         session = builder.getOrCreate()
