@@ -39,8 +39,10 @@ def _java(settings: Settings) -> Check:
 def _spark(settings: Settings) -> list[Check]:
     import pyspark
 
+    from imagelake.infra.class_archive import driver_archive
     from imagelake.infra.jars import check as check_jars
     from imagelake.infra.jars import jar_folder
+    from imagelake.infra.java import ensure_java
     from imagelake.infra.spark import delta_jars_loaded, spark_session
 
     spark = spark_session(settings)
@@ -91,6 +93,18 @@ def _spark(settings: Settings) -> list[Check]:
         checks.append(
             Check(f"jar {state.coordinate}", state.ok, detail, required=needed and state.checksum_ok is False)
         )
+    archive = driver_archive(ensure_java())
+    checks.append(
+        Check(
+            "class archive",
+            archive is not None,
+            f"{archive} ({archive.stat().st_size / 2**20:.0f} MB): each driver maps the classes it would load"
+            if archive is not None
+            else "none for this Java and pyspark: each driver loads its classes anew (a slower start); `make install` "
+            "makes it with Java 13 or later",
+            required=False,
+        )
+    )
     return checks
 
 

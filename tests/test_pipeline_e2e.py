@@ -439,6 +439,7 @@ def test_doctor_reports_this_machine_and_names_what_is_missing(tmp_path: Path) -
     jars = [line for line in found.stdout.splitlines() if line.split()[1:2] == ["jar"]]
     assert len(jars) == 4 and all(line.startswith("ok") and "SHA-256 as installed" in line for line in jars), jars
     assert lines["gpu"].startswith("absent") and "none" in lines["gpu"]
+    assert lines["class"].startswith("ok") and "each driver maps the classes" in lines["class"], lines["class"]
     assert lines["ray"].startswith("ok") and lines["pyarrow"].startswith("ok")
     assert lines["lightning"].startswith("ok") and "pytorch_lightning" in lines["lightning"]
 
@@ -468,6 +469,8 @@ def test_doctor_reports_this_machine_and_names_what_is_missing(tmp_path: Path) -
         found.returncode == 0 and "absent: format('delta') is unavailable; Delta tables use delta-rs" in found.stdout
     ), found.stdout
     assert "everything checked is here" in found.stdout
+    archive = [line for line in found.stdout.splitlines() if line.split()[1:3] == ["class", "archive"]]
+    assert archive and archive[0].startswith("absent"), f"kept with the jars, so none in an empty jar folder: {archive}"
     forced = run_cli([*spark_only, "--set", "delta_writer=spark"], bare, timeout=300)
     assert forced.returncode == 1
     assert "missing: delta jars" in forced.stderr and "make install" in forced.stdout
