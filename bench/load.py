@@ -352,12 +352,10 @@ def run_logs(api: Api, flow_run_id: str) -> str:
 
 
 def check_table(report: Report, workspace: Path, landing: Path) -> None:
-    from deltalake import DeltaTable
+    from imagelake.infra.delta import column_values
 
     table = workspace / "tables" / "images"
-    paths = (
-        DeltaTable(str(table)).to_pyarrow_table(columns=["path"]).column("path").to_pylist() if table.exists() else []
-    )
+    paths = column_values(str(table), "path") if table.exists() else []  # a table merged by delta-rs as well
     landed = [path for path in paths if f"{landing}/" in path]
     report.images_in_table = len(set(landed))
     report.duplicate_rows = len(landed) - len(set(landed))

@@ -99,6 +99,18 @@ def _rs(table_uri: str, version: int | None = None) -> DeltaTable:
     return DeltaTable(table_uri, version=version, storage_options=storage_options(table_uri))
 
 
+def column_values(table_uri: str, column: str, version: int | None = None) -> list:
+    """One column of a version (default: the current one) as Python values, read by delta-rs' own query engine, which
+    opens every data file delta-rs wrote: the files of its merges and compactions store Arrow view types that this
+    pyarrow (14) cannot open, whether through `DeltaTable.to_pyarrow_table` or `pq.ParquetFile`. For small checks (a
+    table's paths, say): the values pass through Python one by one."""
+    from deltalake import QueryBuilder
+
+    quoted = '"' + column.replace('"', '""') + '"'
+    rows = QueryBuilder().register("t", _rs(table_uri, version)).execute(f"SELECT {quoted} FROM t").read_all()
+    return rows.column(0).to_pylist()
+
+
 def append_arrow(table_uri: str, batches: pa.RecordBatchReader | pa.Table) -> int:
     """Append a stream of Arrow batches with delta-rs in one commit; return the version that commit made."""
     write_id = uuid.uuid4().hex

@@ -405,15 +405,10 @@ def test_a_custom_run_through_the_ui_api_call_completes_and_publishes_its_summar
     assert summary["epochs_run"] == "1", artifacts[0]["data"]
     # The table the run wrote holds every image of its source once. (Other tests of this file land images of their own
     # in the same workspace, before or after this one: the table's total depends on the order.)
-    from deltalake import DeltaTable
+    from imagelake.infra.delta import column_values
 
     version = int(summary["delta_version"])
-    paths = (
-        DeltaTable(str(deployed.workspace / "tables" / "images"), version=version)
-        .to_pyarrow_table(columns=["path"])
-        .column("path")
-        .to_pylist()
-    )
+    paths = column_values(str(deployed.workspace / "tables" / "images"), "path", version)
     mine = [path for path in paths if f"{deployed.source}/" in path]
     assert len(mine) == len(set(mine)) == 300, (len(mine), len(set(mine)), summary)
     # The worker's IMAGELAKE_WORKSPACE took the run's output, not the repository's .imagelake.
