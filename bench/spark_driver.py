@@ -12,8 +12,9 @@
 Each run is a fresh process that starts imagelake's Spark session (local[2], with the Delta and S3A jars), writes ROWS
 rows to a new Delta table, reads them back grouped by label and stops; the sides in turn, so that a busier minute
 falls on each. Per side, the median (min and max) of the wall seconds and of the CPU seconds of the process and its
-children (the JVM's included, read from /proc until they end), then the ratio of each side's medians to the first
-side's (for `archive`, of each "archive" side to its "no archive" side).
+children (the JVM's included, read from /proc until they end) and of the seconds its Spark session took to start
+(spark_session's own figure: the JVM up, the session made and a first empty job run), then the ratio of each side's
+medians to the first side's (for `archive`, of each "archive" side to its "no archive" side).
 """
 
 from __future__ import annotations
@@ -33,9 +34,10 @@ DRIVER = """
 import sys, tempfile
 from pathlib import Path
 from imagelake.infra.settings import Settings
-from imagelake.infra.spark import spark_session
+from imagelake.infra.spark import spark_session, spark_startup_seconds
 workspace = Path(tempfile.mkdtemp(prefix="spark-driver-"))
 spark = spark_session(Settings(workspace=workspace, spark_master="local[2]"))
+print("start", spark_startup_seconds(), flush=True)
 rows = spark.range(int(sys.argv[1])).selectExpr("id", "id % 10 AS label", "repeat('x', 200) AS payload")
 rows.write.format("delta").save(str(workspace / "table"))
 spark.read.format("delta").load(str(workspace / "table")).groupBy("label").count().collect()
@@ -43,14 +45,16 @@ spark.stop()
 """
 
 
-def one_run(options: str | None, rows: int) -> tuple[float, float]:
-    """Wall and CPU seconds of one driver process with SPARK_SUBMIT_OPTS=OPTIONS (None: unset)."""
+def one_run(options: str | None, rows: int) -> tuple[float, float, float]:
+    """Wall and CPU seconds of one driver process with SPARK_SUBMIT_OPTS=OPTIONS (None: unset), and the seconds its
+    Spark session took to start (spark_session's own figure: the JVM up, the session made, a first empty job)."""
     env = {k: v for k, v in os.environ.items() if k != "SPARK_SUBMIT_OPTS"}
     if options:
         env["SPARK_SUBMIT_OPTS"] = options
     log = tempfile.TemporaryFile()
     started = time.monotonic()
-    child = subprocess.Popen([sys.executable, "-c", DRIVER, str(rows)], env=env, stdout=subprocess.DEVNULL, stderr=log)
+    out = tempfile.TemporaryFile()
+    child = subprocess.Popen([sys.executable, "-c", DRIVER, str(rows)], env=env, stdout=out, stderr=log)
     cpu: dict[int, float] = {}
     root = psutil.Process(child.pid)
     while child.poll() is None:
@@ -69,7 +73,9 @@ def one_run(options: str | None, rows: int) -> tuple[float, float]:
     if child.returncode != 0:
         log.seek(0)
         sys.exit(f"the driver exited with {child.returncode}:\n{log.read().decode(errors='replace')[-3000:]}")
-    return wall, sum(cpu.values())
+    out.seek(0)
+    start = float(out.read().decode().split("start", 1)[1].split()[0])
+    return wall, sum(cpu.values()), start
 
 
 def base_archive() -> str:
@@ -105,22 +111,22 @@ def main() -> None:
             "flags, archive": FLAGS,
         }
         pairs = [("archive", "no archive"), ("flags, archive", "flags, no arch.")]
-    figures: dict[str, list[tuple[float, float]]] = {side: [] for side in sides}
+    figures: dict[str, list[tuple[float, float, float]]] = {side: [] for side in sides}
     for run in range(args.runs):
         for side, options in sides.items():
             figures[side].append(one_run(options, args.rows))
-            wall, cpu = figures[side][-1]
-            print(f"run {run + 1} {side:15} wall {wall:5.1f} s  CPU {cpu:5.1f} s", flush=True)
-    print(f"\n{'':15}  {'wall s':>20}  {'CPU s':>20}")
+            wall, cpu, start = figures[side][-1]
+            print(f"run {run + 1} {side:15} wall {wall:5.1f} s  CPU {cpu:5.1f} s  start {start:4.1f} s", flush=True)
+    print(f"\n{'':15}  {'wall s':>20}  {'CPU s':>20}  {'session start s':>20}")
     medians = {}
     for side, rows in figures.items():
-        walls, cpus = zip(*rows, strict=True)
-        medians[side] = (statistics.median(walls), statistics.median(cpus))
-        cells = [f"{statistics.median(c):5.1f} ({min(c):.1f}-{max(c):.1f})" for c in (walls, cpus)]
-        print(f"{side:15}  {cells[0]:>20}  {cells[1]:>20}")
+        columns = list(zip(*rows, strict=True))
+        medians[side] = tuple(statistics.median(c) for c in columns)
+        cells = [f"{statistics.median(c):5.1f} ({min(c):.1f}-{max(c):.1f})" for c in columns]
+        print(f"{side:15}  {cells[0]:>20}  {cells[1]:>20}  {cells[2]:>20}")
     for side, against in pairs:
-        ratio = [medians[side][i] / medians[against][i] for i in (0, 1)]
-        print(f"{'ratio':15}  {ratio[0]:>20.2f}  {ratio[1]:>20.2f}   ({side} / {against})")
+        ratio = [medians[side][i] / medians[against][i] for i in (0, 1, 2)]
+        print(f"{'ratio':15}  {ratio[0]:>20.2f}  {ratio[1]:>20.2f}  {ratio[2]:>20.2f}   ({side} / {against})")
 
 
 if __name__ == "__main__":
