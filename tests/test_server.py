@@ -160,6 +160,18 @@ def processes_of(prefect_home: Path) -> list[psutil.Process]:
     return processes_with("PREFECT_HOME", str(prefect_home))
 
 
+def flow_run_processes(prefect_home: Path) -> list[psutil.Process]:
+    """The flow-run processes (`python -m prefect.engine`) among those of this server."""
+    found = []
+    for process in processes_of(prefect_home):
+        try:
+            if "prefect.engine" in process.cmdline():
+                found.append(process)
+        except psutil.Error:
+            pass
+    return found
+
+
 @pytest.fixture(scope="module")
 def deployed(tmp_path_factory: pytest.TempPathFactory, digits_dir: Path):
     """`prefect server start`, the imagelake-process pool, `prefect deploy --all` and one process worker; all stopped
@@ -182,6 +194,9 @@ def deployed(tmp_path_factory: pytest.TempPathFactory, digits_dir: Path):
         yield Deployed(server, api, workspace, digits_dir, worker_log)
     finally:
         api.close()
+        # A flow run that has ended still stops its Spark and Ray and sends its last logs before its process exits; on a
+        # loaded machine that took longer than the 15 s below. It is waited for here, with the server up to answer it.
+        psutil.wait_procs(flow_run_processes(server.root / "prefect-home"), timeout=180)
         server.stop()
         # Flow runs (and the Spark and Ray processes they start) may live in sessions of their own, out of reach of the
         # process-group kills in stop(): anything still carrying this server's PREFECT_HOME leaked.
