@@ -2,14 +2,18 @@
 
     .venv/bin/python bench/train.py                 # CPU: plain Lightning against TorchTrainer (small_cnn, 96 px)
     .venv/bin/python bench/train.py --host          # CPU: the host's time per Lightning step (tiny batches)
-    python3 bench/train.py --gpu [--json FILE]      # one GPU: the whole table below (224 px)
+    python3 bench/train.py --gpu [--json FILE]      # one GPU: the table below (224 px), --sections to choose
+    .venv/bin/python bench/train.py --dry-run       # no GPU: every section of that table on the CPU, tiny sizes
 
 Every path trains on the same cached split (Parquet in the cache's layout: raw uint8 pixels,
 label, sha256, position; 8 MB row groups), through the training code's own ShardBatches loader,
 make_trainer and make_model; the Ray rows run the same epochs inside Ray Train's TorchTrainer,
 through the training stage's own ray_trainer (one worker: no DDP) and the report callback.
-The default section, final, runs the training path's GPU defaults (compiled, a loader process,
-the next epoch ahead) for ResNet-50, a frozen ResNet-50 and the small CNN.
+The default section, goals, runs the rows that have goals, most wanted first: the default model as a
+run trains it (pretrained MobileNetV2 at the settings' image size), the frozen ResNet-50 and the small CNN
+against their limits, EfficientNet-B0, then JPEG photos decoded on the GPU; each path with the training
+path's GPU defaults (compiled, a loader process, the next epoch ahead). Each section is a function
+(section_<name>) of one GpuRun; SECTIONS lists them in the order they run.
 
 With --gpu, side by side in one run (--sections picks parts):
   limit       the model alone on random uint8 batches already on the GPU: the same ImageModel
@@ -62,8 +66,15 @@ from ray.train.torch import TorchTrainer
 if importlib.util.find_spec("imagelake") is None:  # `python3 bench/train.py` without an install: the repository's
     checkout.use(Path(__file__).resolve().parent.parent)  # code as imagelake, here and in Ray's workers
 
+from imagelake.infra.settings import Settings  # noqa: E402
 from imagelake.tasks.worker.loader import ShardBatches  # noqa: E402
-from imagelake.tasks.worker.model import IMAGENET_MEAN, IMAGENET_STD, ImageModel  # noqa: E402
+from imagelake.tasks.worker.model import (  # noqa: E402
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    ImageModel,
+    weights_file,
+    weights_of,
+)
 from imagelake.tasks.worker.model import compiled as compiled_model  # noqa: E402
 from imagelake.tasks.worker.train_loop import DataWait, make_model, make_trainer, ray_trainer, shard_loaders  # noqa: E402
 
@@ -199,7 +210,9 @@ class Profile(pl.Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         if trainer.current_epoch == 1 and batch_idx == self.first:
-            activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
             self.profiler = torch.profiler.profile(activities=activities)
             self.profiler.__enter__()
             self.started = time.perf_counter()
@@ -212,7 +225,8 @@ class Profile(pl.Callback):
         ):
             return  # ends after `steps` steps, or at the epoch's last (a profiler left open breaks torch.compile later)
         self.steps = batch_idx - self.first + 1
-        torch.cuda.synchronize()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
         wall = time.perf_counter() - self.started
         self.profiler.__exit__(None, None, None)
         events = self.profiler.key_averages()
@@ -242,8 +256,8 @@ class SyncWatch(pl.Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if trainer.current_epoch != 1 or batch_idx != self.first:
-            return
+        if trainer.current_epoch != 1 or batch_idx != self.first or not torch.cuda.is_available():
+            return  # the sync debug mode is CUDA's: on a CPU (a dry run) nothing waits for a device
         caught = warnings.catch_warnings()
         caught.__enter__()
         warnings.simplefilter("always")
@@ -376,15 +390,16 @@ def ray_epochs(config: dict[str, Any], work: Path, cpus: int) -> dict[str, Any]:
     return json.loads(Path(config["result_file"]).read_text())
 
 
-def zoo_model(arch: str) -> torch.nn.Module:
+def zoo_model(arch: str, size: int) -> torch.nn.Module:
     """A torchvision classification model by name, fresh weights, 10 classes, behind the same uint8 NHWC input and
-    ImageNet normalisation as ImageModel: what a torchvision backbone costs on this GPU."""
+    ImageNet normalisation as ImageModel: what a torchvision backbone costs on this GPU. A ViT is built for `size`."""
     import torchvision
 
     class Zoo(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.net = torchvision.models.get_model(arch, weights=None, num_classes=10)
+            sized = {"image_size": size} if arch.startswith("vit") else {}
+            self.net = torchvision.models.get_model(arch, weights=None, num_classes=10, **sized)
             self.register_buffer("mean", torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1) * 255, persistent=False)
             self.register_buffer("std", torch.tensor(IMAGENET_STD).view(1, 3, 1, 1) * 255, persistent=False)
 
@@ -416,9 +431,9 @@ def limit(
     # the frozen backbone's compiled limit (26,640 against 21,027 images/s on an H100).
     torch.backends.cudnn.benchmark = device == "cuda"
     if zoo:
-        net = zoo_model(arch).to(device)
+        net = zoo_model(arch, size).to(device)
     else:
-        net = ImageModel(10, arch, freeze_backbone=frozen).to(device)
+        net = ImageModel(10, arch, freeze_backbone=frozen, image_size=size).to(device)
         net.channels_last = True
     net = net.to(memory_format=torch.channels_last).train()
     optimizer = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=1e-3, fused=fused or None)
@@ -601,7 +616,10 @@ def jpeg_section(table: Table, size: int, batch: int = 256, count: int = 1024) -
 
     crops, photos = photo_crops(count, size)
     table.say(f"JPEG against raw pixels: {count} crops of {photos} real photographs at {size} px, batches of {batch}")
-    raw = torch.from_numpy(np.stack([np.asarray(c) for c in crops[:batch]])).pin_memory()
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # a dry run decodes with torchvision on the CPU
+    synchronize = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    raw = torch.from_numpy(np.stack([np.asarray(c) for c in crops[:batch]]))
+    raw = raw.pin_memory() if device == "cuda" else raw
     for quality in (90, 95):
         encoded = []
         for crop in crops:
@@ -610,13 +628,13 @@ def jpeg_section(table: Table, size: int, batch: int = 256, count: int = 1024) -
             encoded.append(out.getvalue())
         mean_bytes = float(np.mean([len(b) for b in encoded]))
         datas = [torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in encoded[:batch]]
-        decode_jpeg(datas, device="cuda")  # nvJPEG's start-up
-        torch.cuda.synchronize()
+        decode_jpeg(datas, device=device)  # nvJPEG's start-up
+        synchronize()
         rounds = 20
         started = time.perf_counter()
         for _ in range(rounds):
-            images = decode_jpeg(datas, device="cuda")
-        torch.cuda.synchronize()
+            images = decode_jpeg(datas, device=device)
+        synchronize()
         gpu_rate = rounds * batch / (time.perf_counter() - started)
         started = time.perf_counter()
         for b in encoded[:batch]:
@@ -630,8 +648,8 @@ def jpeg_section(table: Table, size: int, batch: int = 256, count: int = 1024) -
         )
     started = time.perf_counter()
     for _ in range(50):
-        raw.to("cuda", non_blocking=True)
-    torch.cuda.synchronize()
+        raw.to(device, non_blocking=True)
+    synchronize()
     table.say(f"  raw pixels: pinned batch to the GPU {50 * batch / (time.perf_counter() - started):8.0f} images/s")
 
 
@@ -646,9 +664,12 @@ class Table:
 
     def __init__(self, json_path: str | None, title: str) -> None:
         self.rows: list[dict[str, Any]] = []
+        self.failed = 0
         self.limits: dict[tuple[str, bool, int, bool], float] = {}
         self.json_path = json_path
         self.text_path = Path(json_path).with_suffix(".txt") if json_path else None
+        if json_path:
+            Path(json_path).parent.mkdir(parents=True, exist_ok=True)
         self.say(title)
         self.say(self.COLUMNS)
 
@@ -676,6 +697,7 @@ class Table:
         try:
             result = measure()
         except Exception as error:  # one failed row must not cost the rest of the table
+            self.failed += 1
             self.say(
                 f"{arch:15} {'head' if frozen else 'all':6}  {path:40} {batch:5} FAILED: "
                 f"{type(error).__name__}: {str(error).strip().splitlines()[-1][:200]}"
@@ -739,748 +761,973 @@ def train_config(
     }
 
 
-def gpu_table(args: argparse.Namespace, url: str, work: Path) -> None:
-    cores = os.cpu_count() or 2
-    table = Table(
-        args.json,
-        f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, Lightning {pl.__version__}, Ray "
-        f"{ray.__version__}, {cores} cores; "
-        f"{args.images} images {args.size}x{args.size} uint8 in {args.files} Parquet files; epochs after the "
-        "first are measured",
-    )
-    size = args.size
-    sections = set(args.sections.split(","))
+class GpuRun:
+    """One run of the GPU table: its arguments, the cached split it trains on, the table its sections add rows to,
+    and the helpers they share. Without a GPU (--dry-run) the same rows run on the CPU, to check the table's code."""
 
-    def config(arch: str, batch: int, frozen: bool, workers: int, epochs: int, **more: Any) -> dict[str, Any]:
-        if not sections & {
-            "final",
-            "ray",
-            "diagnose",
-            "targets",
-            "zoo-path",
-            "jpeg-path",
-            "table",
-        }:  # the earlier tables' sections, as their code ran: eager, reader threads, epoch by epoch
+    # The sections of the newer tables: they measure the training path as it is now. The earlier tables' sections,
+    # asked for alone, run as their code ran then: eager, reader threads in the training process, epoch by epoch.
+    CURRENT = frozenset({"goals", "mobilenet", "final", "ray", "diagnose", "targets", "zoo-path", "jpeg-path", "table"})
+
+    def __init__(self, args: argparse.Namespace, url: str, work: Path) -> None:
+        self.args, self.url, self.work = args, url, work
+        self.size, self.workers = args.size, args.loader_workers
+        self.cores = os.cpu_count() or 2
+        self.sections = set(args.sections)
+        self.gpu = torch.cuda.is_available()
+        self._caches: dict[int, str] = {}
+        self._photos: dict[str, str] = {}
+        device = torch.cuda.get_device_name(0) if self.gpu else "no GPU: a dry run on the CPU, torch.compile off"
+        self.table = Table(
+            args.json,
+            f"{device}, torch {torch.__version__}, Lightning {pl.__version__}, Ray {ray.__version__}, {self.cores} "
+            f"cores; {args.images} images {args.size}x{args.size} uint8 in {args.files} Parquet files; epochs after "
+            "the first are measured",
+        )
+
+    def cache_at(self, size: int) -> str:
+        """The run's cache, or one of as many images at SIZE px, written once a run."""
+        if size == self.size:
+            return self.url
+        if size not in self._caches:
+            started = time.perf_counter()
+            self._caches[size] = write_cache(self.work / f"train-{size}", self.args.images, size, self.args.files)
+            self.table.say(
+                f"  a cache of {self.args.images} images at {size} px written in {time.perf_counter() - started:.0f} s"
+            )
+        return self._caches[size]
+
+    def photo_caches(self) -> dict[str, str]:
+        """Crops of real photographs at the run's size cached as raw pixels and as JPEG, written once a run."""
+        if not self._photos:
+            self._photos = write_photo_caches(self.work, self.args.images, self.size, self.args.files)
+        return self._photos
+
+    def config(self, arch: str, batch: int, frozen: bool, workers: int, epochs: int, **more: Any) -> dict[str, Any]:
+        """The training loop's config for this run's cache; MORE (train_uri, image_size, ...) overrides."""
+        if not self.sections & self.CURRENT:
             more = {"compile": False, "loader_processes": 0, "next_epoch_ahead": False, **more}
+        if not self.gpu:  # a dry run: the paths a GPU's defaults take (compiled, a loader process), named as such
+            more = {"compile": "default", "loader_processes": int(more.get("jpeg_decode") != "device"), **more}
         more = {"page_lock": ShardBatches.PAGE_LOCK, **more}
-        return train_config(url, size, arch, batch, epochs, workers, gpu=True, freeze_backbone=frozen, **more)
+        return train_config(
+            self.url, self.size, arch, batch, epochs, workers, gpu=self.gpu, freeze_backbone=frozen, **more
+        )
 
-    def limits(arch: str, frozen: bool, batches: tuple[int, ...]) -> None:
+    def epochs(self, arch: str, frozen: bool, batch: int, compiled: bool) -> int:
+        """Epochs for about --seconds of steady training at the model's limit (1,000 images/s when not measured)."""
+        return epochs_for(
+            self.table.limits.get((arch, frozen, batch, compiled), 1000.0), self.args.images, self.args.seconds
+        )
+
+    def limits(self, arch: str, frozen: bool, batches: tuple[int, ...]) -> None:
         for batch in batches:
-            table.add(
+            self.table.add(
                 arch,
                 frozen,
                 "limit: random batches on the GPU",
                 batch,
                 None,
-                lambda batch=batch: limit(arch, batch, size, frozen, args.steps, args.warmup),
+                lambda batch=batch: limit(arch, batch, self.size, frozen, self.args.steps, self.args.warmup),
             )
 
-    def loader_paths(arch: str, frozen: bool, batch: int, workers: int, ray_too: bool = True, **more: Any) -> None:
-        epochs = epochs_for(table.limits.get((arch, frozen, batch, False), 1000.0), args.images, args.seconds)
-        table.add(
+    def loader_paths(
+        self, arch: str, frozen: bool, batch: int, workers: int, ray_too: bool = True, **more: Any
+    ) -> None:
+        epochs = self.epochs(arch, frozen, batch, False)
+        self.table.add(
             arch,
             frozen,
             "Lightning + ShardBatches",
             batch,
             workers,
-            lambda: run_epochs(config(arch, batch, frozen, workers, epochs, **more)),
+            lambda: run_epochs(self.config(arch, batch, frozen, workers, epochs, **more)),
         )
         if ray_too:
-            table.add(
+            self.table.add(
                 arch,
                 frozen,
                 "Ray TorchTrainer, 1 GPU worker",
                 batch,
                 workers,
-                lambda: ray_epochs(config(arch, batch, frozen, workers, epochs, **more), work, cores),
+                lambda: ray_epochs(self.config(arch, batch, frozen, workers, epochs, **more), self.work, self.cores),
             )
 
-    # Ray's object store is unused here (the loader reads Parquet itself): a small one starts fast anywhere.
-    ray.init(
-        num_cpus=cores + 1,
-        num_gpus=1,
-        include_dashboard=False,
-        _node_ip_address="127.0.0.1",
-        log_to_driver=False,
-        object_store_memory=2 * 2**30,
-    )
-    workers = args.loader_workers
-
-    def compiled_limit_then_ray() -> int:
+    def compiled_limit_then_ray(self) -> int:
         """ResNet-50's compiled limit, then Ray TorchTrainer with the GPU defaults; the epochs it trained."""
-        batch = args.gpu_batch
-        table.add(
+        batch, workers, args = self.args.gpu_batch, self.workers, self.args
+        self.table.add(
             "resnet50",
             False,
             "limit: fused, compile",
             batch,
             None,
-            lambda: limit("resnet50", batch, size, False, args.steps, args.warmup + 5, "default", True),
+            lambda: limit("resnet50", batch, self.size, False, args.steps, args.warmup + 5, "default", True),
         )
-        epochs = epochs_for(table.limits.get(("resnet50", False, batch, True), 1000.0), args.images, args.seconds)
-        table.add(
+        epochs = self.epochs("resnet50", False, batch, True)
+        self.table.add(
             "resnet50",
             False,
             "Ray TorchTrainer, compile, defaults",
             batch,
             f"{workers}+p",
-            lambda: ray_epochs(config("resnet50", batch, False, workers, epochs), work, cores),
+            lambda: ray_epochs(self.config("resnet50", batch, False, workers, epochs), self.work, self.cores),
         )
         return epochs
 
-    if "resnet50" in sections:  # 1 and 2: the limit, then the project's path at the same batch
-        limits("resnet50", False, (128, 256))
-        loader_paths("resnet50", False, 256, workers)
-        epochs = epochs_for(table.limits.get(("resnet50", False, 256, False), 1000.0), args.images, args.seconds)
-        table.add(
-            "resnet50",
-            False,
-            "Lightning, metrics checked per step",
-            256,
-            workers,
-            lambda: run_epochs(config("resnet50", 256, False, workers, epochs, checked_metrics=True)),
-        )
-    if "frozen" in sections:  # 3: transfer learning needs several times the rate: how many reader threads it takes
-        limits("resnet50", True, (256,))
-        rates = {}
-        for threads in args.frozen_workers:
-            loader_paths("resnet50", True, 256, threads, ray_too=False)
-            rates[threads] = table.rows[-1]["rate"] if table.rows and table.rows[-1]["workers"] == threads else 0.0
-        if args.ray_everywhere:
-            best = max(rates, key=rates.get)
-            epochs = epochs_for(table.limits.get(("resnet50", True, 256, False), 1000.0), args.images, args.seconds)
-            table.add(
-                "resnet50",
-                True,
-                "Ray TorchTrainer, 1 GPU worker",
-                256,
-                best,
-                lambda: ray_epochs(config("resnet50", 256, True, best, epochs), work, cores),
+    def both_limits(self, arch: str, frozen: bool, size: int | None = None, more_steps: int = 1) -> int:
+        """The model's eager and compiled limits at the run's batch; the epochs for about --seconds at the faster."""
+        batch, steps, warm, size = self.args.gpu_batch, self.args.steps, self.args.warmup, size or self.size
+        for path, mode, warmup in (
+            ("limit: fused (eager)", None, warm),
+            ("limit: fused, compile", "default", warm + 5),
+        ):
+            self.table.add(
+                arch,
+                frozen,
+                path,
+                batch,
+                None,
+                lambda mode=mode, warmup=warmup: limit(
+                    arch, batch, size, frozen, more_steps * steps, more_steps * warmup, mode, True
+                ),
             )
-    if "small" in sections:  # 4: the smaller models, so that users can pick
-        limits("resnet18", False, (256,))
-        loader_paths("resnet18", False, 256, workers, ray_too=args.ray_everywhere)
-        limits("small_cnn", False, (256,))
-        loader_paths("small_cnn", False, 256, workers, ray_too=args.ray_everywhere)
-    if "profile" in sections:  # where a step of the project's path goes, host and GPU
-        epochs = epochs_for(table.limits.get(("resnet50", False, 256, False), 1000.0), args.images, args.seconds)
-        profile = str(Path(args.json).with_name("gpu-profile.txt")) if args.json else ""
+        return max(self.epochs(arch, frozen, batch, compiled) for compiled in (False, True))
+
+    def path(
+        self, arch: str, frozen: bool, label: str, readers: str, epochs: int, ray_too: bool = False, **more: Any
+    ) -> None:
+        """The training path at the run's batch in Lightning (and in Ray TorchTrainer with RAY_TOO)."""
+        batch = self.args.gpu_batch
+        self.table.add(
+            arch,
+            frozen,
+            f"Lightning, {label}",
+            batch,
+            readers,
+            lambda: run_epochs(self.config(arch, batch, frozen, self.workers, epochs, **more)),
+        )
+        if ray_too:
+            self.table.add(
+                arch,
+                frozen,
+                f"Ray TorchTrainer, {label}",
+                batch,
+                readers,
+                lambda: ray_epochs(
+                    self.config(arch, batch, frozen, self.workers, epochs, **more), self.work, self.cores
+                ),
+            )
+
+
+def section_mobilenet(run: GpuRun) -> None:
+    """The default model as a run trains it: its architecture, pretrained weights and image size from the settings'
+    defaults, in its own cache at that size; its eager and compiled limits, then the training path's GPU defaults in
+    Lightning and in Ray TorchTrainer, and Lightning with two loader processes."""
+    defaults = Settings.model_fields
+    arch, pretrained, size = (defaults[name].default for name in ("model_arch", "pretrained", "image_size"))
+    if not Path(weights_file(weights_of(arch, pretrained))).is_file():  # the same steps, from random weights
+        run.table.say(f"  {arch}: no {pretrained} weights file in torchvision's cache: trained from random weights")
+        pretrained = None
+    url = run.cache_at(size)
+    at_size = {"train_uri": url, "val_uri": url, "image_size": size, "pretrained": pretrained}
+    epochs = run.both_limits(arch, False, size=size)
+    workers = run.workers
+    run.path(arch, False, "compile, defaults", f"{workers}+p", epochs, ray_too=True, **at_size)
+    run.path(arch, False, "compile, 2 loader processes", f"{workers}+2p", epochs, loader_processes=2, **at_size)
+
+
+def section_goals(run: GpuRun) -> None:
+    """The rows with goals, most wanted first, for a device lent for minutes: the default model (mobilenet), the frozen
+    backbone's compiled limit and its path with one and two loader processes, the small CNN's eager limit and its path
+    with four, EfficientNet-B0 against its compiled limit, then ResNet-50 on JPEG photos decoded by nvJPEG."""
+    section_mobilenet(run)
+    workers = run.workers
+    epochs = run.both_limits("resnet50", True)
+    run.path("resnet50", True, "compile, defaults", f"{workers}+p", epochs)
+    run.path("resnet50", True, "compile, 2 loader processes", f"{workers}+2p", epochs, loader_processes=2)
+    epochs = run.both_limits("small_cnn", False, more_steps=10)
+    run.path(
+        "small_cnn", False, "eager, 4 loader processes", f"{workers}+4p", epochs, compile=False, loader_processes=4
+    )
+    epochs = run.both_limits("efficientnet_b0", False)
+    run.path("efficientnet_b0", False, "compile, defaults", f"{workers}+p", epochs)
+    jpeg_paths(run, [("resnet50", False)])
+
+
+def section_resnet50(run: GpuRun) -> None:
+    """1 and 2: the limit, then the project's path at the same batch."""
+    args, table, config, limits, loader_paths, workers = (
+        run.args,
+        run.table,
+        run.config,
+        run.limits,
+        run.loader_paths,
+        run.workers,
+    )
+    limits("resnet50", False, (128, 256))
+    loader_paths("resnet50", False, 256, workers)
+    epochs = epochs_for(table.limits.get(("resnet50", False, 256, False), 1000.0), args.images, args.seconds)
+    table.add(
+        "resnet50",
+        False,
+        "Lightning, metrics checked per step",
+        256,
+        workers,
+        lambda: run_epochs(config("resnet50", 256, False, workers, epochs, checked_metrics=True)),
+    )
+
+
+def section_frozen(run: GpuRun) -> None:
+    """3: transfer learning needs several times the rate: how many reader threads it takes."""
+    args, table, config, limits, loader_paths, work, cores = (
+        run.args,
+        run.table,
+        run.config,
+        run.limits,
+        run.loader_paths,
+        run.work,
+        run.cores,
+    )
+    limits("resnet50", True, (256,))
+    rates = {}
+    for threads in args.frozen_workers:
+        loader_paths("resnet50", True, 256, threads, ray_too=False)
+        rates[threads] = table.rows[-1]["rate"] if table.rows and table.rows[-1]["workers"] == threads else 0.0
+    if args.ray_everywhere:
+        best = max(rates, key=rates.get)
+        epochs = epochs_for(table.limits.get(("resnet50", True, 256, False), 1000.0), args.images, args.seconds)
         table.add(
             "resnet50",
+            True,
+            "Ray TorchTrainer, 1 GPU worker",
+            256,
+            best,
+            lambda: ray_epochs(config("resnet50", 256, True, best, epochs), work, cores),
+        )
+
+
+def section_small(run: GpuRun) -> None:
+    """4: the smaller models, so that users can pick."""
+    args, limits, loader_paths, workers = run.args, run.limits, run.loader_paths, run.workers
+    limits("resnet18", False, (256,))
+    loader_paths("resnet18", False, 256, workers, ray_too=args.ray_everywhere)
+    limits("small_cnn", False, (256,))
+    loader_paths("small_cnn", False, 256, workers, ray_too=args.ray_everywhere)
+
+
+def section_profile(run: GpuRun) -> None:
+    """Where a step of the project's path goes, host and GPU."""
+    args, table, config, workers = run.args, run.table, run.config, run.workers
+    epochs = epochs_for(table.limits.get(("resnet50", False, 256, False), 1000.0), args.images, args.seconds)
+    profile = str(Path(args.json).with_name("gpu-profile.txt")) if args.json else ""
+    table.add(
+        "resnet50",
+        False,
+        "Lightning, under torch.profiler",
+        256,
+        workers,
+        lambda: run_epochs(config("resnet50", 256, False, workers, epochs, profile=profile)),
+    )
+
+
+def section_compile(run: GpuRun) -> None:
+    """Torch.compile on the limit: does it raise the ceiling?."""
+    args, table, size = run.args, run.table, run.size
+    table.add(
+        "resnet50",
+        False,
+        "limit, torch.compile",
+        256,
+        None,
+        lambda: limit("resnet50", 256, size, False, args.steps, args.warmup + 10, compiled="default"),
+    )
+
+
+def section_ladder(run: GpuRun) -> None:
+    """ResNet-50's limit one step at a time: the optimizer's kernel, compile, CUDA graphs."""
+    args, table, size = run.args, run.table, run.size
+    steps, warm = args.steps, args.warmup
+    table.add(
+        "resnet50",
+        False,
+        "limit: AdamW foreach (eager)",
+        256,
+        None,
+        lambda: limit("resnet50", 256, size, False, steps, warm),
+    )
+    table.add(
+        "resnet50",
+        False,
+        "limit: AdamW fused (eager)",
+        256,
+        None,
+        lambda: limit("resnet50", 256, size, False, steps, warm, fused=True),
+    )
+    table.add(
+        "resnet50",
+        False,
+        "limit: fused, compile",
+        256,
+        None,
+        lambda: limit("resnet50", 256, size, False, steps, warm + 5, "default", True),
+    )
+    table.add(
+        "resnet50",
+        False,
+        "limit: fused, compile reduce-overhead",
+        256,
+        None,
+        lambda: limit("resnet50", 256, size, False, steps, warm + 5, "reduce-overhead", True),
+    )
+    table.add(
+        "tv_resnet50",
+        False,
+        "limit: fused (eager), torchvision",
+        256,
+        None,
+        lambda: limit("resnet50", 256, size, False, steps, warm, fused=True, zoo=True),
+    )
+
+
+def section_paths(run: GpuRun) -> None:
+    """The training path with the fused optimizer, then compiled, in Lightning and Ray Train."""
+    args, table, config, workers, work, cores = run.args, run.table, run.config, run.workers, run.work, run.cores
+    rate = table.limits.get(("resnet50", False, 256, True), table.limits.get(("resnet50", False, 256, False), 1000.0))
+    epochs = epochs_for(rate, args.images, args.seconds)
+    table.add(
+        "resnet50",
+        False,
+        "Lightning, fused AdamW",
+        256,
+        workers,
+        lambda: run_epochs(config("resnet50", 256, False, workers, epochs)),
+    )
+    table.add(
+        "resnet50",
+        False,
+        "Lightning, compile",
+        256,
+        workers,
+        lambda: run_epochs(config("resnet50", 256, False, workers, epochs, compile="default")),
+    )
+    table.add(
+        "resnet50",
+        False,
+        "Ray TorchTrainer, compile",
+        256,
+        workers,
+        lambda: ray_epochs(config("resnet50", 256, False, workers, epochs, compile="default"), work, cores),
+    )
+    table.add(
+        "resnet50",
+        False,
+        "Ray TorchTrainer, compile, 1 loader proc",
+        256,
+        f"{workers}+p",
+        lambda: ray_epochs(
+            config("resnet50", 256, False, workers, epochs, compile="default", loader_processes=1), work, cores
+        ),
+    )
+
+
+def section_loader(run: GpuRun) -> None:
+    """Reader threads in the training process against a loader process, where the loader limits."""
+    args, table, config, limits, size, workers, url = (
+        run.args,
+        run.table,
+        run.config,
+        run.limits,
+        run.size,
+        run.workers,
+        run.url,
+    )
+    for threads in (4, 8):
+        table.add(
+            "loader",
             False,
-            "Lightning, under torch.profiler",
+            "ShardBatches alone, threads",
+            256,
+            threads,
+            lambda threads=threads: loader_alone(url, size, 256, threads, 0),
+        )
+        table.add(
+            "loader",
+            False,
+            "ShardBatches alone, 1 process",
+            256,
+            f"{threads}+p",
+            lambda threads=threads: loader_alone(url, size, 256, threads, 1),
+        )
+    for arch, frozen in (("resnet50", True), ("small_cnn", False)):
+        limits(arch, frozen, (256,))
+        epochs = epochs_for(table.limits.get((arch, frozen, 256, False), 1000.0), args.images, args.seconds)
+        table.add(
+            arch,
+            frozen,
+            "Lightning, threads",
             256,
             workers,
-            lambda: run_epochs(config("resnet50", 256, False, workers, epochs, profile=profile)),
+            lambda arch=arch, frozen=frozen, epochs=epochs: run_epochs(config(arch, 256, frozen, workers, epochs)),
         )
-    if "compile" in sections:  # torch.compile on the limit: does it raise the ceiling?
         table.add(
-            "resnet50",
-            False,
-            "limit, torch.compile",
+            arch,
+            frozen,
+            "Lightning, 1 loader process",
             256,
-            None,
-            lambda: limit("resnet50", 256, size, False, args.steps, args.warmup + 10, compiled="default"),
+            f"{workers}+p",
+            lambda arch=arch, frozen=frozen, epochs=epochs: run_epochs(
+                config(arch, 256, frozen, workers, epochs, loader_processes=1)
+            ),
         )
-    if "ladder" in sections:  # ResNet-50's limit one step at a time: the optimizer's kernel, compile, CUDA graphs
-        steps, warm = args.steps, args.warmup
+
+
+def section_final(run: GpuRun) -> None:
+    """The training path's defaults on a GPU, against each model's eager and compiled limits."""
+    args, table, config, size, workers, work, cores, compiled_limit_then_ray = (
+        run.args,
+        run.table,
+        run.config,
+        run.size,
+        run.workers,
+        run.work,
+        run.cores,
+        run.compiled_limit_then_ray,
+    )
+    batch = args.gpu_batch
+
+    def defaults(arch: str, frozen: bool, baseline_too: bool) -> None:
+        epochs = epochs_for(table.limits.get((arch, frozen, batch, True), 1000.0), args.images, args.seconds)
+        # The defaults with a GPU: compiled, one loader process, the next epoch begun ahead.
         table.add(
-            "resnet50",
+            arch,
+            frozen,
+            "Lightning, compile, defaults",
+            batch,
+            f"{workers}+p",
+            lambda: run_epochs(config(arch, batch, frozen, workers, epochs)),
+        )
+        if baseline_too:
+            table.add(
+                arch,
+                frozen,
+                "Lightning, compile, no next epoch ahead",
+                batch,
+                f"{workers}+p",
+                lambda: run_epochs(config(arch, batch, frozen, workers, epochs, next_epoch_ahead=False)),
+            )
+
+    steps, warm = args.steps, args.warmup
+    table.add(
+        "resnet50",
+        False,
+        "limit: fused (eager)",
+        batch,
+        None,
+        lambda: limit("resnet50", batch, size, False, steps, warm, fused=True),
+    )
+    epochs = compiled_limit_then_ray()
+    defaults("resnet50", False, baseline_too=True)
+    for arch, frozen in (("resnet50", True), ("small_cnn", False)):
+        table.add(
+            arch,
+            frozen,
+            "limit: fused (eager)",
+            batch,
+            None,
+            lambda arch=arch, frozen=frozen: limit(arch, batch, size, frozen, steps, warm, fused=True),
+        )
+        table.add(
+            arch,
+            frozen,
+            "limit: fused, compile",
+            batch,
+            None,
+            lambda arch=arch, frozen=frozen: limit(arch, batch, size, frozen, steps, warm + 5, "default", True),
+        )
+        defaults(arch, frozen, baseline_too=False)
+    table.add(
+        "small_cnn",
+        False,
+        "Lightning, eager, threads",
+        batch,
+        workers,
+        lambda: run_epochs(
+            config(
+                "small_cnn",
+                batch,
+                False,
+                workers,
+                epochs_for(table.limits.get(("small_cnn", False, batch, False), 1000.0), args.images, args.seconds),
+                compile=False,
+                loader_processes=0,
+            )
+        ),
+    )
+    table.add(
+        "resnet50",
+        False,
+        "Ray TorchTrainer, compile, no next epoch ahead",
+        batch,
+        f"{workers}+p",
+        lambda: ray_epochs(config("resnet50", batch, False, workers, epochs, next_epoch_ahead=False), work, cores),
+    )
+
+
+def section_diagnose(run: GpuRun) -> None:
+    """Where the frozen backbone and the small CNN lose their steps: the loop, the loader, syncs."""
+    args, table, config, size, workers, url = run.args, run.table, run.config, run.size, run.workers, run.url
+    batch, steps, warm = args.gpu_batch, args.steps, args.warmup
+    on_gpu_steps = max(1, args.images // batch)
+    table.add(
+        "resnet50",
+        True,
+        "limit: fused, compile",
+        batch,
+        None,
+        lambda: limit("resnet50", batch, size, True, steps, warm + 5, "default", True),
+    )
+    epochs = epochs_for(table.limits.get(("resnet50", True, batch, True), 1000.0), args.images, args.seconds)
+    table.add(
+        "resnet50",
+        True,
+        "Lightning, compile, defaults",
+        batch,
+        f"{workers}+p",
+        lambda: run_epochs(config("resnet50", batch, True, workers, epochs)),
+    )
+    table.add(
+        "resnet50",
+        True,
+        "Lightning, compile, batches on the GPU",
+        batch,
+        None,
+        lambda: run_epochs(config("resnet50", batch, True, workers, epochs, gpu_batches=on_gpu_steps)),
+    )
+    table.add(
+        "resnet50",
+        True,
+        "Lightning, compile reduce-overhead",
+        batch,
+        f"{workers}+p",
+        lambda: run_epochs(config("resnet50", batch, True, workers, epochs, compile="reduce-overhead")),
+    )
+    profile = str(Path(args.json).with_name("gpu-profile-frozen.txt")) if args.json else ""
+    table.add(
+        "resnet50",
+        True,
+        "Lightning, compile, syncs watched, profiled",
+        batch,
+        f"{workers}+p",
+        lambda: run_epochs(config("resnet50", batch, True, workers, epochs, sync_watch=True, profile=profile)),
+    )
+    table.add(
+        "small_cnn",
+        False,
+        "limit: fused (eager)",
+        batch,
+        None,
+        lambda: limit("small_cnn", batch, size, False, steps, warm, fused=True),
+    )
+    epochs = epochs_for(table.limits.get(("small_cnn", False, batch, False), 1000.0) / 3, args.images, args.seconds)
+    table.add(
+        "small_cnn",
+        False,
+        "Lightning, eager, batches on the GPU",
+        batch,
+        None,
+        lambda: run_epochs(config("small_cnn", batch, False, workers, epochs, compile=False, gpu_batches=on_gpu_steps)),
+    )
+    for processes in (1, 2, 4):
+        table.add(
+            "loader",
             False,
-            "limit: AdamW foreach (eager)",
-            256,
-            None,
-            lambda: limit("resnet50", 256, size, False, steps, warm),
+            f"{processes} loader processes at once",
+            batch,
+            f"{workers}+{processes}p",
+            lambda processes=processes: loaders_together(url, size, batch, workers, processes),
         )
+    table.add(
+        "small_cnn",
+        False,
+        "Lightning, eager, 1 loader process",
+        batch,
+        f"{workers}+p",
+        lambda: run_epochs(config("small_cnn", batch, False, workers, epochs, compile=False)),
+    )
+    table.add(
+        "small_cnn",
+        False,
+        "Lightning, eager, syncs watched",
+        batch,
+        f"{workers}+p",
+        lambda: run_epochs(config("small_cnn", batch, False, workers, epochs, compile=False, sync_watch=True)),
+    )
+
+
+def section_targets(run: GpuRun) -> None:
+    """The frozen backbone and the small CNN against their limits, the per-step wait gone; more loader processes."""
+    args, table, config, size, workers = run.args, run.table, run.config, run.size, run.workers
+    batch, steps, warm = args.gpu_batch, args.steps, args.warmup
+    on_gpu_steps = max(1, args.images // batch)
+    table.add(
+        "resnet50",
+        True,
+        "limit: fused, compile",
+        batch,
+        None,
+        lambda: limit("resnet50", batch, size, True, steps, warm + 5, "default", True),
+    )
+    epochs = epochs_for(table.limits.get(("resnet50", True, batch, True), 1000.0), args.images, args.seconds)
+    table.add(
+        "resnet50",
+        True,
+        "Lightning, compile, batches on the GPU",
+        batch,
+        None,
+        lambda: run_epochs(config("resnet50", batch, True, workers, epochs, gpu_batches=on_gpu_steps)),
+    )
+    table.add(
+        "resnet50",
+        True,
+        "Lightning, compile, defaults",
+        batch,
+        f"{workers}+p",
+        lambda: run_epochs(config("resnet50", batch, True, workers, epochs)),
+    )
+    # The small CNN's steps are short: ten times the steps for a steady limit.
+    table.add(
+        "small_cnn",
+        False,
+        "limit: fused (eager)",
+        batch,
+        None,
+        lambda: limit("small_cnn", batch, size, False, 10 * steps, 2 * warm, fused=True),
+    )
+    epochs = epochs_for(table.limits.get(("small_cnn", False, batch, False), 1000.0) / 3, args.images, args.seconds)
+    table.add(
+        "small_cnn",
+        False,
+        "Lightning, eager, batches on the GPU",
+        batch,
+        None,
+        lambda: run_epochs(config("small_cnn", batch, False, workers, epochs, compile=False, gpu_batches=on_gpu_steps)),
+    )
+    for processes in (2, 4):
         table.add(
-            "resnet50",
+            "small_cnn",
             False,
-            "limit: AdamW fused (eager)",
-            256,
-            None,
-            lambda: limit("resnet50", 256, size, False, steps, warm, fused=True),
+            f"Lightning, eager, {processes} loader processes",
+            batch,
+            f"{workers}+{processes}p",
+            lambda processes=processes: run_epochs(
+                config("small_cnn", batch, False, workers, epochs, compile=False, loader_processes=processes)
+            ),
         )
+    table.add(
+        "resnet50",
+        True,
+        "Lightning, compile, 2 loader processes",
+        batch,
+        f"{workers}+2p",
+        lambda: run_epochs(
+            config(
+                "resnet50",
+                batch,
+                True,
+                workers,
+                epochs_for(table.limits.get(("resnet50", True, batch, True), 1000.0), args.images, args.seconds),
+                loader_processes=2,
+            )
+        ),
+    )
+
+
+def section_zoo_path(run: GpuRun) -> None:
+    """Torchvision's models in the training path, against their own limits."""
+    args, table, config, size, workers, work, cores, sections = (
+        run.args,
+        run.table,
+        run.config,
+        run.size,
+        run.workers,
+        run.work,
+        run.cores,
+        run.sections,
+    )
+    batch, steps, warm = args.gpu_batch, args.steps, args.warmup
+    for arch in ("efficientnet_b0", "vit_b_16"):
+        if "zoo-eager" in sections:
+            table.add(
+                arch,
+                False,
+                "limit: fused (eager)",
+                batch,
+                None,
+                lambda arch=arch: limit(arch, batch, size, False, steps, warm, fused=True),
+            )
         table.add(
-            "resnet50",
+            arch,
             False,
             "limit: fused, compile",
-            256,
+            batch,
             None,
-            lambda: limit("resnet50", 256, size, False, steps, warm + 5, "default", True),
+            lambda arch=arch: limit(arch, batch, size, False, steps, warm + 5, "default", True),
         )
+        epochs = epochs_for(table.limits.get((arch, False, batch, True), 1000.0), args.images, args.seconds)
         table.add(
-            "resnet50",
+            arch,
             False,
-            "limit: fused, compile reduce-overhead",
-            256,
-            None,
-            lambda: limit("resnet50", 256, size, False, steps, warm + 5, "reduce-overhead", True),
+            "Lightning, compile, defaults",
+            batch,
+            f"{workers}+p",
+            lambda arch=arch, epochs=epochs: run_epochs(config(arch, batch, False, workers, epochs)),
         )
+        if "zoo-ray" in sections:
+            table.add(
+                arch,
+                False,
+                "Ray TorchTrainer, compile, defaults",
+                batch,
+                f"{workers}+p",
+                lambda arch=arch, epochs=epochs: ray_epochs(config(arch, batch, False, workers, epochs), work, cores),
+            )
+
+
+def section_table(run: GpuRun) -> None:
+    """Every model: eager and compiled limits, then the training path in Lightning and Ray."""
+    args, table, config, size, workers, work, cores = (
+        run.args,
+        run.table,
+        run.config,
+        run.size,
+        run.workers,
+        run.work,
+        run.cores,
+    )
+    batch, steps, warm = args.gpu_batch, args.steps, args.warmup
+
+    both_limits, path = run.both_limits, run.path
+
+    # The small CNN's steps are short: ten times the steps for a steady limit. It is fed by several loader
+    # processes (loader_processes), compiled or not.
+    epochs = both_limits("small_cnn", False, more_steps=10)
+    for processes in args.small_processes:
+        path(
+            "small_cnn",
+            False,
+            f"eager, {processes} loader processes",
+            f"{workers}+{processes}p",
+            epochs,
+            compile=False,
+            loader_processes=processes,
+        )
+    # What Lightning's loop gives this model without any loader: one batch already on the GPU, again and again.
+    path(
+        "small_cnn",
+        False,
+        "eager, batches on the GPU",
+        "-",
+        epochs,
+        compile=False,
+        gpu_batches=args.images // batch,
+    )
+    small_epochs = epochs
+    epochs = both_limits("resnet50", False)
+    path("resnet50", False, "compile, defaults", f"{workers}+p", epochs, ray_too=True)
+    epochs = both_limits("resnet50", True)
+    path("resnet50", True, "compile, defaults", f"{workers}+p", epochs)
+    # One loader process made about 20,000 images/s alone (H100), under the frozen backbone's compiled limit.
+    for processes in args.frozen_processes:
+        path(
+            "resnet50",
+            True,
+            f"compile, {processes} loader processes",
+            f"{workers}+{processes}p",
+            epochs,
+            loader_processes=processes,
+        )
+    for arch in ("vit_b_16", "efficientnet_b0"):
+        epochs = both_limits(arch, False)
+        path(arch, False, "compile, defaults", f"{workers}+p", epochs)
+    path(
+        "small_cnn",
+        False,
+        f"compile, {args.small_processes[0]} loader processes",
+        f"{workers}+{args.small_processes[0]}p",
+        small_epochs,
+        loader_processes=args.small_processes[0],
+    )
+    # A larger batch spreads the loop's host work per step over more images: the small CNN at 4 times the batch,
+    # against its own limit at that batch.
+    big = 4 * batch
+    table.add(
+        "small_cnn",
+        False,
+        "limit: fused (eager)",
+        big,
+        None,
+        lambda: limit("small_cnn", big, size, False, 5 * steps, 5 * warm, None, True),
+    )
+    big_epochs = epochs_for(table.limits.get(("small_cnn", False, big, False), 1000.0), args.images, args.seconds)
+    table.add(
+        "small_cnn",
+        False,
+        f"Lightning, eager, {args.small_processes[0]} loader processes",
+        big,
+        f"{workers}+{args.small_processes[0]}p",
+        lambda: run_epochs(
+            config(
+                "small_cnn",
+                big,
+                False,
+                workers,
+                big_epochs,
+                compile=False,
+                loader_processes=args.small_processes[0],
+            )
+        ),
+    )
+    for arch, frozen in (("resnet50", True), ("vit_b_16", False), ("efficientnet_b0", False)):
+        rate = table.limits.get((arch, frozen, batch, True), 1000.0)
+        epochs = epochs_for(rate, args.images, args.seconds)
         table.add(
-            "tv_resnet50",
+            arch,
+            frozen,
+            "Ray TorchTrainer, compile, defaults",
+            batch,
+            f"{workers}+p",
+            lambda arch=arch, frozen=frozen, epochs=epochs: ray_epochs(
+                config(arch, batch, frozen, workers, epochs), work, cores
+            ),
+        )
+
+
+def section_ray(run: GpuRun) -> None:
+    """The Ray row of "final" alone, against the compiled limit."""
+    run.compiled_limit_then_ray()
+
+
+def section_jpeg(run: GpuRun) -> None:
+    """Cache bytes per image as raw pixels and as JPEG, and how fast each becomes a batch on the device."""
+    table, size = run.table, run.size
+    try:
+        jpeg_section(table, size)
+    except Exception as error:
+        table.failed += 1
+        table.say(f"JPEG section FAILED: {type(error).__name__}: {error}")
+
+
+def jpeg_paths(run: GpuRun, models: list[tuple[str, bool]]) -> None:
+    """The training path over real photos cached as raw pixels and as JPEG (cache_format), for each (arch, frozen) of
+    MODELS: raw pixels, JPEG decoded on the training device (nvJPEG on a GPU), JPEG decoded by 4 loader processes."""
+    args, table, config, workers = run.args, run.table, run.config, run.workers
+    batch = args.gpu_batch
+    caches = run.photo_caches()
+    for image_format, uri in caches.items():
+        files = list(Path(uri.removeprefix("file://")).parent.glob("*.parquet"))
+        per_image = sum(f.stat().st_size for f in files) / args.images
+        table.say(f"  photos, {image_format}: {per_image:,.0f} bytes/image")
+    paths = (
+        ("raw", "Lightning, compile, photos: raw", {}, f"{workers}+p"),
+        ("jpeg", "Lightning, compile, photos: JPEG, nvJPEG", {"jpeg_decode": "device"}, workers),
+        (
+            "jpeg",
+            "Lightning, compile, photos: JPEG, 4 loader processes",
+            {"jpeg_decode": "loader", "loader_processes": 4},
+            f"{workers}+4p",
+        ),
+    )
+    for arch, frozen in models:
+        epochs = epochs_for(table.limits.get((arch, frozen, batch, True), 1000.0), args.images, args.seconds)
+        for image_format, path, more, readers in paths:
+            uris = {"train_uri": caches[image_format], "val_uri": caches[image_format]}
+            table.add(
+                arch,
+                frozen,
+                path,
+                batch,
+                readers,
+                lambda arch=arch, frozen=frozen, more=more, uris=uris, epochs=epochs: run_epochs(
+                    {**config(arch, batch, frozen, workers, epochs, **more), **uris}
+                ),
+            )
+
+
+def section_jpeg_path(run: GpuRun) -> None:
+    """The training path over real photos cached as raw pixels and as JPEG, for the models of --jpeg-models."""
+    models = {"resnet50": ("resnet50", False), "frozen": ("resnet50", True), "small_cnn": ("small_cnn", False)}
+    jpeg_paths(run, [models[name] for name in run.args.jpeg_models])
+
+
+def section_zoo(run: GpuRun) -> None:
+    """Torchvision's models: what compile gives each."""
+    args, table, size = run.args, run.table, run.size
+    for arch in ("efficientnet_b0", "vit_b_16"):
+        table.add(
+            arch,
             False,
             "limit: fused (eager), torchvision",
             256,
             None,
-            lambda: limit("resnet50", 256, size, False, steps, warm, fused=True, zoo=True),
+            lambda arch=arch: limit(arch, 256, size, False, args.steps, args.warmup, fused=True, zoo=True),
         )
-    if "paths" in sections:  # the training path with the fused optimizer, then compiled, in Lightning and Ray Train
-        rate = table.limits.get(
-            ("resnet50", False, 256, True), table.limits.get(("resnet50", False, 256, False), 1000.0)
-        )
-        epochs = epochs_for(rate, args.images, args.seconds)
         table.add(
-            "resnet50",
+            arch,
             False,
-            "Lightning, fused AdamW",
+            "limit: fused, compile, torchvision",
             256,
-            workers,
-            lambda: run_epochs(config("resnet50", 256, False, workers, epochs)),
+            None,
+            lambda arch=arch: limit(arch, 256, size, False, args.steps, args.warmup + 5, "default", True, zoo=True),
         )
-        table.add(
-            "resnet50",
-            False,
-            "Lightning, compile",
-            256,
-            workers,
-            lambda: run_epochs(config("resnet50", 256, False, workers, epochs, compile="default")),
-        )
-        table.add(
-            "resnet50",
-            False,
-            "Ray TorchTrainer, compile",
-            256,
-            workers,
-            lambda: ray_epochs(config("resnet50", 256, False, workers, epochs, compile="default"), work, cores),
-        )
-        table.add(
-            "resnet50",
-            False,
-            "Ray TorchTrainer, compile, 1 loader proc",
-            256,
-            f"{workers}+p",
-            lambda: ray_epochs(
-                config("resnet50", 256, False, workers, epochs, compile="default", loader_processes=1), work, cores
-            ),
-        )
-    if "loader" in sections:  # reader threads in the training process against a loader process, where the loader limits
-        for threads in (4, 8):
-            table.add(
-                "loader",
-                False,
-                "ShardBatches alone, threads",
-                256,
-                threads,
-                lambda threads=threads: loader_alone(url, size, 256, threads, 0),
-            )
-            table.add(
-                "loader",
-                False,
-                "ShardBatches alone, 1 process",
-                256,
-                f"{threads}+p",
-                lambda threads=threads: loader_alone(url, size, 256, threads, 1),
-            )
-        for arch, frozen in (("resnet50", True), ("small_cnn", False)):
-            limits(arch, frozen, (256,))
-            epochs = epochs_for(table.limits.get((arch, frozen, 256, False), 1000.0), args.images, args.seconds)
-            table.add(
-                arch,
-                frozen,
-                "Lightning, threads",
-                256,
-                workers,
-                lambda arch=arch, frozen=frozen, epochs=epochs: run_epochs(config(arch, 256, frozen, workers, epochs)),
-            )
-            table.add(
-                arch,
-                frozen,
-                "Lightning, 1 loader process",
-                256,
-                f"{workers}+p",
-                lambda arch=arch, frozen=frozen, epochs=epochs: run_epochs(
-                    config(arch, 256, frozen, workers, epochs, loader_processes=1)
-                ),
-            )
-    if "final" in sections:  # the training path's defaults on a GPU, against each model's eager and compiled limits
-        batch = args.gpu_batch
 
-        def defaults(arch: str, frozen: bool, baseline_too: bool) -> None:
-            epochs = epochs_for(table.limits.get((arch, frozen, batch, True), 1000.0), args.images, args.seconds)
-            # The defaults with a GPU: compiled, one loader process, the next epoch begun ahead.
-            table.add(
-                arch,
-                frozen,
-                "Lightning, compile, defaults",
-                batch,
-                f"{workers}+p",
-                lambda: run_epochs(config(arch, batch, frozen, workers, epochs)),
-            )
-            if baseline_too:
-                table.add(
-                    arch,
-                    frozen,
-                    "Lightning, compile, no next epoch ahead",
-                    batch,
-                    f"{workers}+p",
-                    lambda: run_epochs(config(arch, batch, frozen, workers, epochs, next_epoch_ahead=False)),
-                )
 
-        steps, warm = args.steps, args.warmup
-        table.add(
-            "resnet50",
-            False,
-            "limit: fused (eager)",
-            batch,
-            None,
-            lambda: limit("resnet50", batch, size, False, steps, warm, fused=True),
-        )
-        epochs = compiled_limit_then_ray()
-        defaults("resnet50", False, baseline_too=True)
-        for arch, frozen in (("resnet50", True), ("small_cnn", False)):
-            table.add(
-                arch,
-                frozen,
-                "limit: fused (eager)",
-                batch,
-                None,
-                lambda arch=arch, frozen=frozen: limit(arch, batch, size, frozen, steps, warm, fused=True),
-            )
-            table.add(
-                arch,
-                frozen,
-                "limit: fused, compile",
-                batch,
-                None,
-                lambda arch=arch, frozen=frozen: limit(arch, batch, size, frozen, steps, warm + 5, "default", True),
-            )
-            defaults(arch, frozen, baseline_too=False)
-        table.add(
-            "small_cnn",
-            False,
-            "Lightning, eager, threads",
-            batch,
-            workers,
-            lambda: run_epochs(
-                config(
-                    "small_cnn",
-                    batch,
-                    False,
-                    workers,
-                    epochs_for(table.limits.get(("small_cnn", False, batch, False), 1000.0), args.images, args.seconds),
-                    compile=False,
-                    loader_processes=0,
-                )
-            ),
-        )
-        table.add(
-            "resnet50",
-            False,
-            "Ray TorchTrainer, compile, no next epoch ahead",
-            batch,
-            f"{workers}+p",
-            lambda: ray_epochs(config("resnet50", batch, False, workers, epochs, next_epoch_ahead=False), work, cores),
-        )
-    if (
-        "diagnose" in sections
-    ):  # where the frozen backbone and the small CNN lose their steps: the loop, the loader, syncs
-        batch, steps, warm = args.gpu_batch, args.steps, args.warmup
-        on_gpu_steps = max(1, args.images // batch)
-        table.add(
-            "resnet50",
-            True,
-            "limit: fused, compile",
-            batch,
-            None,
-            lambda: limit("resnet50", batch, size, True, steps, warm + 5, "default", True),
-        )
-        epochs = epochs_for(table.limits.get(("resnet50", True, batch, True), 1000.0), args.images, args.seconds)
-        table.add(
-            "resnet50",
-            True,
-            "Lightning, compile, defaults",
-            batch,
-            f"{workers}+p",
-            lambda: run_epochs(config("resnet50", batch, True, workers, epochs)),
-        )
-        table.add(
-            "resnet50",
-            True,
-            "Lightning, compile, batches on the GPU",
-            batch,
-            None,
-            lambda: run_epochs(config("resnet50", batch, True, workers, epochs, gpu_batches=on_gpu_steps)),
-        )
-        table.add(
-            "resnet50",
-            True,
-            "Lightning, compile reduce-overhead",
-            batch,
-            f"{workers}+p",
-            lambda: run_epochs(config("resnet50", batch, True, workers, epochs, compile="reduce-overhead")),
-        )
-        profile = str(Path(args.json).with_name("gpu-profile-frozen.txt")) if args.json else ""
-        table.add(
-            "resnet50",
-            True,
-            "Lightning, compile, syncs watched, profiled",
-            batch,
-            f"{workers}+p",
-            lambda: run_epochs(config("resnet50", batch, True, workers, epochs, sync_watch=True, profile=profile)),
-        )
-        table.add(
-            "small_cnn",
-            False,
-            "limit: fused (eager)",
-            batch,
-            None,
-            lambda: limit("small_cnn", batch, size, False, steps, warm, fused=True),
-        )
-        epochs = epochs_for(table.limits.get(("small_cnn", False, batch, False), 1000.0) / 3, args.images, args.seconds)
-        table.add(
-            "small_cnn",
-            False,
-            "Lightning, eager, batches on the GPU",
-            batch,
-            None,
-            lambda: run_epochs(
-                config("small_cnn", batch, False, workers, epochs, compile=False, gpu_batches=on_gpu_steps)
-            ),
-        )
-        for processes in (1, 2, 4):
-            table.add(
-                "loader",
-                False,
-                f"{processes} loader processes at once",
-                batch,
-                f"{workers}+{processes}p",
-                lambda processes=processes: loaders_together(url, size, batch, workers, processes),
-            )
-        table.add(
-            "small_cnn",
-            False,
-            "Lightning, eager, 1 loader process",
-            batch,
-            f"{workers}+p",
-            lambda: run_epochs(config("small_cnn", batch, False, workers, epochs, compile=False)),
-        )
-        table.add(
-            "small_cnn",
-            False,
-            "Lightning, eager, syncs watched",
-            batch,
-            f"{workers}+p",
-            lambda: run_epochs(config("small_cnn", batch, False, workers, epochs, compile=False, sync_watch=True)),
-        )
-    if (
-        "targets" in sections
-    ):  # the frozen backbone and the small CNN against their limits, the per-step wait gone; more loader processes
-        batch, steps, warm = args.gpu_batch, args.steps, args.warmup
-        on_gpu_steps = max(1, args.images // batch)
-        table.add(
-            "resnet50",
-            True,
-            "limit: fused, compile",
-            batch,
-            None,
-            lambda: limit("resnet50", batch, size, True, steps, warm + 5, "default", True),
-        )
-        epochs = epochs_for(table.limits.get(("resnet50", True, batch, True), 1000.0), args.images, args.seconds)
-        table.add(
-            "resnet50",
-            True,
-            "Lightning, compile, batches on the GPU",
-            batch,
-            None,
-            lambda: run_epochs(config("resnet50", batch, True, workers, epochs, gpu_batches=on_gpu_steps)),
-        )
-        table.add(
-            "resnet50",
-            True,
-            "Lightning, compile, defaults",
-            batch,
-            f"{workers}+p",
-            lambda: run_epochs(config("resnet50", batch, True, workers, epochs)),
-        )
-        # The small CNN's steps are short: ten times the steps for a steady limit.
-        table.add(
-            "small_cnn",
-            False,
-            "limit: fused (eager)",
-            batch,
-            None,
-            lambda: limit("small_cnn", batch, size, False, 10 * steps, 2 * warm, fused=True),
-        )
-        epochs = epochs_for(table.limits.get(("small_cnn", False, batch, False), 1000.0) / 3, args.images, args.seconds)
-        table.add(
-            "small_cnn",
-            False,
-            "Lightning, eager, batches on the GPU",
-            batch,
-            None,
-            lambda: run_epochs(
-                config("small_cnn", batch, False, workers, epochs, compile=False, gpu_batches=on_gpu_steps)
-            ),
-        )
-        for processes in (2, 4):
-            table.add(
-                "small_cnn",
-                False,
-                f"Lightning, eager, {processes} loader processes",
-                batch,
-                f"{workers}+{processes}p",
-                lambda processes=processes: run_epochs(
-                    config("small_cnn", batch, False, workers, epochs, compile=False, loader_processes=processes)
-                ),
-            )
-        table.add(
-            "resnet50",
-            True,
-            "Lightning, compile, 2 loader processes",
-            batch,
-            f"{workers}+2p",
-            lambda: run_epochs(
-                config(
-                    "resnet50",
-                    batch,
-                    True,
-                    workers,
-                    epochs_for(table.limits.get(("resnet50", True, batch, True), 1000.0), args.images, args.seconds),
-                    loader_processes=2,
-                )
-            ),
-        )
-    if "zoo-path" in sections:  # torchvision's models in the training path, against their own limits
-        batch, steps, warm = args.gpu_batch, args.steps, args.warmup
-        for arch in ("efficientnet_b0", "vit_b_16"):
-            if "zoo-eager" in sections:
-                table.add(
-                    arch,
-                    False,
-                    "limit: fused (eager)",
-                    batch,
-                    None,
-                    lambda arch=arch: limit(arch, batch, size, False, steps, warm, fused=True),
-                )
-            table.add(
-                arch,
-                False,
-                "limit: fused, compile",
-                batch,
-                None,
-                lambda arch=arch: limit(arch, batch, size, False, steps, warm + 5, "default", True),
-            )
-            epochs = epochs_for(table.limits.get((arch, False, batch, True), 1000.0), args.images, args.seconds)
-            table.add(
-                arch,
-                False,
-                "Lightning, compile, defaults",
-                batch,
-                f"{workers}+p",
-                lambda arch=arch, epochs=epochs: run_epochs(config(arch, batch, False, workers, epochs)),
-            )
-            if "zoo-ray" in sections:
-                table.add(
-                    arch,
-                    False,
-                    "Ray TorchTrainer, compile, defaults",
-                    batch,
-                    f"{workers}+p",
-                    lambda arch=arch, epochs=epochs: ray_epochs(
-                        config(arch, batch, False, workers, epochs), work, cores
-                    ),
-                )
-    if "table" in sections:  # every model: eager and compiled limits, then the training path in Lightning and Ray
-        batch, steps, warm = args.gpu_batch, args.steps, args.warmup
+# The table's sections in the order they run, whatever the order of --sections.
+SECTIONS: dict[str, Callable[[GpuRun], None]] = {
+    "goals": section_goals,
+    "mobilenet": section_mobilenet,
+    "resnet50": section_resnet50,
+    "frozen": section_frozen,
+    "small": section_small,
+    "profile": section_profile,
+    "compile": section_compile,
+    "ladder": section_ladder,
+    "paths": section_paths,
+    "loader": section_loader,
+    "final": section_final,
+    "diagnose": section_diagnose,
+    "targets": section_targets,
+    "zoo-path": section_zoo_path,
+    "table": section_table,
+    "ray": section_ray,
+    "jpeg": section_jpeg,
+    "jpeg-path": section_jpeg_path,
+    "zoo": section_zoo,
+}
+ZOO_PATH_OPTIONS = ("zoo-eager", "zoo-ray")  # not sections: rows zoo-path adds when they are named too
 
-        def both_limits(arch: str, frozen: bool, more_steps: int = 1) -> int:
-            """The eager and compiled limits; the epochs that make about --seconds at the faster of the two."""
-            for path, mode, warmup in (
-                ("limit: fused (eager)", None, warm),
-                ("limit: fused, compile", "default", warm + 5),
-            ):
-                table.add(
-                    arch,
-                    frozen,
-                    path,
-                    batch,
-                    None,
-                    lambda mode=mode, warmup=warmup: limit(
-                        arch, batch, size, frozen, more_steps * steps, more_steps * warmup, mode, True
-                    ),
-                )
-            rates = [table.limits.get((arch, frozen, batch, compiled), 1000.0) for compiled in (False, True)]
-            return epochs_for(max(rates), args.images, args.seconds)
 
-        def path(arch: str, frozen: bool, label: str, readers: str, epochs: int, ray_too: bool = False, **more: Any):
-            table.add(
-                arch,
-                frozen,
-                f"Lightning, {label}",
-                batch,
-                readers,
-                lambda: run_epochs(config(arch, batch, frozen, workers, epochs, **more)),
-            )
-            if ray_too:
-                table.add(
-                    arch,
-                    frozen,
-                    f"Ray TorchTrainer, {label}",
-                    batch,
-                    readers,
-                    lambda: ray_epochs(config(arch, batch, frozen, workers, epochs, **more), work, cores),
-                )
-
-        # The small CNN's steps are short: ten times the steps for a steady limit. It is fed by several loader
-        # processes (loader_processes), compiled or not.
-        epochs = both_limits("small_cnn", False, more_steps=10)
-        for processes in args.small_processes:
-            path(
-                "small_cnn",
-                False,
-                f"eager, {processes} loader processes",
-                f"{workers}+{processes}p",
-                epochs,
-                compile=False,
-                loader_processes=processes,
-            )
-        # What Lightning's loop gives this model without any loader: one batch already on the GPU, again and again.
-        path(
-            "small_cnn",
-            False,
-            "eager, batches on the GPU",
-            "-",
-            epochs,
-            compile=False,
-            gpu_batches=args.images // batch,
-        )
-        small_epochs = epochs
-        epochs = both_limits("resnet50", False)
-        path("resnet50", False, "compile, defaults", f"{workers}+p", epochs, ray_too=True)
-        epochs = both_limits("resnet50", True)
-        path("resnet50", True, "compile, defaults", f"{workers}+p", epochs)
-        # One loader process made about 20,000 images/s alone (H100), under the frozen backbone's compiled limit.
-        for processes in args.frozen_processes:
-            path(
-                "resnet50",
-                True,
-                f"compile, {processes} loader processes",
-                f"{workers}+{processes}p",
-                epochs,
-                loader_processes=processes,
-            )
-        for arch in ("vit_b_16", "efficientnet_b0"):
-            epochs = both_limits(arch, False)
-            path(arch, False, "compile, defaults", f"{workers}+p", epochs)
-        path(
-            "small_cnn",
-            False,
-            f"compile, {args.small_processes[0]} loader processes",
-            f"{workers}+{args.small_processes[0]}p",
-            small_epochs,
-            loader_processes=args.small_processes[0],
-        )
-        # A larger batch spreads the loop's host work per step over more images: the small CNN at 4 times the batch,
-        # against its own limit at that batch.
-        big = 4 * batch
-        table.add(
-            "small_cnn",
-            False,
-            "limit: fused (eager)",
-            big,
-            None,
-            lambda: limit("small_cnn", big, size, False, 5 * steps, 5 * warm, None, True),
-        )
-        big_epochs = epochs_for(table.limits.get(("small_cnn", False, big, False), 1000.0), args.images, args.seconds)
-        table.add(
-            "small_cnn",
-            False,
-            f"Lightning, eager, {args.small_processes[0]} loader processes",
-            big,
-            f"{workers}+{args.small_processes[0]}p",
-            lambda: run_epochs(
-                config(
-                    "small_cnn",
-                    big,
-                    False,
-                    workers,
-                    big_epochs,
-                    compile=False,
-                    loader_processes=args.small_processes[0],
-                )
-            ),
-        )
-        for arch, frozen in (("resnet50", True), ("vit_b_16", False), ("efficientnet_b0", False)):
-            rate = table.limits.get((arch, frozen, batch, True), 1000.0)
-            epochs = epochs_for(rate, args.images, args.seconds)
-            table.add(
-                arch,
-                frozen,
-                "Ray TorchTrainer, compile, defaults",
-                batch,
-                f"{workers}+p",
-                lambda arch=arch, frozen=frozen, epochs=epochs: ray_epochs(
-                    config(arch, batch, frozen, workers, epochs), work, cores
-                ),
-            )
-    if "ray" in sections:  # the Ray row of "final" alone, against the compiled limit
-        compiled_limit_then_ray()
-    if "jpeg" in sections:
-        try:
-            jpeg_section(table, size)
-        except Exception as error:
-            table.say(f"JPEG section FAILED: {type(error).__name__}: {error}")
-    if "jpeg-path" in sections:  # the training path over real photos cached as raw pixels and as JPEG (cache_format)
-        batch = args.gpu_batch
-        caches = write_photo_caches(work, args.images, size, args.files)
-        for image_format, uri in caches.items():
-            files = list(Path(uri.removeprefix("file://")).parent.glob("*.parquet"))
-            per_image = sum(f.stat().st_size for f in files) / args.images
-            table.say(f"  photos, {image_format}: {per_image:,.0f} bytes/image")
-        paths = (
-            ("raw", "Lightning, compile, photos: raw", {}, f"{workers}+p"),
-            ("jpeg", "Lightning, compile, photos: JPEG, nvJPEG", {"jpeg_decode": "device"}, workers),
-            (
-                "jpeg",
-                "Lightning, compile, photos: JPEG, 4 loader processes",
-                {"jpeg_decode": "loader", "loader_processes": 4},
-                f"{workers}+4p",
-            ),
-        )
-        models = {"resnet50": ("resnet50", False), "frozen": ("resnet50", True), "small_cnn": ("small_cnn", False)}
-        for arch, frozen in (models[name] for name in args.jpeg_models):
-            epochs = epochs_for(table.limits.get((arch, frozen, batch, True), 1000.0), args.images, args.seconds)
-            for image_format, path, more, readers in paths:
-                uris = {"train_uri": caches[image_format], "val_uri": caches[image_format]}
-                table.add(
-                    arch,
-                    frozen,
-                    path,
-                    batch,
-                    readers,
-                    lambda arch=arch, frozen=frozen, more=more, uris=uris, epochs=epochs: run_epochs(
-                        {**config(arch, batch, frozen, workers, epochs, **more), **uris}
-                    ),
-                )
-    if "zoo" in sections:  # torchvision's models: what compile gives each
-        for arch in ("efficientnet_b0", "vit_b_16"):
-            table.add(
-                arch,
-                False,
-                "limit: fused (eager), torchvision",
-                256,
-                None,
-                lambda arch=arch: limit(arch, 256, size, False, args.steps, args.warmup, fused=True, zoo=True),
-            )
-            table.add(
-                arch,
-                False,
-                "limit: fused, compile, torchvision",
-                256,
-                None,
-                lambda arch=arch: limit(arch, 256, size, False, args.steps, args.warmup + 5, "default", True, zoo=True),
-            )
+def gpu_table(args: argparse.Namespace, url: str, work: Path) -> int:
+    """The sections --sections names, in SECTIONS' order; how many rows failed."""
+    run = GpuRun(args, url, work)
+    # Ray's object store is unused here (the loader reads Parquet itself): a small one starts fast anywhere.
+    ray.init(
+        num_cpus=run.cores + 1,
+        num_gpus=int(run.gpu),
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        log_to_driver=False,
+        object_store_memory=2 * 2**30,
+    )
+    for name, section in SECTIONS.items():
+        if name in run.sections:
+            try:
+                section(run)
+            except Exception as error:  # outside a row (a cache written, say): the other sections still run
+                traceback.print_exc()
+                run.table.failed += 1
+                run.table.say(f"section {name} FAILED: {type(error).__name__}: {error}")
+    return run.table.failed
 
 
 def cpu_comparison(args: argparse.Namespace, url: str, work: Path) -> None:
@@ -1540,6 +1787,14 @@ def counts(text: str) -> list[int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gpu", action="store_true", help="the GPU table (needs one CUDA GPU)")
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help=(
+            "the GPU table's code on the CPU: every section (or those of --sections) on 64 images of 32 px, 2 steps "
+            "a limit, torch.compile off; exits 1 if a row fails"
+        ),
+    )
     parser.add_argument("--host", action="store_true", help="CPU: the host's time per Lightning step (no cache)")
     parser.add_argument("--host-steps", type=int, default=400, help="--host: steps an epoch")
     parser.add_argument("--repeats", type=int, default=3, help="--host: runs of each loop")
@@ -1552,10 +1807,11 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=6, help="CPU only")
     parser.add_argument(
         "--sections",
-        default="final",
+        type=lambda s: s.split(","),
         help=(
-            "GPU only: which parts of the table (also table, targets, diagnose, zoo-path, zoo-eager, zoo-ray, "
-            "jpeg-path; ladder, paths, loader, jpeg, zoo, resnet50, frozen, small, profile, compile: earlier tables')"
+            "GPU only: which parts of the table, comma-separated (default goals; also mobilenet, final, table, "
+            "targets, diagnose, zoo-path with zoo-eager and zoo-ray, jpeg-path; ladder, paths, loader, jpeg, zoo, "
+            "resnet50, frozen, small, profile, compile: earlier tables'; all: every one)"
         ),
     )
     parser.add_argument(
@@ -1606,18 +1862,40 @@ def main() -> None:
     if args.host:
         host_time(args)
         return
+    if args.dry_run:  # the table's code, at sizes a 2-core machine runs in minutes
+        args.gpu = True
+        args.images, args.size, args.files = args.images or 64, args.size or 32, 8  # 8 row groups: 4 loaders
+        args.loader_workers = args.loader_workers or 2
+        args.steps, args.warmup, args.seconds, args.gpu_batch = 2, 1, 0.01, 16
+        args.frozen_workers, args.small_processes, args.frozen_processes = [2], [1, 2], [1]
+        args.sections = args.sections or ["all"]
+        # Here and in Ray's workers (started after this, with this environment): models run as written.
+        os.environ["TORCH_COMPILE_DISABLE"] = "1"
+        torch.compiler.set_stance("force_eager")
     args.images = args.images or (16384 if args.gpu else 2048)
     args.size = args.size or (224 if args.gpu else 96)
     args.loader_workers = args.loader_workers or (8 if args.gpu else 2)
-    if args.gpu and not torch.cuda.is_available():
-        parser.error("--gpu: torch sees no CUDA GPU on this machine")
+    args.sections = args.sections or ["goals"]
+    if args.sections == ["all"]:  # goals runs mobilenet's rows first
+        args.sections = [*(name for name in SECTIONS if name != "mobilenet"), *ZOO_PATH_OPTIONS]
+    unknown = set(args.sections) - set(SECTIONS) - set(ZOO_PATH_OPTIONS)
+    if unknown:
+        parser.error(f"--sections: no section {', '.join(sorted(unknown))}; choose from {', '.join(SECTIONS)} or all")
+    if args.gpu and not args.dry_run and not torch.cuda.is_available():
+        parser.error("--gpu: torch sees no CUDA GPU on this machine (--dry-run runs the table's code on the CPU)")
     ShardBatches.PAGE_LOCK = not args.no_page_lock
     work = Path(tempfile.mkdtemp(prefix="imagelake-train-"))
     try:
         started = time.perf_counter()
         url = write_cache(work / "train", args.images, args.size, args.files)
         print(f"cache written in {time.perf_counter() - started:.1f} s", flush=True)
-        (gpu_table if args.gpu else cpu_comparison)(args, url, work)
+        if not args.gpu:
+            cpu_comparison(args, url, work)
+            return
+        failed = gpu_table(args, url, work)
+        print(f"the table took {time.perf_counter() - started:.0f} s; {failed} row(s) failed", flush=True)
+        if failed:
+            sys.exit(1)
     finally:
         ray.shutdown()
         shutil.rmtree(work, ignore_errors=True)
