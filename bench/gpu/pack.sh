@@ -32,11 +32,7 @@ rm -rf ray/jars ray/rllib ray/serve ray/llm ray/dashboard/client pyarrow/tests p
 find . -name "*.pyi" -delete
 cd - >/dev/null
 mkdir -p "$out"
-rm -f "$out"/part*.tar.xz "$out"/*.pth
+rm -f "$out"/part*.tar.xz
 (cd "$work/site" && tar -cf - ray ray-*.dist-info) | xz -9 -T0 >"$out/part1.tar.xz"
 (cd "$work/site" && tar -cf - --exclude=./ray --exclude='./ray-*.dist-info' .) | xz -9 -T0 >"$out/part2.tar.xz"
-# The default model's pretrained weights, as `make install` put them in torchvision's cache (run.sh points TORCH_HOME
-# at them), so that bench/train.py's default-model rows start from them as a run does; 14 MB, stored as they are.
-weights=$(.venv/bin/python -c "from imagelake.infra.settings import Settings as S; from imagelake.tasks.worker.model import weights_file, weights_of; d = S.model_fields; print(weights_file(weights_of(d['model_arch'].default, d['pretrained'].default)))")
-if [ -f "$weights" ]; then cp "$weights" "$out/"; else echo "no $weights: make install first; the default model then trains from random weights there"; fi
 ls -l "$out"

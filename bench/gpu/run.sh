@@ -61,11 +61,6 @@ PY
 # link folder, then the repository itself.
 code=$(python3 bench/checkout.py "$PWD") || exit 1
 export PYTHONPATH="$site:$code" PYTHONUNBUFFERED=1 RAY_USAGE_STATS_ENABLED=0 PYTHONWARNINGS=ignore
-# The default model's pretrained weights that pack.sh put beside the bundle, in a torchvision cache of their own.
-if ls bench/out/gpu/*.pth >/dev/null 2>&1; then
-  export TORCH_HOME=$site/torch
-  mkdir -p "$TORCH_HOME/hub/checkpoints" && cp bench/out/gpu/*.pth "$TORCH_HOME/hub/checkpoints/"
-fi
 mkdir -p "$results"
 {
   date -u +"%Y-%m-%d %H:%M UTC"
