@@ -814,11 +814,11 @@ class GpuRun:
             self.url, self.size, arch, batch, epochs, workers, gpu=self.gpu, freeze_backbone=frozen, **more
         )
 
-    def epochs(self, arch: str, frozen: bool, batch: int, compiled: bool) -> int:
-        """Epochs for about --seconds of steady training at the model's limit (1,000 images/s when not measured)."""
-        return epochs_for(
-            self.table.limits.get((arch, frozen, batch, compiled), 1000.0), self.args.images, self.args.seconds
-        )
+    def epochs(self, arch: str, frozen: bool, batch: int, compiled: bool, slower: float = 1) -> int:
+        """Epochs for about --seconds of steady training at the model's limit (1,000 images/s when not measured), or
+        at that limit over SLOWER."""
+        rate = self.table.limits.get((arch, frozen, batch, compiled), 1000.0) / slower
+        return epochs_for(rate, self.args.images, self.args.seconds)
 
     def limits(self, arch: str, frozen: bool, batches: tuple[int, ...]) -> None:
         for batch in batches:
@@ -853,18 +853,22 @@ class GpuRun:
                 lambda: ray_epochs(self.config(arch, batch, frozen, workers, epochs, **more), self.work, self.cores),
             )
 
+    def limit_row(self, arch: str, frozen: bool, compiled: bool, size: int | None = None, more_steps: int = 1) -> int:
+        """The model's eager or compiled limit at the run's batch (fused AdamW); the epochs for about --seconds at
+        it."""
+        batch, size = self.args.gpu_batch, size or self.size
+        steps = more_steps * self.args.steps
+        warmup = more_steps * (self.args.warmup + 5 if compiled else self.args.warmup)
+        path, mode = ("limit: fused, compile", "default") if compiled else ("limit: fused (eager)", None)
+        self.table.add(
+            arch, frozen, path, batch, None, lambda: limit(arch, batch, size, frozen, steps, warmup, mode, True)
+        )
+        return self.epochs(arch, frozen, batch, compiled)
+
     def compiled_limit_then_ray(self) -> int:
         """ResNet-50's compiled limit, then Ray TorchTrainer with the GPU defaults; the epochs it trained."""
-        batch, workers, args = self.args.gpu_batch, self.workers, self.args
-        self.table.add(
-            "resnet50",
-            False,
-            "limit: fused, compile",
-            batch,
-            None,
-            lambda: limit("resnet50", batch, self.size, False, args.steps, args.warmup + 5, "default", True),
-        )
-        epochs = self.epochs("resnet50", False, batch, True)
+        batch, workers = self.args.gpu_batch, self.workers
+        epochs = self.limit_row("resnet50", False, compiled=True)
         self.table.add(
             "resnet50",
             False,
@@ -877,22 +881,7 @@ class GpuRun:
 
     def both_limits(self, arch: str, frozen: bool, size: int | None = None, more_steps: int = 1) -> int:
         """The model's eager and compiled limits at the run's batch; the epochs for about --seconds at the faster."""
-        batch, steps, warm, size = self.args.gpu_batch, self.args.steps, self.args.warmup, size or self.size
-        for path, mode, warmup in (
-            ("limit: fused (eager)", None, warm),
-            ("limit: fused, compile", "default", warm + 5),
-        ):
-            self.table.add(
-                arch,
-                frozen,
-                path,
-                batch,
-                None,
-                lambda mode=mode, warmup=warmup: limit(
-                    arch, batch, size, frozen, more_steps * steps, more_steps * warmup, mode, True
-                ),
-            )
-        return max(self.epochs(arch, frozen, batch, compiled) for compiled in (False, True))
+        return max(self.limit_row(arch, frozen, compiled, size, more_steps) for compiled in (False, True))
 
     def path(
         self, arch: str, frozen: bool, label: str, readers: str, epochs: int, ray_too: bool = False, **more: Any
@@ -964,8 +953,7 @@ def section_goals(run: GpuRun) -> None:
 
 def section_resnet50(run: GpuRun) -> None:
     """1 and 2: the limit, then the project's path at the same batch."""
-    args, table, config, limits, loader_paths, workers = (
-        run.args,
+    table, config, limits, loader_paths, workers = (
         run.table,
         run.config,
         run.limits,
@@ -974,7 +962,7 @@ def section_resnet50(run: GpuRun) -> None:
     )
     limits("resnet50", False, (128, 256))
     loader_paths("resnet50", False, 256, workers)
-    epochs = epochs_for(table.limits.get(("resnet50", False, 256, False), 1000.0), args.images, args.seconds)
+    epochs = run.epochs("resnet50", False, 256, False)
     table.add(
         "resnet50",
         False,
@@ -1003,7 +991,7 @@ def section_frozen(run: GpuRun) -> None:
         rates[threads] = table.rows[-1]["rate"] if table.rows and table.rows[-1]["workers"] == threads else 0.0
     if args.ray_everywhere:
         best = max(rates, key=rates.get)
-        epochs = epochs_for(table.limits.get(("resnet50", True, 256, False), 1000.0), args.images, args.seconds)
+        epochs = run.epochs("resnet50", True, 256, False)
         table.add(
             "resnet50",
             True,
@@ -1026,7 +1014,7 @@ def section_small(run: GpuRun) -> None:
 def section_profile(run: GpuRun) -> None:
     """Where a step of the project's path goes, host and GPU."""
     args, table, config, workers = run.args, run.table, run.config, run.workers
-    epochs = epochs_for(table.limits.get(("resnet50", False, 256, False), 1000.0), args.images, args.seconds)
+    epochs = run.epochs("resnet50", False, 256, False)
     profile = str(Path(args.json).with_name("gpu-profile.txt")) if args.json else ""
     table.add(
         "resnet50",
@@ -1140,8 +1128,7 @@ def section_paths(run: GpuRun) -> None:
 
 def section_loader(run: GpuRun) -> None:
     """Reader threads in the training process against a loader process, where the loader limits."""
-    args, table, config, limits, size, workers, url = (
-        run.args,
+    table, config, limits, size, workers, url = (
         run.table,
         run.config,
         run.limits,
@@ -1168,7 +1155,7 @@ def section_loader(run: GpuRun) -> None:
         )
     for arch, frozen in (("resnet50", True), ("small_cnn", False)):
         limits(arch, frozen, (256,))
-        epochs = epochs_for(table.limits.get((arch, frozen, 256, False), 1000.0), args.images, args.seconds)
+        epochs = run.epochs(arch, frozen, 256, False)
         table.add(
             arch,
             frozen,
@@ -1204,7 +1191,7 @@ def section_final(run: GpuRun) -> None:
     batch = args.gpu_batch
 
     def defaults(arch: str, frozen: bool, baseline_too: bool) -> None:
-        epochs = epochs_for(table.limits.get((arch, frozen, batch, True), 1000.0), args.images, args.seconds)
+        epochs = run.epochs(arch, frozen, batch, True)
         # The defaults with a GPU: compiled, one loader process, the next epoch begun ahead.
         table.add(
             arch,
@@ -1265,7 +1252,7 @@ def section_final(run: GpuRun) -> None:
                 batch,
                 False,
                 workers,
-                epochs_for(table.limits.get(("small_cnn", False, batch, False), 1000.0), args.images, args.seconds),
+                run.epochs("small_cnn", False, batch, False),
                 compile=False,
                 loader_processes=0,
             )
@@ -1286,15 +1273,7 @@ def section_diagnose(run: GpuRun) -> None:
     args, table, config, size, workers, url = run.args, run.table, run.config, run.size, run.workers, run.url
     batch, steps, warm = args.gpu_batch, args.steps, args.warmup
     on_gpu_steps = max(1, args.images // batch)
-    table.add(
-        "resnet50",
-        True,
-        "limit: fused, compile",
-        batch,
-        None,
-        lambda: limit("resnet50", batch, size, True, steps, warm + 5, "default", True),
-    )
-    epochs = epochs_for(table.limits.get(("resnet50", True, batch, True), 1000.0), args.images, args.seconds)
+    epochs = run.limit_row("resnet50", True, compiled=True)
     table.add(
         "resnet50",
         True,
@@ -1336,7 +1315,7 @@ def section_diagnose(run: GpuRun) -> None:
         None,
         lambda: limit("small_cnn", batch, size, False, steps, warm, fused=True),
     )
-    epochs = epochs_for(table.limits.get(("small_cnn", False, batch, False), 1000.0) / 3, args.images, args.seconds)
+    epochs = run.epochs("small_cnn", False, batch, False, slower=3)
     table.add(
         "small_cnn",
         False,
@@ -1377,15 +1356,7 @@ def section_targets(run: GpuRun) -> None:
     args, table, config, size, workers = run.args, run.table, run.config, run.size, run.workers
     batch, steps, warm = args.gpu_batch, args.steps, args.warmup
     on_gpu_steps = max(1, args.images // batch)
-    table.add(
-        "resnet50",
-        True,
-        "limit: fused, compile",
-        batch,
-        None,
-        lambda: limit("resnet50", batch, size, True, steps, warm + 5, "default", True),
-    )
-    epochs = epochs_for(table.limits.get(("resnet50", True, batch, True), 1000.0), args.images, args.seconds)
+    epochs = run.limit_row("resnet50", True, compiled=True)
     table.add(
         "resnet50",
         True,
@@ -1411,7 +1382,7 @@ def section_targets(run: GpuRun) -> None:
         None,
         lambda: limit("small_cnn", batch, size, False, 10 * steps, 2 * warm, fused=True),
     )
-    epochs = epochs_for(table.limits.get(("small_cnn", False, batch, False), 1000.0) / 3, args.images, args.seconds)
+    epochs = run.epochs("small_cnn", False, batch, False, slower=3)
     table.add(
         "small_cnn",
         False,
@@ -1443,7 +1414,7 @@ def section_targets(run: GpuRun) -> None:
                 batch,
                 True,
                 workers,
-                epochs_for(table.limits.get(("resnet50", True, batch, True), 1000.0), args.images, args.seconds),
+                run.epochs("resnet50", True, batch, True),
                 loader_processes=2,
             )
         ),
@@ -1481,7 +1452,7 @@ def section_zoo_path(run: GpuRun) -> None:
             None,
             lambda arch=arch: limit(arch, batch, size, False, steps, warm + 5, "default", True),
         )
-        epochs = epochs_for(table.limits.get((arch, False, batch, True), 1000.0), args.images, args.seconds)
+        epochs = run.epochs(arch, False, batch, True)
         table.add(
             arch,
             False,
@@ -1576,7 +1547,7 @@ def section_table(run: GpuRun) -> None:
         None,
         lambda: limit("small_cnn", big, size, False, 5 * steps, 5 * warm, None, True),
     )
-    big_epochs = epochs_for(table.limits.get(("small_cnn", False, big, False), 1000.0), args.images, args.seconds)
+    big_epochs = run.epochs("small_cnn", False, big, False)
     table.add(
         "small_cnn",
         False,
@@ -1596,8 +1567,7 @@ def section_table(run: GpuRun) -> None:
         ),
     )
     for arch, frozen in (("resnet50", True), ("vit_b_16", False), ("efficientnet_b0", False)):
-        rate = table.limits.get((arch, frozen, batch, True), 1000.0)
-        epochs = epochs_for(rate, args.images, args.seconds)
+        epochs = run.epochs(arch, frozen, batch, True)
         table.add(
             arch,
             frozen,
@@ -1646,7 +1616,7 @@ def jpeg_paths(run: GpuRun, models: list[tuple[str, bool]]) -> None:
         ),
     )
     for arch, frozen in models:
-        epochs = epochs_for(table.limits.get((arch, frozen, batch, True), 1000.0), args.images, args.seconds)
+        epochs = run.epochs(arch, frozen, batch, True)
         for image_format, path, more, readers in paths:
             uris = {"train_uri": caches[image_format], "val_uri": caches[image_format]}
             table.add(
