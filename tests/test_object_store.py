@@ -63,8 +63,9 @@ def test_the_whole_pipeline_runs_on_s3_and_a_rerun_is_cached(
     settings = [
         f"workspace={tmp_path / 'ws'}",
         "image_size=32",
-        "max_epochs=2",
-        "num_workers=2",
+        # One epoch on one worker: where a checkpoint lands does not depend on how many there are.
+        "max_epochs=1",
+        "num_workers=1",
         "batch_size=16",
         "model_name=s3-digits",
         f"table_root=s3://{bucket}/tables",
