@@ -238,6 +238,41 @@ def _cmdline(process: psutil.Process) -> list[str]:
         return []
 
 
+# First of the module (the `alone` part runs its tests in file order): most of this test is the automation's wait for
+# missed heartbeats, with nothing of its own running, while the cluster and load tests use both cores.
+def test_a_run_whose_worker_and_process_vanish_is_marked_crashed_by_the_heartbeat_automation(
+    deployed: Deployed, workers: list[Worker]
+) -> None:
+    worker = deployed.start_worker("vanished")
+    workers.append(worker)
+    flow_run = deployed.submit(**LONG_RUN)
+    wait_until_stage_runs(deployed, worker, flow_run, "resize")
+    engine = [p for p in worker.run_processes() if "prefect.engine" in _cmdline(p)]
+    assert len(engine) == 1, describe(worker.run_processes())
+    assert engine[0].environ().get("PREFECT_FLOWS_HEARTBEAT_FREQUENCY") == str(HEARTBEAT_SECONDS), (
+        "the run beats as often as the automation expects"
+    )
+
+    started = time.monotonic()
+    os.killpg(worker.process.pid, signal.SIGKILL)
+    engine[0].kill()  # as if the machine went: nothing is left to report the run's end
+    worker.process.wait(10)
+    wait_for(
+        "Spark's JVM and daemons gone with the flow-run process", lambda: not marked(worker.marker), timeout=STOP_BOUND
+    )
+    gone_after = time.monotonic() - started
+    bound = (
+        HEARTBEAT_SECONDS * (MISSED_HEARTBEATS + 1) + 30
+    )  # the last beat may be a period old, and the trigger is checked every few s
+    final = deployed.wait_final(flow_run.id, timeout=bound)
+    print(
+        f"\nworker and flow-run process killed: processes gone after {gone_after:.1f} s, run {final.name} "
+        f"after {time.monotonic() - started:.1f} s"
+    )
+    assert final.is_crashed(), repr(final)
+    assert "heartbeat" in (final.message or ""), final.message
+
+
 @pytest.mark.parametrize("stage", ["resize", "train"])
 def test_a_cancel_stops_spark_and_ray_within_30_s_and_the_run_ends_cancelled(
     deployed: Deployed, workers: list[Worker], stage: str
@@ -337,39 +372,6 @@ def test_a_run_whose_worker_is_killed_ends_crashed_and_a_rerun_resumes_from_the_
     assert [run.info.run_id for run in trainings] == [summary["mlflow_run_id"]], (
         "one MLflow run: the killed training, resumed"
     )
-
-
-def test_a_run_whose_worker_and_process_vanish_is_marked_crashed_by_the_heartbeat_automation(
-    deployed: Deployed, workers: list[Worker]
-) -> None:
-    worker = deployed.start_worker("vanished")
-    workers.append(worker)
-    flow_run = deployed.submit(**LONG_RUN)
-    wait_until_stage_runs(deployed, worker, flow_run, "resize")
-    engine = [p for p in worker.run_processes() if "prefect.engine" in _cmdline(p)]
-    assert len(engine) == 1, describe(worker.run_processes())
-    assert engine[0].environ().get("PREFECT_FLOWS_HEARTBEAT_FREQUENCY") == str(HEARTBEAT_SECONDS), (
-        "the run beats as often as the automation expects"
-    )
-
-    started = time.monotonic()
-    os.killpg(worker.process.pid, signal.SIGKILL)
-    engine[0].kill()  # as if the machine went: nothing is left to report the run's end
-    worker.process.wait(10)
-    wait_for(
-        "Spark's JVM and daemons gone with the flow-run process", lambda: not marked(worker.marker), timeout=STOP_BOUND
-    )
-    gone_after = time.monotonic() - started
-    bound = (
-        HEARTBEAT_SECONDS * (MISSED_HEARTBEATS + 1) + 30
-    )  # the last beat may be a period old, and the trigger is checked every few s
-    final = deployed.wait_final(flow_run.id, timeout=bound)
-    print(
-        f"\nworker and flow-run process killed: processes gone after {gone_after:.1f} s, run {final.name} "
-        f"after {time.monotonic() - started:.1f} s"
-    )
-    assert final.is_crashed(), repr(final)
-    assert "heartbeat" in (final.message or ""), final.message
 
 
 def test_crash_detection_is_set_up_once_and_refuses_settings_that_would_crash_healthy_runs(deployed: Deployed) -> None:

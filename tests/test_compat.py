@@ -44,6 +44,39 @@ def test_load_jvm_class_finds_spark_and_raises_for_missing(spark) -> None:
         compat.load_jvm_class(spark, "io.imagelake.NoSuchClass")
 
 
+def test_the_suite_s_spark_compiles_no_class_for_a_new_query(spark) -> None:
+    """The suite's own Spark settings (tests/conftest.py's SUITE_SPARK_CONF, given to every driver it starts): with
+    the internal factoryMode=NO_CODEGEN and whole-stage code generation off, a projection and a filter unlike any query
+    before them compile no Java class, where Spark's defaults compile some, and both answer the same."""
+    import random
+
+    from tests.conftest import SUITE_SPARK_CONF
+
+    conf = spark.sparkContext.getConf()
+    assert {key: conf.get(key) for key in SUITE_SPARK_CONF} == SUITE_SPARK_CONF, "PYSPARK_SUBMIT_ARGS set elsewhere?"
+    compiled = spark._jvm.org.apache.spark.metrics.source.CodegenMetrics.METRIC_COMPILATION_TIME()  # noqa: SLF001
+
+    def query(settings: dict[str, str]) -> tuple[int, list[int]]:
+        """Classes compiled for a new query under SETTINGS, and its answer."""
+        saved = {key: spark.conf.get(key) for key in settings}
+        for key, value in settings.items():
+            spark.conf.set(key, value)
+        try:
+            factor = random.randrange(2, 1 << 30)  # a literal of its own: no class made for an earlier query fits
+            before = compiled.getCount()
+            rows = spark.range(40).selectExpr(f"id * {factor} AS x").where(f"x % {factor} = 0 AND x > {factor}")
+            answer = [row.x // factor for row in rows.collect()]
+            return compiled.getCount() - before, answer
+        finally:
+            for key, value in saved.items():
+                spark.conf.set(key, value)
+
+    suite, answer = query(SUITE_SPARK_CONF)
+    defaults, same = query({"spark.sql.codegen.wholeStage": "true", "spark.sql.codegen.factoryMode": "FALLBACK"})
+    assert (suite, answer) == (0, list(range(2, 40))), f"{suite} classes compiled"
+    assert defaults > 0 and same == answer, "Spark's defaults compile the query's classes"
+
+
 # --- petastorm -------------------------------------------------------------------------------
 
 
