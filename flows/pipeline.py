@@ -90,8 +90,9 @@ FORM_SETTINGS = (
 )
 
 
-def form_model() -> type[BaseModel]:
-    """RunParameters: the source, the form's settings as Settings declares them, a settings file and refresh."""
+def form_model(name: str, doc: str, extra: dict[str, Any] | None = None, module: str = __name__) -> type[BaseModel]:
+    """The model NAME (of MODULE) of a form run from the Prefect UI: the source, then EXTRA fields ({name: (type,
+    default or Field)}), the form's settings as Settings declares them, a settings file and refresh."""
     fields: dict[str, Any] = {
         "source": (
             str,
@@ -101,10 +102,11 @@ def form_model() -> type[BaseModel]:
                 description="Folder or URI of images laid out as [date=YYYY-MM-DD/]<label>/<file>",
             ),
         ),
+        **(extra or {}),
     }
-    for name in FORM_SETTINGS:
-        declared = Settings.model_fields[name]
-        fields[name] = (declared.annotation, declared)
+    for setting in FORM_SETTINGS:
+        declared = Settings.model_fields[setting]
+        fields[setting] = (declared.annotation, declared)
     fields["config_file"] = (
         str | None,
         Field(default=None, description="Settings file on the worker; these fields override it"),
@@ -113,22 +115,28 @@ def form_model() -> type[BaseModel]:
         bool,
         Field(default=False, description="Recompute every stage even where a stored result fits"),
     )
-    model = create_model("RunParameters", __module__=__name__, **fields)
-    model.__doc__ = (
-        "What the Prefect UI's form asks for an ad-hoc run: typed, with defaults, validated before any work starts."
-    )
+    model = create_model(name, __module__=module, **fields)
+    model.__doc__ = doc
     return model
 
 
-RunParameters = form_model()
+def form_overrides(params: BaseModel) -> dict[str, Any]:
+    """The settings a form run sets (its FORM_SETTINGS fields), checked against the run policy: the form's flow runs
+    its work as a subflow run, which is not the deployment's run that check_run_parameters looks for."""
+    overrides = params.model_dump(include=set(FORM_SETTINGS), exclude_none=True, mode="json")
+    check_run_parameters(params.config_file, overrides)  # type: ignore[attr-defined]
+    return overrides
+
+
+RunParameters = form_model(
+    "RunParameters",
+    "What the Prefect UI's form asks for an ad-hoc run: typed, with defaults, validated before any work starts.",
+)
 FORM_DEFAULTS = RunParameters()  # the ad-hoc form as it first shows: every field at its default
 
 
 @imagelake_flow("imagelake-adhoc")
 def adhoc(params: RunParameters = FORM_DEFAULTS) -> dict[str, Any]:  # type: ignore[valid-type]
     """An ad-hoc run from the Prefect UI: the pipeline with the form's values."""
-    overrides = params.model_dump(exclude={"source", "config_file", "refresh"}, exclude_none=True, mode="json")
-    check_run_parameters(
-        params.config_file, overrides
-    )  # here: the pipeline below is a subflow run, not a deployment run
+    overrides = form_overrides(params)
     return pipeline(source=params.source, config_file=params.config_file, overrides=overrides, refresh=params.refresh)

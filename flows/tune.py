@@ -7,11 +7,11 @@ from typing import Annotated, Any
 
 from pydantic import Field
 
-from imagelake.flows.flow import check_weights, imagelake_flow, run_settings
-from imagelake.flows.pipeline import land
+from imagelake.flows.flow import check_weights, imagelake_flow, resolved_signature, run_settings
+from imagelake.flows.pipeline import form_model, form_overrides, land
 from imagelake.infra.prefect_env import stage_results
 from imagelake.infra.settings import load_settings
-from imagelake.tasks.rules.tuning import DEFAULT_SPACE, check_space, read_space
+from imagelake.tasks.rules.tuning import DEFAULT_SPACE, check_space, read_space, space_from_text
 from imagelake.tasks.stages.cache import cache
 from imagelake.tasks.stages.promote import promote as promote_stage
 from imagelake.tasks.stages.split import split
@@ -70,3 +70,48 @@ def search_space(space: dict[str, Any] | None, space_file: str | None, image_siz
     if space_file:
         return check_space(read_space(space_file), image_size, f"the search space file {space_file}")
     return check_space(DEFAULT_SPACE, image_size, "the default search space")
+
+
+# The search's own fields of the tune deployment's form, as tune_flow declares them (types, defaults, limits), and the
+# space as text: the Prefect UI has no input for a free-form mapping, so a form run writes it as YAML or JSON.
+FORM_SEARCH = ("trials", "space_file", "time_budget_s", "promote")
+SPACE_TEXT = Field(
+    default="",
+    description="Search space as YAML or JSON text, e.g. {base_lr: {loguniform: [0.0001, 0.01]}, augment: "
+    "{choice: [none, light]}} (docs/training.md); empty: the default space",
+)
+
+
+def tune_form_model() -> type:
+    """TuneParameters: the source, the search's fields, the form's settings (flows/pipeline.py:form_model)."""
+    declared = resolved_signature(tune_flow).parameters
+    extra: dict[str, Any] = {"trials": (declared["trials"].annotation, declared["trials"].default)}
+    extra["space"] = (str, SPACE_TEXT)
+    extra.update({name: (declared[name].annotation, declared[name].default) for name in FORM_SEARCH[1:]})
+    return form_model(
+        "TuneParameters",
+        "What the Prefect UI's form asks for a search: its trials, space and budget, and the run's settings as the "
+        "ad-hoc form has them.",
+        extra,
+        module=__name__,
+    )
+
+
+TuneParameters = tune_form_model()
+TUNE_FORM_DEFAULTS = TuneParameters()
+
+
+@imagelake_flow("imagelake-tune-adhoc")
+def tune_adhoc(params: TuneParameters = TUNE_FORM_DEFAULTS) -> dict[str, Any]:  # type: ignore[valid-type]
+    """A search from the Prefect UI: tune_flow with the form's values, its space read from the form's text."""
+    overrides = form_overrides(params)
+    text = params.space.strip()
+    space = space_from_text(text, "the form's search space (`space`)") if text else None
+    return tune_flow(
+        source=params.source,
+        **{name: getattr(params, name) for name in FORM_SEARCH},
+        space=space,
+        config_file=params.config_file,
+        overrides=overrides,
+        refresh=params.refresh,
+    )

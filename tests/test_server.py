@@ -80,8 +80,8 @@ class Deployed:
             ids += frontier
         return ids
 
-    def wait_for_run(self, flow_run_id: str, timeout: float = RUN_TIMEOUT) -> dict:
-        """Poll the run until it is in a terminal state; fail with its logs and the worker's if it is not Completed."""
+    def wait_for_run(self, flow_run_id: str, timeout: float = RUN_TIMEOUT, ends: str = "COMPLETED") -> dict:
+        """Poll the run until it is in a terminal state; fail with its logs and the worker's if it is not in ENDS."""
         started = time.monotonic()
         while True:
             run = self.api.get(f"/flow_runs/{flow_run_id}").json()
@@ -92,7 +92,7 @@ class Deployed:
             f"flow run {run['name']} {run['state_type']} after {time.monotonic() - started:.0f} s (run time "
             f"{run['total_run_time']:.0f} s)"
         )
-        assert run["state_type"] == "COMPLETED", (
+        assert run["state_type"] == ends, (
             f"flow run {run['name']} is {run['state_name']} after {time.monotonic() - started:.0f} s\n"
             f"--- run logs ---\n{self.logs(self.family(flow_run_id))[-6000:]}\n--- worker log "
             f"---\n{self.worker_log.read_text()[-4000:]}"
@@ -507,6 +507,7 @@ def test_a_custom_run_from_the_prefect_ui_form(chromium: Path, deployed: Deploye
                 1_000
             )  # the run graph is painted on a canvas after its data arrives: nothing in the DOM says when
             page.screenshot(path=shots / "2-completed-run.png")
+            tune_run = submit_tune_form(page, deployed, shots)
         finally:
             browser.close()
 
@@ -517,10 +518,52 @@ def test_a_custom_run_from_the_prefect_ui_form(chromium: Path, deployed: Deploye
     expected = custom_run_body(adhoc, run["parameters"], sent["name"])
     assert sent == expected
 
+    # The search's form: its space, typed as text, reached the flow, which read it and refused a value no run may set
+    # before any stage ran, naming the setting.
+    assert tune_run["deployment_id"] == deployed.deployment("imagelake-tune-adhoc", "tune")["id"], tune_run
+    logs = deployed.logs(deployed.family(tune_run["id"]))
+    assert "batch_size=100000 (a run may set at most 1024)" in logs and "the run's `space` parameter" in logs, logs[
+        -3000:
+    ]
+    assert "ingest: started" not in logs, logs[-3000:]
+
     published = os.environ.get("IMAGELAKE_SCREENSHOT_DIR")
     if published:
         Path(published).mkdir(parents=True, exist_ok=True)
         shutil.copy(shots / "2-completed-run.png", Path(published) / "prefect-ui-custom-run.png")
+
+
+# A space a run may not set: the flow refuses it before any stage, so the form's run ends in seconds.
+TUNE_SPACE = "{batch_size: {choice: [16, 100000]}, augment: {choice: [none, light]}}"
+
+
+def submit_tune_form(page, deployed: Deployed, shots: Path) -> dict:
+    """The tune deployment's custom run from its form: typed fields and the space as text; the run, once ended."""
+    from playwright.sync_api import expect
+
+    tune = deployed.deployment("imagelake-tune-adhoc", "tune")
+    page.goto(deployed.server.url)
+    page.get_by_role("link", name="Deployments").click()
+    page.get_by_role("link", name="tune", exact=True).click()
+    page.get_by_role("button", name="Run").click()
+    page.get_by_role("menuitem", name="Custom run").click()
+    expect(page.get_by_label("Trials")).to_have_value(str(tune["parameters"]["params"]["trials"]))
+    page.get_by_label("Source").fill(str(deployed.source))
+    page.get_by_label("Trials").fill("2")
+    page.get_by_label(re.compile(r"^Space(?! File)")).fill(TUNE_SPACE)  # "Space", not "Space File"
+    page.get_by_label("Max Epochs").fill("1")
+    page.get_by_label("Num Workers").fill("1")
+    page.screenshot(path=shots / "3-tune-form.png", full_page=True)
+    for attempt in range(1, 6):  # SQLite's 503 under another writer, as for the ad-hoc form
+        with page.expect_response(lambda r: r.url.endswith("/create_flow_run") and r.request.method == "POST") as sent:
+            page.get_by_role("button", name="Submit").click()
+        if sent.value.status != 503:
+            break
+        time.sleep(attempt)
+    assert sent.value.status == 201, f"{sent.value.status} {sent.value.text()}"
+    params = sent.value.request.post_data_json["parameters"]["params"]
+    assert (params["space"], params["trials"], params["max_epochs"], params["promote"]) == (TUNE_SPACE, 2, 1, False)
+    return deployed.wait_for_run(sent.value.json()["id"], ends="FAILED")
 
 
 def test_a_backfill_and_the_nightly_run_at_once_count_every_image_once_and_leave_one_champion(

@@ -23,6 +23,7 @@ from imagelake.tasks.rules.tuning import (
     concurrent_trials,
     read_space,
     search_table,
+    space_from_text,
 )
 from tests.conftest import DIGITS, REPO
 from tests.lake import copy_digits
@@ -104,6 +105,32 @@ def test_the_tune_flow_s_form_refuses_a_search_of_no_trials_before_any_work() ->
 
     with pytest.raises(ParameterTypeError, match="trials"):
         tune_flow.validate_parameters({"source": "x", "trials": 0})
+
+
+def test_the_tune_deployment_s_form_is_typed_and_takes_the_space_as_text() -> None:
+    """The Prefect UI has no input for a free-form mapping: the form's space is YAML or JSON text, read by the flow;
+    the search's fields are tune_flow's own (types, defaults, limits), the run's settings the ad-hoc form's."""
+    from prefect.exceptions import ParameterTypeError
+
+    from imagelake.flows.pipeline import RunParameters
+    from imagelake.flows.tune import TuneParameters, tune_adhoc
+
+    fields = tune_adhoc.parameters.model_dump()["definitions"]["TuneParameters"]["properties"]
+    assert (
+        fields["trials"]["type"] == "integer" and fields["trials"]["default"] == 8 and fields["trials"]["minimum"] == 1
+    )
+    assert fields["space"]["type"] == "string" and fields["promote"]["type"] == "boolean"
+    assert set(RunParameters.model_fields) < set(TuneParameters.model_fields)
+    with pytest.raises(ParameterTypeError, match="trials"):
+        tune_adhoc.validate_parameters({"params": {"source": "x", "trials": 0}})
+    text = "{base_lr: {loguniform: [0.0001, 0.01]}, augment: {choice: [none, light]}}"
+    assert space_from_text(text, WHERE) == space_from_text(
+        json.dumps({"base_lr": {"loguniform": [0.0001, 0.01]}, "augment": {"choice": ["none", "light"]}}), WHERE
+    )
+    with pytest.raises(SpaceError, match="the test's space is not YAML"):
+        space_from_text("{base_lr: [", WHERE)
+    with pytest.raises(SpaceError, match="the test's space holds no mapping of settings to dimensions: write it as"):
+        space_from_text("0.001", WHERE)
 
 
 def child_runs(tracking_uri: str, parent: str) -> list:

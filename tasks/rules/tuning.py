@@ -40,17 +40,25 @@ class SpaceError(SettingsError):
 
 def read_space(path: str | Path) -> dict[str, Any]:
     """The space in a YAML (or JSON) file."""
-    import yaml
-
     file = Path(path)
     if not file.is_file():
         raise SpaceError(f"the search space file {file} does not exist: give a YAML file as docs/training.md shows")
+    return space_from_text(file.read_text(), f"the search space file {file}")
+
+
+def space_from_text(text: str, where: str) -> dict[str, Any]:
+    """The space written as YAML (or JSON, which is YAML too) in TEXT, which came from WHERE."""
+    import yaml
+
     try:
-        space = yaml.safe_load(file.read_text())
+        space = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise SpaceError(f"the search space file {file} is not YAML: {exc}") from None
+        raise SpaceError(f"{where} is not YAML: {exc}") from None
     if not isinstance(space, dict) or not space:
-        raise SpaceError(f"the search space file {file} holds no mapping of settings to dimensions")
+        raise SpaceError(
+            f"{where} holds no mapping of settings to dimensions: write it as "
+            "{base_lr: {loguniform: [0.0001, 0.01]}, augment: {choice: [none, light]}} (docs/training.md)"
+        )
     return space
 
 
