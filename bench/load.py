@@ -46,6 +46,7 @@ from tests.servers import custom_run_body, form_defaults, stop_group  # noqa: E4
 BIN = Path(sys.executable).parent
 POOL = "imagelake-process"
 TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
+MESSAGE_TAIL = 1500  # characters of each log message a failed run's report keeps: its end, where an exception is
 BUSY_STATUSES = {429, 503}
 BUSY_WORDS = (
     "database is locked",
@@ -348,7 +349,9 @@ def run_logs(api: Api, flow_run_id: str) -> str:
     logs = api.call(
         "POST", "/logs/filter", {"logs": {"flow_run_id": {"any_": ids}}, "limit": 200, "sort": "TIMESTAMP_DESC"}
     ).json()
-    return "\n".join(log["message"] for log in logs)
+    # A traceback's last lines name what failed: each message keeps its end, so that the newest ones, a failed run's
+    # traceback first, fit in the report without hiding the exception behind the frames above it.
+    return "\n".join(log["message"][-MESSAGE_TAIL:] for log in logs)
 
 
 def check_table(report: Report, workspace: Path, landing: Path) -> None:
