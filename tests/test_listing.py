@@ -144,3 +144,40 @@ def test_an_object_store_walk_keeps_no_listed_folder_in_its_cache(s3) -> None:
     assert not [folder for folder in store.dircache if prefix in folder], (
         "the store's cache held every folder listed: the whole tree"
     )
+
+
+def test_a_manifest_written_again_while_another_run_reads_it_is_never_seen_partial(tmp_path: Path) -> None:
+    """Two runs of the same source diff it to the same manifest (its name is the diff's fingerprint) at the same time:
+    one writes it again while the other's resize reads it. The reader sees the whole file, old or new, never one cut
+    short (which Arrow refuses with a ValueError, an error no retry mends: the run failed)."""
+    import threading
+
+    import pyarrow as pa
+
+    from imagelake.tasks.data.listing import write_manifest
+    from imagelake.tasks.rules.schemas import LISTING_SCHEMA
+
+    row = {name: None for name in LISTING_SCHEMA.names}
+    entries = pa.Table.from_pylist([{**row, "path": f"/src/{i:06d}.png"} for i in range(20_000)], schema=LISTING_SCHEMA)
+    manifest = str(tmp_path / "ingest-0123456789abcdef0123.parquet")
+    write_manifest(entries, manifest)
+    stop, seen, failures = threading.Event(), [], []
+
+    def write_again() -> None:
+        while not stop.is_set():
+            write_manifest(entries, manifest)
+
+    writer = threading.Thread(target=write_again)
+    writer.start()
+    try:
+        for _ in range(200):
+            try:
+                seen.append(pq.read_table(manifest).num_rows)
+            except (OSError, ValueError) as exc:  # a file cut short: Arrow's ArrowInvalid is a ValueError
+                failures.append(repr(exc))
+    finally:
+        stop.set()
+        writer.join()
+    assert not failures, f"{len(failures)} of 200 reads saw a partial manifest: {failures[0]}"
+    assert seen == [20_000] * 200
+    assert [p.name for p in tmp_path.iterdir()] == [Path(manifest).name], "no file left aside"

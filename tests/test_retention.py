@@ -46,6 +46,7 @@ def test_retention_removes_old_stage_files_and_keeps_what_the_next_run_reads(tmp
         put(staging / "listing-aaaa.parquet", old),
         put(staging / ".listing-set-aside-by-a-crash.parquet", old),
         put(staging / "ingest-aaaa.parquet", old),
+        put(staging / ".ingest-aaaa.parquet.set-aside-by-a-crash", old),
         put(staging / "resize-aaaa-32-letterbox" / "part-00000.parquet", old).parent,
         put(staging / "in-sync" / "0123456789abcdef", old),
         put(staging / "split-counts" / "t1" / "v3.json", old),
@@ -81,7 +82,7 @@ def test_retention_removes_old_stage_files_and_keeps_what_the_next_run_reads(tmp
 
     removed = prune_workspace(settings)
 
-    assert removed == {"staging": 6, "stage_results": 1, "training_runs": 1}
+    assert removed == {"staging": 7, "stage_results": 1, "training_runs": 1}
     assert [str(p) for p in gone if p.exists()] == []
     assert [str(p) for p in kept if not p.exists()] == []
     # Nothing is old at a longer retention.

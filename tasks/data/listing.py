@@ -343,11 +343,21 @@ def save_listing(uri: str, scope: Scope, staging_dir: str) -> Listed:
 
 
 def write_manifest(entries: list[dict[str, Any]] | pa.Table, manifest: str) -> str:
-    """A listing (or a diff's entries, already Arrow) as one Parquet file; returns its URI."""
+    """A listing (or a diff's entries, already Arrow) as one Parquet file; returns its URI.
+
+    Written aside, then moved into place: a manifest is named by its content, so two runs of the same source write the
+    same one at the same time, and one may read it while the other writes it again. A reader sees a whole file."""
     fs, path = fsspec.core.url_to_fs(manifest)
-    fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
-    with fs.open(path, "wb") as out:
-        pq.write_table(
-            entries if isinstance(entries, pa.Table) else pa.Table.from_pylist(entries, schema=LISTING_SCHEMA), out
-        )
+    folder, name = path.rsplit("/", 1)
+    fs.makedirs(folder, exist_ok=True)
+    aside = f"{folder}/.{name}.{uuid.uuid4().hex}"
+    try:
+        with fs.open(aside, "wb") as out:
+            pq.write_table(
+                entries if isinstance(entries, pa.Table) else pa.Table.from_pylist(entries, schema=LISTING_SCHEMA), out
+            )
+        fs.mv(aside, path)
+    finally:
+        if fs.exists(aside):
+            fs.rm(aside)
     return manifest

@@ -23,9 +23,9 @@ from imagelake.tasks.data.split_records import SPLIT_COUNTS, record_version
 from imagelake.tasks.progress import stage_logger
 from imagelake.tasks.stage import stage
 
-# Staging's files, by the stage that writes them: ingest's listings (and a crashed listing's file set aside), the
-# diff's list of changes and resize's output folders.
-STAGING_FILES = ("listing-", ".listing-", "ingest-")
+# Staging's files, by the stage that writes them: ingest's listings and the diff's lists of changes (and the files a
+# crashed write of either left aside), and resize's output folders.
+STAGING_FILES = ("listing-", ".listing-", "ingest-", ".ingest-")
 STAGING_FOLDERS = ("resize-",)
 
 
