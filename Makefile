@@ -81,15 +81,18 @@ postgres:
 # (each with its own Spark, Ray, servers and folders; an xdist_group stays in one process), then the `alone` tests
 # (the cluster, the load test, cancels and kills) with nothing of the first part running: two processes, the cancels
 # in one, the cluster and the load test in the other. Under the load of the first part their servers did not start in
-# time. PYTEST_ARGS go to both parts; a part that selects no test is not an error.
+# time. PYTEST_ARGS go to both parts; a part that selects no test is not an error. The second part collects only the
+# files that mark a test `alone` (unless PYTEST_ARGS names files itself): collecting every file imports every test
+# module, 18 s a process against 6.
 TEST_PROCESSES ?= 2
+ALONE_FILES = $(shell grep -l "mark.alone" tests/test_*.py)
 define pytest_allow_empty
 $(BIN)/python -m pytest $(1) || [ $$? -eq 5 ]
 endef
 
 test: install browser postgres
 	$(call pytest_allow_empty,-n $(TEST_PROCESSES) --dist loadgroup -m "not alone" $(PYTEST_ARGS))
-	$(call pytest_allow_empty,-n 2 --dist loadgroup -m alone $(PYTEST_ARGS))
+	$(call pytest_allow_empty,-n 2 --dist loadgroup -m alone $(PYTEST_ARGS) $(if $(filter tests/%,$(PYTEST_ARGS)),,$(ALONE_FILES)))
 
 # The style gate: ruff's checks and its formatter, configured in pyproject.toml (lines up to 120 characters).
 lint: install
