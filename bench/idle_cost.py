@@ -29,36 +29,28 @@ SETTLE_SECONDS = 20.0  # what was just started finishes its own start-up before 
 def start(parts: set[str], folder: Path, stack: contextlib.ExitStack) -> None:
     """Start what PARTS name, as the suite's fixtures do; STACK stops them."""
     sys.path.insert(0, str(REPO))
-    import tests.conftest  # noqa: F401  (the suite's environment: JVM flags, Spark SQL settings, Prefect's)
-    from imagelake.infra.settings import Settings
+    # The suite's environment (JVM flags, Spark SQL settings, Prefect's) and its session fixtures' starts.
+    from tests.conftest import session_prefect, start_session_ray, start_session_spark
 
     if "spark" in parts:
-        from imagelake.infra.spark import spark_session
-        from tests.conftest import CHILD_JVM_OPTIONS
         from tests.s3 import S3Server
 
         server = S3Server(folder / "s3").start()
         stack.callback(server.stop)
         os.environ.update(server.env)
-        if os.environ.get("SPARK_SUBMIT_OPTS") == CHILD_JVM_OPTIONS:  # the session's JVM keeps the JVM's defaults
-            del os.environ["SPARK_SUBMIT_OPTS"]
-        session = spark_session(Settings(workspace=folder / "ws", spark_master="local[2]"))
+        session = start_session_spark(folder / "ws")
         stack.callback(session.stop)
         session.range(100).write.format("delta").save(str(folder / "table"))
         session.read.format("delta").load(str(folder / "table")).count()
     if "ray" in parts:
         import ray
 
-        from imagelake.infra.ray_runtime import connect_ray
-        from tests.conftest import RAY_TEST_CPUS
-
-        connect_ray(Settings(workspace=folder, num_workers=RAY_TEST_CPUS - 1))
+        start_session_ray()
         stack.callback(ray.shutdown)
     if "prefect" in parts:
         from prefect import flow
-        from prefect.testing.utilities import prefect_test_harness
 
-        stack.enter_context(prefect_test_harness(server_startup_timeout=120))
+        stack.enter_context(session_prefect())
 
         @flow
         def one() -> int:
@@ -90,7 +82,8 @@ def main() -> None:
     if unknown:
         parser.error(f"--parts: unknown {', '.join(sorted(unknown))}; name any of spark, ray, prefect")
     with contextlib.ExitStack() as stack:
-        start(parts, Path(tempfile.mkdtemp(prefix="idle-cost-")), stack)
+        folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="idle-cost-")))  # removed last
+        start(parts, folder, stack)
         time.sleep(SETTLE_SECONDS)
         before = cpu_by_process()
         time.sleep(args.seconds)

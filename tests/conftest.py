@@ -3,9 +3,11 @@ the Delta engines a test runs on, and a shuffled order on request (docs/testing.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -78,19 +80,25 @@ def s3(tmp_path_factory: pytest.TempPathFactory):
                 os.environ[key] = value
 
 
-@pytest.fixture(scope="session")
-def spark(tmp_path_factory: pytest.TempPathFactory, s3):
-    """One real local SparkSession for the whole test session (S3A pointed at the test's S3 server)."""
+def start_session_spark(workspace: Path):
+    """The pytest process's own SparkSession, with the JVM's defaults: CHILD_JVM_OPTIONS are for the short-lived
+    processes a test starts, and a session that lives for the whole suite needs the server compiler."""
     from imagelake.infra.spark import spark_session
 
     ours = os.environ.get("SPARK_SUBMIT_OPTS") == CHILD_JVM_OPTIONS  # a developer's own options stay
     if ours:
         del os.environ["SPARK_SUBMIT_OPTS"]
     try:
-        session = spark_session(Settings(workspace=tmp_path_factory.mktemp("spark-ws"), spark_master="local[2]"))
+        return spark_session(Settings(workspace=workspace, spark_master="local[2]"))
     finally:
         if ours:
             os.environ["SPARK_SUBMIT_OPTS"] = CHILD_JVM_OPTIONS
+
+
+@pytest.fixture(scope="session")
+def spark(tmp_path_factory: pytest.TempPathFactory, s3):
+    """One real local SparkSession for the whole test session (S3A pointed at the test's S3 server)."""
+    session = start_session_spark(tmp_path_factory.mktemp("spark-ws"))
     yield session
     session.stop()
 
@@ -119,14 +127,21 @@ def digits_cached(spark, lake, digits_dir: Path, tmp_path: Path, settings):
     return cache_splits(spark, plan, 24, settings.cache_uri)
 
 
-@pytest.fixture(scope="session")
-def prefect_api():
-    """Prefect's test harness: a temporary Prefect server on 127.0.0.1 with its own SQLite database."""
+@contextlib.contextmanager
+def session_prefect() -> Iterator[str]:
+    """Prefect's test harness: a temporary Prefect server on 127.0.0.1 with its own SQLite database; yields its API."""
     from prefect.settings import PREFECT_API_URL
     from prefect.testing.utilities import prefect_test_harness
 
     with prefect_test_harness(server_startup_timeout=120):
         yield PREFECT_API_URL.value()
+
+
+@pytest.fixture(scope="session")
+def prefect_api():
+    """The session's Prefect server (`session_prefect`)."""
+    with session_prefect() as api:
+        yield api
 
 
 def cli_env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -236,12 +251,17 @@ def pytest_report_header(config: pytest.Config) -> str | None:
     return None if seed is None else f"shuffled order: --shuffle {seed}"
 
 
-@pytest.fixture(scope="session")
-def ray_local():
-    """This process's Ray, started once with RAY_TEST_CPUS logical CPUs (not sized by whichever test trains first)."""
+def start_session_ray():
+    """This process's Ray with RAY_TEST_CPUS logical CPUs (not sized by whichever test trains first)."""
     from imagelake.infra.ray_runtime import connect_ray
 
     return connect_ray(Settings(workspace=Path("."), num_workers=RAY_TEST_CPUS - 1))
+
+
+@pytest.fixture(scope="session")
+def ray_local():
+    """This process's Ray, started once (`start_session_ray`)."""
+    return start_session_ray()
 
 
 def _started_here() -> set[str]:
