@@ -18,6 +18,7 @@ from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from imagelake.infra.declare import by_runs, caps, in_keys_of, setting, stage_fields
+from imagelake.infra.weights import is_weights_name
 
 _config_file: contextvars.ContextVar[Path | None] = contextvars.ContextVar("imagelake_config_file", default=None)
 
@@ -1141,9 +1142,6 @@ def stage_settings(stage: str) -> tuple[str, ...]:
     return stage_fields(Settings, stage)
 
 
-# Torchvision's weights by name (infra/weights.py:is_weights_name takes the same; kept apart so that the weights module
-# stays out of every stage's code key): never a path or a URL.
-_WEIGHTS_NAME = re.compile(r"^(?:[A-Za-z0-9_]+_Weights\.)?[A-Z][A-Z0-9_]*$")
 _RENAMED = {"pretrained_weights": "pretrained"}  # old names Settings still reads (Settings._renamed)
 ALLOW_FROM_RUNS_VARIABLE = "IMAGELAKE_ALLOW_FROM_RUNS"
 
@@ -1151,11 +1149,9 @@ ALLOW_FROM_RUNS_VARIABLE = "IMAGELAKE_ALLOW_FROM_RUNS"
 def _is_weights_name(value: Any) -> bool:
     """No weights, imagenet or torchvision's weights by name: what a run may give as `pretrained` (a file or URL would
     be fetched and loaded)."""
-    if value is None:
-        return True
     # Exactly as Settings._none_is_none and tasks/worker/model.py read them: anything else is taken for a file.
-    return isinstance(value, str) and (
-        value.strip().lower() in ("", "none") or value == "imagenet" or bool(_WEIGHTS_NAME.match(value))
+    return value is None or (
+        isinstance(value, str) and (value.strip().lower() in ("", "none") or is_weights_name(value))
     )
 
 

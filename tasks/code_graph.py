@@ -7,6 +7,9 @@ the stage keys that version itself. Reading the imports rather than a list writt
 to the network, the training loop or a rule it applies changes the key of every stage that runs it, and a change to a
 module no stage reaches (the CLI, the docs' renderer) changes none.
 
+A module's digest is taken over its parsed code (`code_of`), not its bytes: comments, docstrings and formatting are
+left out, so the same program gives the same digest, while any change to a statement, a default or a literal changes it.
+
 Pure: the standard library only, so the docs and the tests read the same graph that the stages key on.
 """
 
@@ -107,18 +110,42 @@ def reached(module: str, folders: dict[str, Path] | None = None) -> dict[str, Pa
     return found
 
 
+def _without_docstrings(tree: ast.AST) -> ast.AST:
+    """TREE with the docstring of the module and of each class and function taken out (an empty body keeps a `pass`)."""
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        first = node.body[0] if node.body else None
+        if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+            node.body = node.body[1:] or ([] if isinstance(node, ast.Module) else [ast.Pass()])
+    return tree
+
+
+@functools.lru_cache(maxsize=1024)
+def _code_of(path: str, mtime_ns: int, size: int) -> str:
+    tree = _without_docstrings(ast.parse(Path(path).read_text(encoding="utf-8"), filename=path))
+    return hashlib.sha256(ast.dump(tree, include_attributes=False).encode()).hexdigest()[:16]
+
+
+def code_of(path: Path) -> str:
+    """A digest of the program in the file at PATH: its syntax tree without docstrings, so that a comment, a docstring
+    or a change of layout leaves it as it was and any change to a statement, a name or a literal does not."""
+    stat = path.stat()
+    return _code_of(str(path), stat.st_mtime_ns, stat.st_size)
+
+
 def code_digest(module: str, folders: dict[str, Path] | None = None) -> str:
-    """A digest of the source of every module of imagelake that MODULE reaches (`reached`): it changes when any of
+    """A digest of the code of every module of imagelake that MODULE reaches (`reached`): it changes when any of
     their code does, and with no other file."""
     return hashlib.sha256(json.dumps(code_parts(module, folders), sort_keys=True).encode()).hexdigest()
 
 
 def code_parts(module: str, folders: dict[str, Path] | None = None) -> dict[str, str]:
-    """Each file MODULE reaches, by its path in the repository, with a digest of its source: a key made of these says
-    which file changed."""
+    """Each file MODULE reaches, by its path in the repository, with a digest of its code (`code_of`): a key made of
+    these says which file changed."""
     folders = folders if folders is not None else code_folders()
     return {
-        shown: hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+        shown: code_of(path)
         for shown, path in zip(repo_files(module, folders), files_reached(module, folders), strict=True)
     }
 

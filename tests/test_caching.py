@@ -83,7 +83,7 @@ def test_a_stage_s_code_key_changes_with_each_file_it_reaches_and_only_those(tmp
     for path in sorted((tmp_path / "code").rglob("*.py")):
         shown = str(path.relative_to(tmp_path / "code"))
         text = path.read_text(encoding="utf-8")
-        path.write_text(text + "\n# edited\n", encoding="utf-8")
+        path.write_text(text + "\n_edited = 1\n", encoding="utf-8")
         changed = {module for module, key in stage_keys(folders).items() if key != before[module]}
         path.write_text(text, encoding="utf-8")
         assert changed == {module for module in STAGE_MODULES if shown in reaches[module]}, shown
@@ -92,6 +92,30 @@ def test_a_stage_s_code_key_changes_with_each_file_it_reaches_and_only_those(tmp
     for worker in ("model", "train_loop", "augment", "loader"):
         assert f"tasks/worker/{worker}.py" in reaches["imagelake.tasks.stages.train"], worker
     assert not any("flows/cli.py" in files for files in reaches.values())
+
+
+def test_a_stage_s_code_key_reads_the_program_not_its_comments_docstrings_or_layout(tmp_path: Path) -> None:
+    """A comment, a docstring or a line break in a module every stage reaches (the settings) changes no stage's key; a
+    changed statement of the network changes the train stage's key and not the resize stage's."""
+    folders = code_graph.folders_under(copy_code(tmp_path / "code"))
+    before = stage_keys(folders)
+    settings = tmp_path / "code" / "infra" / "settings.py"
+    text = settings.read_text(encoding="utf-8")
+    assert '"""' in text and "\ndef " in text
+    for edited in (
+        text.replace("\ndef ", "\n# a comment added\ndef ", 1),
+        text.replace('"""', '"""A docstring edited. ', 1),
+        text.replace("\ndef ", "\n\n\ndef ", 1),
+    ):
+        settings.write_text(edited, encoding="utf-8")
+        assert stage_keys(folders) == before
+    settings.write_text(text, encoding="utf-8")
+
+    model = tmp_path / "code" / "tasks" / "worker" / "model.py"
+    model.write_text(model.read_text(encoding="utf-8") + "\n_EDITED = 1\n", encoding="utf-8")
+    after = stage_keys(folders)
+    assert after["imagelake.tasks.stages.train"] != before["imagelake.tasks.stages.train"]
+    assert after["imagelake.tasks.stages.resize"] == before["imagelake.tasks.stages.resize"]
 
 
 def test_a_stage_s_code_key_covers_every_module_its_modules_hold_code_of() -> None:
@@ -235,15 +259,20 @@ def test_same_data_hits_new_file_reruns_from_ingest_new_size_from_resize(
     assert third["model_version"] == first["model_version"]
 
     # The code as an upgrade changes it (the keys read a copy of imagelake's source, edited): the CLI's help text, which
-    # no stage reaches, recomputes nothing; the training loop's source trains again, and promotes what it trained.
+    # no stage reaches, and a comment in the settings, which every stage reaches, recompute nothing; a statement of the
+    # training loop trains again, and promotes what it trained.
     copy = copy_code(tmp_path / "code")
     monkeypatch.setattr(code_graph, "code_folders", lambda: code_graph.folders_under(copy))
     cli = copy / "flows" / "cli.py"
     cli.write_text(cli.read_text(encoding="utf-8").replace('help="', 'help="(edited) ', 1), encoding="utf-8")
+    settings_file = copy / "infra" / "settings.py"
+    settings_file.write_text("# a comment added\n" + settings_file.read_text(encoding="utf-8"), encoding="utf-8")
     unrelated, missed = run(source, overrides)
     assert unrelated["results_reused"] == ALL and missed == {}, unrelated["results"]
     loop = copy / "tasks" / "worker" / "train_loop.py"
-    loop.write_text(loop.read_text(encoding="utf-8") + "\n# a change to the training loop\n", encoding="utf-8")
+    loop.write_text(
+        loop.read_text(encoding="utf-8") + "\n_CHANGED = 1  # a change to the training loop\n", encoding="utf-8"
+    )
     retrained, missed = run(source, overrides)
     assert sorted(missed) == ["promote", "train"], retrained["results"]
     assert "code tasks/worker/train_loop.py changed" in missed["train"]
