@@ -29,9 +29,12 @@ class Declared:
     stages: tuple[str, ...]
     runs: Runs
     cap: tuple[Side, float] | None = None
+    where: bool = False
 
 
-def setting(*, stages: tuple[str, ...], runs: Runs, cap: tuple[Side, float] | None = None, **field: Any) -> Any:
+def setting(
+    *, stages: tuple[str, ...], runs: Runs, cap: tuple[Side, float] | None = None, where: bool = False, **field: Any
+) -> Any:
     """A field of Settings: pydantic's Field(**field) (default, bounds, description...) with its declaration.
 
     stages: the stages whose output the setting changes: its value enters their keys, so a run with another value
@@ -40,6 +43,8 @@ def setting(*, stages: tuple[str, ...], runs: Runs, cap: tuple[Side, float] | No
     runs: "allowed" where a run started from a deployment (the UI's form, a schedule, the API) may set it; "refused"
     where only the worker's config file or IMAGELAKE_* environment may (infra/settings.py:refuse_unsafe).
     cap: for an allowed setting, ("at most" | "at least", limit): a run may only set values on the safe side of it.
+    where: True for a setting in a stage's key that says only where its output lives (an experiment, a store), never
+    what it is: a model's record leaves it out of the settings that reproduce it (`reproducing`).
 
     The declaration rides in the field's metadata, which pydantic leaves out of validation and of JSON schemas: the
     Prefect form shows the field as pydantic's Field alone would.
@@ -55,7 +60,7 @@ def setting(*, stages: tuple[str, ...], runs: Runs, cap: tuple[Side, float] | No
             raise ValueError(f"cap must be ('at most' | 'at least', number): got {cap!r}")
     info = Field(**field)
     # First: pydantic's own bounds (Ge, Le...) stay at the end, where readers of field.metadata look for them.
-    info.metadata.insert(0, Declared(stages=stages, runs=runs, cap=cap))
+    info.metadata.insert(0, Declared(stages=stages, runs=runs, cap=cap, where=where))
     return info
 
 
@@ -121,3 +126,14 @@ def stage_fields(model: type[BaseModel], stage: str) -> tuple[str, ...]:
         known = sorted({name for stages in keyed_stages(model).values() for name in stages})
         raise ValueError(f"no setting declares the stage {stage!r} (stages=...): the declared stages are {known}")
     return names
+
+
+def reproducing(model: type[BaseModel], stages: tuple[str, ...]) -> tuple[str, ...]:
+    """The fields of MODEL that make the output of STAGES what it is: each field in the key of one of them, less those
+    declared `where=True` (derived locations, being no fields, are left out too), in MODEL's order."""
+    keyed = {name for stage in stages for name in stage_fields(model, stage)}
+    return tuple(
+        name
+        for name in model.model_fields
+        if name in keyed and (found := declaration(model, name)) is not None and not found.where
+    )

@@ -751,6 +751,7 @@ class Settings(BaseSettings):
         default="imagelake",
         description="MLflow experiment of the training runs",
         stages=("train", "tune"),
+        where=True,
         # Refused: where the worker's runs and registered model are (a run would train into, or promote, someone
         # else's).
         runs="refused",

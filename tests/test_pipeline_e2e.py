@@ -66,6 +66,7 @@ def run_pipeline(
         # The default model (the rest of the suite trains the small CNN): MobileNetV2 from ImageNet weights.
         "model_arch=mobilenet_v2",
         "pretrained=IMAGENET1K_V1",
+        "shuffle_buffer_batches=1",  # not the default: retrain must set it again (test_a_weaker_model...)
         *extra,
     ]
     started = time.monotonic()
@@ -392,6 +393,13 @@ def test_a_weaker_model_stays_challenger_and_new_images_make_a_new_version(
         first["split_counts"],
         "3",
     )
+    # Trained as v1 was: each setting v1's run logged is set again, those the command line did not set anew.
+    retrained_params = client.get_run(retrained["mlflow_run_id"]).data.params
+    first_params = client.get_run(first["mlflow_run_id"]).data.params
+    assert retrained_params["shuffle_buffer_batches"] == "1"
+    assert {name: value for name, value in retrained_params.items() if name not in ("max_epochs",)} == {
+        name: value for name, value in first_params.items() if name not in ("max_epochs",)
+    }
 
     held_out = tmp_path / "held-out"
     write_digits(held_out, size=64, per_label=40)

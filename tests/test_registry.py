@@ -8,6 +8,7 @@ import re
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import mlflow
 import numpy as np
@@ -304,6 +305,76 @@ def test_a_program_with_a_pickled_weight_is_refused_and_its_payload_never_runs(t
         with pytest.raises(UnsafeModel, match="stores .* pickled"):
             load_model_folder(folder, NAME, "3", allow_pickle=allow_pickle)
     assert not marker.exists(), "the crafted weight was never unpickled"
+
+
+def a_value_besides_the_default(name: str) -> Any:
+    """A valid value of Settings' field NAME other than its default, chosen from its type and bounds."""
+    import typing
+
+    from annotated_types import Le, Lt
+
+    from imagelake.infra.settings import Settings
+
+    field = Settings.model_fields[name]
+    kind, default = field.annotation, field.default
+    args = typing.get_args(kind)
+    if typing.get_origin(kind) is typing.Literal:
+        return next(choice for choice in args if choice != default)
+    if type(None) in args:
+        if default is not None:
+            return None
+        kind = next(arg for arg in args if arg is not type(None))
+    if kind is bool:
+        return not default
+    bounds = [bound.le if isinstance(bound, Le) else bound.lt for bound in field.metadata if isinstance(bound, Le | Lt)]
+    if kind is int:
+        value = (default or 1) + 1
+        return value if not bounds or value <= bounds[0] else default - 1
+    return default / 2 if default else 0.5
+
+
+def test_every_setting_a_model_is_made_of_is_logged_with_its_run_and_restored_by_retrain() -> None:
+    """Each setting in the key of the train stage, or of the split and cache it trains on, that says more than where
+    things live: a value besides its default is logged as the training run's param of its own name, and retrain sets
+    it again; the places (the experiment, the derived stores) are neither."""
+    from imagelake.infra.declare import declaration
+    from imagelake.infra.settings import Settings, stage_settings
+    from imagelake.tasks.registry.models import retrain_overrides
+    from imagelake.tasks.rules.training import logged_params
+
+    keyed = dict.fromkeys(name for stage in ("split", "cache", "train") for name in stage_settings(stage))
+    model = [
+        name
+        for name in keyed
+        if name in Settings.model_fields and not getattr(declaration(Settings, name), "where", False)
+    ]
+    places = set(keyed) - set(model)
+    named = {"shuffle_buffer_batches", "compile", "bf16", "channels_last", "jpeg_decode", "warm_start", "image_size"}
+    assert named <= set(model)
+    assert places == {"mlflow_experiment", "tracking_uri", "ray_storage_path", "cache_uri"}
+
+    settings = Settings(**{name: a_value_besides_the_default(name) for name in model})
+    params = logged_params({"num_classes": 3, "learning_rate": 0.5}, settings)
+    assert not places & set(params)
+    restored = retrain_overrides({"delta_version": "1", "training_params": json.dumps(params)})
+    for name in model:
+        assert getattr(settings, name) != Settings.model_fields[name].default, name
+        assert restored.get(name) == getattr(settings, name), (name, params.get(name), restored.get(name))
+    assert not places & set(restored)
+
+
+def test_a_version_an_earlier_imagelake_registered_is_retrained_from_its_old_param_names() -> None:
+    from imagelake.tasks.registry.models import retrain_overrides
+
+    logged = {"arch": "small_cnn", "patience": "3", "min_delta": "0.01", "batch_size": "8", "num_classes": "4"}
+    found = {"delta_version": "2", "training_params": json.dumps(logged), "split_settings": '{"val_fraction": 0.2}'}
+    assert retrain_overrides(found) == {
+        "model_arch": "small_cnn",
+        "early_stopping_patience": 3,
+        "early_stopping_min_delta": 0.01,
+        "batch_size": 8,
+        "val_fraction": 0.2,
+    }
 
 
 def test_a_model_versions_recorded_settings_never_turn_on_what_runs_code_or_loads_pickles() -> None:

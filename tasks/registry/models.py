@@ -38,7 +38,7 @@ from imagelake.infra.spark import on_demand
 from imagelake.tasks.registry.aliases import RegistryError, alias_version
 from imagelake.tasks.rules.promotion import CHALLENGER, CHAMPION, PREVIOUS, Decision, decide_promotion, held_by_baseline
 from imagelake.tasks.rules.schemas import HISTORY_SCHEMA
-from imagelake.tasks.rules.training import PARAM_SETTINGS
+from imagelake.tasks.rules.training import recorded_settings
 from imagelake.tasks.rules.warm_start import Champion, labels_change, labels_of_tag, shape_from_tags
 
 if TYPE_CHECKING:  # torch, pandas and the served model load in the functions that use them: a registry command
@@ -660,8 +660,9 @@ def retrain_overrides(found: dict[str, str]) -> dict:
     if not found.get("delta_version"):
         raise RegistryError("this version has no delta_version tag: it was not registered by imagelake's pipeline")
     params = json.loads(found.get("training_params") or "{}")
-    overrides = {setting: _value(params[param]) for param, setting in PARAM_SETTINGS.items() if param in params}
-    overrides.update(json.loads(found.get("split_settings") or "{}"))
+    # split_settings: where a version registered by an earlier imagelake logged no split settings as params
+    overrides = {**json.loads(found.get("split_settings") or "{}")}
+    overrides.update({name: _value(text) for name, text in recorded_settings(params).items()})
     # What a model version recorded never turns on a setting that can run code or load pickles.
     return {name: value for name, value in overrides.items() if name not in UNSAFE_FROM_RUNS}
 

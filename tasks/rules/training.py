@@ -1,7 +1,7 @@
 """Training rules: which settings change what training produces, which of them a run records, and the learning rate.
 
-Pure: no engine. The train stage keys its cache and names its Ray run by TRAINING_SETTINGS, logs PARAM_SETTINGS as
-MLflow params, and `imagelake retrain` maps those params back to settings.
+Pure: no engine. The train stage keys its cache and names its Ray run by TRAINING_SETTINGS, logs MODEL_SETTINGS as
+MLflow params under their own names, and `imagelake retrain` sets them again from those params.
 """
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from imagelake.infra.settings import stage_settings
+from imagelake.infra.declare import reproducing
+from imagelake.infra.settings import Settings, stage_settings
 
 
 def scaled_learning_rate(base_lr: float, num_workers: int, rule: str = "linear") -> float:
@@ -40,28 +41,18 @@ def started_from(warm_started_from: str, pretrained_weights: str = "none", pretr
     return f"from {pretrained_weights}" + (f" (sha256 {pretrained_sha256[:16]})" if pretrained_sha256 else "")
 
 
-# MLflow training params -> the settings that reproduce them.
-PARAM_SETTINGS = {
-    "image_size": "image_size",
+# The settings a trained model is made of: every setting in the key of a stage from the table version to the model
+# (split, cache and train), as their declarations give them, less those that only say where things live
+# (mlflow_experiment, declared where=True; the derived locations). A training run logs each as an MLflow param of the
+# setting's own name, and retrain sets each again.
+MODEL_SETTINGS = reproducing(Settings, ("split", "cache", "train"))
+
+# The params that versions trained by an earlier imagelake logged under names of their own (read, never written).
+OLD_PARAMS = {
     "arch": "model_arch",
-    "pretrained": "pretrained",
-    "freeze_backbone": "freeze_backbone",
-    "backbone_lr_factor": "backbone_lr_factor",
-    "weight_decay": "weight_decay",
-    "augment": "augment",
-    "augment_flip": "augment_flip",
-    "label_smoothing": "label_smoothing",
-    "class_weights": "class_weights",
-    "max_train_minutes": "max_train_minutes",
-    "batch_size": "batch_size",
-    "lr_scaling": "lr_scaling",
-    "max_epochs": "max_epochs",
     "patience": "early_stopping_patience",
     "min_delta": "early_stopping_min_delta",
     "stopping_threshold": "early_stopping_threshold",
-    "seed": "seed",
-    "num_workers": "num_workers",
-    "base_lr": "base_lr",
 }
 
 
@@ -70,11 +61,15 @@ DERIVED_PARAMS = ("num_classes", "learning_rate")
 
 
 def logged_params(config: dict[str, Any], settings: Any) -> dict[str, str]:
-    """A training run's MLflow params: each PARAM_SETTINGS param with the value the workers were given (the setting's
-    own where the workers' config does not hold it), and the derived ones."""
-    values = {
-        param: config[param] if param in config else getattr(settings, setting)
-        for param, setting in PARAM_SETTINGS.items()
-    }
+    """A training run's MLflow params: each of MODEL_SETTINGS with SETTINGS' value, and the derived ones from the
+    workers' CONFIG."""
+    values = {name: getattr(settings, name) for name in MODEL_SETTINGS}
     values.update({name: config[name] for name in DERIVED_PARAMS})
     return {name: str(value) for name, value in values.items()}
+
+
+def recorded_settings(params: dict[str, str]) -> dict[str, str]:
+    """The settings of MODEL_SETTINGS that a run's logged PARAMS give (as logged, text), under an earlier imagelake's
+    param names too."""
+    named = {OLD_PARAMS.get(param, param): value for param, value in params.items()}
+    return {name: named[name] for name in MODEL_SETTINGS if name in named}

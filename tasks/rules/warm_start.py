@@ -59,7 +59,8 @@ def labels_of_tag(text: str) -> list[str]:
 def shape_from_tags(tags: Mapping[str, str]) -> WeightsShape | None:
     """A registered version's shape from the tags the promote stage sets, or None if they are missing or malformed."""
     try:
-        arch = json.loads(tags["training_params"])["arch"]
+        params = json.loads(tags["training_params"])
+        arch = params["model_arch"] if "model_arch" in params else params["arch"]  # arch: an earlier imagelake's name
         return WeightsShape(
             tuple(labels_of_tag(tags["labels"])), int(tags["image_size"]), str(arch), tags["resize_mode"]
         )
