@@ -98,6 +98,7 @@ test: install browser postgres
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/python bench/figures.py --check
 
 # Everything that starts no Spark, Ray or server: rules, settings, CLI parsing, schemas, deployment files.
 test-quick: install

@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 import checkout  # bench/checkout.py: a checkout's code under the name imagelake
+from figures import record  # bench/figures.py: the figures as data in bench/results/
 
 REPO = Path(__file__).resolve().parent.parent
 HEAVY = ("torch", "torchvision", "pytorch_lightning", "ray", "mlflow", "matplotlib")
@@ -75,6 +76,7 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--cluster", action="store_true", help="also time the local cluster's start")
     parser.add_argument("--keep", type=Path, help="a folder for the sources and workspaces (default: a temp folder)")
+    parser.add_argument("--no-record", action="store_true", help="print the figures without recording them")
     args = parser.parse_args()
 
     root = args.keep or Path(tempfile.mkdtemp(prefix="imagelake-startup-"))
@@ -156,6 +158,17 @@ def main() -> int:
         print(f"{measure:30}" + "".join(f"{cell:>24}" for cell in cells) + ratio)
     for name in names:
         print(f"{name}: import loaded {', '.join(loaded[name]) or 'none of ' + ', '.join(HEAVY)}")
+    if not args.no_record:
+        names_of = {"import": "import_pipeline_s", "help": "help_s", "rerun": "unchanged_run_s", "history": "history_s"}
+        mine = {names_of.get(m, f"{m}_start_s"): round(statistics.median(figures["this tree"][m]), 2) for m in measures}
+        against = {m: round(statistics.median(figures["against"][m]), 2) for m in measures} if args.against else None
+        record(
+            "startup",
+            f"what a flow run pays before it works, in fresh processes (median of {args.runs})",
+            f".venv/bin/python bench/startup.py{' --against WORKTREE' if args.against else ''} --runs {args.runs}",
+            mine,
+            note=f"against {args.against.name}: {against}" if against else "",
+        )
     if not args.keep:
         shutil.rmtree(root, ignore_errors=True)
     return 0

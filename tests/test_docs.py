@@ -46,3 +46,31 @@ def test_a_region_is_replaced_whole_and_a_missing_marker_is_an_error() -> None:
     )
     with pytest.raises(ValueError, match="expected one"):
         docs_reference.replaced("no markers", "x", "new")
+
+
+def test_the_bench_figures_table_is_the_records_latest_and_goes_stale_with_a_new_record(tmp_path, monkeypatch) -> None:
+    """bench/README.md's table of figures is rendered from bench/results/*.jsonl (what `make lint` checks); a record
+    appended after it was rendered makes it stale, with the new figure as the latest."""
+    import shutil
+    import sys
+    from pathlib import Path
+
+    bench = Path(docs_reference.REPO) / "bench"
+    monkeypatch.syspath_prepend(str(bench))
+    sys.modules.pop("figures", None)
+    import figures
+
+    readme = figures.README.read_text(encoding="utf-8")
+    assert figures.rendered(readme, figures.records()) == readme, "run .venv/bin/python bench/figures.py --write"
+    assert figures.main(["--check"]) == 0
+
+    copy = tmp_path / "results"
+    shutil.copytree(figures.RESULTS, copy, ignore=shutil.ignore_patterns("plots"))
+    monkeypatch.setattr(figures, "RESULTS", copy)
+    figures.record("startup", "a check", "none", {"help_s": 123.5}, commit="abcdef0", machine={"cores": 2})
+    found = figures.records(copy)
+    assert found["startup"][-1]["figures"] == {"help_s": 123.5}
+    fresh = figures.rendered(readme, found)
+    assert fresh != readme and "| `help_s` | 123.5 |" in fresh
+    assert "help_s" in figures.history(found["startup"]) and figures.plot("startup", found["startup"], tmp_path)
+    assert (tmp_path / "startup.png").stat().st_size > 1000
