@@ -20,6 +20,7 @@ from imagelake.tasks.worker.train_loop import (
     make_trainer,
     resume_checkpoint,
 )
+from tests.faults import KillWorkerOnce, inject
 from tests.lake import Lake, copy_digits
 
 
@@ -52,7 +53,7 @@ def test_a_worker_killed_mid_run_resumes_from_the_last_checkpoint(
     cached, settings, tmp_path: Path, monkeypatch
 ) -> None:
     marker = tmp_path / "killed"
-    monkeypatch.setenv("IMAGELAKE_KILL_WORKER", f"1:2:{marker}")
+    inject(monkeypatch, KillWorkerOnce(1, 2, str(marker)))
     settings = settings.model_copy(
         update={"max_epochs": 4, "early_stopping_patience": 10, "max_failures": 1, "batch_size": 16}
     )
@@ -74,7 +75,7 @@ def test_a_retried_training_task_resumes_the_same_run(
     cached = cache_splits(spark, plan, 24, settings.cache_uri, stored=Stored("jpeg", 95))
     assert cached.image_format == "jpeg"
     marker = tmp_path / "killed"
-    monkeypatch.setenv("IMAGELAKE_KILL_WORKER", f"1:2:{marker}")
+    inject(monkeypatch, KillWorkerOnce(1, 2, str(marker)))
     settings = settings.model_copy(
         update={
             "max_epochs": 4,

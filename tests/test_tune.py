@@ -26,6 +26,7 @@ from imagelake.tasks.rules.tuning import (
     space_from_text,
 )
 from tests.conftest import DIGITS, REPO
+from tests.faults import KillWorkerOnce, inject
 from tests.lake import copy_digits
 
 WHERE = "the test's space"
@@ -154,7 +155,7 @@ def test_a_search_logs_each_trial_as_a_child_run_reports_a_failed_one_and_promot
     from imagelake.flows.tune import tune_flow
 
     copy_digits(digits_dir, tmp_path / "src", labels=DIGITS, per_label=10)
-    monkeypatch.setenv("IMAGELAKE_KILL_WORKER", f"0:0:{tmp_path / 'killed'}")
+    inject(monkeypatch, KillWorkerOnce(0, 0, str(tmp_path / "killed")))
     overrides = {
         "workspace": str(tmp_path / "ws"),
         "image_size": 24,

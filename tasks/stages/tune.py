@@ -26,7 +26,7 @@ from imagelake.tasks.results import CachedSplits, Searched
 from imagelake.tasks.rules.training import TRAINING_SETTINGS
 from imagelake.tasks.rules.tuning import TRIAL_DRIVER_CPUS, best_trial, concurrent_trials, search_table
 from imagelake.tasks.stage import stage
-from imagelake.tasks.worker.trainer import kill_worker_from_env
+from imagelake.tasks.worker import trainer
 from imagelake.tasks.worker.trial import SEARCH_TAG, TRIAL_TAG, TrialJob, run_trial, stop_marker
 
 if TYPE_CHECKING:  # Ray Tune and MLflow load in the functions that use them (start-up)
@@ -233,7 +233,7 @@ def search_hyperparameters(cached: CachedSplits, settings: Settings, search: Sea
     # Two runs of one search at once would write one Tune experiment: one searches, the other waits for it.
     with one_at_a_time(settings, name, timeout=settings.lock_wait_seconds("train")):
         parent = search_run(client, experiment, name, search, cached)
-        job = TrialJob(cached, settings, client.tracking_uri, experiment, parent, name, kill_worker_from_env())
+        job = TrialJob(cached, settings, client.tracking_uri, experiment, parent, name, tuple(trainer.WORKER_CALLBACKS))
         concurrent = concurrent_trials(
             resources, settings.num_workers, settings.cpus_per_worker, settings.use_gpu, settings.gpus_per_worker
         )

@@ -114,20 +114,6 @@ class MlflowEpochMetrics(Callback):
             self.client.log_metric(self.run_id, name, float(value), step=trainer.current_epoch)
 
 
-class KillWorkerOnce(Callback):
-    """Fault injection for the worker-loss test: this rank's process exits at the start of `epoch`, once (a marker file
-    records it)."""
-
-    def __init__(self, epoch: int, marker: str) -> None:
-        self.epoch, self.marker = epoch, marker
-
-    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if trainer.current_epoch == self.epoch and not os.path.exists(self.marker):
-            with open(self.marker, "w") as out:
-                out.write(f"killed at epoch {self.epoch}\n")
-            os._exit(1)
-
-
 def _storage(uri: str) -> tuple[Any, str]:
     """The pyarrow filesystem of a path in Ray's storage (a local folder or a URI such as s3://) and the path in it."""
     from pyarrow import fs
@@ -393,9 +379,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             MlflowClient(config["tracking_uri"]).set_tag(
                 config["mlflow_run_id"], "resumed_after_epoch", str(resumed_epoch)
             )
-    kill = config.get("kill_worker")
-    if kill and rank == kill["rank"]:
-        callbacks.append(KillWorkerOnce(kill["epoch"], kill["marker"]))
+    callbacks += config.get("callbacks") or []  # trainer.py:WORKER_CALLBACKS
     train_batches, val_batches = shard_loaders(config, rank, world)
     trainer = ray_trainer(config, callbacks, len(train_batches), len(val_batches), world)
     if resume:

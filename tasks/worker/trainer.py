@@ -6,7 +6,6 @@ Light to import: Ray Train, torch and Lightning load in `torch_trainer`, where a
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -16,6 +15,10 @@ from imagelake.tasks.rules.training import scaled_learning_rate
 
 if TYPE_CHECKING:
     from ray.train.torch import TorchTrainer
+
+# Extra Lightning callbacks that every worker of every training (a stage's, a search's trials) adds to its trainer,
+# shipped in the workers' config: a plugin's, or the faults a test injects (tests/faults.py). Empty in a run.
+WORKER_CALLBACKS: list[Any] = []
 
 
 def training_config(
@@ -67,7 +70,7 @@ def training_config(
         "tracking_uri": tracking_uri,
         "mlflow_run_id": run_id,
         "run_path": f"{settings.ray_storage_path.rstrip('/')}/{name}",
-        "kill_worker": kill_worker_from_env(),
+        "callbacks": list(WORKER_CALLBACKS),
     }
 
 
@@ -77,16 +80,6 @@ def balanced_weights(cached: CachedSplits) -> list[float]:
     counts = [cached.label_counts.get("train", {}).get(label, 0) for label in cached.labels]
     total, present = sum(counts), sum(1 for count in counts if count)
     return [total / (present * count) if count else 0.0 for count in counts]
-
-
-def kill_worker_from_env() -> dict | None:
-    """Fault injection for tests: IMAGELAKE_KILL_WORKER=RANK:EPOCH:MARKER_FILE makes that rank exit once at that
-    epoch."""
-    spec = os.environ.get("IMAGELAKE_KILL_WORKER")
-    if not spec:
-        return None
-    rank, epoch, marker = spec.split(":", 2)
-    return {"rank": int(rank), "epoch": int(epoch), "marker": marker}
 
 
 def torch_trainer(config: dict[str, Any], settings: Settings, name: str, callbacks: Sequence[Any] = ()) -> TorchTrainer:

@@ -34,7 +34,7 @@ class TrialJob:
     experiment_id: str
     parent_run_id: str
     search_name: str
-    kill_worker: dict | None = None  # fault injection, read from the driver's environment (trainer.py)
+    callbacks: tuple = ()  # the driver's trainer.WORKER_CALLBACKS
 
 
 def run_trial(config: dict[str, Any], job: TrialJob) -> None:
@@ -52,7 +52,7 @@ def run_trial(config: dict[str, Any], job: TrialJob) -> None:
     train_config = {
         **training_config(job.cached, settings, job.tracking_uri, run_id, name),
         "stop_marker": stop_marker(settings.ray_storage_path, job.search_name, trial),
-        "kill_worker": job.kill_worker,
+        "callbacks": list(job.callbacks),
     }
     if not client.get_run(run_id).data.params:  # a resumed trial logged them already
         params = {**logged_params(train_config, settings), TRIAL_TAG: trial}
