@@ -771,6 +771,12 @@ class Settings(BaseSettings):
         # else's).
         runs="refused",
     )
+    user: str | None = setting(
+        default=None,
+        description="Who the registry's history records as moving an alias (unset: the login name)",
+        stages=(),
+        runs="refused",  # a run may not sign the history as someone else
+    )
     promotion_metric: Literal["accuracy", "macro_f1", "loss"] = setting(
         default="accuracy", description="What the promotion gate compares", stages=("promote",), runs="allowed"
     )

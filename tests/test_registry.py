@@ -829,3 +829,16 @@ def test_a_process_killed_between_the_champion_and_previous_champion_moves_leave
         (PREVIOUS, None, first, "gate"),
         (CHALLENGER, None, third, "gate"),
     ], "the cut-short move's rows land once, with the rest of it"
+
+
+def test_the_history_records_the_user_setting_or_the_login_name(monkeypatch) -> None:
+    import getpass
+
+    from imagelake.infra.settings import load_settings
+    from imagelake.tasks.registry.models import who
+
+    monkeypatch.delenv("IMAGELAKE_USER", raising=False)
+    assert who(load_settings()) == getpass.getuser()
+    assert who(load_settings(overrides={"user": "release-bot"})) == "release-bot"
+    monkeypatch.setenv("IMAGELAKE_USER", "ops")
+    assert who(load_settings()) == "ops"

@@ -8,7 +8,6 @@ import importlib.util
 import io
 import json
 import logging
-import os
 import shutil
 import threading
 import uuid
@@ -378,7 +377,7 @@ def record(settings: Settings, rows: list[dict]) -> None:
     """Append alias moves to the history table (a Delta table beside the images table)."""
     if rows:
         now = datetime.now(UTC)
-        full = [{"who": who(), "at": now, "flow_run_id": None, "move_id": None, **row} for row in rows]
+        full = [{"who": who(settings), "at": now, "flow_run_id": None, "move_id": None, **row} for row in rows]
         table = Table(settings.history_uri)
         if table.exists():
             table.add_columns(HISTORY_SCHEMA)  # a history from before move_id gets it first
@@ -397,9 +396,10 @@ def recorded(settings: Settings, move_id: str) -> bool:
     return move_id in set(rows.column("move_id").to_pylist())
 
 
-def who() -> str:
+def who(settings: Settings) -> str:
+    """Who an alias move is recorded as: the `user` setting (IMAGELAKE_USER), else the login name."""
     try:
-        return os.environ.get("IMAGELAKE_USER") or getpass.getuser()
+        return settings.user or getpass.getuser()
     except (KeyError, OSError):
         return "unknown"
 
