@@ -43,7 +43,7 @@ weights: | $(STAMP)
 # them again (infra/class_archive.py): a Spark session starts in about two thirds of the time. Kept while the JVM and
 # pyspark's jars are those it was made with; made again (about a minute) when they change.
 class-archive: | $(STAMP) $(JARS)
-	$(BIN)/python -m imagelake.infra.local.class_archive build || echo "class archive: none, so Spark drivers load their classes at each start"
+	$(BIN)/python -m imagelake.infra.local.make_class_archive build || echo "class archive: none, so Spark drivers load their classes at each start"
 
 install: $(STAMP) $(JARS) weights class-archive
 

@@ -35,7 +35,7 @@ from imagelake.tasks.data.listing import source_uri
 from imagelake.tasks.data.resize_executor import DecodeRules
 from imagelake.tasks.data.table import ImageTable
 from imagelake.tasks.rules.images import resize_image
-from imagelake.tasks.rules.listing import Scope
+from imagelake.tasks.rules.listed_files import Scope
 from imagelake.tasks.stages.resize import resize_images
 from imagelake.tasks.stages.write import write_images
 

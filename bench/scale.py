@@ -152,7 +152,7 @@ def measure_listing(source: Path, staging: Path, new: float) -> None:
     driver (what a run does when the tables are in step with the first); print seconds and peak RSS as JSON."""
     from imagelake.tasks.data.changes import changes_between
     from imagelake.tasks.data.listing import save_listing, source_uri
-    from imagelake.tasks.rules.listing import Scope
+    from imagelake.tasks.rules.listed_files import Scope
 
     scope, uri, out = Scope((".jpg",)), source_uri(str(source)), {"rss_after_imports": peak_rss_mb()}
     started = time.perf_counter()

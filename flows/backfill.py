@@ -17,7 +17,7 @@ from imagelake.tasks.data.changes import date_counts
 from imagelake.tasks.data.listing import save_listing, source_uri
 from imagelake.tasks.data.table import ImageTable
 from imagelake.tasks.results import TableVersion
-from imagelake.tasks.rules.listing import Scope, check_date_range, date_plan
+from imagelake.tasks.rules.listed_files import Scope, check_date_range, date_plan
 from imagelake.tasks.stages.ingest import ingest
 from imagelake.tasks.stages.resize import resize
 from imagelake.tasks.stages.write import requeue_by_setting, write
@@ -29,7 +29,7 @@ class BackfillFailed(RuntimeError):
 
 def plan_dates(table: ImageTable, settings: Settings, source: str, start: date, end: date) -> list[dict[str, Any]]:
     """Each date in the range that has source files or table rows: missing, stale or done (see
-    imagelake.tasks.rules.listing.date_plan).
+    imagelake.tasks.rules.listed_files.date_plan).
     The listing goes to staging and is compared with the tables by Spark; the driver gets counts per date."""
     scope = Scope(tuple(e.lower() for e in settings.image_extensions), start, end, settings.max_file_bytes)
     return date_plan(

@@ -14,7 +14,7 @@ import typer
 from imagelake.flows.doctor import PARTS as DOCTOR_PARTS
 from imagelake.flows.doctor import run_checks
 from imagelake.infra.settings import Settings, SettingsError, load_settings
-from imagelake.tasks.rules.listing import check_date_range
+from imagelake.tasks.rules.listed_files import check_date_range
 from imagelake.tasks.rules.report import accuracy, count, counts, duration, in_split_order, margin
 from imagelake.tasks.rules.training import started_from
 

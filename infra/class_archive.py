@@ -5,7 +5,7 @@ verifying them is much of the time a Spark session takes to start. Java's class-
 the classes a JVM loaded into an archive when it exits (-XX:ArchiveClassesAtExit) and maps them, ready-made, into later
 JVMs (-XX:SharedArchiveFile). `make install` makes one for this environment:
 
-    python -m imagelake.infra.local.class_archive build    # a short Spark job (Delta write, merge, an Arrow UDF)
+    python -m imagelake.infra.local.make_class_archive build    # a short Spark job (Delta write, merge, an Arrow UDF)
 
 and infra/spark.py hands it to every driver it starts (spark.driver.extraJavaOptions). An archive fits only the JVM
 and the Spark class path it was made with, so its file name carries a key of both: the JVM's library, and every jar
@@ -13,7 +13,7 @@ on Spark's class path by name, size and time. Another JVM, or another pyspark, f
 as it did without one. Classes of the jars given through spark.jars (Delta, S3A) are checked by the JVM itself, class
 by class, against the archive's copy.
 
-This module finds the archive; infra/local/class_archive.py makes it.
+This module finds the archive; infra/local/make_class_archive.py makes it.
 """
 
 from __future__ import annotations

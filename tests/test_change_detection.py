@@ -21,7 +21,7 @@ from PIL import Image
 
 from imagelake.infra.delta import Table
 from imagelake.tasks.data.listing import list_source
-from imagelake.tasks.rules.listing import is_changed
+from imagelake.tasks.rules.listed_files import is_changed
 from imagelake.tasks.rules.schemas import IMAGE_TABLE_SCHEMA
 from tests.lake import SCOPE, Lake, copy_digits
 

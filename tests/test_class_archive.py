@@ -1,4 +1,4 @@
-"""The Spark driver's class archive (infra/class_archive.py; infra/local/class_archive.py makes it): made by `make
+"""The Spark driver's class archive (infra/class_archive.py; infra/local/make_class_archive.py makes it): made by `make
 install`, mapped by the drivers spark_session starts, found only by the JVM and the Spark jars it was made with, never
 put in place damaged."""
 
@@ -11,7 +11,7 @@ import pytest
 
 from imagelake.infra.class_archive import MIN_JAVA, archive_key, driver_archive, driver_java_options
 from imagelake.infra.java import ensure_java
-from imagelake.infra.local.class_archive import build, java_major, run_driver
+from imagelake.infra.local.make_class_archive import build, java_major, run_driver
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +25,7 @@ def java_home() -> Path:
 def test_a_driver_started_by_spark_session_maps_the_archive_make_install_made(spark, java_home: Path) -> None:
     archive = driver_archive(java_home)
     assert archive is not None, (
-        "`make install` makes the class archive (python -m imagelake.infra.local.class_archive build)"
+        "`make install` makes the class archive (python -m imagelake.infra.local.make_class_archive build)"
     )
     spark.range(1).count()
     # The session's JVM: the child of this process that runs SparkSubmit (not the test S3 server's JVM).

@@ -85,6 +85,20 @@ def test_the_stages_have_a_room_of_their_own_and_no_helper_or_stage_imports_a_st
     assert not reaching, reaching
 
 
+def test_no_two_modules_share_a_name_but_a_flow_and_the_stage_it_runs() -> None:
+    """A module's name says which one it is: two rooms never hold modules of one name (tasks/data/listing.py and a
+    tasks/rules/listing.py), except a flow of flows/ and the stage of tasks/stages/ it runs (flows/score.py)."""
+    from collections import defaultdict
+
+    rooms = defaultdict(list)
+    for part in ("flows", "tasks", "infra"):
+        for path in (REPO / part).rglob("*.py"):
+            if path.name != "__init__.py":
+                rooms[path.name].append(str(path.parent.relative_to(REPO)))
+    shared = {name: sorted(where) for name, where in rooms.items() if len(where) > 1}
+    assert {name: where for name, where in shared.items() if where != ["flows", "tasks/stages"]} == {}
+
+
 def test_the_cached_split_files_have_one_owner_that_imports_no_petastorm_or_spark() -> None:
     code = "import json, sys, imagelake.tasks.data.cache_files; print(json.dumps(sorted(sys.modules)))"
     loaded = json.loads(

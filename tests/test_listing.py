@@ -15,7 +15,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 import imagelake.tasks.data.listing as listing
 from imagelake.tasks.data.listing import ListingIncomplete, list_source, local_info, save_listing, walk_files
-from imagelake.tasks.rules.listing import Scope, listing_fingerprint
+from imagelake.tasks.rules.listed_files import Scope, listing_fingerprint
 
 SCOPE = Scope((".png", ".jpg"))
 

@@ -20,7 +20,7 @@ from imagelake.tasks.data.listing import source_uri
 from imagelake.tasks.data.resize_executor import DecodeRules, files_done
 from imagelake.tasks.data.table import ImageTable, split_column
 from imagelake.tasks.rules.bad_files import TooManyBadFiles
-from imagelake.tasks.rules.listing import Scope, SourceError
+from imagelake.tasks.rules.listed_files import Scope, SourceError
 from imagelake.tasks.rules.splits import split_of
 from imagelake.tasks.stages.cache import cache_splits
 from imagelake.tasks.stages.resize import resize_images
@@ -129,7 +129,7 @@ def test_a_manifest_row_that_leaves_its_folder_by_a_link_is_quarantined_as_a_fol
     manifest's folder and manifest_roots is quarantined (symlink_outside_source), never read; a link into a root is
     fine."""
     from imagelake.tasks.data.listing import list_manifest
-    from imagelake.tasks.rules.listing import Scope
+    from imagelake.tasks.rules.listed_files import Scope
 
     base, outside, extra = tmp_path / "base", tmp_path / "outside", tmp_path / "extra"
     for folder in (base, outside / "more", extra):
@@ -154,7 +154,7 @@ def test_a_manifest_row_outside_its_folder_is_refused_naming_the_line(
     lake: Lake, digits_dir: Path, tmp_path: Path, spelling: str
 ) -> None:
     from imagelake.tasks.data.listing import list_source
-    from imagelake.tasks.rules.listing import Scope, SourceError
+    from imagelake.tasks.rules.listed_files import Scope, SourceError
 
     inside, outside = tmp_path / "landing", tmp_path / "elsewhere"
     copy_digits(digits_dir, inside, labels=("1",), per_label=2)
@@ -445,7 +445,7 @@ def test_a_folder_that_cannot_be_listed_stops_the_run_and_retires_nothing(
 
 def test_a_run_that_would_retire_most_of_a_dates_rows_is_refused(lake: Lake, digits_dir: Path, tmp_path: Path) -> None:
     from imagelake.tasks.rules.bad_files import TooManyRetired
-    from imagelake.tasks.rules.listing import Scope
+    from imagelake.tasks.rules.listed_files import Scope
 
     source = tmp_path / "src"
     copy_digits(digits_dir, source / "date=2024-03-01", labels=("1", "2"), per_label=5)

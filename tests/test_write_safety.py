@@ -20,7 +20,7 @@ from imagelake.tasks.data.listing import source_uri
 from imagelake.tasks.data.resize_executor import DecodeRules
 from imagelake.tasks.data.table import ImageTable
 from imagelake.tasks.results import Resized
-from imagelake.tasks.rules.listing import Scope
+from imagelake.tasks.rules.listed_files import Scope
 from imagelake.tasks.rules.schemas import IMAGE_TABLE_SCHEMA
 from imagelake.tasks.stages.resize import resize_images
 from imagelake.tasks.stages.write import WRITE_PHASES, plan_changes, settle_concurrent_append, write_images

@@ -28,7 +28,7 @@ from imagelake.infra.compat import collect_arrow
 from imagelake.tasks.data.listing import LISTING_BATCH, canonical_uri, is_manifest, save_listing, write_manifest
 from imagelake.tasks.data.table import ImageTable
 from imagelake.tasks.results import Listed, ListingDiff
-from imagelake.tasks.rules.listing import Scope
+from imagelake.tasks.rules.listed_files import Scope
 from imagelake.tasks.rules.schemas import CHANGES_SCHEMA, LISTING_SCHEMA
 
 
@@ -318,7 +318,8 @@ def known_frame(table: ImageTable, version: int | None) -> DataFrame | None:
 
 
 def is_changed(listing: DataFrame) -> Column:
-    """tasks/rules/listing.py:is_changed as a Spark column: no known row, another size or mtime, or another stamp."""
+    """tasks/rules/listed_files.py:is_changed as a Spark column: no known row, another size or mtime, or another
+    stamp."""
     other_stamp = F.col("k_stamp").isNotNull() & ~F.col("k_stamp").eqNullSafe(listing["stamp"])
     return (
         F.col("k_size").isNull()

@@ -1,5 +1,6 @@
 """Listing a source: a folder tree or a manifest CSV, through fsspec, streamed into one Parquet file in staging, named
-by its fingerprint. Which files count, and with which label, date and problem, is decided by tasks/rules/listing.py.
+by its fingerprint. Which files count, and with which label, date and problem, is decided by
+tasks/rules/listed_files.py.
 
 The ingest stage lists with it; the resize stage diffs what it listed against the table (changes.py); scoring,
 backfills and retention read sources and staging through it too.
@@ -24,7 +25,7 @@ import pyarrow.parquet as pq
 from fsspec.implementations.local import LocalFileSystem
 
 from imagelake.tasks.results import Listed
-from imagelake.tasks.rules.listing import (
+from imagelake.tasks.rules.listed_files import (
     DATE_FOLDER,
     Scope,
     SourceError,
@@ -101,8 +102,8 @@ def modified_seconds(info: dict[str, Any]) -> float:
 
 
 def stamp_of(fs: Any, path: str, info: dict[str, Any]) -> str | None:
-    """The store's change token for a file (tasks/rules/listing.py:change_stamp), or the SHA-256 of its content where it
-    gives none."""
+    """The store's change token for a file (tasks/rules/listed_files.py:change_stamp), or the SHA-256 of its content
+    where it gives none."""
     stamp = change_stamp(info)
     if stamp is not None:
         return stamp

@@ -12,7 +12,7 @@ LISTING_SCHEMA = pa.schema(
         ("date", pa.date32()),
         ("size", pa.int64()),
         ("mtime", pa.float64()),
-        ("stamp", pa.string()),  # the store's change token (tasks/rules/listing.py:change_stamp)
+        ("stamp", pa.string()),  # the store's change token (tasks/rules/listed_files.py:change_stamp)
         ("issue", pa.string()),
         ("action", pa.string()),
     ]

@@ -1,5 +1,6 @@
 """Ingest: list the source (a folder tree or a manifest CSV) and keep the listing in staging, named by its fingerprint
-(tasks/data/listing.py lists; tasks/rules/listing.py decides which files count, and with which label, date and problem).
+(tasks/data/listing.py lists; tasks/rules/listed_files.py decides which files count, and with which label, date and
+problem).
 
 The ingest stage only lists: what is new or changed depends on the image size, so the resize stage diffs the listing
 against the table (tasks/data/changes.py).
@@ -12,7 +13,7 @@ from typing import Any
 from imagelake.infra.settings import Settings, stage_settings
 from imagelake.tasks.data.listing import save_listing, source_uri
 from imagelake.tasks.results import Listed
-from imagelake.tasks.rules.listing import Scope, SourceError, listing_fingerprint, scope_of
+from imagelake.tasks.rules.listed_files import Scope, SourceError, listing_fingerprint, scope_of
 from imagelake.tasks.stage import stage
 
 # The listing that computing the ingest stage's key just saved, for the stage itself: a run lists its source once.

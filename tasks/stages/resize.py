@@ -31,7 +31,7 @@ from imagelake.tasks.data.resize_executor import (
 from imagelake.tasks.data.table import ImageTable, hold_resize_mode
 from imagelake.tasks.progress import Every, rate_line, stage_logger
 from imagelake.tasks.results import Listed, ListingDiff, Resized, left_unread
-from imagelake.tasks.rules.listing import scope_of
+from imagelake.tasks.rules.listed_files import scope_of
 from imagelake.tasks.rules.partitions import ROWS_PER_DECODE_TASK, balanced_partitions
 from imagelake.tasks.rules.schemas import CHANGES_SCHEMA
 from imagelake.tasks.stage import stage

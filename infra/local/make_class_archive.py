@@ -1,6 +1,6 @@
 """Making the Spark driver's class archive (infra/class_archive.py finds it): what `make install` runs.
 
-    python -m imagelake.infra.local.class_archive build
+    python -m imagelake.infra.local.make_class_archive build
 
 A short Spark job, started as the stages start theirs, loads what the stages load (a Delta write, a merge into it, a
 read grouped by label, a Python function over Arrow batches) in a JVM that dumps its classes as it exits. A damaged
@@ -80,7 +80,7 @@ def run_driver(action: str, java_options: str, timeout: float) -> str | None:
     env.pop("PYSPARK_GATEWAY_PORT", None)  # a driver of its own, never this process's
     with tempfile.TemporaryDirectory(prefix="imagelake-class-archive-") as work:  # where a crashed JVM writes its log
         done = subprocess.run(
-            [sys.executable, "-m", "imagelake.infra.local.class_archive", action],
+            [sys.executable, "-m", "imagelake.infra.local.make_class_archive", action],
             env=env,
             cwd=work,
             capture_output=True,
