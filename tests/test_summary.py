@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from imagelake.flows.cli import format_summary
+from imagelake.flows.summary_text import format_summary
 from imagelake.tasks.stages.summary import summary_markdown
 
 LABEL = "a|b <img src=x> *x*"
