@@ -27,7 +27,9 @@ from typing import Any, Literal, Union, get_args, get_origin
 
 from pydantic.fields import FieldInfo
 
-from imagelake.infra.settings import ALLOWED_FROM_RUNS, RUN_LIMITS, Settings
+from imagelake.infra.declare import SECTIONS, declaration, sections
+from imagelake.infra.run_policy import ALLOWED_FROM_RUNS, RUN_LIMITS
+from imagelake.infra.settings import Settings
 from imagelake.tasks.code_graph import repo_files
 
 REPO = Path(__file__).resolve().parents[1]
@@ -113,7 +115,7 @@ def from_runs_text(name: str) -> str:
     if name in RUN_LIMITS:
         side, limit = RUN_LIMITS[name]
         return f"{side} {value_text(name, limit)}"
-    if name == "pretrained":  # infra/settings.py:refusal: a file or URL would be fetched and loaded
+    if name == "pretrained":  # infra/run_policy.py:refusal: a file or URL would be fetched and loaded
         return "a weights name, not a path or URL"
     return "yes"
 
@@ -128,40 +130,14 @@ def cell(text: str) -> str:
     return " ".join(text.split()).replace("|", "\\|")
 
 
-def setting_groups() -> list[tuple[str, list[str]]]:
-    """The fields of Settings in their order, grouped under the comment that opens each group in infra/settings.py."""
-    lines, first = inspect.getsourcelines(Settings)
-    groups: list[tuple[str, list[str]]] = [("", [])]
-    comment: list[str] = []
-    for line in lines:
-        stripped = line.strip()
-        if line.startswith("    # "):
-            comment.append(stripped[2:])
-            continue
-        match = re.match(r"    (\w+): ", line)
-        if match and match.group(1) in Settings.model_fields:
-            if comment:
-                groups.append((" ".join(comment), []))
-            groups[-1][1].append(match.group(1))
-        comment = []
-    return [(title, names) for title, names in groups if names]
-
-
-def group_heading(comment: str) -> str:
-    """`Time limits: a hung mount ...` -> **Time limits.** a hung mount ...; `Training.` -> **Training.**"""
-    head, _, rest = re.split(r"([:.])", comment, maxsplit=1) if re.search(r"[:.]", comment) else (comment, "", "")
-    rest = rest.strip()
-    return f"**{head.strip()}.**" + (f" {rest[0].upper()}{rest[1:]}" if rest else "")
-
-
 def settings_table() -> str:
-    """Every field of Settings: its type and bounds, its default, whether a deployment run may set it, its
-    description."""
+    """Every field of Settings by section (its declaration's section=): its type and bounds, its default, whether a
+    deployment run may set it, its description; under each table, why runs may not set the refused ones or go past
+    a cap (why=)."""
     described = {name for name, field in Settings.model_fields.items() if field.description}
     out = []
-    for comment, names in setting_groups():
-        if comment:
-            out += [prose(group_heading(comment)), ""]
+    for section, names in sections(Settings).items():
+        out += [f"### {section[0].upper()}{section[1:]}", "", prose(SECTIONS[section]), ""]
         out += ["| setting | type | default | a deployment run may set it | what it does |", "|---|---|---|---|---|"]
         for name in names:
             field = Settings.model_fields[name]
@@ -172,6 +148,15 @@ def settings_table() -> str:
                 f"{cell(description)} |"
             )
         out.append("")
+        reasons: dict[str, list[str]] = {}
+        for name in names:
+            found = declaration(Settings, name)
+            if found is not None and found.why:
+                reasons.setdefault(found.why, []).append(name)
+        for why, named in reasons.items():
+            out.append(f"- {', '.join(f'`{name}`' for name in named)}: {why[0].upper()}{why[1:]}.")
+        if reasons:
+            out.append("")
     missing = sorted(set(Settings.model_fields) - described)
     if missing:
         out.append(prose(f"No description in the code yet: {', '.join(f'`{name}`' for name in missing)}."))

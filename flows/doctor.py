@@ -80,7 +80,8 @@ def _spark(settings: Settings) -> list[Check]:
         ),
         Check("delta jars", jars, delta, required=needed),
     ]
-    for state in check_jars():
+    folder = jar_folder(settings.jars_dir)
+    for state in check_jars(folder):
         detail = (
             f"{state.path}, SHA-256 as installed"
             if state.ok and state.checksum_ok
@@ -88,12 +89,12 @@ def _spark(settings: Settings) -> list[Check]:
             if state.ok
             else f"{state.path} differs from the SHA-256 recorded at install: run `make install` again"
             if state.present
-            else f"not in {jar_folder()}: `make install` fetches it with mvn"
+            else f"not in {folder}: `make install` fetches it with mvn"
         )
         checks.append(
             Check(f"jar {state.coordinate}", state.ok, detail, required=needed and state.checksum_ok is False)
         )
-    archive = driver_archive(ensure_java())
+    archive = driver_archive(ensure_java(), folder)
     checks.append(
         Check(
             "class archive",

@@ -14,13 +14,8 @@ from prefect.utilities.hashing import file_hash
 
 from imagelake.infra.deadline import Deadline, FlowTimedOut, deadline
 from imagelake.infra.lifecycle import release_after_timeout, release_compute, watch_worker
-from imagelake.infra.settings import (
-    Settings,
-    load_settings,
-    refuse_job_variables,
-    refuse_unsafe,
-    refuse_unsafe_file,
-)
+from imagelake.infra.run_policy import refuse_job_variables, refuse_unsafe, refuse_unsafe_file
+from imagelake.infra.settings import Settings, load_settings
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -143,8 +138,8 @@ def arm_flow_deadline(settings: Settings) -> None:
 
 def check_run_parameters(config_file: str | None, overrides: dict[str, Any] | None) -> None:
     """When the run came from a deployment (the UI, a schedule, the API), its `overrides` and a settings file it names
-    outside the code may set only what infra/settings.py:ALLOWED_FROM_RUNS allows, within RUN_LIMITS: where the worker
-    connects, keeps data or loads code from comes from the worker alone (infra/settings.py:refuse_unsafe)."""
+    outside the code may set only what infra/run_policy.py:ALLOWED_FROM_RUNS allows, within RUN_LIMITS: where the
+    worker connects, keeps data or loads code from comes from the worker alone (infra/run_policy.py:refuse_unsafe)."""
     context = FlowRunContext.get()
     if context is not None and context.flow_run is not None and context.flow_run.deployment_id is not None:
         where = f"the parameters of a deployment run ({context.flow_run.name})"

@@ -63,10 +63,10 @@ def driver_archive(java_home: Path, folder: Path | None = None) -> Path | None:
     return path if path.is_file() else None
 
 
-def driver_java_options(java_home: Path, own: str = "") -> str:
+def driver_java_options(java_home: Path, own: str = "", folder: Path | None = None) -> str:
     """spark.driver.extraJavaOptions for a driver started with the JVM at JAVA_HOME: the archive's option, if there is
     an archive, then the settings' own options. An archive option of the settings' own or of SPARK_SUBMIT_OPTS (the
-    build's steps use that) is the only one given."""
+    build's steps use that) is the only one given. FOLDER: the jar folder the archive is kept in (infra/jars.py)."""
     named = ARCHIVE_OPTION.search(f"{os.environ.get('SPARK_SUBMIT_OPTS', '')} {own}")
-    archive = None if named else driver_archive(java_home)
+    archive = None if named else driver_archive(java_home, folder)
     return " ".join(part for part in (f"-XX:SharedArchiveFile={archive}" if archive else "", own.strip()) if part)

@@ -10,7 +10,6 @@ the folder stays empty and tables are written and read with delta-rs.
 from __future__ import annotations
 
 import hashlib
-import os
 import shutil
 import subprocess
 import sys
@@ -30,9 +29,10 @@ TEST_JARS = ("org.gaul:s3proxy:3.0.0:jar:jar-with-dependencies",)
 SUMS = "SHA256SUMS"
 
 
-def jar_folder() -> Path:
-    """Where `make install` puts the jars: IMAGELAKE_JARS_DIR, else `jars/` in this interpreter's environment."""
-    return Path(os.environ.get("IMAGELAKE_JARS_DIR") or Path(sys.prefix) / "jars")
+def jar_folder(configured: Path | None = None) -> Path:
+    """Where the jars are: the settings' jars_dir when set, else `jars/` in this interpreter's environment, where
+    `make install` puts them."""
+    return configured or Path(sys.prefix) / "jars"
 
 
 def file_name(coordinate: str) -> str:

@@ -5,20 +5,27 @@ from __future__ import annotations
 
 import contextvars
 import json
-import os
-import re
 import tomllib
 from datetime import date
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import ValidationError, field_validator, model_validator
 from pydantic.fields import FieldInfo
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
 
-from imagelake.infra.declare import by_runs, caps, in_keys_of, setting, stage_fields
-from imagelake.infra.weights import is_weights_name
+from imagelake.infra.declare import (
+    DECODER_GUARD,
+    WHERE_DATA_LIVES,
+    WHERE_IT_CONNECTS,
+    WHOSE_MODEL,
+    WORKERS_SPARK,
+    in_keys_of,
+    setting,
+    stage_fields,
+)
+from imagelake.infra.secret_checks import has_password, names_a_secret
 
 _config_file: contextvars.ContextVar[Path | None] = contextvars.ContextVar("imagelake_config_file", default=None)
 
@@ -147,86 +154,87 @@ MODEL_ARCHS = (
 )
 
 
-# Every field is declared once, with setting() (infra/declare.py): its type, default, bounds and description, and
-# - runs: whether a run started from a deployment (the UI's form, a schedule, the API) may set it. "allowed": what it
-#   ingests, how it trains, splits and promotes, and how much of the worker's cluster it asks for; nothing allowed
-#   names a host, a folder, a table or a file, so a run can neither send the worker's credentials elsewhere, nor load
-#   someone else's pickles, nor write or delete where the worker does not. "refused": only the worker's config file or
-#   IMAGELAKE_* environment sets where its clusters, stores, tables, folders and registered model are (a run pointed
-#   elsewhere would send the worker's credentials to another host, unpickle Ray Client's or Prefect's results from it,
-#   or write, retire and vacuum someone else's data), what code Spark loads, and the policies that remove data
-#   (retire_deleted) or load pickles (allow_pickle_models).
-# - cap: ("at most" | "at least", limit) on an allowed setting that a run may only make safer than the default: past it
-#   data is lost, a decompression bomb can take the worker down with every run on it, or one run holds up every run
-#   behind it.
-# - stages: the stages whose output it changes, whose keys hold its value (tasks/stage.py); stages=() when it changes
-#   none (a place, a time limit, logging, how fast). A derived location in a key declares its stages with
-#   @in_keys_of, next to its property.
-# ALLOWED_FROM_RUNS, REFUSED_FROM_RUNS, RUN_LIMITS and stage_settings() (each @stage's settings) are derived from these
-# declarations (below the class); tests/test_settings.py fails for a field declared without them.
+# Every field is declared once, with setting() (infra/declare.py): its section, type, default, bounds and description,
+# the stages whose keys it enters, and whether a run started from a deployment may set it (runs=, cap=, why=).
+# infra/run_policy.py, stage_settings() (each @stage's settings), a model's reproducing settings and docs/settings.md
+# are derived from the declarations; tests/test_settings.py fails for a field declared without them.
 class Settings(BaseSettings):
     """Where imagelake runs and how; every field is also IMAGELAKE_<NAME>."""
 
     model_config = SettingsConfigDict(env_prefix="IMAGELAKE_", extra="forbid", validate_default=True)
 
-    # Where everything embedded lives.
     workspace: Path = setting(
+        section="lake",
         default=Path(".imagelake"),
         description="Folder of everything embedded: tables, cache, staging, stage results, MLflow's store, unless set",
         stages=(),
-        # Refused: where the worker keeps data (a run pointed elsewhere would write, retire and vacuum someone
-        # else's data).
         runs="refused",
+        why=WHERE_DATA_LIVES,
     )
 
-    # Spark and Delta.
     spark_master: str = setting(
+        section="spark",
         default="local[*]",
         description="Spark master URL: local[*] embedded, spark://host:port for a standalone cluster",
         stages=(),
-        # Refused: where the worker connects (a run pointed elsewhere would send the worker's credentials to another
-        # host and unpickle Ray Client's or Prefect's results from it).
         runs="refused",
+        why=WHERE_IT_CONNECTS,
     )
     spark_driver_memory: str = setting(
+        section="spark",
         default="4g",
         description="Memory of an embedded Spark's driver JVM (Spark's form: 4g)",
         stages=(),
-        # Refused: the worker's Spark, how it runs and what code it loads.
         runs="refused",
+        why=WORKERS_SPARK,
     )
     spark_log_level: Literal["ALL", "DEBUG", "INFO", "WARN", "ERROR", "FATAL", "OFF"] = setting(
+        section="spark",
         default="ERROR",
         description="Spark's own log level",
         stages=(),
-        # Allowed: how much Spark says.
         runs="allowed",
     )
     spark_jars: list[str] = setting(
+        section="spark",
         default_factory=list,
         description="Extra jars for Spark, e.g. Delta's, as local paths",
         stages=(),
-        # Refused: the worker's Spark, how it runs and what code it loads.
         runs="refused",
+        why=WORKERS_SPARK,
+    )
+    jars_dir: Path | None = setting(
+        section="spark",
+        default=None,
+        description=(
+            "Folder of the Delta and S3A jars (and the driver's class archive) given to Spark; default: jars/ in "
+            "the Python environment, where `make install` puts them"
+        ),
+        stages=(),
+        runs="refused",
+        why=WORKERS_SPARK,
     )
     spark_conf: dict[str, str] = setting(
+        section="spark",
         default_factory=dict,
         description="Extra Spark properties, applied last (e.g. spark.kubernetes.*, spark.executor.*)",
         stages=(),
-        # Refused: the worker's Spark, how it runs and what code it loads.
         runs="refused",
+        why=WORKERS_SPARK,
     )
     delta_writer: Literal["auto", "delta-rs", "spark"] = setting(
+        section="spark",
         default="auto",
         description=(
             "Delta engine for reads, merges, compaction and vacuum: auto is delta-rs on an embedded Spark and Spark's "
             "Delta on a Spark cluster with Delta's jars"
         ),
         stages=("write",),
-        # Refused: the worker's Spark, how it runs and what code it loads.
         runs="refused",
+        why=WORKERS_SPARK,
     )
     spark_merge_min_rows: int | None = setting(
+        section="spark",
         default=2000,
         ge=1,
         description=(
@@ -235,28 +243,28 @@ class Settings(BaseSettings):
             "none: never"
         ),
         stages=(),
-        # Refused: the worker's Spark, how it runs and what code it loads.
         runs="refused",
+        why=WORKERS_SPARK,
     )
     table_root: str | None = setting(
+        section="lake",
         default=None,
         description="Folder or object-store URI of the Delta tables",
         stages=(),
-        # Refused: where the worker keeps data (a run pointed elsewhere would write, retire and vacuum someone
-        # else's data).
         runs="refused",
+        why=WHERE_DATA_LIVES,
     )
     table_name: str = setting(
+        section="lake",
         default="images",
         description="Name of the images table under table_root",
         stages=(),
-        # Refused: where the worker keeps data (a run pointed elsewhere would write, retire and vacuum someone
-        # else's data).
         runs="refused",
+        why=WHERE_DATA_LIVES,
     )
 
-    # Images.
     image_size: int = setting(
+        section="ingest",
         default=160,
         ge=8,
         le=2048,
@@ -265,55 +273,62 @@ class Settings(BaseSettings):
         runs="allowed",
     )
     resize_mode: Literal["letterbox", "center_crop"] = setting(
+        section="ingest",
         default="letterbox",
         description="How an image becomes a square: letterbox pads the short side, center_crop cuts the long one",
         stages=("resize", "promote"),
         runs="allowed",
     )
     image_extensions: list[str] = setting(
+        section="ingest",
         default_factory=lambda: [".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff"],
         description="File endings that count as images (any case); other files are left out of the listing",
         stages=("ingest", "score"),
         runs="allowed",
     )
 
-    # Incremental runs, backfills and bad input.
     start_date: date | None = setting(
+        section="ingest",
         default=None,
         description="Only source files of dates on or after this one",
         stages=("ingest", "resize"),
         runs="allowed",
     )
     end_date: date | None = setting(
+        section="ingest",
         default=None,
         description="Only source files of dates on or before this one",
         stages=("ingest", "resize"),
         runs="allowed",
     )
     retire_deleted: bool = setting(
+        section="lake",
         default=False,
         description="Remove rows whose source file is gone",
         stages=("resize",),
-        # Refused: a policy that removes data.
         runs="refused",
+        why="a policy that removes data",
     )
     manifest_roots: list[str] = setting(
+        section="ingest",
         default_factory=list,
         description="Folders or URIs besides a manifest CSV's own folder whose files its rows may name",
         stages=("ingest",),
-        # Refused: folders a manifest's rows may read from (a run could read any file the worker can).
         runs="refused",
+        why="folders a manifest's rows may read from: a run could read any file the worker can",
     )
     max_file_bytes: int = setting(
+        section="ingest",
         default=50 * 1024 * 1024,
         ge=1,
         description="Larger files are quarantined",
         stages=("ingest", "resize"),
         runs="allowed",
-        # One of the decoder's guards against huge files and decompression bombs.
+        why=DECODER_GUARD,
         cap=("at most", 50 * 1024 * 1024),
     )
     read_attempts: int = setting(
+        section="ingest",
         default=3,
         ge=1,
         description="Reads of a source file before it is left for the next run (a read error is never quarantined)",
@@ -321,6 +336,7 @@ class Settings(BaseSettings):
         runs="allowed",
     )
     requeue_reasons: list[str] = setting(
+        section="ingest",
         default_factory=list,
         description=(
             "Quarantine reasons whose files every run sends back through (as `imagelake requeue --reason` does once)"
@@ -330,15 +346,17 @@ class Settings(BaseSettings):
         runs="allowed",
     )
     max_image_pixels: int = setting(
+        section="ingest",
         default=64_000_000,
         ge=1,
         description="Larger images are quarantined as decompression bombs",
         stages=("resize", "promote"),
         runs="allowed",
-        # One of the decoder's guards against huge files and decompression bombs.
+        why=DECODER_GUARD,
         cap=("at most", 64_000_000),
     )
     max_decode_seconds: float = setting(
+        section="ingest",
         default=30.0,
         gt=0,
         description=(
@@ -347,10 +365,11 @@ class Settings(BaseSettings):
         ),
         stages=("resize",),
         runs="allowed",
-        # One of the decoder's guards against huge files and decompression bombs.
+        why=DECODER_GUARD,
         cap=("at most", 30),
     )
     max_bad_fraction: float = setting(
+        section="ingest",
         default=0.2,
         ge=0,
         le=1,
@@ -360,18 +379,19 @@ class Settings(BaseSettings):
         runs="allowed",
     )
     max_retire_fraction: float = setting(
+        section="ingest",
         default=0.5,
         ge=0,
         le=1,
         description="A run that would retire more of any date's rows fails and writes nothing",
-        # resize too: a write that refused took back the files the resize stage wrote.
+        # resize too, as max_bad_fraction.
         stages=("resize", "write"),
         runs="allowed",
-        # A run that would retire more of a date's rows writes nothing: a run may only be more careful
-        # than the default.
+        why="a run that would retire more of a date's rows writes nothing: a run may only be more careful",
         cap=("at most", 0.5),
     )
     decode_in_driver_up_to: int = setting(
+        section="ingest",
         default=1000,
         ge=0,
         description=(
@@ -382,27 +402,29 @@ class Settings(BaseSettings):
         runs="allowed",
     )
     quarantine_table_name: str = setting(
+        section="lake",
         default="quarantine",
         description="Name of the table of bad files (path, reason) under table_root",
         stages=(),
-        # Refused: where the worker keeps data (a run pointed elsewhere would write, retire and vacuum someone
-        # else's data).
         runs="refused",
+        why=WHERE_DATA_LIVES,
     )
     vacuum_retention_hours: float = setting(
+        section="lake",
         default=168,
         ge=0,
         description="Keep files of table versions this recent",
         stages=(),
         runs="allowed",
-        # Vacuum runs with Delta's retention check off and deletes files no commit added yet
-        # (infra/delta.py): below Delta's own week it deletes what time travel, readers and a writer
-        # still committing need.
+        why=(
+            "vacuum deletes files no commit added yet (Delta's retention check off): below Delta's own week it "
+            "deletes what time travel, readers and a writer still committing need"
+        ),
         cap=("at least", 168),
     )
 
-    # Split and cache.
     val_fraction: float = setting(
+        section="cache and loader",
         default=0.1,
         gt=0,
         lt=1,
@@ -411,6 +433,7 @@ class Settings(BaseSettings):
         runs="allowed",
     )
     test_fraction: float = setting(
+        section="cache and loader",
         default=0.1,
         gt=0,
         lt=1,
@@ -419,6 +442,7 @@ class Settings(BaseSettings):
         runs="allowed",
     )
     partitions_per_worker: int = setting(
+        section="cache and loader",
         default=2,
         ge=2,
         description="Cache files of each split per training worker (each worker reads its own share)",
@@ -426,14 +450,15 @@ class Settings(BaseSettings):
         runs="allowed",
     )
     cache_root: str | None = setting(
+        section="lake",
         default=None,
         description="Folder or URI of the Petastorm cache of the splits (default: workspace/cache)",
         stages=(),
-        # Refused: where the worker keeps data (a run pointed elsewhere would write, retire and vacuum someone
-        # else's data).
         runs="refused",
+        why=WHERE_DATA_LIVES,
     )
     cache_format: Literal["raw", "jpeg"] = setting(
+        section="cache and loader",
         default="raw",
         description=(
             "How the cache holds each image: raw pixels (no decoding when training) or JPEG (several times fewer "
@@ -443,6 +468,7 @@ class Settings(BaseSettings):
         runs="allowed",
     )
     cache_jpeg_quality: int = setting(
+        section="cache and loader",
         default=95,
         ge=50,
         le=100,
@@ -451,58 +477,74 @@ class Settings(BaseSettings):
         runs="allowed",
     )
     staging_root: str | None = setting(
+        section="lake",
         default=None,
         description="Folder or URI for files handed between stages",
         stages=(),
-        # Refused: where the worker keeps data (a run pointed elsewhere would write, retire and vacuum someone
-        # else's data).
         runs="refused",
+        why=WHERE_DATA_LIVES,
     )
 
-    # Training.
     ray_address: str | None = setting(
+        section="servers",
         default=None,
         description="Ray cluster to join (host:port, ray://host:port or auto); none starts Ray here",
         stages=(),
-        # Refused: where the worker connects (a run pointed elsewhere would send the worker's credentials to another
-        # host and unpickle Ray Client's or Prefect's results from it).
         runs="refused",
+        why=WHERE_IT_CONNECTS,
     )
     ray_placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = setting(
+        section="training",
         default="PACK",
         description="How Ray places training workers: PACK fills a node's GPUs first, SPREAD uses more machines",
         stages=(),
         runs="allowed",
     )
     ray_storage_root: str | None = setting(
+        section="lake",
         default=None,
         description="Folder where Ray Train keeps checkpoints; shared by every node (default: workspace/ray_results)",
         stages=(),
-        # Refused: where the worker keeps data (a run pointed elsewhere would write, retire and vacuum someone
-        # else's data).
         runs="refused",
+        why=WHERE_DATA_LIVES,
     )
     num_workers: int = setting(
+        section="training",
         default=2,
         ge=1,
         description="Ray Train workers",
         stages=("split", "train", "tune"),
         runs="allowed",
-        cap=("at most", 64),  # each holds a loader, its buffers and a model: a run may not take a whole cluster
+        why="each worker holds a loader, its buffers and a model: a run may not take a whole cluster",
+        cap=("at most", 64),
     )
     use_gpu: bool = setting(
+        section="training",
         default=False,
         description="Train on GPUs: one a worker (gpus_per_worker), bf16",
         stages=("train", "tune"),
         runs="allowed",
     )
     cpus_per_worker: float = setting(
-        default=1, gt=0, description="CPUs Ray reserves for each training worker", stages=(), runs="allowed"
+        section="training",
+        default=1,
+        gt=0,
+        description="CPUs Ray reserves for each training worker",
+        stages=(),
+        runs="allowed",
     )
     gpus_per_worker: float = setting(
-        default=1, gt=0, description="With use_gpu", stages=(), runs="allowed", cap=("at most", 8)
+        section="training",
+        default=1,
+        gt=0,
+        description="With use_gpu",
+        stages=(),
+        runs="allowed",
+        why="GPUs a run holds on the worker's cluster: a run may not take a whole node's",
+        cap=("at most", 8),
     )
     max_failures: int = setting(
+        section="training",
         default=1,
         ge=-1,
         description="Worker failures a training run survives (-1: no limit)",
@@ -510,6 +552,7 @@ class Settings(BaseSettings):
         runs="allowed",
     )
     ray_log_to_driver: bool = setting(
+        section="training",
         default=False,
         description=(
             "Show Ray workers' own output on the console too (it is always in Ray's session logs); progress "
@@ -519,6 +562,7 @@ class Settings(BaseSettings):
         runs="allowed",
     )
     model_arch: Literal[MODEL_ARCHS] = setting(  # type: ignore[valid-type]
+        section="training",
         default="mobilenet_v2",
         description=(
             "Any torchvision classification model by name (mobilenet_v2, resnet50, efficientnet_b0, convnext_tiny, "
@@ -528,6 +572,7 @@ class Settings(BaseSettings):
         runs="allowed",
     )
     pretrained: str | None = setting(
+        section="training",
         default="IMAGENET1K_V1",
         description=(
             "Weights to start from: a torchvision weights name (IMAGENET1K_V1, ResNet50_Weights.IMAGENET1K_V2), "
@@ -536,17 +581,17 @@ class Settings(BaseSettings):
             "state dict; or none (from scratch)"
         ),
         stages=("train", "tune"),
-        # Allowed as a weights name only (none, imagenet, torchvision's): a path or URL would be
-        # fetched and loaded (refusal).
         runs="allowed",
     )
     freeze_backbone: bool = setting(
+        section="training",
         default=False,
         description="Train only the classification head (a linear probe of the pretrained features)",
         stages=("train", "tune"),
         runs="allowed",
     )
     backbone_lr_factor: float = setting(
+        section="training",
         default=0.1,
         gt=0,
         le=1,
@@ -555,6 +600,7 @@ class Settings(BaseSettings):
         runs="allowed",
     )
     weight_decay: float = setting(
+        section="training",
         default=0.01,
         ge=0,
         lt=1,
@@ -563,6 +609,7 @@ class Settings(BaseSettings):
         runs="allowed",
     )
     augment: Literal["none", "light", "standard"] = setting(
+        section="training",
         default="light",
         description=(
             "Training images, drawn per image and epoch: light is a random crop of 60-100% of the area; standard "
@@ -572,6 +619,7 @@ class Settings(BaseSettings):
         runs="allowed",
     )
     augment_flip: bool = setting(
+        section="training",
         default=False,
         description=(
             "Also mirror half the training images (for photos; a mirrored digit, letter or sign is another glyph)"
@@ -580,6 +628,7 @@ class Settings(BaseSettings):
         runs="allowed",
     )
     label_smoothing: float = setting(
+        section="training",
         default=0.1,
         ge=0,
         lt=1,
@@ -588,6 +637,7 @@ class Settings(BaseSettings):
         runs="allowed",
     )
     class_weights: Literal["none", "balanced"] = setting(
+        section="training",
         default="none",
         description=(
             "balanced weighs each label's training loss by the inverse of its share of the train split (for "
@@ -597,6 +647,7 @@ class Settings(BaseSettings):
         runs="allowed",
     )
     warm_start: bool = setting(
+        section="training",
         default=False,
         description=(
             "Start from the champion's weights when it was trained for the same labels (same order), image size, "
@@ -606,6 +657,7 @@ class Settings(BaseSettings):
         runs="allowed",
     )
     max_epochs: int = setting(
+        section="training",
         default=12,
         ge=1,
         description="Most epochs of one training run (early stopping on val_loss usually ends it sooner)",
@@ -613,6 +665,7 @@ class Settings(BaseSettings):
         runs="allowed",
     )
     max_train_minutes: float | None = setting(
+        section="training",
         default=None,
         gt=0,
         description="Training stops after this long, at the end of an epoch, and keeps its best checkpoint",
@@ -620,15 +673,17 @@ class Settings(BaseSettings):
         runs="allowed",
     )
     batch_size: int = setting(
+        section="training",
         default=32,
         ge=1,
         description="Per worker",
         stages=("train", "tune"),
         runs="allowed",
-        # A run's batch sizes every buffer of the node it trains on (pinned and shared memory, the shuffle buffer).
+        why="a run's batch sizes every buffer of the node it trains on (pinned and shared memory, the shuffle buffer)",
         cap=("at most", 1024),
     )
     base_lr: float = setting(
+        section="training",
         default=1e-3,
         gt=0,
         description="Learning rate of one worker; scaled with num_workers",
@@ -636,12 +691,14 @@ class Settings(BaseSettings):
         runs="allowed",
     )
     lr_scaling: Literal["linear", "sqrt", "none"] = setting(
+        section="training",
         default="linear",
         description="How the learning rate grows with the workers",
         stages=("train", "tune"),
         runs="allowed",
     )
     early_stopping_patience: int | None = setting(
+        section="training",
         default=None,
         ge=0,
         description="Epochs without a better val_loss before training stops (default: half of max_epochs, at least 3)",
@@ -649,6 +706,7 @@ class Settings(BaseSettings):
         runs="allowed",
     )
     early_stopping_min_delta: float = setting(
+        section="training",
         default=0.0,
         ge=0,
         description="Smallest fall of val_loss that counts as better for early stopping",
@@ -656,9 +714,14 @@ class Settings(BaseSettings):
         runs="allowed",
     )
     early_stopping_threshold: float | None = setting(
-        default=None, description="Stop once val_loss is below this", stages=("train", "tune"), runs="allowed"
+        section="training",
+        default=None,
+        description="Stop once val_loss is below this",
+        stages=("train", "tune"),
+        runs="allowed",
     )
     compile: bool | None = setting(
+        section="training",
         default=None,
         description=(
             "torch.compile the model for training steps; default: on with a GPU (faster for every model "
@@ -668,20 +731,24 @@ class Settings(BaseSettings):
         runs="allowed",
     )
     compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = setting(
+        section="training",
         default="default",
         description="torch.compile's mode when compiling (reduce-overhead adds CUDA graphs)",
         stages=("train", "tune"),
         runs="allowed",
     )
     loader_workers: int = setting(
+        section="cache and loader",
         default=2,
         ge=1,
         description="Petastorm reader threads per training worker",
         stages=(),
         runs="allowed",
-        cap=("at most", 16),  # each thread holds row groups in memory
+        why="each thread holds row groups in memory",
+        cap=("at most", 16),
     )
     loader_processes: int | None = setting(
+        section="cache and loader",
         default=None,
         ge=0,
         le=16,
@@ -695,14 +762,17 @@ class Settings(BaseSettings):
         runs="allowed",
     )
     shuffle_buffer_batches: int = setting(
+        section="cache and loader",
         default=4,
         ge=1,
         description="Rows shuffled across row groups, in batches",
         stages=("train", "tune"),
         runs="allowed",
-        cap=("at most", 64),  # held in the training process's memory: batch_size rows of images each
+        why="held in the training process's memory: batch_size rows of images each",
+        cap=("at most", 64),
     )
     jpeg_decode: Literal["auto", "loader", "device"] = setting(
+        section="cache and loader",
         default="auto",
         description=(
             "Where a cache_format=jpeg cache's images are decoded: in the loader, on CPU; or on the training device "
@@ -712,75 +782,92 @@ class Settings(BaseSettings):
         runs="allowed",
     )
     bf16: bool = setting(
-        default=True, description="bf16 autocast on GPU (ignored on CPU)", stages=("train", "tune"), runs="allowed"
+        section="training",
+        default=True,
+        description="bf16 autocast on GPU (ignored on CPU)",
+        stages=("train", "tune"),
+        runs="allowed",
     )
     channels_last: bool = setting(
+        section="training",
         default=True,
         description="channels_last memory format on GPU (ignored on CPU)",
         stages=("train", "tune"),
         runs="allowed",
     )
     pin_memory: bool = setting(
-        default=True, description="Pinned host batches on GPU (ignored on CPU)", stages=(), runs="allowed"
+        section="cache and loader",
+        default=True,
+        description="Pinned host batches on GPU (ignored on CPU)",
+        stages=(),
+        runs="allowed",
     )
     seed: int = setting(
+        section="training",
         default=42,
         description="Seed of the cache's row order, the loader, augmentation and the model's weights",
         stages=("cache", "train", "tune"),
         runs="allowed",
     )
 
-    # Tracking and registry.
     mlflow_tracking_uri: str | None = setting(
+        section="servers",
         default=None,
         description="MLflow tracking server or store (default: a SQLite file in the workspace)",
         stages=(),
-        # Refused: where the worker connects (a run pointed elsewhere would send the worker's credentials to another
-        # host and unpickle Ray Client's or Prefect's results from it).
         runs="refused",
+        why=WHERE_IT_CONNECTS,
     )
     mlflow_registry_uri: str | None = setting(
+        section="servers",
         default=None,
         description="MLflow model registry (default: the tracking URI)",
         stages=("promote",),
-        # Refused: where the worker connects (a run pointed elsewhere would send the worker's credentials to another
-        # host and unpickle Ray Client's or Prefect's results from it).
         runs="refused",
+        why=WHERE_IT_CONNECTS,
     )
     mlflow_experiment: str = setting(
+        section="registry",
         default="imagelake",
         description="MLflow experiment of the training runs",
         stages=("train", "tune"),
         where=True,
-        # Refused: where the worker's runs and registered model are (a run would train into, or promote, someone
-        # else's).
         runs="refused",
+        why=WHOSE_MODEL,
     )
     mlflow_ui_url: str = setting(
+        section="servers",
         default="http://127.0.0.1:5000",
         description="MLflow UI that Prefect artifacts link to",
         stages=(),
-        # Refused: the address every run's Prefect artifacts link to (a run could point readers elsewhere).
         runs="refused",
+        why="the address every run's Prefect artifacts link to: a run could point readers elsewhere",
     )
     model_name: str = setting(
+        section="registry",
         default="imagelake-classifier",
         description="Registered model the gate promotes versions of",
         stages=("promote",),
-        # Refused: where the worker's runs and registered model are (a run would train into, or promote, someone
-        # else's).
         runs="refused",
+        why=WHOSE_MODEL,
     )
     user: str | None = setting(
+        section="registry",
         default=None,
         description="Who the registry's history records as moving an alias (unset: the login name)",
         stages=(),
-        runs="refused",  # a run may not sign the history as someone else
+        runs="refused",
+        why="who the registry's history says promoted a version: a run may not sign as someone else",
     )
     promotion_metric: Literal["accuracy", "macro_f1", "loss"] = setting(
-        default="accuracy", description="What the promotion gate compares", stages=("promote",), runs="allowed"
+        section="registry",
+        default="accuracy",
+        description="What the promotion gate compares",
+        stages=("promote",),
+        runs="allowed",
     )
     promotion_margin: float = setting(
+        section="registry",
         default=0.0,
         ge=0,
         description="How much a candidate must beat the champion by on promotion_metric",
@@ -788,6 +875,7 @@ class Settings(BaseSettings):
         runs="allowed",
     )
     min_margin_over_baseline: float | None = setting(
+        section="registry",
         default=None,
         ge=-1,
         le=1,
@@ -799,29 +887,31 @@ class Settings(BaseSettings):
         runs="allowed",
     )
     allow_pickle_models: bool = setting(
+        section="registry",
         default=False,
         description="Load registered models stored by pickling (unsafe for untrusted sources)",
         stages=("promote",),
-        # Refused: a policy that loads pickles (code) from the registry.
         runs="refused",
+        why="a policy that loads pickles (code) from the registry",
     )
     history_table_name: str = setting(
+        section="registry",
         default="registry_history",
         description="Delta table of every alias move",
         stages=(),
-        # Refused: where the worker keeps data (a run pointed elsewhere would write, retire and vacuum someone
-        # else's data).
         runs="refused",
+        why=WHERE_DATA_LIVES,
     )
     predictions_table_name: str = setting(
+        section="serving",
         default="predictions",
         description="Delta table of what `imagelake score` answered, one row per image content and model version",
         stages=(),
-        # Refused: where the worker keeps data (a run pointed elsewhere would write, retire and vacuum someone
-        # else's data).
         runs="refused",
+        why=WHERE_DATA_LIVES,
     )
     score_top_k: int = setting(
+        section="serving",
         default=3,
         ge=1,
         description="Labels with their probabilities that `imagelake score` keeps per image",
@@ -829,6 +919,7 @@ class Settings(BaseSettings):
         runs="allowed",
     )
     score_commit_images: int = setting(
+        section="serving",
         default=50_000,
         ge=1,
         description=(
@@ -836,29 +927,32 @@ class Settings(BaseSettings):
             "what it committed, and the next goes on from there"
         ),
         stages=(),  # how the work is cut, not what is answered: the same answers in more or fewer commits
-        # A run may cut less finely, not into thousands of tiny commits (each one a file in the table's log).
+        why="a run may cut less finely, not into thousands of tiny commits (each one a file in the table's log)",
         runs="allowed",
         cap=("at least", 1000),
     )
 
-    # Orchestration.
     prefect_api_url: str | None = setting(
+        section="servers",
         default=None,
         description="Prefect API of the runs (default: Prefect's own setting, else a server per run)",
         stages=(),
-        # Refused: where the worker connects (a run pointed elsewhere would send the worker's credentials to another
-        # host and unpickle Ray Client's or Prefect's results from it).
         runs="refused",
+        why=WHERE_IT_CONNECTS,
     )
     results_root: str | None = setting(
+        section="lake",
         default=None,
         description="Folder or URI where stage results are stored for reuse (default: workspace/prefect-results)",
         stages=(),
-        # Refused: where the worker keeps data, and its stored stage results, which are unpickled (a run pointed
-        # elsewhere would write someone else's data, or load someone else's pickles).
         runs="refused",
+        why=(
+            "where the worker keeps its stored stage results, which are unpickled: a run pointed elsewhere would "
+            "load someone else's pickles"
+        ),
     )
     workspace_retention_hours: float = setting(
+        section="lake",
         default=168,
         ge=0,
         description=(
@@ -867,15 +961,15 @@ class Settings(BaseSettings):
         ),
         stages=(),
         runs="allowed",
-        # Clean-up after each run deletes staging files, stage results and checkpoints this old:
-        # a running run's among them.
+        why=(
+            "clean-up after each run deletes staging files, stage results and checkpoints this old: a running "
+            "run's among them"
+        ),
         cap=("at least", 168),
     )
 
-    # Time limits: a hung mount or a stuck Spark or Ray job fails its run (TimedOut, its Spark and Ray released) instead
-    # of holding up every queued run behind it. Each is generous for its stage; none is in a stage key. none: no limit.
-    # A run may shorten its own (a failed run is its own loss); flow_timeout_hours caps the rest.
     flow_timeout_hours: float | None = setting(
+        section="limits",
         default=24,
         gt=0,
         description=(
@@ -884,12 +978,14 @@ class Settings(BaseSettings):
         ),
         stages=(),
         runs="allowed",
-        # A run that may run for days holds every run queued behind it (the nightly deployment runs one
-        # at a time); its stages' limits and lock waits need no cap of their own, since the flow's ends
-        # them all.
+        why=(
+            "a run that may run for days holds every run queued behind it (the nightly deployment runs one at a "
+            "time); its stages' limits and lock waits need no cap of their own, since the flow's ends them all"
+        ),
         cap=("at most", 24),
     )
     stage_timeout_minutes: float | None = setting(
+        section="limits",
         default=360,
         gt=0,
         description=(
@@ -899,6 +995,7 @@ class Settings(BaseSettings):
         runs="allowed",
     )
     ingest_timeout_minutes: float | None = setting(
+        section="limits",
         default=240,
         gt=0,
         description="Time limit of the ingest stage (listing millions of source files)",
@@ -906,6 +1003,7 @@ class Settings(BaseSettings):
         runs="allowed",
     )
     resize_timeout_minutes: float | None = setting(
+        section="limits",
         default=480,
         gt=0,
         description="Time limit of the resize stage (decoding millions of images)",
@@ -913,9 +1011,15 @@ class Settings(BaseSettings):
         runs="allowed",
     )
     write_timeout_minutes: float | None = setting(
-        default=180, gt=0, description="Time limit of the write stage (the Delta merge)", stages=(), runs="allowed"
+        section="limits",
+        default=180,
+        gt=0,
+        description="Time limit of the write stage (the Delta merge)",
+        stages=(),
+        runs="allowed",
     )
     cache_timeout_minutes: float | None = setting(
+        section="limits",
         default=360,
         gt=0,
         description="Time limit of the cache stage, its wait for another run caching the same line included",
@@ -923,6 +1027,7 @@ class Settings(BaseSettings):
         runs="allowed",
     )
     train_timeout_minutes: float | None = setting(
+        section="limits",
         default=720,
         gt=0,
         description=(
@@ -933,6 +1038,7 @@ class Settings(BaseSettings):
         runs="allowed",
     )
     promote_timeout_minutes: float | None = setting(
+        section="limits",
         default=60,
         gt=0,
         description="Time limit of the promote stage (test predictions, the gate)",
@@ -940,6 +1046,7 @@ class Settings(BaseSettings):
         runs="allowed",
     )
     cache_lock_wait_minutes: float | None = setting(
+        section="limits",
         default=180,
         gt=0,
         description=(
@@ -949,6 +1056,7 @@ class Settings(BaseSettings):
         runs="allowed",
     )
     train_lock_wait_minutes: float | None = setting(
+        section="limits",
         default=360,
         gt=0,
         description=(
@@ -956,6 +1064,17 @@ class Settings(BaseSettings):
         ),
         stages=(),
         runs="allowed",
+    )
+    allow_from_runs: Annotated[list[str], NoDecode] = setting(
+        section="limits",
+        default_factory=list,
+        description=(
+            "Settings that runs started from a deployment may set although the run policy refuses them or caps "
+            "their value, read from the worker's environment: IMAGELAKE_ALLOW_FROM_RUNS=ray_address,pretrained"
+        ),
+        stages=(),
+        runs="refused",
+        why="it opens the run policy itself",
     )
 
     @model_validator(mode="before")
@@ -968,6 +1087,11 @@ class Settings(BaseSettings):
             data = {**data, "pretrained": data["pretrained_weights"]}
             del data["pretrained_weights"]
         return data
+
+    @field_validator("allow_from_runs", mode="before")
+    @classmethod
+    def _names_by_commas(cls, value: Any) -> Any:
+        return [name.strip() for name in value.split(",") if name.strip()] if isinstance(value, str) else value
 
     @field_validator("pretrained", "spark_merge_min_rows", mode="before")
     @classmethod
@@ -982,7 +1106,7 @@ class Settings(BaseSettings):
         values += [(f"spark_jars[{i}]", jar) for i, jar in enumerate(self.spark_jars)]
         values += [(f"spark_conf {key}", value) for key, value in self.spark_conf.items()]
         for name, value in values:
-            if isinstance(value, str) and "://" in value and _has_password(value):
+            if isinstance(value, str) and "://" in value and has_password(value):
                 raise ValueError(
                     f"{name} holds a password: give addresses without credentials and put those in the environment "
                     "(MLFLOW_TRACKING_USERNAME/MLFLOW_TRACKING_PASSWORD or MLFLOW_TRACKING_TOKEN, "
@@ -990,7 +1114,7 @@ class Settings(BaseSettings):
                     "PGPASSWORD or ~/.pgpass for a PostgreSQL store, AWS_* or your object store's own variables)"
                 )
         for key in self.spark_conf:
-            if _names_a_secret(key):
+            if names_a_secret(key):
                 raise ValueError(
                     f"spark_conf {key} would put a secret into settings: let Spark read it from the environment or a "
                     "credentials provider (e.g. spark.hadoop.fs.s3a.aws.credentials.provider) instead"
@@ -1111,147 +1235,10 @@ class Settings(BaseSettings):
         return (self.results_root or str(self.prefect_results_dir)).rstrip("/")
 
 
-def _has_password(uri: str) -> bool:
-    from urllib.parse import urlsplit
-
-    try:
-        return bool(urlsplit(uri).password)
-    except ValueError:  # a malformed port: not ours to judge here
-        return False
-
-
-_SECRET_KEY = re.compile(
-    r"secret|password|passwd|token|account\.key|access\.key|(^|\.)sas(\.|$)|credential", re.IGNORECASE
-)
-# Keys that name where a secret comes from, not the secret itself (a provider class, a file, a path).
-_SECRET_SOURCE = re.compile(r"(provider|file|path|type|class|endpoint|url|uri)$", re.IGNORECASE)
-
-
-def _names_a_secret(key: str) -> bool:
-    """Whether a Spark property is a credential itself (fs.s3a.secret.key, fs.azure.account.key.*, ...)."""
-    return bool(_SECRET_KEY.search(key)) and not _SECRET_SOURCE.search(key)
-
-
-# Derived from the declarations of Settings' fields (runs=, cap=; infra/declare.py), never written out apart from them.
-ALLOWED_FROM_RUNS = by_runs(Settings, "allowed")
-REFUSED_FROM_RUNS = by_runs(Settings, "refused")
-
-# What a model version recorded may never bring back into a retraining (tasks/registry/models.py:retrain_overrides).
-UNSAFE_FROM_RUNS = tuple(sorted(REFUSED_FROM_RUNS))
-
-# Allowed settings that a run may only make safer than the defaults, as (at least | at most, limit): each field's cap=.
-RUN_LIMITS: dict[str, tuple[str, float]] = caps(Settings)
-
-
 def stage_settings(stage: str) -> tuple[str, ...]:
     """The settings that change STAGE's output, for its `@stage(settings=...)`: every field that declares the stage
     (stages=...) and every derived location that does (@in_keys_of), in the order Settings declares them."""
     return stage_fields(Settings, stage)
-
-
-_RENAMED = {"pretrained_weights": "pretrained"}  # old names Settings still reads (Settings._renamed)
-ALLOW_FROM_RUNS_VARIABLE = "IMAGELAKE_ALLOW_FROM_RUNS"
-
-
-def _is_weights_name(value: Any) -> bool:
-    """No weights, imagenet or torchvision's weights by name: what a run may give as `pretrained` (a file or URL would
-    be fetched and loaded)."""
-    # Exactly as Settings._none_is_none and tasks/worker/model.py read them: anything else is taken for a file.
-    return value is None or (
-        isinstance(value, str) and (value.strip().lower() in ("", "none") or is_weights_name(value))
-    )
-
-
-def _within_limit(name: str, value: Any) -> bool:
-    """Whether VALUE keeps to RUN_LIMITS[NAME]; a value that is not a number (NaN included) does not."""
-    side, limit = RUN_LIMITS[name]
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        return False
-    return number >= limit if side == "at least" else number <= limit
-
-
-def refusal(name: str, value: Any) -> str | None:
-    """Why a run may not set NAME to VALUE (the name, with the value and the limit for a limited one), or None."""
-    setting = _RENAMED.get(name, name)
-    if setting not in Settings.model_fields:
-        return None  # not a setting at all: load_settings refuses it by name
-    if setting not in ALLOWED_FROM_RUNS:
-        return name
-    if setting == "pretrained" and not _is_weights_name(value):
-        return f"{name}={value!r} (a run may set none, imagenet or a torchvision weights name, not a path or URL)"
-    if setting in RUN_LIMITS and not _within_limit(setting, value):
-        side, limit = RUN_LIMITS[setting]
-        return f"{name}={value!r} (a run may set {side} {limit})"
-    return None
-
-
-def refuse_unsafe(overrides: dict[str, Any] | None, where: str) -> dict[str, Any] | None:
-    """OVERRIDES, unless they set what ALLOWED_FROM_RUNS does not allow, or go past RUN_LIMITS or set `pretrained` to a
-    path or URL, where the worker's IMAGELAKE_ALLOW_FROM_RUNS does not open that setting to runs."""
-    opened = {name.strip() for name in os.environ.get(ALLOW_FROM_RUNS_VARIABLE, "").split(",") if name.strip()}
-    given = sorted((overrides or {}).items())
-    reasons = {
-        name: refusal(name, value)
-        for name, value in given
-        if name not in opened and _RENAMED.get(name, name) not in opened
-    }
-    refused = {name: reason for name, reason in reasons.items() if reason}
-    if refused:
-        raise SettingsError(
-            f"{', '.join(refused.values())} cannot be set from {where}: a run may set what it ingests and "
-            "how it trains, "
-            "within limits that lose no data, not where the worker connects, keeps data or loads code from. "
-            f"Set them in the worker's config file or IMAGELAKE_* environment, or allow them for runs with "
-            f"{ALLOW_FROM_RUNS_VARIABLE}={','.join(refused)} on the worker."
-        )
-    return overrides
-
-
-# The folder of the code a run executes, and the settings files shipped in it (infra/clusters/*.yaml): reviewed as
-# code. Nothing else under the code folder is: the workspace, a landing folder or a clone's scratch may lie there.
-CODE_ROOT = Path(__file__).resolve().parents[1]
-SHIPPED_SETTINGS = CODE_ROOT / "infra" / "clusters"
-
-
-def refuse_unsafe_file(config_file: str | Path | None, where: str) -> None:
-    """Refuse a settings file named by WHERE (a run's parameters) that sets what refuse_unsafe refuses, unless it is one
-    of the settings files shipped with the code (directly in infra/clusters/, `..` and links followed) or
-    IMAGELAKE_ALLOW_FROM_RUNS allows those settings."""
-    if not config_file:
-        return
-    path = Path(config_file)
-    resolved = path.resolve()  # a relative path against the working folder, `..` and links followed
-    if resolved.parent == SHIPPED_SETTINGS.resolve() and resolved.suffix in (".yaml", ".yml", ".toml", ".json"):
-        return
-    refuse_unsafe(
-        read_config_file(path),
-        f"the settings file {path}, named by {where} and not one of the settings files shipped in {SHIPPED_SETTINGS}",
-    )
-
-
-# What a run's job variables (laid over the deployment's by the worker) may hold: the runs' heartbeat alone. The
-# command, the working folder and the environment come from the worker: an IMAGELAKE_* variable would bypass the run
-# policy above, PYTHONPATH or another variable would change what code runs. imagelake's pool
-# (infra/clusters/process-pool.json) refuses the rest at the API; this refuses them in the run, on any other pool.
-RUN_JOB_VARIABLES = {"env": {"PREFECT_FLOWS_HEARTBEAT_FREQUENCY"}, "name": None, "labels": None, "stream_output": None}
-
-
-def refuse_job_variables(job_variables: dict[str, Any] | None, where: str) -> None:
-    """Refuse job variables of a run (WHERE) that set its command, working folder or environment."""
-    refused = []
-    for key, value in sorted((job_variables or {}).items()):
-        if key not in RUN_JOB_VARIABLES:
-            refused.append(key)
-        elif key == "env":
-            refused += [f"env {name}" for name in sorted(value or {}) if name not in RUN_JOB_VARIABLES["env"]]
-    if refused:
-        raise SettingsError(
-            f"the job variables of {where} set {', '.join(refused)}: a run's command, working folder and environment "
-            "come from the worker. Give settings as the run's parameters (overrides), within what runs may set; "
-            "set the rest in the worker's config file or environment"
-        )
 
 
 def load_settings(config_file: str | Path | None = None, overrides: dict[str, Any] | None = None) -> Settings:

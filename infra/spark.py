@@ -14,7 +14,7 @@ from pyspark.sql import SparkSession
 
 from imagelake.infra.class_archive import driver_java_options
 from imagelake.infra.compat import instantiated_spark_session, load_jvm_class
-from imagelake.infra.jars import runtime_jars
+from imagelake.infra.jars import jar_folder, runtime_jars
 from imagelake.infra.java import ensure_java
 from imagelake.infra.lifecycle import exit_on_cancel
 from imagelake.infra.settings import Settings
@@ -140,7 +140,9 @@ def spark_session(settings: Settings) -> SparkSession:
         for key, value in settings.spark_conf.items():
             builder = builder.config(key, value)
         # The classes of a driver's JVM, mapped from the archive `make install` made (infra/class_archive.py).
-        java_options = driver_java_options(java_home, settings.spark_conf.get("spark.driver.extraJavaOptions", ""))
+        java_options = driver_java_options(
+            java_home, settings.spark_conf.get("spark.driver.extraJavaOptions", ""), jar_folder(settings.jars_dir)
+        )
         if java_options:
             builder = builder.config("spark.driver.extraJavaOptions", java_options)
         for key, value in authentication_conf(settings.spark_master).items():
@@ -222,7 +224,7 @@ def s3_endpoint() -> str | None:
 
 def spark_jars(settings: Settings) -> list[str]:
     """The settings' jars, then the Delta and S3A jars `make install` put in the environment (infra/jars.py)."""
-    return list(dict.fromkeys([*settings.spark_jars, *runtime_jars()]))
+    return list(dict.fromkeys([*settings.spark_jars, *runtime_jars(jar_folder(settings.jars_dir))]))
 
 
 def delta_jars_on_classpath(settings: Settings) -> bool:

@@ -259,3 +259,82 @@ def test_the_registry_commands_load_no_torch_and_name_the_served_model_as_it_is(
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads(done.stdout.strip().splitlines()[-1]) == {"loaded": [], "same": True}
+
+
+def environment_reads(path: Path) -> list[str]:
+    """The names of the environment variables a module reads (os.environ[...], .get, `in os.environ`, os.getenv),
+    each resolved through the module's string constants when it is given by name."""
+    tree = ast.parse(path.read_text())
+    constants = {
+        target.id: node.value.value
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
+        for target in node.targets
+        if isinstance(target, ast.Name)
+    }
+
+    def is_environ(node: ast.AST) -> bool:
+        return (
+            isinstance(node, ast.Attribute)
+            and node.attr == "environ"
+            or (isinstance(node, ast.Name) and node.id == "environ")
+        )
+
+    def text(node: ast.AST) -> str | None:
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            return node.value
+        if isinstance(node, ast.Name):
+            return constants.get(node.id)
+        if isinstance(node, ast.JoinedStr) and node.values:
+            return text(node.values[0])
+        return None
+
+    read = []
+    for node in ast.walk(tree):
+        key = None
+        if isinstance(node, ast.Subscript) and is_environ(node.value):
+            key = node.slice
+        elif isinstance(node, ast.Call) and node.args:
+            function = node.func
+            if isinstance(function, ast.Attribute) and function.attr in ("get", "pop") and is_environ(function.value):
+                key = node.args[0]
+            elif (
+                isinstance(function, ast.Attribute | ast.Name)
+                and getattr(function, "attr", getattr(function, "id", "")) == "getenv"
+            ):
+                key = node.args[0]
+        elif isinstance(node, ast.Compare) and any(is_environ(side) for side in node.comparators):
+            key = node.left
+        name = text(key) if key is not None else None
+        if name:
+            read.append(name)
+    return read
+
+
+def test_no_pipeline_module_reads_an_imagelake_variable_but_through_settings() -> None:
+    # An IMAGELAKE_* variable read apart from Settings is a setting no one can see: not in docs/settings.md, not in a
+    # settings file, not under the run policy. infra/local/ is the Makefile's and the tests' tooling, not the pipeline.
+    assert environment_reads_of_text(
+        'import os\nNAME = "IMAGELAKE_X"\nos.environ.get(NAME) or os.getenv("IMAGELAKE_Y")'
+    ) == [
+        "IMAGELAKE_X",
+        "IMAGELAKE_Y",
+    ]
+    found = {
+        str(path.relative_to(REPO)): names
+        for layer in LAYERS
+        for path in sorted((REPO / layer).rglob("*.py"))
+        if "local" not in path.relative_to(REPO).parts
+        and (names := [name for name in environment_reads(path) if name.startswith("IMAGELAKE_")])
+    }
+    assert not found, f"read these through a setting of infra/settings.py instead: {found}"
+
+
+def environment_reads_of_text(source: str) -> list[str]:
+    """environment_reads of a module's source text (for the test's own check that it sees a read)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "module.py"
+        path.write_text(source)
+        return environment_reads(path)

@@ -97,7 +97,8 @@ def test_the_doctor_refuses_a_part_it_does_not_know_before_checking_anything(tmp
 
 
 def test_settings_that_run_code_are_refused_from_runs_unless_the_worker_allows_them(monkeypatch) -> None:
-    from imagelake.infra.settings import SettingsError, refuse_unsafe
+    from imagelake.infra.run_policy import refuse_unsafe
+    from imagelake.infra.settings import SettingsError
 
     monkeypatch.delenv("IMAGELAKE_ALLOW_FROM_RUNS", raising=False)
     assert refuse_unsafe({"max_epochs": 2}, "a run") == {"max_epochs": 2}
@@ -123,7 +124,8 @@ def test_settings_that_run_code_are_refused_from_runs_unless_the_worker_allows_t
 def test_a_settings_file_named_by_a_run_may_not_set_what_runs_code_unless_it_ships_with_the_code(
     monkeypatch, tmp_path
 ) -> None:
-    from imagelake.infra.settings import CODE_ROOT, SettingsError, refuse_unsafe_file
+    from imagelake.infra.run_policy import CODE_ROOT, refuse_unsafe_file
+    from imagelake.infra.settings import SettingsError
 
     monkeypatch.delenv("IMAGELAKE_ALLOW_FROM_RUNS", raising=False)
     planted = tmp_path / "mine.yaml"
@@ -164,7 +166,8 @@ def test_every_setting_declares_whether_runs_may_set_it_and_which_stage_keys_it_
     # A new field of Settings fails here until its declaration says whether a run from a deployment may set it and
     # which stages' output it changes: two decisions, neither with a default (stages=() says "none" on purpose).
     from imagelake.infra.declare import declaration, undeclared
-    from imagelake.infra.settings import ALLOWED_FROM_RUNS, REFUSED_FROM_RUNS, RUN_LIMITS, Settings
+    from imagelake.infra.run_policy import ALLOWED_FROM_RUNS, REFUSED_FROM_RUNS, RUN_LIMITS
+    from imagelake.infra.settings import Settings
 
     missing = undeclared(Settings)
     assert not missing, (
@@ -183,6 +186,36 @@ def test_every_setting_declares_whether_runs_may_set_it_and_which_stage_keys_it_
         if ("timeout" in name or "lock_wait" in name) and declaration(Settings, name).stages
     ]
     assert not timed, f"time limits in stage keys: declare {timed} with stages=()"
+
+
+def test_settings_are_declared_by_section_with_their_reasons_and_the_settings_module_holds_declarations_only() -> None:
+    # Each field names its section (docs/settings.md groups by it) and, where runs may not set it or go past a cap,
+    # why; the reasons many share are declared once (infra/declare.py), not pasted beside each field.
+    import ast
+    from collections import Counter
+
+    from imagelake.infra.declare import SECTIONS, declaration, sections
+    from imagelake.infra.settings import Settings
+    from tests.conftest import REPO
+
+    grouped = sections(Settings)
+    assert sorted(name for names in grouped.values() for name in names) == sorted(Settings.model_fields)
+    assert list(grouped) == [section for section in SECTIONS if section in grouped]
+    unexplained = [
+        name
+        for name in Settings.model_fields
+        if (found := declaration(Settings, name)).runs == "refused" or found.cap
+        if not declaration(Settings, name).why
+    ]
+    assert not unexplained, f"say why= for {unexplained}"
+    source = (REPO / "infra" / "settings.py").read_text()
+    comments = Counter(line.strip() for line in source.splitlines() if line.strip().startswith("#"))
+    pasted = {line: count for line, count in comments.items() if count > 1 and len(line) > 20}
+    assert not pasted, f"comments pasted beside several fields: declare the reason once (why=...): {pasted}"
+    functions = {node.name for node in ast.parse(source).body if isinstance(node, ast.FunctionDef)}
+    assert functions <= {"read_config_file", "stage_settings", "load_settings"}, (
+        f"{functions}: the run policy lives in infra/run_policy.py, secret checks in infra/secret_checks.py"
+    )
 
 
 def test_the_stages_settings_declare_exist_and_take_their_settings_from_the_declarations() -> None:
@@ -234,7 +267,7 @@ DANGEROUS_FROM_RUNS = [
 
 @pytest.mark.parametrize(("name", "value"), DANGEROUS_FROM_RUNS, ids=[name for name, _ in DANGEROUS_FROM_RUNS])
 def test_where_the_worker_connects_and_keeps_its_data_is_refused_from_runs(monkeypatch, name: str, value) -> None:
-    from imagelake.infra.settings import refuse_unsafe
+    from imagelake.infra.run_policy import refuse_unsafe
 
     monkeypatch.delenv("IMAGELAKE_ALLOW_FROM_RUNS", raising=False)
     with pytest.raises(SettingsError, match=rf"^{name} cannot be set from a run: ") as refused:
@@ -246,7 +279,7 @@ def test_where_the_worker_connects_and_keeps_its_data_is_refused_from_runs(monke
 
 
 def test_a_name_that_is_no_setting_is_refused_by_name_when_the_settings_load(monkeypatch) -> None:
-    from imagelake.infra.settings import refuse_unsafe
+    from imagelake.infra.run_policy import refuse_unsafe
 
     monkeypatch.delenv("IMAGELAKE_ALLOW_FROM_RUNS", raising=False)
     assert refuse_unsafe(
@@ -269,7 +302,7 @@ PATHS_AND_URLS = [
 @pytest.mark.parametrize("given", PATHS_AND_URLS)
 @pytest.mark.parametrize("name", ["pretrained", "pretrained_weights"])
 def test_a_run_may_name_torchvision_weights_but_no_path_or_url(monkeypatch, name: str, given: str) -> None:
-    from imagelake.infra.settings import refuse_unsafe
+    from imagelake.infra.run_policy import refuse_unsafe
 
     monkeypatch.delenv("IMAGELAKE_ALLOW_FROM_RUNS", raising=False)
     expected = (
@@ -311,7 +344,7 @@ ORDINARY_FROM_RUNS = {
     "pretrained", [None, "none", "imagenet", "DEFAULT", "IMAGENET1K_V2", "ResNet18_Weights.IMAGENET1K_V1"]
 )
 def test_what_a_run_ingests_and_how_it_trains_pass(monkeypatch, pretrained) -> None:
-    from imagelake.infra.settings import refuse_unsafe
+    from imagelake.infra.run_policy import refuse_unsafe
 
     monkeypatch.delenv("IMAGELAKE_ALLOW_FROM_RUNS", raising=False)
     given = {**ORDINARY_FROM_RUNS, "pretrained": pretrained}
@@ -323,7 +356,7 @@ def test_what_a_run_ingests_and_how_it_trains_pass(monkeypatch, pretrained) -> N
 
 
 def test_the_weights_a_run_may_name_are_what_the_model_reads_as_names_not_files() -> None:
-    from imagelake.infra.settings import _is_weights_name
+    from imagelake.infra.run_policy import _is_weights_name
     from imagelake.tasks.worker.model import is_weights_name
 
     for given in (
@@ -342,7 +375,8 @@ def test_what_the_shipped_deployments_and_the_form_send_passes(monkeypatch) -> N
     import yaml
 
     from imagelake.flows.pipeline import FORM_SETTINGS, RunParameters
-    from imagelake.infra.settings import ALLOWED_FROM_RUNS, CODE_ROOT, Settings, refuse_unsafe
+    from imagelake.infra.run_policy import ALLOWED_FROM_RUNS, CODE_ROOT, refuse_unsafe
+    from imagelake.infra.settings import Settings
 
     monkeypatch.delenv("IMAGELAKE_ALLOW_FROM_RUNS", raising=False)
     for path in [CODE_ROOT / "prefect.yaml", *sorted((CODE_ROOT / "infra" / "clusters").glob("prefect-*.yaml"))]:
@@ -387,7 +421,7 @@ def test_what_the_shipped_deployments_and_the_form_send_passes(monkeypatch) -> N
     ],
 )
 def test_a_run_may_not_go_past_the_limits_that_keep_data(monkeypatch, name: str, value, limit: str) -> None:
-    from imagelake.infra.settings import refuse_unsafe
+    from imagelake.infra.run_policy import refuse_unsafe
 
     monkeypatch.delenv("IMAGELAKE_ALLOW_FROM_RUNS", raising=False)
     expected = (
@@ -399,7 +433,7 @@ def test_a_run_may_not_go_past_the_limits_that_keep_data(monkeypatch, name: str,
 
 
 def test_the_worker_may_open_one_setting_to_runs_and_only_that_one(monkeypatch) -> None:
-    from imagelake.infra.settings import refuse_unsafe
+    from imagelake.infra.run_policy import refuse_unsafe
 
     monkeypatch.setenv("IMAGELAKE_ALLOW_FROM_RUNS", "ray_address, vacuum_retention_hours,pretrained")
     opened = {"ray_address": "ray://head:10001", "vacuum_retention_hours": 0, "pretrained": "/shared/weights.pth"}
@@ -416,7 +450,7 @@ def test_the_worker_may_open_one_setting_to_runs_and_only_that_one(monkeypatch) 
 
 
 def test_a_settings_file_a_run_names_outside_the_code_follows_the_same_rule(monkeypatch, tmp_path) -> None:
-    from imagelake.infra.settings import CODE_ROOT, refuse_unsafe_file
+    from imagelake.infra.run_policy import CODE_ROOT, refuse_unsafe_file
 
     monkeypatch.delenv("IMAGELAKE_ALLOW_FROM_RUNS", raising=False)
     planted = tmp_path / "mine.yaml"
@@ -435,7 +469,8 @@ def test_a_run_s_job_variables_may_not_set_its_command_working_folder_or_environ
     """Job variables are another door for settings: the worker lays a run's `env` over its own (IMAGELAKE_* would pass
     no run policy, PYTHONPATH would change the code) and takes its `command` and `working_dir`. A run may set only the
     heartbeat, its process's name, labels and output streaming."""
-    from imagelake.infra.settings import SettingsError, refuse_job_variables
+    from imagelake.infra.run_policy import refuse_job_variables
+    from imagelake.infra.settings import SettingsError
 
     refuse_job_variables(None, "a run")
     refuse_job_variables({"env": {"PREFECT_FLOWS_HEARTBEAT_FREQUENCY": "30"}, "labels": {"a": "b"}}, "a run")

@@ -32,7 +32,8 @@ from imagelake.infra.compat import program_refusal
 from imagelake.infra.delta import Table
 from imagelake.infra.lease import LeaseLost
 from imagelake.infra.prefect_env import fence, one_at_a_time
-from imagelake.infra.settings import UNSAFE_FROM_RUNS, Settings
+from imagelake.infra.run_policy import UNSAFE_FROM_RUNS
+from imagelake.infra.settings import Settings
 from imagelake.infra.spark import on_demand
 from imagelake.tasks.registry.aliases import RegistryError, alias_version
 from imagelake.tasks.rules.promotion import CHALLENGER, CHAMPION, PREVIOUS, Decision, decide_promotion, held_by_baseline

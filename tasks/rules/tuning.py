@@ -16,7 +16,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from imagelake.infra.settings import Settings, SettingsError, load_settings, refuse_unsafe, stage_settings
+from imagelake.infra.run_policy import refuse_unsafe
+from imagelake.infra.settings import Settings, SettingsError, load_settings, stage_settings
 
 KINDS = ("choice", "uniform", "loguniform", "randint")
 
@@ -69,7 +70,7 @@ def searchable() -> tuple[str, ...]:
 
 def check_space(space: Mapping[str, Any], image_size: int, where: str) -> dict[str, dict[str, list[Any]]]:
     """SPACE as {setting: {kind: values}}, each dimension checked: a training setting, a known kind with values of the
-    setting's type, and every value one a run may set (infra/settings.py:refuse_unsafe). image_size may only take
+    setting's type, and every value one a run may set (infra/run_policy.py:refuse_unsafe). image_size may only take
     IMAGE_SIZE, the size the cache holds. Raises SpaceError naming the setting and WHERE."""
     checked: dict[str, dict[str, list[Any]]] = {}
     for name, dimension in space.items():

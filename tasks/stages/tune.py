@@ -17,7 +17,8 @@ from prefect.artifacts import create_markdown_artifact
 
 from imagelake.infra.prefect_env import one_at_a_time
 from imagelake.infra.ray_runtime import connect_ray
-from imagelake.infra.settings import ALLOWED_FROM_RUNS, Settings, stage_settings
+from imagelake.infra.run_policy import ALLOWED_FROM_RUNS
+from imagelake.infra.settings import Settings, stage_settings
 from imagelake.infra.tracking import experiment_id, mlflow_client, run_url
 from imagelake.tasks.code_graph import code_digest
 from imagelake.tasks.data.cache_files import check_split, mark_read
