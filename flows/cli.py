@@ -343,8 +343,8 @@ def lineage(
 ) -> None:
     """Print what a model version was trained on and with, and how to retrain on exactly that data."""
     _, client = _registry_or_exit(config, set_)
-    from imagelake.tasks.registry.models import RegistryError
-    from imagelake.tasks.registry.models import lineage as read_lineage
+    from imagelake.tasks.registry.aliases import RegistryError
+    from imagelake.tasks.registry.lineage import lineage as read_lineage
 
     try:
         found = read_lineage(client, model, version)
@@ -368,8 +368,9 @@ def retrain(
     settings, client = _registry_or_exit(config, set_)
     server = _prefect_server(settings)
     from imagelake.flows.pipeline import retrain_flow
-    from imagelake.tasks.registry.models import RegistryError, retrain_overrides
-    from imagelake.tasks.registry.models import lineage as read_lineage
+    from imagelake.tasks.registry.aliases import RegistryError
+    from imagelake.tasks.registry.lineage import lineage as read_lineage
+    from imagelake.tasks.registry.lineage import retrain_overrides
 
     try:
         found = read_lineage(client, model, version)
@@ -398,8 +399,8 @@ def rollback(
 ) -> None:
     """Move `champion` back to `previous-champion` (the two swap)."""
     settings, client = _registry_or_exit(config, set_)
-    from imagelake.tasks.registry.models import RegistryError
-    from imagelake.tasks.registry.models import rollback as do_rollback
+    from imagelake.tasks.registry.aliases import RegistryError
+    from imagelake.tasks.registry.moves import rollback as do_rollback
 
     try:
         before, after = do_rollback(client, settings, model, reason)
@@ -418,7 +419,8 @@ def promote(
 ) -> None:
     """Make a version champion by hand, bypassing the gate; the replaced champion becomes previous-champion."""
     settings, client = _registry_or_exit(config, set_)
-    from imagelake.tasks.registry.models import RegistryError, force_promote
+    from imagelake.tasks.registry.aliases import RegistryError
+    from imagelake.tasks.registry.moves import force_promote
 
     try:
         force_promote(client, settings, model, version, reason)
@@ -435,7 +437,7 @@ def history(
 ) -> None:
     """Every alias move of a model: when, who, which alias, from which version to which, and why."""
     settings, _ = _settings_or_exit(config, set_)
-    from imagelake.tasks.registry.models import history as read_history
+    from imagelake.tasks.registry.moves import history as read_history
 
     for row in read_history(settings, model):
         typer.echo(
@@ -455,7 +457,7 @@ def predict(
     """Label images with a registered model, resized exactly as for training."""
     settings, client = _registry_or_exit(config, set_)
     from imagelake.tasks.inference.cli_serving import predict_files
-    from imagelake.tasks.registry.models import RegistryError
+    from imagelake.tasks.registry.aliases import RegistryError
 
     try:
         results = predict_files(client, settings, model, source)
@@ -489,7 +491,7 @@ def score(
     settings, overrides = _settings_or_exit(config, set_)
     server = _prefect_server(settings)
     from imagelake.flows.score import score_flow
-    from imagelake.tasks.registry.models import RegistryError
+    from imagelake.tasks.registry.aliases import RegistryError
 
     result = _start(
         settings,

@@ -21,7 +21,7 @@ from imagelake.infra.weights import is_weights_name
 ALLOWED_FROM_RUNS = by_runs(Settings, "allowed")
 REFUSED_FROM_RUNS = by_runs(Settings, "refused")
 
-# What a model version recorded may never bring back into a retraining (tasks/registry/models.py:retrain_overrides).
+# What a model version recorded may never bring back into a retraining (tasks/registry/lineage.py:retrain_overrides).
 UNSAFE_FROM_RUNS = tuple(sorted(REFUSED_FROM_RUNS))
 
 # Allowed settings that a run may only make safer than the defaults, as (at least | at most, limit): each field's cap=.

@@ -12,7 +12,7 @@ import numpy as np
 
 from imagelake.infra.settings import load_settings
 from imagelake.infra.tracking import mlflow_client
-from imagelake.tasks.registry.models import gate
+from imagelake.tasks.registry.gate import Candidate, gate
 
 
 def main(name: str, version: str, split: str, go: str, out: str) -> None:
@@ -23,7 +23,7 @@ def main(name: str, version: str, split: str, go: str, out: str) -> None:
     while not Path(go).exists():
         time.sleep(0.01)
     started = time.time()
-    decision, _, compared = gate(client, settings, name, version, data["images"], data["labels"], 4)
+    decision, _, compared = gate(client, settings, name, Candidate(version, data["images"], data["labels"], 4))
     result = {"promoted": decision.promote, "compared_with": compared, "started": started, "ended": time.time()}
     Path(out).write_text(json.dumps(result))
 

@@ -233,7 +233,7 @@ def test_a_history_table_another_writer_gave_deletion_vectors_is_refused_where_i
 ) -> None:
     from imagelake.infra.delta import UnsupportedTable
     from imagelake.infra.settings import load_settings
-    from imagelake.tasks.registry.models import record, recorded
+    from imagelake.tasks.registry.moves import record, recorded
 
     settings = load_settings(overrides={"workspace": str(tmp_path / "ws")})
     record(

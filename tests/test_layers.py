@@ -244,11 +244,13 @@ def test_the_flow_modules_deployments_import_load_no_model_library_before_a_stag
 
 
 def test_the_registry_commands_load_no_torch_and_name_the_served_model_as_it_is() -> None:
-    """`imagelake history`, `lineage`, `promote` and `rollback` import the registry module only: in a fresh interpreter
-    it loads neither torch nor the served model, whose file and artifact keys it names as the served model does."""
+    """`imagelake history`, `lineage`, `promote` and `rollback` import the registry's modules of lineage, alias moves
+    and loading only: in a fresh interpreter they load neither torch nor the served model, whose file and artifact
+    keys the loading module names as the served model does."""
     script = (
         "import json, sys\n"
-        "import imagelake.tasks.registry.models as models\n"
+        "import imagelake.tasks.registry.lineage, imagelake.tasks.registry.moves\n"
+        "import imagelake.tasks.registry.loading as models\n"
         "loaded = sorted(m for m in ('torch', 'torchvision', 'pytorch_lightning', "
         "'imagelake.tasks.inference.served_pyfunc') if m in sys.modules)\n"
         "from imagelake.tasks.inference import served_pyfunc\n"

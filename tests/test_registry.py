@@ -17,19 +17,10 @@ import torch
 import yaml
 
 from imagelake.infra.tracking import experiment_id, mlflow_client
-from imagelake.tasks.registry.models import (
-    RegistryError,
-    UnsafeModel,
-    alias_version,
-    crown,
-    force_promote,
-    gate,
-    history,
-    load_model_folder,
-    load_registered_model,
-    rollback,
-    served_model,
-)
+from imagelake.tasks.registry.aliases import RegistryError, alias_version
+from imagelake.tasks.registry.gate import Candidate, gate
+from imagelake.tasks.registry.loading import UnsafeModel, load_model_folder, load_registered_model, served_model
+from imagelake.tasks.registry.moves import crown, force_promote, history, rollback
 from imagelake.tasks.rules.promotion import CHALLENGER, CHAMPION, PREVIOUS, decide_promotion, held_by_baseline
 from imagelake.tasks.worker.model import ImageModel
 
@@ -153,7 +144,7 @@ def test_the_history_command_lists_a_models_alias_moves_oldest_first_without_ask
 
     from imagelake.flows.cli import app
     from imagelake.infra.spark import spark_asks
-    from imagelake.tasks.registry.models import record
+    from imagelake.tasks.registry.moves import record
 
     gated = {"model": NAME, "alias": CHAMPION, "from_version": None, "to_version": "1", "action": "gate"}
     record(settings, [{**gated, "reason": "beats no champion"}, {**gated, "model": "another", "reason": "not this"}])
@@ -172,11 +163,11 @@ def test_the_history_command_lists_a_models_alias_moves_oldest_first_without_ask
 def test_gate_moves_aliases_records_the_decision_and_keeps_history(spark, registry) -> None:
     client, settings, models, images, labels = registry
     bad = register(models["bad"])
-    decision, _, _ = gate(client, settings, NAME, bad, images, labels, 4)
+    decision, _, _ = gate(client, settings, NAME, Candidate(bad, images, labels, 4))
     assert decision.promote and alias_version(client, NAME, CHAMPION) == bad
 
     weaker = register(models["bad"])  # the same weights: a tie stays challenger
-    decision, _, compared = gate(client, settings, NAME, weaker, images, labels, 4)
+    decision, _, compared = gate(client, settings, NAME, Candidate(weaker, images, labels, 4))
     tags = client.get_model_version(NAME, weaker).tags
     assert not decision.promote and compared == bad and alias_version(client, NAME, CHALLENGER) == weaker
     assert tags["promotion_decision"] == "not promoted" and "does not beat champion" in tags["promotion_reason"]
@@ -185,7 +176,7 @@ def test_gate_moves_aliases_records_the_decision_and_keeps_history(spark, regist
     # Better than the champion, but not by min_margin_over_baseline over its own run's baseline: it stays challenger.
     strict = settings.model_copy(update={"min_margin_over_baseline": 0.05})
     held = register(models["good"])
-    decision, metrics, _ = gate(client, strict, NAME, held, images, labels, 4, baseline=0.98)
+    decision, metrics, _ = gate(client, strict, NAME, Candidate(held, images, labels, 4, baseline=0.98))
     tags = client.get_model_version(NAME, held).tags
     assert metrics["accuracy"] == 1.0 and not decision.promote
     assert (alias_version(client, NAME, CHAMPION), alias_version(client, NAME, CHALLENGER)) == (bad, held)
@@ -196,7 +187,7 @@ def test_gate_moves_aliases_records_the_decision_and_keeps_history(spark, regist
     assert tags["baseline_accuracy"] == "0.980000"
 
     good = register(models["good"])
-    decision, metrics, _ = gate(client, strict, NAME, good, images, labels, 4, baseline=0.5)
+    decision, metrics, _ = gate(client, strict, NAME, Candidate(good, images, labels, 4, baseline=0.5))
     assert decision.promote and metrics["accuracy"] == 1.0
     assert (alias_version(client, NAME, CHAMPION), alias_version(client, NAME, PREVIOUS)) == (good, bad)
     assert moves(settings) == [
@@ -218,7 +209,7 @@ def test_two_promotions_at_once_never_leave_the_worse_model_champion(spark, regi
 
     def promote(kind: str) -> None:
         try:
-            gate(client, settings, NAME, versions[kind], images, labels, 4)
+            gate(client, settings, NAME, Candidate(versions[kind], images, labels, 4))
         except BaseException as exc:  # noqa: BLE001 - reported by the assertion below
             errors.append(exc)
 
@@ -237,7 +228,7 @@ def test_two_promotions_at_once_never_leave_the_worse_model_champion(spark, regi
 def test_rollback_and_forced_promotion_are_recorded_and_refuse_the_impossible(spark, registry) -> None:
     client, settings, models, images, labels = registry
     one = register(models["bad"])
-    gate(client, settings, NAME, one, images, labels, 4)
+    gate(client, settings, NAME, Candidate(one, images, labels, 4))
     with pytest.raises(RegistryError, match="nothing to roll back to"):
         rollback(client, settings, NAME, "test")
     two = register(models["bad"])
@@ -339,7 +330,7 @@ def test_every_setting_a_model_is_made_of_is_logged_with_its_run_and_restored_by
     it again; the places (the experiment, the derived stores) are neither."""
     from imagelake.infra.declare import declaration
     from imagelake.infra.settings import Settings, stage_settings
-    from imagelake.tasks.registry.models import retrain_overrides
+    from imagelake.tasks.registry.lineage import retrain_overrides
     from imagelake.tasks.rules.training import logged_params
 
     keyed = dict.fromkeys(name for stage in ("split", "cache", "train") for name in stage_settings(stage))
@@ -364,7 +355,7 @@ def test_every_setting_a_model_is_made_of_is_logged_with_its_run_and_restored_by
 
 
 def test_a_version_an_earlier_imagelake_registered_is_retrained_from_its_old_param_names() -> None:
-    from imagelake.tasks.registry.models import retrain_overrides
+    from imagelake.tasks.registry.lineage import retrain_overrides
 
     logged = {"arch": "small_cnn", "patience": "3", "min_delta": "0.01", "batch_size": "8", "num_classes": "4"}
     found = {"delta_version": "2", "training_params": json.dumps(logged), "split_settings": '{"val_fraction": 0.2}'}
@@ -380,7 +371,7 @@ def test_a_version_an_earlier_imagelake_registered_is_retrained_from_its_old_par
 def test_a_model_versions_recorded_settings_never_turn_on_what_runs_code_or_loads_pickles() -> None:
     import json
 
-    from imagelake.tasks.registry.models import retrain_overrides
+    from imagelake.tasks.registry.lineage import retrain_overrides
 
     found = {
         "delta_version": "3",
@@ -394,7 +385,7 @@ def test_a_model_versions_recorded_settings_never_turn_on_what_runs_code_or_load
 def test_a_champion_the_store_cannot_serve_now_is_kept_and_the_gate_retries(
     spark, registry, tmp_path: Path, monkeypatch
 ) -> None:
-    from imagelake.tasks.registry.models import ChampionUnreachable
+    from imagelake.tasks.registry.gate import ChampionUnreachable
     from tests.servers import MlflowServer
 
     client, settings, models, images, labels = registry
@@ -407,20 +398,20 @@ def test_a_champion_the_store_cannot_serve_now_is_kept_and_the_gate_retries(
             "remote", artifact_location=f"{store.url}/api/2.0/mlflow-artifacts/artifacts/remote"
         )
         champion = register(models["good"], remote)
-        gate(client, settings, NAME, champion, images, labels, 4)
+        gate(client, settings, NAME, Candidate(champion, images, labels, 4))
         candidate = register(models["bad"])  # stored locally: only the champion's store fails
 
         store.stop()  # the artifact store stops answering
         with pytest.raises(
             ChampionUnreachable, match=rf"champion {NAME} v{champion} could not be fetched .*no alias moved"
         ):
-            gate(client, settings, NAME, candidate, images, labels, 4)
+            gate(client, settings, NAME, Candidate(candidate, images, labels, 4))
         assert alias_version(client, NAME, CHAMPION) == champion and alias_version(client, NAME, CHALLENGER) is None
         assert "promotion_decision" not in client.get_model_version(NAME, candidate).tags
         assert moves(settings) == [(CHAMPION, None, champion, "gate")]
 
         store.start()  # back: the retry compares, and the worse model stays challenger
-        decision, _, compared = gate(client, settings, NAME, candidate, images, labels, 4)
+        decision, _, compared = gate(client, settings, NAME, Candidate(candidate, images, labels, 4))
         assert not decision.promote and compared == champion and alias_version(client, NAME, CHAMPION) == champion
     finally:
         store.stop()
@@ -433,7 +424,7 @@ def test_a_champion_known_to_be_unusable_is_replaced_with_the_reason(spark, regi
 
     client, settings, models, images, labels = registry
     champion = register(models["good"])
-    gate(client, settings, NAME, champion, images, labels, 4, names=list("abcd"))
+    gate(client, settings, NAME, Candidate(champion, images, labels, 4, names=list("abcd")))
     folder = Path(client.get_model_version_download_uri(NAME, champion).removeprefix("file://"))
     if damage == "files gone":
         shutil.rmtree(folder)
@@ -443,7 +434,7 @@ def test_a_champion_known_to_be_unusable_is_replaced_with_the_reason(spark, regi
         meta = next(folder.rglob("meta.json"))
         meta.write_text(meta.read_text().replace('"d"', '"e"'))
     candidate = register(models["bad"])
-    decision, _, _ = gate(client, settings, NAME, candidate, images, labels, 4, names=list("abcd"))
+    decision, _, _ = gate(client, settings, NAME, Candidate(candidate, images, labels, 4, names=list("abcd")))
     assert decision.promote and alias_version(client, NAME, CHAMPION) == candidate
     assert f"the champion could not be evaluated (v{champion}" in decision.reason
     if damage == "other labels":
@@ -456,7 +447,7 @@ def test_a_champion_of_another_image_size_is_compared_at_its_own_size_and_kept_w
 ) -> None:
     """The gate evaluates a champion trained at 24 px on the test rows decoded at 24 px; when they cannot be decoded
     at that size, or the champion's evaluation runs out of memory, it stays champion and the candidate is challenger."""
-    import imagelake.tasks.registry.models as registry_module
+    import imagelake.tasks.registry.gate as registry_module
 
     client, settings, models, _, _ = registry
     good = models_and_split()[0]["good"]
@@ -475,7 +466,7 @@ def test_a_champion_of_another_image_size_is_compared_at_its_own_size_and_kept_w
         "training_params": json.dumps({"arch": "small_cnn"}),
     }.items():
         client.set_model_version_tag(NAME, champion, key, value)
-    gate(client, settings, NAME, champion, big, labels, 4, names=list("abcd"))
+    gate(client, settings, NAME, Candidate(champion, big, labels, 4, names=list("abcd")))
     sizes: list[tuple[int, str]] = []
 
     def at(size: int, mode: str) -> np.ndarray:
@@ -483,7 +474,9 @@ def test_a_champion_of_another_image_size_is_compared_at_its_own_size_and_kept_w
         return big
 
     candidate = register(models["bad"])
-    decision, _, compared = gate(client, settings, NAME, candidate, small, labels, 4, names=list("abcd"), rows_at=at)
+    decision, _, compared = gate(
+        client, settings, NAME, Candidate(candidate, small, labels, 4, names=list("abcd"), rows_at=at)
+    )
     assert not decision.promote and "does not beat champion 1.0000" in decision.reason, decision.reason
     assert sizes == [(24, "letterbox")] and compared == champion
 
@@ -505,7 +498,9 @@ def test_a_champion_of_another_image_size_is_compared_at_its_own_size_and_kept_w
         if rows_at is at:
             monkeypatch.setattr(registry_module, "evaluate", out_of_memory)
         other = register(models["good"])  # a candidate that would win any comparison
-        decision, _, _ = gate(client, settings, NAME, other, small, labels, 4, names=list("abcd"), rows_at=rows_at)
+        decision, _, _ = gate(
+            client, settings, NAME, Candidate(other, small, labels, 4, names=list("abcd"), rows_at=rows_at)
+        )
         assert not decision.promote and why in decision.reason and "stays champion" in decision.reason, decision.reason
         assert (alias_version(client, NAME, CHAMPION), alias_version(client, NAME, CHALLENGER)) == (champion, other)
         assert client.get_model_version(NAME, other).tags["promotion_decision"] == "not promoted"
@@ -513,11 +508,11 @@ def test_a_champion_of_another_image_size_is_compared_at_its_own_size_and_kept_w
 
 @pytest.mark.slow
 def test_an_alias_move_cut_short_is_finished_before_the_next_decision(spark, registry) -> None:
-    from imagelake.tasks.registry.models import PENDING_MOVE
+    from imagelake.tasks.registry.moves import PENDING_MOVE
 
     client, settings, models, images, labels = registry
     first = register(models["bad"])
-    gate(client, settings, NAME, first, images, labels, 4)
+    gate(client, settings, NAME, Candidate(first, images, labels, 4))
     history_folder = Path(settings.history_uri)
     shutil_move = history_folder.with_name("history-away")
     history_folder.rename(shutil_move)
@@ -526,13 +521,13 @@ def test_an_alias_move_cut_short_is_finished_before_the_next_decision(spark, reg
     )  # the run dies between the aliases and the history
     better = register(models["good"])
     with pytest.raises(Exception):  # noqa: B017 - any error will do: the run only has to die before the history
-        gate(client, settings, NAME, better, images, labels, 4)
+        gate(client, settings, NAME, Candidate(better, images, labels, 4))
     assert PENDING_MOVE in client.get_registered_model(NAME).tags, "the move was written down before it began"
 
     history_folder.unlink()
     shutil_move.rename(history_folder)
     third = register(models["bad"])
-    decision, _, compared = gate(client, settings, NAME, third, images, labels, 4)
+    decision, _, compared = gate(client, settings, NAME, Candidate(third, images, labels, 4))
     assert compared == better and not decision.promote, (
         "the cut-short move was finished first: the next gate compares with its champion"
     )
@@ -552,8 +547,8 @@ def test_a_holder_paused_past_its_lease_gives_up_a_move_another_run_made_meanwhi
     """The fence passes, then the holder pauses past its lease, and another run moves the champion: when the paused
     holder goes on, it finds the alias moved at write time and gives its move up (the other run's champion stays); its
     written-down move is dropped, not finished, by the next holder."""
-    import imagelake.tasks.registry.models as registry_models
-    from imagelake.tasks.registry.models import PENDING_MOVE, MovedMeanwhile, crown, finish_pending_move
+    import imagelake.tasks.registry.moves as registry_models
+    from imagelake.tasks.registry.moves import PENDING_MOVE, MovedMeanwhile, crown, finish_pending_move
 
     client, settings, models, images, labels = registry
     first, mine, theirs = (register(models[kind]) for kind in ("bad", "good", "bad"))
@@ -612,7 +607,7 @@ def test_two_hosts_promoting_at_once_are_serialised_by_the_prefect_server(
         models, (_, images, labels) = saved, models_and_split()
         np.savez(tmp_path / "split.npz", images=images, labels=labels)
         champion = register(models["bad"])
-        gate(client, settings, NAME, champion, images, labels, 4)
+        gate(client, settings, NAME, Candidate(champion, images, labels, 4))
         candidates = [register(models["good"]) for _ in range(2)]  # both beat the champion; they tie with each other
 
         go = tmp_path / "go"
@@ -672,12 +667,12 @@ def test_an_alias_move_under_a_lapsed_lease_is_refused_while_another_holder_is_i
     a second host takes the lock: the first holder's alias move and history row are fenced off, and nothing moves."""
     from imagelake.infra.lease import LeaseLost, acquire, client_of
     from imagelake.infra.prefect_env import _leases, lock_name
-    from imagelake.tasks.registry.models import lock_of, registry_lock
+    from imagelake.tasks.registry.moves import lock_of, registry_lock
 
     client, settings, models, images, labels = registry
     settings = settings.model_copy(update={"prefect_api_url": prefect_api})
     champion = register(models["good"])
-    gate(client, settings, NAME, champion, images, labels, 4)
+    gate(client, settings, NAME, Candidate(champion, images, labels, 4))
     other = register(models["bad"])
     with registry_lock(settings, NAME):
         lease = _leases.get()[lock_of(NAME)]
@@ -774,7 +769,7 @@ import os, sys
 from mlflow import MlflowClient
 from imagelake.infra.settings import load_settings
 from imagelake.infra.tracking import mlflow_client
-from imagelake.tasks.registry.models import crown, registry_lock
+from imagelake.tasks.registry.moves import crown, registry_lock
 
 real = MlflowClient.set_registered_model_alias
 
@@ -797,12 +792,12 @@ def test_a_process_killed_between_the_champion_and_previous_champion_moves_leave
     import subprocess
     import sys
 
-    from imagelake.tasks.registry.models import PENDING_MOVE
+    from imagelake.tasks.registry.moves import PENDING_MOVE
     from tests.conftest import REPO, cli_env
 
     client, settings, models, images, labels = registry
     first = register(models["bad"])
-    gate(client, settings, NAME, first, images, labels, 4)
+    gate(client, settings, NAME, Candidate(first, images, labels, 4))
     better = register(models["good"])
     died = subprocess.run(
         [sys.executable, "-c", CROWN_AND_DIE, str(settings.workspace_dir), NAME, better],
@@ -819,7 +814,7 @@ def test_a_process_killed_between_the_champion_and_previous_champion_moves_leave
     assert moves(settings) == [(CHAMPION, None, first, "gate")]
 
     third = register(models["bad"])
-    decision, _, compared = gate(client, settings, NAME, third, images, labels, 4)
+    decision, _, compared = gate(client, settings, NAME, Candidate(third, images, labels, 4))
     assert compared == better and not decision.promote
     assert (alias_version(client, NAME, CHAMPION), alias_version(client, NAME, PREVIOUS)) == (better, first)
     assert PENDING_MOVE not in client.get_registered_model(NAME).tags
@@ -835,7 +830,7 @@ def test_the_history_records_the_user_setting_or_the_login_name(monkeypatch) -> 
     import getpass
 
     from imagelake.infra.settings import load_settings
-    from imagelake.tasks.registry.models import who
+    from imagelake.tasks.registry.moves import who
 
     monkeypatch.delenv("IMAGELAKE_USER", raising=False)
     assert who(load_settings()) == getpass.getuser()

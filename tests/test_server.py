@@ -575,7 +575,8 @@ def test_a_backfill_and_the_nightly_run_at_once_count_every_image_once_and_leave
     from imagelake.infra.delta import Table, read_version
     from imagelake.infra.settings import load_settings
     from imagelake.infra.tracking import mlflow_client
-    from imagelake.tasks.registry.models import PENDING_MOVE, alias_version
+    from imagelake.tasks.registry.aliases import alias_version
+    from imagelake.tasks.registry.moves import PENDING_MOVE
     from imagelake.tasks.rules.promotion import CHAMPION
 
     landing, noise = tmp_path / "landing", np.random.default_rng(7)

@@ -27,7 +27,7 @@ from PIL import Image
 from imagelake.infra.local.cluster import free_port
 from imagelake.infra.settings import load_settings
 from imagelake.tasks.inference.cli_serving import predict_files
-from imagelake.tasks.registry.models import served_model
+from imagelake.tasks.registry.loading import served_model
 from imagelake.tasks.rules.images import resize_image
 from imagelake.tasks.rules.warm_start import labels_tag
 from imagelake.tasks.worker.model import ImageModel
@@ -228,7 +228,7 @@ def test_a_version_saved_before_imagelake_had_one_import_name_still_loads_and_pr
     import pandas as pd
     import yaml
 
-    from imagelake.tasks.registry.models import load_model_folder
+    from imagelake.tasks.registry.loading import load_model_folder
 
     store, _ = champion
     folder = tmp_path / "model-0.1.0"
@@ -258,7 +258,7 @@ def test_scoring_answers_with_imagelake_s_own_served_model_never_the_code_a_vers
     this installation's served model: the version's code never runs; a version that is not imagelake's served model
     is refused, before any executor loads it."""
     from imagelake.tasks.inference.batch_scorer import ScoreJob, answer_rows
-    from imagelake.tasks.registry.models import UnsafeModel
+    from imagelake.tasks.registry.loading import UnsafeModel
 
     store, _ = champion
     marker = tmp_path / "carried-code-ran"

@@ -276,7 +276,7 @@ def test_a_compiled_model_trains_its_own_weights_checkpoints_under_the_plain_nam
     # Registered as the promote stage registers: the plain model of the checkpoint, a pt2 program in the served pyfunc.
     import mlflow
 
-    from imagelake.tasks.registry.models import served_model
+    from imagelake.tasks.registry.loading import served_model
     from imagelake.tasks.stages.promote import load_trained_model
 
     exported = load_trained_model(str(tmp_path / "compiled.ckpt"))

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from imagelake.infra.tracking import mlflow_client
-from imagelake.tasks.registry.models import load_registered_model
+from imagelake.tasks.registry.loading import load_registered_model
 from imagelake.tasks.rules.promotion import CHAMPION
 from imagelake.tasks.rules.warm_start import Champion, WeightsShape, decide_warm_start, shape_from_tags
 from imagelake.tasks.stages.promote import promote_model

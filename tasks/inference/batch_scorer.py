@@ -72,7 +72,7 @@ def loaded_model(job: ScoreJob) -> Any:
         # cores.
         context = TaskContext.get()
         torch.set_num_threads(max(1, context.cpus() if context is not None else 1))
-        from imagelake.tasks.registry.models import own_served_model
+        from imagelake.tasks.registry.loading import own_served_model
 
         mlflow.set_tracking_uri(job.tracking_uri)
         mlflow.set_registry_uri(job.registry_uri or job.tracking_uri)  # as the driver's client does (infra/tracking.py)

@@ -9,7 +9,8 @@ from mlflow import MlflowClient
 
 from imagelake.infra.settings import Settings
 from imagelake.tasks.inference.predict import label_files
-from imagelake.tasks.registry.models import load_model_folder, model_files, model_labels, resolve, served_files
+from imagelake.tasks.registry.lineage import resolve
+from imagelake.tasks.registry.loading import load_model_folder, model_files, model_labels, served_files
 
 
 def predict_files(client: MlflowClient, settings: Settings, reference: str, source: Path) -> list[dict]:

@@ -19,14 +19,14 @@ import torch
 from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import BAD_REQUEST
 
-try:  # the rules saved with the model (tasks/registry/models.py), wherever the model is loaded
+try:  # the rules saved with the model (tasks/registry/loading.py), wherever the model is loaded
     from imagelake_served.answers import answers, image_bytes
     from imagelake_served.images import resize_image
-except ModuleNotFoundError:  # in imagelake's own process (tasks/registry/models.py imports this file for its path)
+except ModuleNotFoundError:  # in imagelake's own process (tasks/registry/loading.py imports this file for its path)
     from imagelake.tasks.rules.answers import answers, image_bytes
     from imagelake.tasks.rules.images import resize_image
 
-PROGRAM, META = "program", "meta"  # its artifacts (tasks/registry/models.py logs them): the program, labels and sizes
+PROGRAM, META = "program", "meta"  # its artifacts (tasks/registry/loading.py logs them): the program, labels and sizes
 IMAGE = "image"  # the input column
 TOP_K = 3  # the default of the top_k parameter
 # A request's bounds: a small body can hold many tiny images (1 KB of Parquet, 100,000 PNGs) or a few huge ones.

@@ -1,5 +1,5 @@
 """Where a registered model's aliases point, with MLflow's client alone: what every run's summary reads, without the
-model code (torch) of tasks/registry/models.py."""
+model code (torch) of tasks/registry/loading.py."""
 
 from __future__ import annotations
 

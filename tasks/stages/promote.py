@@ -33,7 +33,7 @@ if TYPE_CHECKING:  # torch, Lightning, MLflow and matplotlib load in the functio
     from matplotlib.figure import Figure
     from mlflow import MlflowClient
 
-    from imagelake.tasks.registry.models import TestRowsAt
+    from imagelake.tasks.registry.gate import TestRowsAt
     from imagelake.tasks.worker.model import ImageModel
 
 
@@ -197,7 +197,8 @@ def register_once(
     only sets its tags again."""
     import mlflow
 
-    from imagelake.tasks.registry.models import registry_lock, served_model
+    from imagelake.tasks.registry.loading import served_model
+    from imagelake.tasks.registry.moves import registry_lock
 
     with registry_lock(settings, settings.model_name):
         version = registered_version(client, settings.model_name, trained.mlflow_run_id)
@@ -293,26 +294,23 @@ def promote_model(
 ) -> tuple[Promoted, Decision, str | None, list[dict]]:
     """Evaluate the trained model on the test split, register it with its lineage, let the gate decide its alias, then
     log the test results and the model card."""
-    from imagelake.tasks.registry.models import gate
+    from imagelake.tasks.registry.gate import Candidate, gate
 
     client = mlflow_client(settings)
     evaluated = evaluate_trained(trained, cached)
     params = client.get_run(trained.mlflow_run_id).data.params
     tags = lineage_tags(trained, cached, settings, params, flow_run_id)
     version = register_once(client, settings, trained, cached, evaluated, tags)
-    decision, metrics, champion_version = gate(
-        client,
-        settings,
-        settings.model_name,
+    candidate = Candidate(
         version,
         evaluated.images,
         evaluated.labels,
         len(cached.labels),
-        flow_run_id,
-        baseline=trained.baseline_accuracy,
         names=cached.labels,
+        baseline=trained.baseline_accuracy,
         rows_at=test_rows_at(settings, cached),
     )
+    decision, metrics, champion_version = gate(client, settings, settings.model_name, candidate, flow_run_id)
     log_test_results(trained, cached, evaluated, metrics)
     describe_version(client, settings, version, trained, cached, params, metrics, evaluated.per_class, decision)
     promoted = Promoted(

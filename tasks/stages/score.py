@@ -99,7 +99,7 @@ def score_images(source: str, model: str, settings: Settings) -> dict[str, Any]:
 
     Two runs of one model version at once (the CLI beside the nightly) take turns on the predictions table, so the
     second reads what the first committed and answers none of the same content again."""
-    from imagelake.tasks.registry.models import resolve
+    from imagelake.tasks.registry.lineage import resolve
 
     client = mlflow_client(settings)
     name, version = resolve(client, model)
@@ -318,7 +318,7 @@ def remove_round_files(job: ScoreJob, keep: list[str]) -> None:
 def served_meta(client: Any, name: str, version: str) -> dict[str, Any]:
     """The served model's meta (labels, image size, resize mode) from its files; a version older than the served pyfunc
     is refused."""
-    from imagelake.tasks.registry.models import check_program, model_files, served_files
+    from imagelake.tasks.registry.loading import check_program, model_files, served_files
 
     folder = model_files(client, name, version)
     found = served_files(folder)
@@ -358,7 +358,7 @@ def source_state(inputs: dict[str, Any]) -> dict[str, str]:
 @stage("score-model", cache_policy=NO_CACHE)
 def score_model(model: str, settings: Settings) -> str:
     """Prefect stage: the registered version MODEL names now (NAME@ALIAS moves), as NAME/VERSION."""
-    from imagelake.tasks.registry.models import resolve
+    from imagelake.tasks.registry.lineage import resolve
 
     name, version = resolve(mlflow_client(settings), model)
     return f"{name}/{version}"

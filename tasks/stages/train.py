@@ -59,7 +59,7 @@ def run_name(cached: CachedSplits, settings: Settings, fresh: str | None = None,
 
 def warm_start_of(client: MlflowClient, settings: Settings, cached: CachedSplits) -> WarmStart:
     """Where this run's weights start: the champion's if warm_start is on and it was trained for this data's shape."""
-    from imagelake.tasks.registry.models import champion_of
+    from imagelake.tasks.registry.gate import champion_of
 
     if not settings.warm_start:
         return WarmStart(None, "warm_start is off")
@@ -80,7 +80,7 @@ def staged_champion_weights(client: MlflowClient, settings: Settings, version: s
     """The champion's weights as a state dict file in staging, which every Ray worker reads (as it reads the cache)."""
     import torch
 
-    from imagelake.tasks.registry.models import champion_state_dict
+    from imagelake.tasks.registry.loading import champion_state_dict
 
     uri = f"{settings.staging_uri}/warm-start/{re.sub(r'[^A-Za-z0-9._-]', '_', settings.model_name)}-v{version}.pt"
     fs, path = fsspec.core.url_to_fs(uri)
