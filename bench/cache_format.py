@@ -26,6 +26,8 @@ import pyarrow.parquet as pq
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from figures import add_record_option, keep  # noqa: E402 - bench/figures.py
+
 from imagelake.tasks.data.cache_files import pixel_rows  # noqa: E402
 from imagelake.tasks.rules.images import decode_square  # noqa: E402
 from imagelake.tasks.stages.cache import Stored, write_split_arrow  # noqa: E402
@@ -101,6 +103,7 @@ def main() -> None:
     parser.add_argument("--quality", type=int, default=95)
     parser.add_argument("--epochs", type=int, default=3, help="timed epochs per loader, after a first untimed one")
     parser.add_argument("--batch", type=int, default=64)
+    add_record_option(parser)
     args = parser.parse_args()
     print(f"size {args.size} px, JPEG quality {args.quality} (4:4:4), batch {args.batch}")
     print(
@@ -130,6 +133,21 @@ def main() -> None:
                     "process": loader_rate(url, args.size, 1, args.epochs, args.batch),
                 }
             raw = measured["raw"]
+            jpeg = measured["jpeg"]
+            keep(
+                args,
+                f"cache_format_{name}",
+                f"the cache's JPEG format against raw pixels on {name} ({args.size} px, quality {args.quality})",
+                {
+                    "jpeg_of_raw_bytes_ratio": round(jpeg["bytes"] / raw["bytes"], 3),
+                    "jpeg_mean_abs_error": round(
+                        float(np.abs(jpeg["pixels"].astype(np.int16) - raw["pixels"]).mean()), 2
+                    ),
+                    "jpeg_decode_ms_per_image": round(jpeg["decode"], 3),
+                    "jpeg_of_raw_loader_threads_ratio": round(jpeg["threads"] / raw["threads"], 2),
+                    "jpeg_of_raw_loader_process_ratio": round(jpeg["process"] / raw["process"], 2),
+                },
+            )
             for image_format, m in measured.items():
                 error = np.abs(m["pixels"].astype(np.int16) - raw["pixels"]).mean()
                 print(

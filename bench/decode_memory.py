@@ -17,6 +17,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from figures import add_record_option, keep  # bench/figures.py
+
 REPO = Path(__file__).resolve().parent.parent
 
 CHILD = r"""
@@ -42,6 +44,7 @@ print(json.dumps({"peak_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--side", type=int, default=8000)
+    add_record_option(parser)
     args = parser.parse_args()
     import numpy as np
     from PIL import Image
@@ -65,6 +68,16 @@ def main() -> None:
                 f"{peaks[way] / pixels:5.1f} bytes a pixel"
             )
         print(f"  (b) / (a): {peaks['now'] / peaks['widened']:.2f}")
+        keep(
+            args,
+            "decode_memory",
+            f"the decoder's peak memory on a {args.side} x {args.side} 16-bit PNG, against widening it first",
+            {
+                "now_peak_mb": round(peaks["now"] / 1e6),
+                "widened_peak_mb": round(peaks["widened"] / 1e6),
+                "now_of_widened_ratio": round(peaks["now"] / peaks["widened"], 2),
+            },
+        )
 
 
 if __name__ == "__main__":

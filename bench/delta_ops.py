@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import re
 import shutil
 import statistics
 import tempfile
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+from figures import add_record_option, keep  # bench/figures.py
 
 from imagelake.infra.delta import Table, append_arrow
 from imagelake.infra.settings import Settings
@@ -62,6 +64,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=4000)
     parser.add_argument("--side", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    add_record_option(parser)
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="imagelake-delta-ops-"))
     try:
@@ -97,6 +100,18 @@ def main() -> None:
         for op, by in times.items():
             rs, sp = statistics.median(by["delta-rs"]), statistics.median(by["spark"])
             print(f"{op:44} {rs:9.3f} {sp:9.3f} {sp / rs:17.2f}")
+        slug = {op: "_".join(re.findall(r"[a-z0-9]+", op.split(" (")[0].lower())) for op in times}
+        keep(
+            args,
+            "delta_ops",
+            f"Delta operations on {args.rows} rows: Spark's Delta against delta-rs (median of {args.repeats})",
+            {
+                f"{slug[op]}_spark_of_delta_rs_ratio": round(
+                    statistics.median(by["spark"]) / statistics.median(by["delta-rs"]), 2
+                )
+                for op, by in times.items()
+            },
+        )
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -10,8 +10,10 @@ unit in the name: `_s`, `_min`, `_mb`, `_ratio`, ...):
     .venv/bin/python bench/figures.py --write    # the table in bench/README.md and bench/results/plots/*.png
     .venv/bin/python bench/figures.py --check    # fails when the table differs from the records (make lint runs it)
 
-A bench script calls `record(...)` after it has printed its figures; `--no-record` on the scripts that take it leaves
-the records as they are (a trial run).
+Every bench script that measures calls `record(...)` (or `keep(args, ...)`) after it has printed its figures;
+`--no-record` leaves the records as they are (a trial run). bench/checkout.py is a helper, and suite_durations.py and
+suite_processes.py read or wrap another command's run: they print and record nothing (the suite's own record is
+bench/suite.py's).
 """
 
 from __future__ import annotations
@@ -54,6 +56,22 @@ def commit() -> str:
 
     head = git("rev-parse", "--short=7", "HEAD") or "unknown"
     return head + ("+changes" if git("status", "--porcelain", "--untracked-files=no") else "")
+
+
+def add_record_option(parser: argparse.ArgumentParser) -> None:
+    """The `--no-record` option of a bench script: a trial run prints its figures and appends no record."""
+    parser.add_argument("--no-record", action="store_true", help="print the figures only; append no record")
+
+
+def invoked() -> str:
+    """The command this bench script was started with, as a record gives it."""
+    return " ".join([".venv/bin/python", f"bench/{Path(sys.argv[0]).name}", *sys.argv[1:]])
+
+
+def keep(args: argparse.Namespace, measure: str, what: str, figures: dict[str, Any], note: str = "") -> None:
+    """record(...) the figures of a bench script started with ARGS, as it was invoked, unless --no-record."""
+    if not getattr(args, "no_record", False):
+        record(measure, what, invoked(), figures, note)
 
 
 def record(

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import psutil
+from figures import add_record_option, keep  # bench/figures.py
 
 REPO = Path(__file__).resolve().parent.parent
 SETTLE_SECONDS = 20.0  # what was just started finishes its own start-up before the count begins
@@ -76,6 +77,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--parts", default="spark,ray,prefect", help="any of spark, ray, prefect, comma-separated")
     parser.add_argument("--seconds", type=float, default=60.0)
+    add_record_option(parser)
     args = parser.parse_args()
     parts = set(args.parts.split(","))
     unknown = parts - {"spark", "ray", "prefect"}
@@ -95,6 +97,13 @@ def main() -> None:
         if rate >= 0.05:
             print(f"  {rate:6.2f}  {name}")
     print(f"  {sum(used.values()):6.2f}  in all")
+    keep(
+        args,
+        "idle_cost",
+        f"CPU seconds a minute that {args.parts} take while doing nothing",
+        {"cpu_s_per_min": round(sum(used.values()), 2)},
+        note=f"parts {args.parts}",
+    )
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from figures import add_record_option, keep  # bench/figures.py
 from PIL import Image
 from pyspark.sql import functions as F
 from pyspark.sql.types import BinaryType
@@ -110,6 +111,7 @@ def main() -> None:
     # A nightly batch: each run also pays a fixed ~0.35 s (listing, a Spark job, the commit), which dominates tiny runs.
     parser.add_argument("--images", type=int, default=4000)
     parser.add_argument("--size", type=int, default=224)
+    add_record_option(parser)
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="imagelake-bench-"))
     try:
@@ -153,6 +155,20 @@ def main() -> None:
         pool.close()
         for engine, rate in c.items():
             print(f"imagelake ({engine}) / limit: {rate / b:.2f}   imagelake ({engine}) / seed blog: {rate / a:.2f}")
+        keep(
+            args,
+            "ingest",
+            f"images/s from JPEG files to a Delta table of {args.size} px images ({args.images} photos)",
+            {
+                "seed_blog_images_per_s": round(a, 1),
+                "limit_images_per_s": round(b, 1),
+                **{f"imagelake_{engine.replace('-', '_')}_images_per_s": round(rate, 1) for engine, rate in c.items()},
+                **{
+                    f"imagelake_{engine.replace('-', '_')}_of_limit_ratio": round(rate / b, 2)
+                    for engine, rate in c.items()
+                },
+            },
+        )
         if len(engines) == 1:
             print(
                 "Spark's Delta jars are not installed (`make install` fetches them with mvn): only delta-rs "

@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 import checkout  # bench/checkout.py: a checkout's code under the name imagelake
+from figures import add_record_option, keep  # bench/figures.py
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -128,6 +129,7 @@ def main() -> None:
         help="an earlier checkout to measure first, e.g. `git worktree add /tmp/listing-old HEAD`",
     )
     parser.add_argument("--bound-mb", type=float, default=300.0, help="the peak this tree's listing must stay within")
+    add_record_option(parser)
     args = parser.parse_args()
 
     work = args.keep.resolve() if args.keep else Path(tempfile.mkdtemp(prefix="listing-memory-"))
@@ -152,6 +154,16 @@ def main() -> None:
                 f"{now['seconds'] / old['seconds']:.2f}; same fingerprint: {same}"
             )
         within = now["peak_kb"] * 1024 <= args.bound_mb * 1e6
+        keep(
+            args,
+            "listing_memory",
+            f"the listing's peak memory over {args.files:,} files in {args.labels} folders",
+            {
+                "peak_mb": round(now["peak_kb"] * 1024 / 1e6),
+                "bytes_per_file": round(now["peak_kb"] * 1024 / now["files"]),
+                "seconds": round(now["seconds"], 1),
+            },
+        )
         print(f"  (b) within {args.bound_mb:.0f} MB: {'yes' if within else 'NO'}")
     finally:
         if not args.keep:

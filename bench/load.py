@@ -34,9 +34,11 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))  # bench/figures.py, also when imported as bench.load
 
 import httpx  # noqa: E402
 import numpy as np  # noqa: E402
+from figures import add_record_option, invoked, record  # noqa: E402 - bench/figures.py
 from PIL import Image  # noqa: E402
 
 from imagelake.infra.lifecycle import processes_with  # noqa: E402
@@ -367,7 +369,8 @@ def check_table(report: Report, workspace: Path, landing: Path) -> None:
 def check_registry(report: Report, workspace: Path, cluster: servers.Cluster) -> None:
     from imagelake.infra.settings import load_settings
     from imagelake.infra.tracking import mlflow_client
-    from imagelake.tasks.registry.models import PENDING_MOVE, alias_version
+    from imagelake.tasks.registry.aliases import alias_version
+    from imagelake.tasks.registry.moves import PENDING_MOVE
     from imagelake.tasks.rules.promotion import CHAMPION
 
     saved = {name: os.environ.get(name) for name in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")}
@@ -445,6 +448,7 @@ def main() -> int:
     parser.add_argument("--scenario", choices=sorted(SCENARIOS), default="full")
     parser.add_argument("--database", nargs="+", choices=servers.DATABASES, default=["sqlite", "postgres"])
     parser.add_argument("--keep", type=Path, help="keep the folders here (default: a temporary folder, removed)")
+    add_record_option(parser)
     args = parser.parse_args()
     base = args.keep or Path(tempfile.mkdtemp(prefix="imagelake-load-"))
     base.mkdir(parents=True, exist_ok=True)
@@ -462,6 +466,21 @@ def main() -> int:
         if args.keep is None:
             shutil.rmtree(base, ignore_errors=True)
     print(table(reports))
+    if not args.no_record and args.scenario == "full":
+        figures: dict[str, float | int | str] = {}
+        for report in reports:
+            figures |= {
+                f"{report.database}_runs_completed": report.flow_runs_completed,
+                f"{report.database}_minutes": round(report.minutes, 1),
+                f"{report.database}_flow_runs_per_min": round(report.runs_per_minute, 2),
+                f"{report.database}_api_p50_ms": round(report.api_p50_ms),
+                f"{report.database}_api_p95_ms": round(report.api_p95_ms),
+            }
+        figures |= {
+            "retried_busy_answers": sum(r.busy_answers for r in reports),
+            "errors_after_retries": sum(r.errors for r in reports),
+        }
+        record("load", f"many runs at once against the cluster's servers: {SCENARIOS['full']}", invoked(), figures)
     return 0 if all(not r.failed_from_busy and not r.duplicate_rows and not r.left_running for r in reports) else 1
 
 

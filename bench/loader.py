@@ -24,6 +24,7 @@ import numpy as np
 import pandas as pd
 import pyarrow.dataset as ds
 import torch
+from figures import add_record_option, keep  # bench/figures.py
 from petastorm import make_batch_reader
 from petastorm.pytorch import DataLoader
 from petastorm.transform import TransformSpec
@@ -121,6 +122,7 @@ def main() -> None:
         "--passes", type=int, default=7, help="passes of (b) and (c), taking turns; medians are printed"
     )
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 2, help="Petastorm reader threads for (c)")
+    add_record_option(parser)
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="imagelake-loader-"))
     try:
@@ -146,6 +148,17 @@ def main() -> None:
         b = report("(b) limit: pyarrow + one frombuffer per batch, uint8", rates["b"])
         c = report("(c) imagelake ShardBatches, uint8, shuffled", rates["c"])
         print(f"imagelake / limit: {c / b:.2f}   imagelake / Petastorm defaults: {c / a:.1f}")
+        keep(
+            args,
+            "loader",
+            f"the training loader's images/s from the Parquet cache ({args.images} images, {args.size} px)",
+            {
+                "petastorm_defaults_images_per_s": round(a, 1),
+                "limit_images_per_s": round(b, 1),
+                "imagelake_images_per_s": round(c, 1),
+                "imagelake_of_limit_ratio": round(c / b, 2),
+            },
+        )
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -30,6 +30,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import checkout  # bench/checkout.py: a checkout's code under the name imagelake
+from figures import add_record_option, keep  # bench/figures.py
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -175,6 +176,7 @@ def main() -> None:
     parser.add_argument("--side", type=int, default=224)
     parser.add_argument("--engines", default="delta-rs,spark", help="comma-separated: delta-rs, spark")
     parser.add_argument("--against", type=Path, help="an earlier checkout to measure first")
+    add_record_option(parser)
     args = parser.parse_args()
     engines = [engine.strip() for engine in args.engines.split(",") if engine.strip()]
     size = args.images * args.side * args.side * 3
@@ -194,6 +196,17 @@ def main() -> None:
         if "(a)" in results:
             old, now = results["(a)"], results["(b)"]
             print(f"  (b) / (a), {engine}: driver peak {now['peak_kb'] / max(old['peak_kb'], 1):.3f}")
+        now = results["(b)"]
+        keep(
+            args,
+            f"merge_memory_{engine.replace('-', '_')}",
+            f"the driver's peak memory in a write of {args.images:,} new {args.side} px images ({engine})",
+            {
+                "driver_peak_mb": round(now["peak_kb"] * 1024 / 1e6),
+                "bytes_per_image": round(now["peak_kb"] * 1024 / args.images),
+                "seconds": round(now["seconds"], 1),
+            },
+        )
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ import time
 import urllib.request
 
 import psutil
+from figures import add_record_option, keep  # bench/figures.py
 
 from imagelake.infra.local.cluster import BIN, NO_MLFLOW_JOBS
 
@@ -79,6 +80,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--hold", type=float, default=30.0, help="seconds after /health answers before counting")
+    add_record_option(parser)
     args = parser.parse_args()
     figures: dict[str, list[tuple[float, int, float]]] = {side: [] for side in SIDES}
     for run in range(args.runs):
@@ -95,6 +97,18 @@ def main() -> None:
         print(f"{side:9}  {cells[0]:>22}  {medians[side][1]:>10.0f}  {cells[2]:>26}")
     ratios = [a / b for a, b in zip(medians["imagelake"], medians["default"], strict=True)]
     print(f"{'ratio':9}  {ratios[0]:>22.2f}  {ratios[1]:>10.2f}  {ratios[2]:>26.2f}   (imagelake / default)")
+    keep(
+        args,
+        "mlflow_server",
+        f"the MLflow server as imagelake starts it against MLflow's defaults (median of {args.runs})",
+        {
+            "health_s": round(medians["imagelake"][0], 1),
+            "processes": round(medians["imagelake"][1]),
+            "cpu_s": round(medians["imagelake"][2], 1),
+            "health_of_default_ratio": round(ratios[0], 2),
+            "cpu_of_default_ratio": round(ratios[2], 2),
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import checkout  # bench/checkout.py: a checkout's code under the name imagelake
 import numpy as np
+from figures import add_record_option, keep  # bench/figures.py
 from PIL import Image
 
 DATA_STAGES = ("ingest", "resize", "write", "split", "cache")
@@ -231,6 +232,7 @@ def main() -> None:
         "--listing-only", action="store_true", help="only the listing part, on empty files, at FILES/10 and FILES"
     )
     parser.add_argument("--measure-listing", nargs=2, type=Path, metavar=("SOURCE", "STAGING"), help=argparse.SUPPRESS)
+    add_record_option(parser)
     args = parser.parse_args()
     if args.measure_listing:
         return measure_listing(*args.measure_listing, args.new)
@@ -259,6 +261,19 @@ def main() -> None:
         print(
             f"\ncache bytes added by the +{args.new:.0%} run / the first cache: "
             f"{grown['cache_added'] / cold['cache_added']:.3f}"
+        )
+        unchanged = results["no change"]
+        keep(
+            args,
+            "scale",
+            f"runs over {args.files:,} files: the first, one with no change and one with {args.new:.0%} new files",
+            {
+                "cold_wall_s": round(cold["wall"], 1),
+                "no_change_wall_s": round(unchanged["wall"], 1),
+                "grown_wall_s": round(grown["wall"], 1),
+                "grown_of_cold_data_ratio": round(grown["data"] / cold["data"], 3),
+                "grown_of_first_cache_bytes_ratio": round(grown["cache_added"] / cold["cache_added"], 3),
+            },
         )
     finally:
         if args.keep is None:

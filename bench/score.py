@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from figures import add_record_option, keep  # bench/figures.py
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -49,7 +50,7 @@ def register(root: Path, arch: str, size: int) -> str:
     import mlflow
     import torch
 
-    from imagelake.tasks.registry.models import served_model
+    from imagelake.tasks.registry.loading import served_model
     from imagelake.tasks.rules.warm_start import labels_tag
     from imagelake.tasks.worker.model import ImageModel
 
@@ -84,6 +85,7 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=64)
     parser.add_argument("--arch", default="small_cnn")
     parser.add_argument("--runs", type=int, default=3)
+    add_record_option(parser)
     args = parser.parse_args()
 
     import mlflow
@@ -137,6 +139,15 @@ def main() -> None:
             f"cores; {args.runs} runs"
         )
         limit = statistics.median(rates["forward"])
+        keep(
+            args,
+            "score",
+            f"images/s scoring {args.images} PNGs with {args.arch} at {args.size} px (median of {args.runs})",
+            {
+                **{f"{name.replace('-', '_')}_images_per_s": round(statistics.median(v)) for name, v in rates.items()},
+                "score_of_forward_ratio": round(statistics.median(rates["score"]) / limit, 2),
+            },
+        )
         for name, values in rates.items():
             print(
                 f"  {name:8} images/s min {min(values):8.0f}  median {statistics.median(values):8.0f}  max "

@@ -34,6 +34,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 import psutil  # noqa: E402
+from figures import add_record_option, invoked, record  # noqa: E402 - bench/figures.py
 
 from imagelake.flows.demo_data import write_digits  # noqa: E402
 from imagelake.infra.local import cluster as servers  # noqa: E402
@@ -114,6 +115,7 @@ def main() -> int:
     parser.add_argument("--database", choices=servers.DATABASES, default="postgres")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "soak")
     parser.add_argument("--keep", type=Path, help="keep the folders here (default: a temporary folder, removed)")
+    add_record_option(parser)
     args = parser.parse_args()
     base = args.keep or Path(tempfile.mkdtemp(prefix="imagelake-soak-"))
     base.mkdir(parents=True, exist_ok=True)
@@ -196,6 +198,21 @@ def main() -> int:
     print(f"run {last['run']} / run {fifth['run']} time: {last['seconds'] / fifth['seconds']:.2f}")
     for name in ("server_rss_mib", "server_open_files", "server_processes"):
         print(f"{name}: run {fifth['run']} {fifth[name]}, run {last['run']} {last[name]}")
+    if not args.no_record and last["run"] > fifth["run"]:
+        runs = last["run"] - fifth["run"]
+        growth = {
+            f"{name}_growth_mib_per_run": round((last[f"{name}_mib"] - fifth[f"{name}_mib"]) / runs, 2)
+            for name in [*FOLDERS, "servers"]
+        }
+        figures = {
+            f"run_{fifth['run']}_s": fifth["seconds"],
+            f"run_{last['run']}_s": last["seconds"],
+            f"run_{last['run']}_of_run_{fifth['run']}_ratio": round(last["seconds"] / fifth["seconds"], 2),
+            **growth,
+            "servers_rss_growth_mib_per_run": round((last["server_rss_mib"] - fifth["server_rss_mib"]) / runs, 2),
+        }
+        what = f"{len(rows)} runs against long-lived servers ({args.database}): time, disk and memory"
+        record("soak", what, invoked(), figures, note=f"every run's row in {args.out / 'soak.csv'}")
     return 0
 
 

@@ -28,6 +28,7 @@ import tempfile
 import time
 
 import psutil
+from figures import add_record_option, keep  # bench/figures.py
 
 FLAGS = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
 DRIVER = """
@@ -93,6 +94,7 @@ def main() -> None:
     parser.add_argument("--compare", choices=["flags", "archive"], default="flags")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--rows", type=int, default=20000)
+    add_record_option(parser)
     args = parser.parse_args()
     if args.compare == "flags":
         sides: dict[str, str | None] = {"defaults": None, "C1, serial GC": FLAGS}
@@ -124,9 +126,25 @@ def main() -> None:
         medians[side] = tuple(statistics.median(c) for c in columns)
         cells = [f"{statistics.median(c):5.1f} ({min(c):.1f}-{max(c):.1f})" for c in columns]
         print(f"{side:15}  {cells[0]:>20}  {cells[1]:>20}  {cells[2]:>20}")
+    found: dict[str, float] = {}
     for side, against in pairs:
         ratio = [medians[side][i] / medians[against][i] for i in (0, 1, 2)]
         print(f"{'ratio':15}  {ratio[0]:>20.2f}  {ratio[1]:>20.2f}  {ratio[2]:>20.2f}   ({side} / {against})")
+        slug = "_".join("".join(c if c.isalnum() else " " for c in side).split()).lower()
+        found |= {
+            f"{slug}_wall_s": round(medians[side][0], 1),
+            f"{slug}_session_start_s": round(medians[side][2], 1),
+            f"{slug}_wall_ratio": round(ratio[0], 2),
+            f"{slug}_cpu_ratio": round(ratio[1], 2),
+            f"{slug}_session_start_ratio": round(ratio[2], 2),
+        }
+    keep(
+        args,
+        f"spark_driver_{args.compare}",
+        f"an embedded Spark driver's start and a {args.rows}-row job: {', '.join(f'{a} / {b}' for a, b in pairs)} "
+        f"(median of {args.runs})",
+        found,
+    )
 
 
 if __name__ == "__main__":

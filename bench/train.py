@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import Any
 
 import checkout  # bench/checkout.py: the repository's code under the name imagelake
+import figures  # bench/figures.py: the records of bench/results/
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -1684,6 +1685,32 @@ SECTIONS: dict[str, Callable[[GpuRun], None]] = {
 ZOO_PATH_OPTIONS = ("zoo-eager", "zoo-ray")  # not sections: rows zoo-path adds when they are named too
 
 
+def record_gpu_rows(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    """A record of the table's rows for each model and the layers it trains (gpu_<arch>_<all|head>): each row's rate,
+    share of its limit, data wait and memory, named by its path, batch and loader workers."""
+    by_model: dict[tuple[str, bool], dict[str, float | int | str]] = {}
+    for row in rows:
+        words = f"{row['path']} b{row['batch']} w{row['workers'] or ''}"
+        prefix = "_".join("".join(c if c.isalnum() else " " for c in words).split()).lower()
+        found = by_model.setdefault((row["arch"], row["frozen"]), {})
+        found[f"{prefix}_images_per_s"] = round(row["rate"])
+        if row.get("of_limit") is not None:
+            found[f"{prefix}_of_limit"] = round(row["of_limit"], 2)
+        if row.get("wait") is not None:
+            found[f"{prefix}_data_wait_pct"] = round(100 * row["wait"], 1)
+        if row.get("peak_gib") is not None:
+            found[f"{prefix}_peak_gib"] = round(row["peak_gib"], 1)
+    for (arch, frozen), values in by_model.items():
+        layers = "head" if frozen else "all"
+        figures.record(
+            f"gpu_{arch}_{layers}",
+            f"{arch} training {'its head' if frozen else 'all layers'}: images/s of each path against its limit",
+            figures.invoked(),
+            values,
+            note=f"sections {','.join(args.sections)}; {args.images} images {args.size} px",
+        )
+
+
 def gpu_table(args: argparse.Namespace, url: str, work: Path) -> int:
     """The sections --sections names, in SECTIONS' order; how many rows failed."""
     run = GpuRun(args, url, work)
@@ -1704,6 +1731,8 @@ def gpu_table(args: argparse.Namespace, url: str, work: Path) -> int:
                 traceback.print_exc()
                 run.table.failed += 1
                 run.table.say(f"section {name} FAILED: {type(error).__name__}: {error}")
+    if run.table.rows and not args.dry_run and not args.no_record:
+        record_gpu_rows(run.table.rows, args)
     return run.table.failed
 
 
@@ -1734,6 +1763,18 @@ def cpu_comparison(args: argparse.Namespace, url: str, work: Path) -> None:
         f"(b) Ray Train TorchTrainer, one worker ({result['threads']} threads)", result, time.perf_counter() - started
     )
     print(f"TorchTrainer / plain Lightning: {b / a:.2f}")
+    if not args.no_record:
+        figures.record(
+            "train_cpu",
+            f"training images/s on the CPU: Ray Train's TorchTrainer against plain Lightning ({args.arch}, "
+            f"{args.size} px, batch {args.batch})",
+            figures.invoked(),
+            {
+                "plain_lightning_images_per_s": round(a, 1),
+                "torchtrainer_images_per_s": round(b, 1),
+                "torchtrainer_of_plain_ratio": round(b / a, 2),
+            },
+        )
 
 
 def host_time(args: argparse.Namespace) -> None:
@@ -1754,6 +1795,14 @@ def host_time(args: argparse.Namespace) -> None:
         print(f"{label:34} min {min(times):6.2f}  median {float(np.median(times)):6.2f}  max {max(times):6.2f}")
     before, now = (float(np.median(times)) for times in rows.values())
     print(f"now / before (medians): {now / before:.2f}")
+    if not args.no_record:
+        figures.record(
+            "train_host_step",
+            f"the host's ms per Lightning step with next to no model work ({args.host_steps} steps an epoch, "
+            f"median of {args.repeats})",
+            figures.invoked(),
+            {"now_ms": round(now, 2), "before_ms": round(before, 2), "now_of_before_ratio": round(now / before, 2)},
+        )
 
 
 def counts(text: str) -> list[int]:
@@ -1835,6 +1884,7 @@ def main() -> None:
         help="GPU only, section table: loader processes tried for the frozen backbone besides the default",
     )
     parser.add_argument("--json", help="GPU only: also write the rows to this file")
+    figures.add_record_option(parser)
     args = parser.parse_args()
     if args.host:
         host_time(args)

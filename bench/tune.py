@@ -22,6 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from figures import add_record_option, invoked, record
 from quality import STAMPS, write_stamps  # bench/quality.py: the stamps as OUT/<topic>/<file>
 
 REPO = Path(__file__).resolve().parent.parent
@@ -51,6 +52,7 @@ def main() -> None:
     parser.add_argument("--time-budget", type=float, help="seconds, as imagelake tune's")
     parser.add_argument("--set", action="append", default=[], help="NAME=VALUE for both commands")
     parser.add_argument("--keep", help="keep the workspace in this folder (default: a temporary one, removed)")
+    add_record_option(parser)
     args = parser.parse_args()
     if not STAMPS.is_dir():
         sys.exit(f"{STAMPS} is missing: `make stamps` installs Debian's tuxpaint-stamps-default")
@@ -78,6 +80,16 @@ def main() -> None:
                 f"wall time ({len(tune['trials'])} trials, search alone {tune['seconds']:.0f} s); gate: "
                 f"{promoted['decision']}"
             )
+        if not args.no_record:
+            figures = {
+                "defaults_test_accuracy": round(run["test_accuracy"], 3),
+                "defaults_wall_s": round(run_wall),
+                "search_wall_s": round(tune["seconds"]),
+                "search_and_train_wall_s": round(tune_wall),
+                **({} if best is None else {"search_best_test_accuracy": round(best, 3)}),
+            }
+            what = f"`imagelake tune` ({len(tune['trials'])} trials) against `imagelake run`'s defaults on the stamps"
+            record("tune_stamps", what, invoked(), figures, note=f"settings: {args.set}" if args.set else "")
     finally:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)

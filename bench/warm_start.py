@@ -31,6 +31,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from figures import add_record_option, keep  # noqa: E402 - bench/figures.py
+
 from imagelake.flows.demo_data import write_digits  # noqa: E402
 
 IMAGELAKE = str(Path(sys.executable).with_name("imagelake"))
@@ -101,6 +103,7 @@ def main() -> None:
     parser.add_argument(
         "--set", dest="overrides", action="append", default=[], metavar="NAME=VALUE", help="a setting for every run"
     )
+    add_record_option(parser)
     args = parser.parse_args()
     root = args.keep or Path(tempfile.mkdtemp(prefix="imagelake-warm-"))
     source = root / "source"
@@ -141,6 +144,20 @@ def main() -> None:
             f"warm / full fit seconds: {warm['fit_seconds'] / full['fit_seconds']:.3f}; "
             f"warm / full train stage seconds: {warm['stage_seconds']['train'] / full['stage_seconds']['train']:.3f} "
             f"({warm['epochs_run']} vs {full['epochs_run']} epochs)"
+        )
+        keep(
+            args,
+            "warm_start",
+            "the demo's digits grown from half to all: a warm start from the champion against a full retrain",
+            {
+                "full_test_accuracy": round(full["test_accuracy"], 4),
+                "warm_test_accuracy": round(warm["test_accuracy"], 4),
+                "warm_of_full_fit_ratio": round(warm["fit_seconds"] / full["fit_seconds"], 3),
+                "warm_of_full_train_stage_ratio": round(
+                    warm["stage_seconds"]["train"] / full["stage_seconds"]["train"], 3
+                ),
+            },
+            note=f"settings: {settings}",
         )
     finally:
         if args.keep is None:
