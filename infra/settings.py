@@ -1174,28 +1174,29 @@ class Settings(BaseSettings):
         return self.workspace.expanduser().resolve()
 
     @property
+    def tables_root(self) -> str:
+        """The folder or URI the Delta tables are in: table_root, else the workspace's tables/."""
+        return (self.table_root or str(self.workspace_dir / "tables")).rstrip("/")
+
+    @property
     @in_keys_of("resize", "write")
     def table_uri(self) -> str:
-        root = self.table_root or str(self.workspace_dir / "tables")
-        return f"{root.rstrip('/')}/{self.table_name}"
+        return f"{self.tables_root}/{self.table_name}"
 
     @property
     @in_keys_of("resize", "write", "requeue")
     def quarantine_uri(self) -> str:
-        root = self.table_root or str(self.workspace_dir / "tables")
-        return f"{root.rstrip('/')}/{self.quarantine_table_name}"
+        return f"{self.tables_root}/{self.quarantine_table_name}"
 
     @property
     @in_keys_of("score")
     def predictions_uri(self) -> str:
-        root = self.table_root or str(self.workspace_dir / "tables")
-        return f"{root.rstrip('/')}/{self.predictions_table_name}"
+        return f"{self.tables_root}/{self.predictions_table_name}"
 
     @property
     @in_keys_of("promote")
     def history_uri(self) -> str:
-        root = self.table_root or str(self.workspace_dir / "tables")
-        return f"{root.rstrip('/')}/{self.history_table_name}"
+        return f"{self.tables_root}/{self.history_table_name}"
 
     @property
     @in_keys_of("cache")
