@@ -12,8 +12,9 @@ through the training stage's own ray_trainer (one worker: no DDP) and the report
 The default section, goals, runs the rows that have goals, most wanted first: the default model as a
 run trains it (pretrained MobileNetV2 at the settings' image size), the frozen ResNet-50 and the small CNN
 against their limits, EfficientNet-B0, then JPEG photos decoded on the GPU; each path with the training
-path's GPU defaults (compiled, a loader process, the next epoch ahead). Each section is a function
-(section_<name>) of one GpuRun; SECTIONS lists them in the order they run.
+path's GPU defaults (the model's faster step path, eager or compiled, as tasks/rules/training.py chooses
+it; a loader process; the next epoch ahead). Every rate is a share of the faster of the model's limits.
+Each section is a function (section_<name>) of one GpuRun; SECTIONS lists them in the order they run.
 
 With --gpu, side by side in one run (--sections picks parts):
   limit       the model alone on random uint8 batches already on the GPU: the same ImageModel
@@ -68,6 +69,7 @@ if importlib.util.find_spec("imagelake") is None:  # `python3 bench/train.py` wi
     checkout.use(Path(__file__).resolve().parent.parent)  # code as imagelake, here and in Ray's workers
 
 from imagelake.infra.settings import Settings  # noqa: E402
+from imagelake.tasks.rules.training import step_path  # noqa: E402
 from imagelake.tasks.worker.loader import ShardBatches  # noqa: E402
 from imagelake.tasks.worker.model import (  # noqa: E402
     IMAGENET_MEAN,
@@ -658,8 +660,8 @@ class Table:
     """The printed table, also kept as JSON rows (written after every row, so a cut-off run keeps what it measured)."""
 
     COLUMNS = (
-        "model           trains  path (/limit: of the eager limit, or the compiled one for compiled "
-        "paths)\n                                                  batch workers  images/s  /limit  data wait  "
+        "model           trains  path (/limit: of the faster of the model's eager and compiled limits)\n"
+        "                                                  batch workers  images/s  /limit  data wait  "
         "GPU util  peak GiB  CPU ms/img"
     )
 
@@ -667,6 +669,7 @@ class Table:
         self.rows: list[dict[str, Any]] = []
         self.failed = 0
         self.limits: dict[tuple[str, bool, int, bool], float] = {}
+        self.fastest: dict[tuple[str, bool, int], float] = {}
         self.json_path = json_path
         self.text_path = Path(json_path).with_suffix(".txt") if json_path else None
         if json_path:
@@ -704,11 +707,13 @@ class Table:
                 f"{type(error).__name__}: {str(error).strip().splitlines()[-1][:200]}"
             )
             return None
-        # Rates are shared of the model's first limit row: eager, or compiled for the paths that compile.
-        key = (arch, frozen, batch, "compile" in path)
+        # Rates are shares of the model's fastest limit row so far: eager or compiled (in any mode), whichever steps
+        # the model faster is the limit that counts. `limits` keeps each kind's first row (epochs are sized by it).
         if path.startswith("limit"):
-            self.limits.setdefault(key, result["rate"])
-        share = result["rate"] / self.limits[key] if key in self.limits else None
+            self.limits.setdefault((arch, frozen, batch, "compile" in path), result["rate"])
+            self.fastest[(arch, frozen, batch)] = max(self.fastest.get((arch, frozen, batch), 0.0), result["rate"])
+        fastest = self.fastest.get((arch, frozen, batch))
+        share = result["rate"] / fastest if fastest else None
 
         def fmt(value: Any, pattern: str) -> str:
             return "-" if value is None else pattern.format(value)
@@ -808,8 +813,9 @@ class GpuRun:
         """The training loop's config for this run's cache; MORE (train_uri, image_size, ...) overrides."""
         if not self.sections & self.CURRENT:
             more = {"compile": False, "loader_processes": 0, "next_epoch_ahead": False, **more}
-        if not self.gpu:  # a dry run: the paths a GPU's defaults take (compiled, a loader process), named as such
-            more = {"compile": "default", "loader_processes": int(more.get("jpeg_decode") != "device"), **more}
+        if not self.gpu:  # a dry run: the paths a GPU's defaults take (the model's step path, a loader process)
+            chosen = step_path(arch, None, "default", gpu=True)[0]
+            more = {"compile": chosen or False, "loader_processes": int(more.get("jpeg_decode") != "device"), **more}
         more = {"page_lock": ShardBatches.PAGE_LOCK, **more}
         return train_config(
             self.url, self.size, arch, batch, epochs, workers, gpu=self.gpu, freeze_backbone=frozen, **more
@@ -854,13 +860,22 @@ class GpuRun:
                 lambda: ray_epochs(self.config(arch, batch, frozen, workers, epochs, **more), self.work, self.cores),
             )
 
-    def limit_row(self, arch: str, frozen: bool, compiled: bool, size: int | None = None, more_steps: int = 1) -> int:
-        """The model's eager or compiled limit at the run's batch (fused AdamW); the epochs for about --seconds at
-        it."""
+    def limit_row(
+        self,
+        arch: str,
+        frozen: bool,
+        compiled: bool,
+        size: int | None = None,
+        more_steps: int = 1,
+        mode: str = "default",
+    ) -> int:
+        """The model's eager or compiled (in MODE) limit at the run's batch (fused AdamW); the epochs for about
+        --seconds at it."""
         batch, size = self.args.gpu_batch, size or self.size
         steps = more_steps * self.args.steps
         warmup = more_steps * (self.args.warmup + 5 if compiled else self.args.warmup)
-        path, mode = ("limit: fused, compile", "default") if compiled else ("limit: fused (eager)", None)
+        named = "" if mode == "default" else f" {mode}"
+        path, mode = (f"limit: fused, compile{named}", mode) if compiled else ("limit: fused (eager)", None)
         self.table.add(
             arch, frozen, path, batch, None, lambda: limit(arch, batch, size, frozen, steps, warmup, mode, True)
         )
@@ -880,9 +895,18 @@ class GpuRun:
         )
         return epochs
 
-    def both_limits(self, arch: str, frozen: bool, size: int | None = None, more_steps: int = 1) -> int:
-        """The model's eager and compiled limits at the run's batch; the epochs for about --seconds at the faster."""
-        return max(self.limit_row(arch, frozen, compiled, size, more_steps) for compiled in (False, True))
+    def both_limits(
+        self, arch: str, frozen: bool, size: int | None = None, more_steps: int = 1, graphs: bool = False
+    ) -> int:
+        """The model's eager and compiled limits at the run's batch (with GRAPHS, compiled with CUDA graphs too:
+        `reduce-overhead`, which removes the host's launches); the epochs for about --seconds at the fastest."""
+        modes = [(False, "default"), (True, "default"), *([(True, "reduce-overhead")] if graphs else [])]
+        return max(self.limit_row(arch, frozen, compiled, size, more_steps, mode) for compiled, mode in modes)
+
+    @staticmethod
+    def step_label(arch: str) -> str:
+        """How the training path's GPU defaults step ARCH: "eager" or "compile" (tasks/rules/training.py)."""
+        return "compile" if step_path(arch, None, "default", gpu=True)[0] else "eager"
 
     def path(
         self, arch: str, frozen: bool, label: str, readers: str, epochs: int, ray_too: bool = False, **more: Any
@@ -928,10 +952,18 @@ def section_mobilenet(run: GpuRun) -> None:
         )
     url = run.cache_at(size)
     at_size = {"train_uri": url, "val_uri": url, "image_size": size, "pretrained": pretrained}
-    epochs = run.both_limits(arch, False, size=size)
+    epochs = run.both_limits(arch, False, size=size, graphs=True)
     workers = run.workers
-    run.path(arch, False, "compile, defaults", f"{workers}+p", epochs, ray_too=True, **at_size)
-    run.path(arch, False, "compile, 2 loader processes", f"{workers}+2p", epochs, loader_processes=2, **at_size)
+    run.path(arch, False, f"{run.step_label(arch)}, defaults", f"{workers}+p", epochs, ray_too=True, **at_size)
+    run.path(
+        arch,
+        False,
+        f"{run.step_label(arch)}, 2 loader processes",
+        f"{workers}+2p",
+        epochs,
+        loader_processes=2,
+        **at_size,
+    )
 
 
 def section_goals(run: GpuRun) -> None:
@@ -943,12 +975,24 @@ def section_goals(run: GpuRun) -> None:
     epochs = run.both_limits("resnet50", True)
     run.path("resnet50", True, "compile, defaults", f"{workers}+p", epochs)
     run.path("resnet50", True, "compile, 2 loader processes", f"{workers}+2p", epochs, loader_processes=2)
-    epochs = run.both_limits("small_cnn", False, more_steps=10)
+    epochs = run.both_limits("small_cnn", False, more_steps=10, graphs=True)
     run.path(
         "small_cnn", False, "eager, 4 loader processes", f"{workers}+4p", epochs, compile=False, loader_processes=4
     )
+    # The loop's own ceiling: Lightning's loop and the model on one batch already on the GPU, no loader at all.
+    run.path(
+        "small_cnn",
+        False,
+        "eager, batches on the GPU (the loop's ceiling)",
+        "-",
+        epochs,
+        compile=False,
+        gpu_batches=max(1, run.args.images // run.args.gpu_batch),
+    )
     epochs = run.both_limits("efficientnet_b0", False)
-    run.path("efficientnet_b0", False, "compile, defaults", f"{workers}+p", epochs)
+    run.path(
+        "efficientnet_b0", False, f"{run.step_label('efficientnet_b0')}, defaults", f"{workers}+p", epochs, ray_too=True
+    )
     jpeg_paths(run, [("resnet50", False)])
 
 

@@ -724,8 +724,9 @@ class Settings(BaseSettings):
         section="training",
         default=None,
         description=(
-            "torch.compile the model for training steps; default: on with a GPU (faster for every model "
-            "measured), off on CPU"
+            "torch.compile the model for training steps; default: on a GPU, the faster of eager and compiled as "
+            "measured for the model (tasks/rules/training.py: GPU_LIMITS; compiled for a model not measured), "
+            "eager on CPU"
         ),
         stages=("train", "tune"),
         runs="allowed",

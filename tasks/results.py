@@ -135,6 +135,7 @@ class Trained(BaseModel):
     warm_started_from: str = "none"  # the champion version training started from, or "none" (from scratch)
     pretrained_weights: str = "none"  # the pretrained weights it started from (torchvision's name or a path), or "none"
     pretrained_sha256: str = ""  # the SHA-256 of those weights' file (torchvision's), "" for a path or none
+    step_path: str = ""  # how the workers stepped the model (eager or a compiled mode) and why ("": not recorded)
     baseline_accuracy: float | None = (
         None  # test accuracy of the plain baseline on the same split (tasks/registry/baseline.py)
     )

@@ -74,3 +74,42 @@ def test_what_a_run_did_stays_out_of_the_next_stage_key() -> None:
     assert hash_objects(first) == hash_objects(rerun)
     assert hash_objects(first) != hash_objects(first.model_copy(update={"version": 4}))
     assert rerun.rows == 0
+
+
+def latest_gpu_limits(arch: str) -> dict[str, float] | None:
+    """The eager and compiled limits of ARCH's latest bench/results record that has both (all layers trained)."""
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "bench" / "results" / f"gpu_{arch}_all.jsonl"
+    found = None
+    for line in path.read_text().splitlines() if path.exists() else []:
+        figures = json.loads(line)["figures"]
+        eager, compiled = (figures.get(f"limit_fused_{kind}_b256_w_images_per_s") for kind in ("eager", "compile"))
+        if eager is not None and compiled is not None:
+            found = {"eager": eager, "compiled": compiled}
+    return found
+
+
+def test_the_gpu_step_table_is_the_benchmarks_latest_measurement_and_picks_the_faster_path() -> None:
+    from imagelake.tasks.rules.training import GPU_LIMITS, step_path
+
+    for arch, limits in GPU_LIMITS.items():
+        assert latest_gpu_limits(arch) == limits, f"{arch}: tasks/rules/training.py:GPU_LIMITS against bench/results"
+        mode, why = step_path(arch, None, "default", gpu=True)
+        faster = "eager" if limits["eager"] >= limits["compiled"] else "compiled"
+        assert (mode is None) == (faster == "eager") and why.startswith(faster), (arch, why)
+    assert step_path("mobilenet_v2", None, "default", gpu=True)[0] is None  # the default model: eager on a GPU
+    assert step_path("efficientnet_b0", None, "reduce-overhead", gpu=True)[0] == "reduce-overhead"
+    assert step_path("densenet121", None, "default", gpu=True) == (
+        "default",
+        "compiled (default): no measurement of densenet121; compiling was faster for most models measured",
+    )
+    # The settings win over the table; no GPU: eager.
+    assert step_path("mobilenet_v2", True, "reduce-overhead", gpu=True)[0] == "reduce-overhead"
+    assert step_path("resnet50", False, "default", gpu=True)[0] is None
+    assert step_path("resnet50", "max-autotune", "default", gpu=True)[0] == "max-autotune"
+    assert step_path("resnet50", None, "default", gpu=False) == (
+        None,
+        "eager: no GPU (compiling costs its start-up and does not pay on a CPU)",
+    )

@@ -73,3 +73,42 @@ def recorded_settings(params: dict[str, str]) -> dict[str, str]:
     param names too."""
     named = {OLD_PARAMS.get(param, param): value for param, value in params.items()}
     return {name: named[name] for name in MODEL_SETTINGS if name in named}
+
+
+# How a GPU steps each model fastest: the training steps' images/s with torch.compile's default mode and eager, at the
+# latest limit rows of `bench/train.py --gpu` (the model alone on batches already on the GPU, all layers trained, fused
+# AdamW, 256-image batches; bench/results/gpu_<arch>_all.jsonl, which tests/test_rules.py holds this table to).
+# Compiling fuses kernels, and pays where the step is bound by the GPU's work (ResNet-50, ViT, EfficientNet); where it
+# is bound by the host launching many small kernels (MobileNetV2, the small CNN), eager steps faster.
+GPU_LIMITS: dict[str, dict[str, float]] = {
+    "mobilenet_v2": {"eager": 12656, "compiled": 11494},
+    "efficientnet_b0": {"eager": 5078, "compiled": 6939},
+    "resnet50": {"eager": 4705, "compiled": 6598},
+    "vit_b_16": {"eager": 2286, "compiled": 3324},
+    "small_cnn": {"eager": 98142, "compiled": 87370},
+}
+GPU_LIMITS_MEASURED_ON = "an H200 (bench/README.md's GPU table)"
+
+
+def step_path(arch: str, compile: bool | str | None, mode: str, gpu: bool) -> tuple[str | None, str]:
+    """How training steps ARCH: torch.compile's mode, or None for eager; and why, for the run's report.
+
+    COMPILE is the `compile` setting (None: the default, chosen here), MODE the `compile_mode` setting, GPU whether
+    the worker steps on a GPU.
+    """
+    if compile is False or compile == "off":
+        return None, "eager: compile is off"
+    if compile is True:
+        return mode, f"compiled ({mode}): compile is on"
+    if isinstance(compile, str):
+        return compile, f"compiled ({compile}): compile names that mode"
+    if not gpu:
+        return None, "eager: no GPU (compiling costs its start-up and does not pay on a CPU)"
+    measured = GPU_LIMITS.get(arch)
+    if measured is None:
+        return mode, f"compiled ({mode}): no measurement of {arch}; compiling was faster for most models measured"
+    eager, compiled = measured["eager"], measured["compiled"]
+    figures = f"{eager:,.0f} images/s eager, {compiled:,.0f} compiled on {GPU_LIMITS_MEASURED_ON}"
+    if eager >= compiled:
+        return None, f"eager: faster for {arch} ({figures})"
+    return mode, f"compiled ({mode}): faster for {arch} ({figures})"

@@ -60,6 +60,7 @@ def run_summary(
         ),  # a result cached before this field has none
         "pretrained_weights": trained.pretrained_weights,
         "pretrained_sha256": trained.pretrained_sha256,
+        "step_path": trained.step_path,
         "val_accuracy": trained.val_accuracy,
         "mlflow_run_id": trained.mlflow_run_id,
         "model_name": promoted.model_name,
@@ -221,7 +222,8 @@ def training_section(summary: dict[str, Any]) -> list[str]:
         + markdown_text(
             started_from(warm, summary.get("pretrained_weights", "none"), summary.get("pretrained_sha256", ""))
         )
-        + ".",
+        + "."
+        + (f" Steps: {markdown_text(summary['step_path'])}." if summary.get("step_path") else ""),
         f"{where}." + (f" Driver peak memory {memory:,.0f} MB." if memory is not None else ""),
     ]
 

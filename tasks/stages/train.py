@@ -161,7 +161,7 @@ def trained_of(
     """A Ray Train result as the stage's result: its best checkpoint by validation loss, and what rank 0 logged."""
     from ray.train.lightning import RayTrainReportCallback
 
-    from imagelake.tasks.worker.train_loop import FIT_SECONDS, WORKER_NODES_TAG
+    from imagelake.tasks.worker.train_loop import FIT_SECONDS, STEP_PATH_TAG, WORKER_NODES_TAG
 
     checkpoint, metrics = min(result.best_checkpoints, key=lambda pair: pair[1]["val_loss"])
     recorded = client.get_run(run_id).data  # what rank 0 logged: its Ray node ids and its fit time
@@ -183,6 +183,7 @@ def trained_of(
         warm_started_from=warm.source,
         pretrained_weights=recorded.params.get("pretrained_weights", "none"),
         pretrained_sha256=recorded.params.get("pretrained_sha256", "none").replace("none", ""),
+        step_path=recorded.tags.get(STEP_PATH_TAG, ""),
     )
 
 
@@ -253,6 +254,7 @@ class EpochReport:
         self.client, self.run_id, self.max_epochs = client, run_id, max_epochs
         self.shown: set[int] = set()
         self.resume_shown = False
+        self.started = time.monotonic()
 
     def lines(self) -> list[str]:
         out = []
@@ -276,8 +278,13 @@ class EpochReport:
                 )
         return out
 
-    def show(self, logger) -> None:
-        for line in self.lines():
+    def show(self, logger, waiting: bool = False) -> None:
+        """Log the epochs not shown yet; WAITING: say so when no epoch has ended yet (the Ray workers start, load the
+        model and open the loader first: tens of seconds on a small machine)."""
+        lines = self.lines()
+        if waiting and not lines and not self.shown:
+            lines = [f"train: waiting for the first epoch ({time.monotonic() - self.started:.0f} s)"]
+        for line in lines:
             logger.info(line)
 
 
@@ -389,7 +396,7 @@ def train_in(
         stop = f"{settings.ray_storage_path}/{name}.stop-{uuid.uuid4().hex}"
         watch = lease_watch(f"train-{name}", logger, on_lost=lambda exc: ask_workers_to_stop(stop, str(exc)))
         try:
-            with Every(lambda: (report.show(logger), watch()), logger):
+            with Every(lambda: (report.show(logger, waiting=True), watch()), logger):
                 trained = fit(cached, settings, client, run_id, name, warm, stop)
         finally:
             forget_stop_marker(stop)

@@ -24,11 +24,13 @@ from ray.train.lightning import (
 
 from imagelake.infra.errors import PermanentError
 from imagelake.tasks.data.cache_files import split_format
+from imagelake.tasks.rules.training import step_path
 from imagelake.tasks.worker.loader import ShardBatches
 from imagelake.tasks.worker.model import ImageClassifier, load_state_dict
 
 CHECKPOINT_FILE = RayTrainReportCallback.CHECKPOINT_NAME
 WORKER_NODES_TAG = "ray_worker_nodes"  # the Ray node id of each rank, in rank order
+STEP_PATH_TAG = "step_path"  # how rank 0 stepped the model (eager or a compiled mode) and why
 FIT_SECONDS = "fit_seconds"  # rank 0's seconds in Lightning's fit, logged to the MLflow run
 
 
@@ -232,15 +234,14 @@ def on_gpu(config: dict[str, Any]) -> bool:
 
 
 def compile_mode(config: dict[str, Any]) -> str | None:
-    """torch.compile's mode for the training steps, or None. Config's `compile` is True, False or "off", a mode, or None
-    (the default: compiled with a GPU, where it wins for every model measured, and not on CPU); compiled without a
-    mode of its own, the mode is `compile_mode`'s."""
-    wanted = config.get("compile")
-    if wanted is None:
-        wanted = on_gpu(config)
-    if wanted is False or wanted == "off":
-        return None
-    return config.get("compile_mode", "default") if wanted is True else wanted
+    """torch.compile's mode for the training steps, or None for eager (tasks/rules/training.py:step_path)."""
+    return step_path_of(config)[0]
+
+
+def step_path_of(config: dict[str, Any]) -> tuple[str | None, str]:
+    """How this worker steps the model, and why: config's `compile` (True, False or "off", a mode, or None: the faster
+    way measured for the model on a GPU, eager on a CPU) and `compile_mode`."""
+    return step_path(config["arch"], config.get("compile"), config.get("compile_mode", "default"), on_gpu(config))
 
 
 def make_model(config: dict[str, Any], steps_per_epoch: int = 0) -> ImageClassifier:
@@ -374,6 +375,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         from mlflow import MlflowClient
 
         MlflowClient(config["tracking_uri"]).set_tag(config["mlflow_run_id"], WORKER_NODES_TAG, json.dumps(nodes))
+        MlflowClient(config["tracking_uri"]).set_tag(config["mlflow_run_id"], STEP_PATH_TAG, step_path_of(config)[1])
         callbacks.append(MlflowEpochMetrics(config["tracking_uri"], config["mlflow_run_id"], resumed_epoch))
         if resume:
             MlflowClient(config["tracking_uri"]).set_tag(
