@@ -99,8 +99,10 @@ def _start(
     """Run FLOW with the settings' Prefect API (else PREFECT_SERVER's) and result store. Bad input or settings
     (ValueError, FileNotFoundError, ERRORS) end the command with exit code 2 and the message, which says what to do; the
     traceback is in the log above."""
+    from imagelake.infra.console import new_log_path, send_library_output_to
     from imagelake.infra.prefect_env import prefect_for
 
+    send_library_output_to(new_log_path(settings.workspace_dir, flow.name))
     try:
         api_url = prefect_server.wait() if prefect_server is not None else None
         with prefect_for(settings, api_url):
@@ -109,7 +111,11 @@ def _start(
         _fail(exc)
 
 
-def _print_summary(summary: dict[str, Any], as_json: bool) -> None:
+def _print_summary(summary: dict[str, Any], settings: Settings, as_json: bool) -> None:
+    from imagelake.infra.console import log_file
+    from imagelake.infra.tracking import ui_answers
+
+    summary = {**summary, "log_file": str(log_file() or ""), "mlflow_ui_answers": ui_answers(settings.mlflow_ui_url)}
     typer.echo(format_summary(summary))
     if as_json:
         typer.echo(json.dumps(summary, sort_keys=True))
@@ -142,7 +148,7 @@ def run(
         overrides=overrides or None,
         refresh=refresh,
     )
-    _print_summary(summary, as_json)
+    _print_summary(summary, settings, as_json)
 
 
 @app.command()
@@ -387,7 +393,7 @@ def retrain(
         config_file=_file(config),
         overrides=overrides,
     )
-    _print_summary(summary, as_json)
+    _print_summary(summary, settings, as_json)
 
 
 @app.command()

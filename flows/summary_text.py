@@ -50,13 +50,23 @@ def format_summary(summary: dict[str, Any]) -> str:
             f"  cache         {summary['cache_dir']}",
             f"  training      {count(summary['epochs_run'])} epochs{training_time(summary)}, "
             f"val accuracy {accuracy(summary['val_accuracy'])}" + f", {start}",
-            f"  links         MLflow run {summary.get('mlflow_run_url') or summary['mlflow_run_id']}",
+            *([f"  steps         {summary['step_path']}"] if summary.get("step_path") else []),
+            f"  links         MLflow run {summary.get('mlflow_run_url') or summary['mlflow_run_id']}"
+            + ui_hint(summary),
             f"  stages        results reused: {', '.join(summary.get('results_reused') or []) or 'none'}"
             f"{recomputed(summary.get('results', []))}",
             f"  stage times   {timings(summary.get('stage_seconds') or {})}",
             f"  ran on        {engines(summary)}",
         ]
+        + ([f"  log           {summary['log_file']} (the libraries' own messages)"] if summary.get("log_file") else [])
     )
+
+
+def ui_hint(summary: dict[str, Any]) -> str:
+    """How to open the MLflow link where no UI answers at its address (a run on the workspace's own store)."""
+    if summary.get("mlflow_ui_answers") is False and summary.get("mlflow_run_url"):
+        return " (nothing answers there now: `make ui` starts the MLflow UI on the workspace)"
+    return ""
 
 
 def training_time(summary: dict[str, Any]) -> str:

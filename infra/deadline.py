@@ -24,6 +24,8 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
+from imagelake.infra.threads import context_thread
+
 RESEND_SECONDS = 30.0  # an interrupt that no deadline's scope has seen yet (swallowed on the way) is sent again
 DRAIN_SECONDS = 0.2  # how long a scope that passed its deadline waits for an interrupt still on its way
 
@@ -59,7 +61,7 @@ class Deadline:
         if seconds is None or self.error is not None or self._ended:
             return
         self.error = error
-        threading.Thread(target=self._watch, args=(seconds,), name="imagelake-deadline", daemon=True).start()
+        context_thread(self._watch, "imagelake-deadline", (seconds,)).start()
 
     def _watch(self, seconds: float) -> None:
         wait = seconds

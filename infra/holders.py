@@ -24,6 +24,7 @@ from typing import Any
 from filelock import FileLock
 
 from imagelake.infra.lease import client_of
+from imagelake.infra.threads import context_thread
 
 
 class LockBusy(TimeoutError):
@@ -206,13 +207,13 @@ def shared(api: str, limit: str, lease: Any) -> Iterator[None]:
             publish()
 
     publish()
-    thread = threading.Thread(target=keep, name=f"holder-{limit}", daemon=True)
-    thread.start()
+    keeper = context_thread(keep, f"holder-{limit}")
+    keeper.start()
     try:
         yield
     finally:
         stop.set()
-        thread.join(timeout=5)
+        keeper.join(timeout=5)
         _quietly(lambda: _withdraw(api, limit, holder))
 
 

@@ -25,6 +25,8 @@ from prefect.settings import (
     PREFECT_API_TLS_INSECURE_SKIP_VERIFY,
 )
 
+from imagelake.infra.threads import context_thread
+
 
 def client_of(api: str) -> SyncPrefectClient:
     """A client of the Prefect API at API, whichever thread asks (a thread does not inherit temporary settings), with
@@ -64,7 +66,7 @@ class HeldLease:
         self.renewed = time.monotonic()  # when the server last confirmed the lease
         self.lost: str | None = None  # why the server said it no longer holds
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._keep, name=f"lease-{name}", daemon=True)
+        self._thread = context_thread(self._keep, f"lease-{name}")
         self._thread.start()
 
     def _renew(self) -> None:

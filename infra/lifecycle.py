@@ -45,6 +45,7 @@ from typing import Any
 from uuid import UUID
 
 from imagelake.infra.compat import active_spark_context, instantiated_spark_session
+from imagelake.infra.threads import context_thread
 
 # The runner sets it on each flow-run process; Spark's JVM, Ray's processes and their children inherit it.
 RUN_ID_VARIABLE = "PREFECT__FLOW_RUN_ID"
@@ -105,9 +106,9 @@ def _within(timeout: float, stop: Callable[[], bool]) -> tuple[bool, str | None]
         except BaseException as exc:  # reported to the caller; a half-dead JVM raises all sorts
             outcome.append(exc)
 
-    thread = threading.Thread(target=attempt, name=f"imagelake-{stop.__name__}", daemon=True)
-    thread.start()
-    thread.join(timeout)
+    stopping = context_thread(attempt, f"imagelake-{stop.__name__}")
+    stopping.start()
+    stopping.join(timeout)
     if not outcome:
         return False, f"did not finish within {timeout:.0f} s"
     if isinstance(outcome[0], BaseException):
@@ -243,7 +244,7 @@ def watch_worker(flow: Any, flow_run: Any, state: Any) -> None:
     if parent == 1 or _watch_started.is_set():
         return
     _watch_started.set()
-    threading.Thread(target=_watch, args=(parent,), name="imagelake-worker-watch", daemon=True).start()
+    context_thread(_watch, "imagelake-worker-watch", (parent,)).start()
 
 
 def _watch(parent: int) -> None:

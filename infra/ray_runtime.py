@@ -7,6 +7,7 @@ import os
 import time
 import warnings
 
+from imagelake.infra.console import claim_loggers
 from imagelake.infra.lifecycle import exit_on_cancel
 from imagelake.infra.settings import Settings
 
@@ -21,6 +22,7 @@ def connect_ray(settings: Settings) -> dict[str, float]:
 
     # A notice about a future default, on every start: nothing a user of these settings can act on.
     warnings.filterwarnings("ignore", message="Tip: In future versions of Ray", category=FutureWarning)
+    claim_loggers("ray")  # Ray's start-up messages to the command's log file, where it names one
     if not ray.is_initialized():
         if settings.ray_address:
             join_ray(settings.ray_address, settings.ray_log_to_driver)
@@ -33,6 +35,7 @@ def connect_ray(settings: Settings) -> dict[str, float]:
                 _node_ip_address="127.0.0.1",
                 log_to_driver=settings.ray_log_to_driver,
             )
+        claim_loggers("ray")  # a handler that ray.init() may have added
         exit_on_cancel()  # ray.init() took SIGTERM over: a cancelled run must not end as Crashed
     return ray.cluster_resources()
 

@@ -14,6 +14,7 @@ from pyspark.sql import SparkSession
 
 from imagelake.infra.class_archive import driver_java_options
 from imagelake.infra.compat import instantiated_spark_session, load_jvm_class
+from imagelake.infra.console import spark_java_option
 from imagelake.infra.jars import jar_folder, runtime_jars
 from imagelake.infra.java import ensure_java
 from imagelake.infra.lifecycle import exit_on_cancel
@@ -143,6 +144,8 @@ def spark_session(settings: Settings) -> SparkSession:
         java_options = driver_java_options(
             java_home, settings.spark_conf.get("spark.driver.extraJavaOptions", ""), jar_folder(settings.jars_dir)
         )
+        # The driver's log: to the command's log file where it names one (infra/console.py), else Spark's default.
+        java_options = " ".join(part for part in (java_options, spark_java_option()) if part)
         if java_options:
             builder = builder.config("spark.driver.extraJavaOptions", java_options)
         for key, value in authentication_conf(settings.spark_master).items():

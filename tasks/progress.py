@@ -7,6 +7,8 @@ import threading
 from collections.abc import Callable
 from types import TracebackType
 
+from imagelake.infra.threads import context_thread
+
 REPORT_SECONDS = 15.0  # at most four lines a minute per stage
 
 
@@ -32,7 +34,7 @@ class Every:
     ) -> None:
         self.report, self.logger, self.seconds = report, logger, seconds
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="imagelake-progress", daemon=True)
+        self._thread = context_thread(self._run, "imagelake-progress")
 
     def __enter__(self) -> Every:
         self._thread.start()

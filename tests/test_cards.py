@@ -150,6 +150,23 @@ def test_progress_reports_while_the_block_runs_and_never_after(tmp_path: Path) -
     assert rate_line("resize", 42, 84, 2.0, "files") == "resize: 42 of 84 files (50%), 21 files/s"
 
 
+def test_a_progress_report_reaches_the_prefect_api_the_command_chose() -> None:
+    # The reporting thread sees the starter's Prefect settings: a report logged for "no API" made Prefect start a
+    # temporary server of its own, beside the command's, on the same database.
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    seen: list[str | None] = []
+    chosen = "http://127.0.0.1:9/api"
+    with (
+        temporary_settings(updates={PREFECT_API_URL: chosen}),
+        Every(lambda: seen.append(PREFECT_API_URL.value()), logger=__import__("logging").getLogger("t"), seconds=0.01),
+    ):
+        deadline = time.monotonic() + 30
+        while not seen and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert seen and set(seen) == {chosen}, seen
+
+
 def test_the_dataset_card_counts_match_the_table_and_the_samples_are_its_pixels(
     spark, lake: Lake, digits_dir: Path, tmp_path: Path, settings
 ) -> None:

@@ -340,3 +340,19 @@ def environment_reads_of_text(source: str) -> list[str]:
         path = Path(folder) / "module.py"
         path.write_text(source)
         return environment_reads(path)
+
+
+def test_every_thread_a_run_starts_sees_the_context_of_the_code_starting_it() -> None:
+    # A bare threading.Thread starts without the starter's context variables, Prefect's settings among them: what it
+    # logs or asks of Prefect goes to no API, and Prefect starts a server of its own (infra/threads.py). The training
+    # workers' loader threads (tasks/worker/) run outside any Prefect run.
+    bare = [
+        f"{path.relative_to(REPO)}:{number}"
+        for layer in LAYERS
+        for path in sorted((REPO / layer).rglob("*.py"))
+        if path.relative_to(REPO).parts[:2] not in (("tasks", "worker"), ("infra", "local"))
+        and path != REPO / "infra" / "threads.py"
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if "threading.Thread(" in line
+    ]
+    assert not bare, f"start these through infra/threads.py:context_thread: {bare}"

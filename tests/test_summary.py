@@ -222,3 +222,73 @@ def test_durations_read_as_seconds_then_minutes(seconds: float, text: str) -> No
     from imagelake.tasks.rules.report import duration
 
     assert duration(seconds) == text
+
+
+def test_the_summary_names_the_log_file_the_step_path_and_how_to_open_a_link_nothing_answers() -> None:
+    from imagelake.infra.tracking import ui_answers
+
+    quiet = format_summary(
+        built_summary(
+            log_file="/ws/logs/imagelake-pipeline-20261205T210324Z-1.log",
+            mlflow_ui_answers=False,
+            step_path="eager: no GPU (compiling costs its start-up and does not pay on a CPU)",
+        )
+    )
+    assert "  log           /ws/logs/imagelake-pipeline-20261205T210324Z-1.log (the libraries' own messages)" in quiet
+    assert "  steps         eager: no GPU" in quiet
+    link = next(line for line in quiet.splitlines() if line.lstrip().startswith("links"))
+    assert link.endswith("(nothing answers there now: `make ui` starts the MLflow UI on the workspace)"), link
+    answering = format_summary(built_summary(mlflow_ui_answers=True))
+    assert "make ui" not in answering and "  log " not in answering and "  steps " not in answering
+    # Nothing listens on a port just closed; a listening socket answers.
+    import socket
+
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        port = listening.getsockname()[1]
+        assert ui_answers(f"http://127.0.0.1:{port}")
+    assert not ui_answers(f"http://127.0.0.1:{port}/")
+
+
+def test_the_libraries_messages_go_to_the_log_file_and_spark_s_jvm_is_pointed_at_it(
+    tmp_path, capfd, monkeypatch
+) -> None:
+    import logging
+    import os
+
+    from imagelake.infra import console
+
+    saved = {
+        name: (logger.handlers[:], logger.propagate, logger.level)
+        for name in console.LIBRARY_LOGGERS
+        for logger in [logging.getLogger(name)]
+    }
+    for variable in ("MLFLOW_CONFIGURE_LOGGING", "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"):
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setattr(console, "_log", {})
+    assert console.spark_java_option() == "" and console.log_file() is None  # no log file named: Spark's default
+    try:
+        path = console.send_library_output_to(console.new_log_path(tmp_path / "ws", "imagelake-pipeline"))
+        assert path.parent == tmp_path / "ws" / "logs" and path.name.startswith("imagelake-pipeline-")
+        logging.getLogger("mlflow.store.db.utils").info("Creating initial MLflow database tables...")
+        logging.getLogger("ray").addHandler(logging.StreamHandler())  # as `import ray` does
+        console.claim_loggers("ray")
+        logging.getLogger("ray._private.worker").info("Started a local Ray instance.")
+        out, err = capfd.readouterr()
+        assert "MLflow database" not in out + err and "Ray instance" not in out + err
+        logged = path.read_text()
+        assert "Creating initial MLflow database tables" in logged and "Started a local Ray instance" in logged
+        assert os.environ["MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"] == os.environ["MLFLOW_CONFIGURE_LOGGING"] == "false"
+        option = console.spark_java_option()
+        config = path.parent / f"{path.stem}.log4j2.properties"
+        assert option == f"-Dlog4j2.configurationFile={config.as_uri()}"
+        assert f"appender.file.fileName = {path}" in config.read_text()
+    finally:
+        for name, (handlers, propagate, level) in saved.items():
+            logger = logging.getLogger(name)
+            for handler in logger.handlers:
+                if handler not in handlers:
+                    handler.close()
+            logger.handlers, logger.propagate = handlers, propagate
+            logger.setLevel(level)

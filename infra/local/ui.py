@@ -73,8 +73,8 @@ def database_urls(
 
 
 def prefect_server_env(env: dict[str, str], auth_string: str, port: int) -> dict[str, str]:
-    """The Prefect server's environment: its API behind the auth string, with CSRF checks, and CORS for its own UI
-    only."""
+    """The Prefect server's environment: its API behind the auth string, with CSRF checks, CORS for its own UI only,
+    and no telemetry."""
     origin = f"http://127.0.0.1:{port}"
     return {
         **env,
@@ -82,6 +82,7 @@ def prefect_server_env(env: dict[str, str], auth_string: str, port: int) -> dict
         "PREFECT_SERVER_CSRF_PROTECTION_ENABLED": "true",
         "PREFECT_SERVER_CORS_ALLOWED_ORIGINS": origin,
         "PREFECT_UI_API_URL": f"{origin}/api",
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",  # no telemetry: imagelake's servers reach nothing outside
         **LEASES_KEPT,
     }
 

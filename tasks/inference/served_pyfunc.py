@@ -76,7 +76,7 @@ class ImageClassifierModel(mlflow.pyfunc.PythonModel):
         self.network = network
         return self
 
-    def predict(self, context, model_input, params: dict | None = None) -> pd.DataFrame:
+    def predict(self, context, model_input: pd.DataFrame, params: dict | None = None) -> pd.DataFrame:
         top_k = int((params or {}).get("top_k", TOP_K))
         if top_k < 1:
             raise MlflowException(f"top_k must be at least 1, got {top_k}", error_code=BAD_REQUEST)

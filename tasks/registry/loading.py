@@ -8,7 +8,6 @@ import io
 import json
 import shutil
 import threading
-import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -50,10 +49,9 @@ PROGRAM, META = "program", "meta"
 
 
 def served_pyfunc_module():
-    """imagelake's served model (tasks/inference/served_pyfunc.py), imported quietly: MLflow warns, as the class is
-    defined, that `predict` takes untyped input (the logged signature checks it instead), under a filter of its own."""
-    with warnings.catch_warnings(record=True):
-        from imagelake.tasks.inference import served_pyfunc
+    """imagelake's served model (tasks/inference/served_pyfunc.py), imported when a version is answered here."""
+    from imagelake.tasks.inference import served_pyfunc
+
     return served_pyfunc
 
 

@@ -16,6 +16,7 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.runtime import flow_run
 from pyspark.sql import functions as F
 
+from imagelake.infra.console import library_prints
 from imagelake.infra.delta import Table
 from imagelake.infra.settings import Settings, stage_settings
 from imagelake.infra.tracking import git_commit, mlflow_client, run_url
@@ -223,7 +224,8 @@ def register_once(
                 )
                 info = mlflow.pyfunc.log_model(name="model", **served)
         # The lineage lands with the version, in one request: no version is ever seen without it.
-        return str(mlflow.register_model(info.model_uri, settings.model_name, tags=tags).version)
+        with library_prints():
+            return str(mlflow.register_model(info.model_uri, settings.model_name, tags=tags).version)
 
 
 def log_test_results(trained: Trained, cached: CachedSplits, evaluated: Evaluated, metrics: dict[str, float]) -> None:
