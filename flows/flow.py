@@ -16,6 +16,8 @@ from imagelake.infra.deadline import Deadline, FlowTimedOut, deadline
 from imagelake.infra.lifecycle import release_after_timeout, release_compute, watch_worker
 from imagelake.infra.run_policy import refuse_job_variables, refuse_unsafe, refuse_unsafe_file
 from imagelake.infra.settings import Settings, load_settings
+from imagelake.infra.tracking import bind_credentials
+from imagelake.tasks.progress import stage_logger
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -86,10 +88,13 @@ def flow_version(fn: Callable[..., Any]) -> str | None:
 
 def run_settings(config_file: str | None, overrides: dict[str, Any] | None, **fixed: Any) -> Settings:
     """A flow's settings from its `config_file` and `overrides` parameters (then FIXED), checked by
-    check_run_parameters;
-    the run's time limit, flow_timeout_hours, runs from here."""
+    check_run_parameters; MLflow's credentials kept for the servers they were configured for (bind_credentials); the
+    run's time limit, flow_timeout_hours, runs from here."""
     check_run_parameters(config_file, overrides)
     settings = load_settings(config_file, {**(overrides or {}), **fixed})
+    unbound = bind_credentials(settings, load_settings(config_file))
+    if unbound:
+        stage_logger().warning(unbound)
     arm_flow_deadline(settings)
     return settings
 

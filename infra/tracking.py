@@ -3,12 +3,13 @@ provenance."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 from typing import TYPE_CHECKING
-from urllib.parse import quote
+from urllib.parse import quote, urlsplit
 
-from imagelake.infra.settings import Settings
+from imagelake.infra.settings import Settings, SettingsError
 
 if TYPE_CHECKING:  # MLflow loads when a client is asked for (start-up: a run that reuses every stage needs none)
     from mlflow import MlflowClient
@@ -26,9 +27,65 @@ def mlflow_client(settings: Settings) -> MlflowClient:
     return MlflowClient(settings.tracking_uri, settings.mlflow_registry_uri or settings.tracking_uri)
 
 
+# MLflow's credentials in the environment: sent by MLflow to whichever tracking and registry servers it is pointed at.
+CREDENTIAL_VARIABLES = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN")
+CREDENTIALS_FILE = Path("~/.mlflow/credentials")
+
+
+def server_of(uri: str | None) -> str | None:
+    """The host and port an MLflow store URI talks to (http, https), without user or password; None for a local store
+    (sqlite:, file:, a path)."""
+    if not uri or not uri.startswith(("http://", "https://")):
+        return None
+    parts = urlsplit(uri)
+    return f"{parts.scheme}://{parts.hostname}{f':{parts.port}' if parts.port else ''}"
+
+
+def bind_credentials(settings: Settings, configured: Settings) -> str | None:
+    """Keep MLflow's credentials for the servers they were configured for: where SETTINGS (a run's, overrides
+    included) name a tracking or registry server that CONFIGURED (the worker's or the user's own, without the run's
+    overrides) does not, the credential variables leave this process's environment, so that no request of the run,
+    nor of a process it starts, carries them there. Returns what it did, for the run's log (None: nothing to do). A
+    credentials file (~/.mlflow/credentials), which MLflow would still read, refuses the run instead."""
+    own = {server_of(configured.tracking_uri), server_of(configured.mlflow_registry_uri or configured.tracking_uri)}
+    named = {server_of(settings.tracking_uri), server_of(settings.mlflow_registry_uri or settings.tracking_uri)}
+    others = sorted(server for server in named - own if server)
+    if not others:
+        return None
+    if CREDENTIALS_FILE.expanduser().is_file():
+        raise SettingsError(
+            f"the run names the MLflow server {', '.join(others)}, not the one the worker's credentials are for, and "
+            f"MLflow would send it the credentials of {CREDENTIALS_FILE}: set the tracking URI in the worker's own "
+            "settings, or move the credentials into the environment (MLFLOW_TRACKING_USERNAME/PASSWORD)"
+        )
+    dropped = [name for name in CREDENTIAL_VARIABLES if os.environ.pop(name, None) is not None]
+    if not dropped:
+        return None
+    return (
+        f"the run names the MLflow server {', '.join(others)}, not the one the credentials are for: its requests go "
+        f"without credentials ({', '.join(dropped)} left out)"
+    )
+
+
 def run_url(client: MlflowClient, settings: Settings, run_id: str) -> str:
     """The MLflow UI's page of a run (at mlflow_ui_url), for links from Prefect."""
     return f"{settings.mlflow_ui_url.rstrip('/')}/#/experiments/{experiment_id(client, settings)}/runs/{run_id}"
+
+
+def ui_answers(url: str, timeout: float = 0.5) -> bool:
+    """Whether anything accepts a connection at URL's host and port (the MLflow UI a summary links to)."""
+    import socket
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    if not parts.hostname:
+        return False
+    try:
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        with socket.create_connection((parts.hostname, port), timeout):
+            return True
+    except OSError:
+        return False
 
 
 def model_version_url(settings: Settings, name: str, version: str) -> str:

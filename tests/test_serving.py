@@ -504,8 +504,8 @@ def test_score_answers_a_folder_a_prefix_and_a_table_version_on_spark_once_per_c
     assert sorted(result["answered"] for result in results.values()) == [0, 4], results
     assert DeltaTable(settings.predictions_uri).to_pyarrow_table().num_rows == before + 4
 
-    # Ingest's guards: a link out of the folder, an empty file and one over max_file_bytes are not read (reported by
-    # reason, no answer stored); a decode that ran out of time is no final answer either.
+    # Ingest's guards: a link out of the folder, an empty file and one over max_file_bytes are not read; each gets a
+    # row whose error names why, once (a second run adds none); a decode that ran out of time is no final answer.
     from imagelake.tasks.inference.batch_scorer import is_final
 
     guarded = tmp_path / "guarded"
@@ -521,19 +521,33 @@ def test_score_answers_a_folder_a_prefix_and_a_table_version_on_spark_once_per_c
     result = score_images(str(guarded), f"{NAME}/1", small)
     assert (result["images"], result["answered"]) == (1, 1), result
     assert result["unread"] == {"empty_file": 1, "file_too_large": 1, "symlink_outside_source": 1}
+    rows = DeltaTable(settings.predictions_uri).to_pyarrow_table(columns=["path", "error"]).to_pylist()
+    errors = {row["path"].rsplit("/", 1)[-1]: row["error"] for row in rows if "/guarded/" in row["path"]}
+    assert errors.keys() == {"ok.png", "empty.png", "big.png", "link.png"} and errors["ok.png"] is None, errors
+    assert errors["empty.png"].startswith("empty_file: ") and errors["link.png"].startswith("symlink_outside_source")
+    assert errors["big.png"].startswith("file_too_large: ") and "max_file_bytes 20000" in errors["big.png"]
+    assert score_images(str(guarded), f"{NAME}/1", small)["errors"] == 0
+    rows = DeltaTable(settings.predictions_uri).to_pyarrow_table(columns=["path"]).to_pylist()
+    assert sum("/guarded/" in row["path"] for row in rows) == 4, "no second row for a file unchanged"
     assert not is_final("decode_timeout: decoding went on past 30 s (max_decode_seconds)")
     assert is_final("not_an_image: cannot identify image file") and is_final(None)
 
     # Answers are keyed by the version's run: a model deleted and created again issues version 1 anew, and its answers
     # are its own (keyed by name and number, the new version 1 answered nothing, taken for the old one).
+    # The score stage's stored result is keyed by the run too, so `imagelake score` does not reuse the old version's.
+    from imagelake.tasks.stages.score import source_state
+
     client = MlflowClient(store, store)
     client.create_registered_model("recreated")
     old_one = version_carrying_code(client, tmp_path, None, "recreated", "recreated-a")
+    old_key = source_state({"source": str(raced), "model": f"recreated/{old_one}", "settings": settings})
     assert score_images(str(raced), f"recreated/{old_one}", settings)["answered"] == 4
     client.delete_registered_model("recreated")
     client.create_registered_model("recreated")
     new_one = version_carrying_code(client, tmp_path, None, "recreated", "recreated-b")
     assert str(new_one) == str(old_one) == "1"
+    new_key = source_state({"source": str(raced), "model": f"recreated/{new_one}", "settings": settings})
+    assert new_key["source"] == old_key["source"] and new_key != old_key, "the new version 1's key is its own"
     again = score_images(str(raced), f"recreated/{new_one}", settings)
     assert again["answered"] == 4, again
     runs = DeltaTable(settings.predictions_uri).to_pyarrow_table(columns=["model_name", "model_run_id"]).to_pylist()
@@ -575,3 +589,20 @@ def test_score_answers_a_folder_a_prefix_and_a_table_version_on_spark_once_per_c
         row for row in DeltaTable(settings.predictions_uri).to_pyarrow_table().to_pylist() if "/rounds/" in row["path"]
     ]
     assert sorted(row["path"].rsplit("/", 1)[-1] for row in every) == [f"{n}.png" for n in range(5)]
+
+
+def test_the_served_model_s_predict_is_typed_and_mlflow_warns_of_nothing_as_it_loads() -> None:
+    # MLflow warned at every import of the served model (twice in a run's console) that its predict took untyped input.
+    import subprocess
+    import sys
+
+    script = (
+        "import warnings\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        "    import imagelake.tasks.inference.served_pyfunc\n"
+        "print([str(w.message)[:200] for w in caught if 'type hint' in str(w.message).lower()])\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout

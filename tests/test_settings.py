@@ -53,6 +53,19 @@ def test_config_file_is_read_and_environment_and_overrides_win(
     assert (settings.image_size, settings.num_workers, settings.batch_size) == (96, 4, 16)
 
 
+def test_the_demo_config_is_valid_settings_and_changes_only_what_the_readme_names() -> None:
+    """`make run` reads infra/demo.yaml: a setting misspelt there would stop the demo, and one added there unsaid
+    would make the README's account of the demo untrue."""
+    from imagelake.infra.run_policy import CODE_ROOT
+
+    demo, defaults = load_settings(CODE_ROOT / "infra" / "demo.yaml"), load_settings()
+    changed = {name for name in type(demo).model_fields if getattr(demo, name) != getattr(defaults, name)}
+    assert changed == {"image_size", "backbone_lr_factor", "max_epochs", "batch_size"}
+    readme = (CODE_ROOT / "README.md").read_text()
+    assert all(f"{name}: {getattr(demo, name)}" in (CODE_ROOT / "infra" / "demo.yaml").read_text() for name in changed)
+    assert "infra/demo.yaml" in readme and f"{demo.max_epochs} epochs of {demo.batch_size}-image batches" in readme
+
+
 def test_bad_values_name_the_field(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("IMAGELAKE_IMAGE_SIZE", "huge")
     with pytest.raises(SettingsError, match="image_size"):
@@ -483,3 +496,54 @@ def test_a_run_s_job_variables_may_not_set_its_command_working_folder_or_environ
     ):
         with pytest.raises(SettingsError, match=f"the job variables of a run set {named}: .* come from the worker"):
             refuse_job_variables(variables, "a run")
+
+
+def test_a_run_naming_another_mlflow_server_sends_it_no_credentials(monkeypatch, tmp_path: Path) -> None:
+    # The worker's MLflow credentials are for the server it was configured with; a run that names another (where the
+    # operator opened mlflow_tracking_uri to runs) reaches it without them, and its log says so.
+    import http.server
+    import threading
+
+    from mlflow import MlflowClient
+
+    from imagelake.flows.flow import run_settings
+
+    heard: list[str | None] = []
+
+    class Listener(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            heard.append(self.headers.get("Authorization"))
+            body = b'{"experiments": []}'
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        do_POST = do_GET  # noqa: N815
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Listener)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    other = f"http://127.0.0.1:{server.server_port}"
+    try:
+        monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.mlflow/credentials of the machine's
+        monkeypatch.setenv("IMAGELAKE_WORKSPACE", str(tmp_path / "ws"))
+        monkeypatch.setenv("IMAGELAKE_MLFLOW_TRACKING_URI", "http://127.0.0.1:1")  # the worker's own server
+        monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", "worker")
+        monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "secret")
+        MlflowClient(other).search_experiments()
+        assert heard and heard[-1] and heard[-1].startswith("Basic "), "MLflow sends the environment's credentials"
+        settings = run_settings(None, {"mlflow_tracking_uri": other})
+        assert settings.tracking_uri == other
+        MlflowClient(other).search_experiments()
+        assert heard[-1] is None, "the run's requests to another server carry no credentials"
+        # Its own server keeps them.
+        monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "secret")
+        monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", "worker")
+        run_settings(None, None)
+        assert os.environ.get("MLFLOW_TRACKING_PASSWORD") == "secret"
+    finally:
+        server.shutdown()

@@ -4,6 +4,7 @@ executors (tasks/inference/batch_scorer.py) with the model loaded once per worke
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -29,7 +30,7 @@ from imagelake.infra.prefect_env import fence, one_at_a_time
 from imagelake.infra.settings import Settings, stage_settings
 from imagelake.infra.spark import spark_session
 from imagelake.infra.tracking import mlflow_client
-from imagelake.tasks.data.listing import link_issue, source_uri, walk_files
+from imagelake.tasks.data.listing import link_issue, modified_seconds, source_uri, walk_files
 from imagelake.tasks.data.resize_executor import PROGRESS_FOLDER, files_done
 from imagelake.tasks.inference.batch_scorer import WRITTEN_SCHEMA, ScoreJob, score_partition
 from imagelake.tasks.progress import Every, rate_line, stage_logger
@@ -71,14 +72,45 @@ def image_files(uri: str, extensions: list[str]) -> Iterator[tuple[str, dict[str
 
 def unread_reason(info: dict[str, Any], max_bytes: int | None) -> str | None:
     """Why scoring does not read a listed file, with ingest's reasons: a link out of the source or to nothing, an empty
-    file, one over max_file_bytes. Such a file is left unanswered (reported by reason), and read again by no run until
-    it changes."""
+    file, one over max_file_bytes. Such a file is not read: it gets a row whose error names the reason (unread_rows),
+    and is looked at again by no run until it changes."""
     size = int(info.get("size") or 0)
     if info.get("issue"):
         return info["issue"]
     if size == 0:
         return "empty_file"
     return "file_too_large" if max_bytes and size > max_bytes else None
+
+
+UNREAD_WHY = {
+    "file_too_large": "the file is larger than max_file_bytes",
+    "empty_file": "the file is empty",
+    "symlink_outside_source": "a link leading out of the source folder is not followed",
+    "unreadable": "a link to nothing",
+}
+
+
+def unread_rows(
+    listed: list[tuple[str, dict[str, Any]]], max_bytes: int | None, known: frozenset[str], run: dict[str, Any]
+) -> list[dict[str, Any]]:
+    """A predictions row for each listed file scoring does not read (unread_reason), whose error says why: every listed
+    file gets a row. Its sha256 stands for the file as listed (`unread:` and a digest of its path, size and time),
+    never read: the same file unchanged gets no second row, a changed one is looked at again."""
+    rows = []
+    for path, info in listed:
+        reason = unread_reason(info, max_bytes)
+        if reason is None:
+            continue
+        size = int(info.get("size") or 0)
+        marker = "unread:" + hashlib.sha256(f"{path}\0{size}\0{modified_seconds(info)}".encode()).hexdigest()
+        if marker in known:
+            continue
+        why = UNREAD_WHY.get(reason, "not read")
+        if reason == "file_too_large":
+            why = f"{size} bytes > max_file_bytes {max_bytes}"
+        row = {"path": path, "sha256": marker, "label": None, "probability": None, "top_k": [], "error": None}
+        rows.append({**row, "error": f"{reason}: {why}", **run})
+    return rows
 
 
 def answered_before(settings: Settings, spark: SparkSession, run_id: str) -> frozenset[str]:
@@ -189,6 +221,11 @@ def score_as_one(source: str, client: Any, name: str, version: str, settings: Se
             errors += files_kept.errors
         if len(rounds) > 1:
             logger.info(f"score: round {number + 1} of {len(rounds)} committed ({answered} answers so far)")
+    if files is not None:
+        unanswered = unread_rows(listed, settings.max_file_bytes, frozenset(known), run)
+        if unanswered:
+            committed = commit_rows(predictions, unanswered, what)
+            errors += len(unanswered)
     logger.info(rate_line("score", total, total, time.monotonic() - started, "images"))
     return {
         "model": f"{name}/{version}",
@@ -200,6 +237,18 @@ def score_as_one(source: str, client: Any, name: str, version: str, settings: Se
         "predictions_uri": settings.predictions_uri,
         "predictions_version": committed,
     }
+
+
+def commit_rows(predictions: Table, rows: list[dict[str, Any]], what: str) -> int:
+    """Write ROWS as one data file of the predictions table and commit it (under the lock on WHAT); the commit's
+    version."""
+    fs, folder = fsspec.core.url_to_fs(predictions.uri)
+    fs.makedirs(folder, exist_ok=True)
+    name = f"part-unread-{uuid.uuid4().hex}-c000.imagelake.parquet"
+    with fs.open(f"{folder}/{name}", "wb") as out:
+        pq.write_table(pa.Table.from_pylist(rows, schema=PREDICTIONS_SCHEMA), out)
+    fence(what)
+    return predictions.commit_files(PREDICTIONS_SCHEMA, [name])
 
 
 def score_rounds(
@@ -333,9 +382,10 @@ def served_meta(client: Any, name: str, version: str) -> dict[str, Any]:
 
 def source_state(inputs: dict[str, Any]) -> dict[str, str]:
     """Key part for score: the source as it is now (a table's version, or every image file's path, size and
-    modification time). A run answers all of its source that is new to the model version, so the same source and
-    version again (its result reused) has nothing new to answer, as long as the predictions table is still there
-    (`needs`)."""
+    modification time), and the model version's MLflow run. A run answers all of its source that is new to the model
+    version, so the same source and version again (its result reused) has nothing new to answer, as long as the
+    predictions table is still there (`needs`). The version is known by its run, not by its name and number, which a
+    model deleted and registered again issues anew."""
     settings: Settings = inputs["settings"]
     try:
         table = table_source(inputs["source"])
@@ -352,7 +402,17 @@ def source_state(inputs: dict[str, Any]) -> dict[str, str]:
         ValueError,
     ):  # the stage itself raises it, where the run reports a stage's failure
         state = "unreadable"
-    return {"source": str(state)}
+    return {"source": str(state), "model_run": model_run(inputs["model"], settings)}
+
+
+def model_run(model: str, settings: Settings) -> str:
+    """The MLflow run of the model version MODEL (NAME/VERSION), or "unknown" where the registry does not say (the stage
+    itself then fails, naming why)."""
+    name, _, version = model.rpartition("/")
+    try:
+        return str(mlflow_client(settings).get_model_version(name, version).run_id)
+    except Exception:  # noqa: BLE001 - a key part; the stage reports the registry's error itself
+        return "unknown"
 
 
 @stage("score-model", cache_policy=NO_CACHE)
