@@ -52,10 +52,10 @@ $(DEMO): | $(STAMP)
 
 demo-data: $(DEMO)
 
-# The demo fine-tunes the default model at the digits' own 64 px, for at most 6 epochs of 16-image batches (more steps
-# an epoch on 1,426 images), where the defaults are 160 px, up to 12 epochs of 32 (docs/training.md).
+# The demo: the default model fine-tuned on the digits with the settings of infra/demo.yaml (which says why each differs
+# from the defaults; bench/demo.py measures them).
 run: install demo-data
-	$(BIN)/imagelake run --source $(DEMO) --set workspace=$(WORKSPACE) --set image_size=64 --set max_epochs=6 --set batch_size=16
+	$(BIN)/imagelake run --source $(DEMO) --config infra/demo.yaml --set workspace=$(WORKSPACE)
 
 # Debian's Chromium for the browser tests (Playwright drives it; it never downloads a browser of its own).
 browser:

@@ -64,8 +64,10 @@ def add_record_option(parser: argparse.ArgumentParser) -> None:
 
 
 def invoked() -> str:
-    """The command this bench script was started with, as a record gives it."""
-    return " ".join([".venv/bin/python", f"bench/{Path(sys.argv[0]).name}", *sys.argv[1:]])
+    """The command this bench script was started with, as a record gives it (an absolute path shown as PATH: it
+    names a folder of the machine that ran it, not of the repository)."""
+    shown = ["PATH" if argument.startswith("/") else argument for argument in sys.argv[1:]]
+    return " ".join([".venv/bin/python", f"bench/{Path(sys.argv[0]).name}", *shown])
 
 
 def keep(args: argparse.Namespace, measure: str, what: str, figures: dict[str, Any], note: str = "") -> None:
