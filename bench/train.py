@@ -82,6 +82,9 @@ from imagelake.tasks.worker.model import compiled as compiled_model  # noqa: E40
 from imagelake.tasks.worker.train_loop import DataWait, make_model, make_trainer, ray_trainer, shard_loaders  # noqa: E402
 
 ROW_GROUP_BYTES = 8 * 1024 * 1024  # as the cache stage writes (parquet.block.size)
+# A dry run steps every row at batches of at most this many images (the rows keep their GPU batch as a label): a
+# ResNet-50 step of 256 images takes tens of seconds on a 2-core CPU, and the dry run checks the code, not speed.
+DRY_RUN_BATCH: int | None = None
 
 
 def write_part(out: Path, file: int, rows: np.ndarray, images: pa.Array, labels: np.ndarray, group_rows: int) -> str:
@@ -428,6 +431,7 @@ def limit(
     `compiled`: a torch.compile mode; `fused`: AdamW's fused kernel (else its default, one kernel per op over all
     tensors); `zoo`: torchvision's model of that name instead of imagelake's."""
     torch.manual_seed(0)
+    batch = min(batch, DRY_RUN_BATCH or batch)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     # cuDNN picks its fastest kernels for these shapes, as the training path's trainer does (benchmark=True). The tables
     # before 2026-11-27 measured limits without it, and Lightning on batches already on the GPU then ran faster than
@@ -783,7 +787,8 @@ class GpuRun:
         self.gpu = torch.cuda.is_available()
         self._caches: dict[int, str] = {}
         self._photos: dict[str, str] = {}
-        device = torch.cuda.get_device_name(0) if self.gpu else "no GPU: a dry run on the CPU, torch.compile off"
+        dry = f"no GPU: a dry run on the CPU, torch.compile off, batches of at most {DRY_RUN_BATCH}"
+        device = torch.cuda.get_device_name(0) if self.gpu else dry
         self.table = Table(
             args.json,
             f"{device}, torch {torch.__version__}, Lightning {pl.__version__}, Ray {ray.__version__}, {self.cores} "
@@ -817,6 +822,7 @@ class GpuRun:
             chosen = step_path(arch, None, "default", gpu=True)[0]
             more = {"compile": chosen or False, "loader_processes": int(more.get("jpeg_decode") != "device"), **more}
         more = {"page_lock": ShardBatches.PAGE_LOCK, **more}
+        batch = min(batch, DRY_RUN_BATCH or batch)
         return train_config(
             self.url, self.size, arch, batch, epochs, workers, gpu=self.gpu, freeze_backbone=frozen, **more
         )
@@ -1938,6 +1944,8 @@ def main() -> None:
         args.images, args.size, args.files = args.images or 64, args.size or 32, 8  # 8 row groups: 4 loaders
         args.loader_workers = args.loader_workers or 2
         args.steps, args.warmup, args.seconds, args.gpu_batch = 2, 1, 0.01, 16
+        global DRY_RUN_BATCH
+        DRY_RUN_BATCH = args.gpu_batch
         args.frozen_workers, args.small_processes, args.frozen_processes = [2], [1, 2], [1]
         args.sections = args.sections or ["all"]
         # Here and in Ray's workers (started after this, with this environment): models run as written.
