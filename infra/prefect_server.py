@@ -30,6 +30,12 @@ SERVER_ENV = {
 }
 
 
+# A server in a fresh Prefect home builds its database before it answers: 17 to 18 s on an idle 2-core machine, and
+# longer beside a Spark or Ray job, where Prefect's default of 20 s ran out. While the server's process lives, the
+# command waits at least this long (or longer, where PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS says so).
+LEAST_STARTUP_WAIT_S = 120.0
+
+
 class ServerFailed(RuntimeError):
     """Prefect's temporary server did not answer."""
 
@@ -66,10 +72,11 @@ class TemporaryServer:
         )
 
     def wait(self) -> str:
-        """The API's URL once it answers (within Prefect's PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS)."""
+        """The API's URL once it answers (within PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS, and never less than
+        LEAST_STARTUP_WAIT_S); at once an error if the server's process ends first."""
         from prefect.settings import PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS
 
-        timeout = PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value()
+        timeout = max(PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value(), LEAST_STARTUP_WAIT_S)
         deadline = time.monotonic() + timeout
         with httpx.Client(timeout=5) as client:
             while time.monotonic() < deadline:

@@ -98,9 +98,16 @@ def test_the_cli_plans_a_backfill_and_refuses_a_reversed_range(digits_dir: Path,
     copy_digits(digits_dir, source / "date=2024-03-03", labels=("0", "1"), per_label=4)
     command = [str(BIN / "imagelake"), "backfill", "--source", str(source), "--set", f"workspace={tmp_path / 'ws'}"]
     # No Prefect API, as for a user without a server: the command starts Prefect's temporary server itself, before
-    # it imports the flow (infra/prefect_server.py), runs the flow on it, and leaves no process behind.
+    # it imports the flow (infra/prefect_server.py), runs the flow on it, and leaves no process behind. A fresh Prefect
+    # home's server takes longer to answer than Prefect's own start-up timeout allows (here 1 s): the command waits.
     home = tmp_path / "prefect-home"
-    alone = {key: value for key, value in cli_env({"PREFECT_HOME": str(home)}).items() if key != "PREFECT_API_URL"}
+    alone = {
+        key: value
+        for key, value in cli_env(
+            {"PREFECT_HOME": str(home), "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "1"}
+        ).items()
+        if key != "PREFECT_API_URL"
+    }
     done = subprocess.run(
         [*command, "2024-03-01", "2024-03-04", "--dry-run", "--json"],
         cwd=REPO,
