@@ -98,11 +98,12 @@ def _start(
 ) -> Any:
     """Run FLOW with the settings' Prefect API (else PREFECT_SERVER's) and result store. Bad input or settings
     (ValueError, FileNotFoundError, ERRORS) end the command with exit code 2 and the message, which says what to do; the
-    traceback is in the log above."""
-    from imagelake.infra.console import new_log_path, send_library_output_to
-    from imagelake.infra.prefect_env import prefect_for
+    traceback is in the command's log file, which the console names."""
+    from imagelake.infra.console import new_log_path, send_library_output_to, tracebacks_to_file
+    from imagelake.infra.prefect_env import prefect_for  # imports Prefect, which sets up its console handler
 
     send_library_output_to(new_log_path(settings.workspace_dir, flow.name))
+    tracebacks_to_file()
     try:
         api_url = prefect_server.wait() if prefect_server is not None else None
         with prefect_for(settings, api_url):

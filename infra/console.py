@@ -10,7 +10,9 @@ Those go to one log file per command, under the workspace's logs/ folder, which 
   - MLflow's artifact progress bars are off (MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR), and what it prints when it
     registers a model goes to the file (`library_prints`);
   - the Spark driver's JVM logs through a log4j2 configuration that appends to the same file (`spark_java_option`).
-Warnings (Python's `warnings`) still reach the console: one that shows is a defect to fix at its cause.
+Warnings (Python's `warnings`) still reach the console: one that shows is a defect to fix at its cause. A record that
+carries a traceback (Prefect's "Encountered exception" when a stage fails) shows on the console as its line alone, which
+names the log file; the file gets the record whole (`tracebacks_to_file`). The command's own error says what to do.
 """
 
 from __future__ import annotations
@@ -85,6 +87,37 @@ def claim_loggers(*names: str) -> None:
         logger.propagate = False
         if name in INFO_LOGGERS:
             logger.setLevel(logging.INFO)
+
+
+class TracebackToFile(logging.Formatter):
+    """A console handler's formatter that writes a record with a traceback to the log file whole, and shows its line
+    alone, naming the file."""
+
+    def __init__(self, inner: logging.Formatter, file_handler: logging.Handler, path: Path) -> None:
+        super().__init__()
+        self.inner, self.file_handler, self.path = inner, file_handler, path
+
+    def format(self, record: logging.LogRecord) -> str:
+        if not (record.exc_info or record.exc_text or record.stack_info):
+            return self.inner.format(record)
+        self.file_handler.handle(record)
+        line = logging.makeLogRecord({**record.__dict__, "exc_info": None, "exc_text": None, "stack_info": None})
+        return f"{self.inner.format(line)} (traceback in {self.path})"
+
+
+def tracebacks_to_file() -> None:
+    """The root logger's console handlers (Prefect's) show tracebacks as a pointer to the log file, once one is named.
+    Called after Prefect has set up its logging (its import does)."""
+    handler, path = _log.get("handler"), log_file()
+    if not isinstance(handler, logging.Handler) or path is None:
+        return
+    for console in logging.getLogger().handlers:
+        if console is handler or isinstance(console, logging.FileHandler):
+            continue
+        inner = console.formatter or logging.Formatter()
+        if isinstance(inner, TracebackToFile):
+            inner = inner.inner
+        console.setFormatter(TracebackToFile(inner, handler, path))
 
 
 @contextlib.contextmanager

@@ -478,6 +478,10 @@ def test_a_missing_source_fails_with_a_clear_message_and_writes_nothing(tmp_path
     assert done.returncode == 2
     assert "nowhere" in done.stderr and "is not a folder" in done.stderr
     assert not (workspace / "tables").exists()
+    # The stage's failure shows as lines, not tracebacks: those are in the command's log file, which the console names.
+    (log,) = (workspace / "logs").glob("imagelake-pipeline-*.log")
+    assert "Traceback" not in done.stdout + done.stderr and f"(traceback in {log})" in done.stderr, done.stderr
+    assert "Traceback" in log.read_text() and "SourceError" in log.read_text()
 
 
 @pytest.mark.xdist_group("e2e-doctor")  # needs no first run: free to run in another process
