@@ -310,6 +310,11 @@ def doctor(
 ) -> None:
     """Check Python, Java, Spark, Delta, Petastorm, Ray, GPUs, MLflow and Prefect for these settings."""
     settings, _ = _settings_or_exit(config, set_)
+    from imagelake.infra.console import new_log_path, send_library_output_to
+
+    # What Spark, Ray and MLflow say as the checks start them goes to a log file, as for a run: the console holds the
+    # checks' lines, and the last names the file.
+    log = send_library_output_to(new_log_path(settings.workspace_dir, "doctor"))
     try:
         checks = run_checks(settings, only)
     except ValueError as exc:
@@ -318,6 +323,7 @@ def doctor(
     for check in checks:
         status = "ok" if check.ok else ("MISSING" if check.required else "absent")
         typer.echo(f"{status:8} {check.name:20} {check.detail}")
+    typer.echo(f"{'log':8} {'':20} {log} (the libraries' own messages)")
     missing = [check for check in checks if check.required and not check.ok]
     if missing:
         typer.secho(

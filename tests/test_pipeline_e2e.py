@@ -498,6 +498,12 @@ def test_doctor_reports_this_machine_and_names_what_is_missing(tmp_path: Path) -
     assert lines["class"].startswith("ok") and "each driver maps the classes" in lines["class"], lines["class"]
     assert lines["ray"].startswith("ok") and lines["pyarrow"].startswith("ok")
     assert lines["lightning"].startswith("ok") and "pytorch_lightning" in lines["lightning"]
+    # What Spark and Ray say as the checks start them goes to the log file the last check line names, not the console.
+    console = found.stdout + found.stderr
+    for noise in ("WARN", "INFO", "Setting default log level", "Started a local Ray instance"):
+        assert noise not in console, f"{noise!r} on the doctor's console:\n{console}"
+    log = Path(next(line for line in found.stdout.splitlines() if line.startswith("log ")).split()[1])
+    assert log.parent == tmp_path / "ws" / "logs" and "Started a local Ray instance" in log.read_text()
 
     # A jar whose bytes differ from those installed is named; Spark's Delta forced on it fails the doctor. The doctor
     # checks only Spark from here on (`--only spark`).
