@@ -13,7 +13,7 @@ CLUSTER := $(WORKSPACE)/cluster
 CLUSTER_DATABASE ?= postgres
 UI_DATABASE ?= sqlite
 
-.PHONY: install weights class-archive run demo-data lint test test-quick test-shuffled doctor ui worker kubernetes-pool clean browser postgres stamps cluster-up cluster-down cluster-status cluster-run
+.PHONY: install weights class-archive bytecode run demo-data lint test test-quick test-shuffled doctor ui worker kubernetes-pool clean browser postgres stamps cluster-up cluster-down cluster-status cluster-run
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -45,7 +45,13 @@ weights: | $(STAMP)
 class-archive: | $(STAMP) $(JARS)
 	$(BIN)/python -m imagelake.infra.local.make_class_archive build || echo "class archive: none, so Spark drivers load their classes at each start"
 
-install: $(STAMP) $(JARS) weights class-archive
+install: $(STAMP) $(JARS) weights class-archive bytecode
+
+# imagelake's own modules compiled as uv compiles the packages: an editable install leaves them as source, and where
+# PYTHONDONTWRITEBYTECODE is set (CI machines) every process that imports them (a command, a flow run, each Ray worker
+# and Spark's Python workers) compiled them again. Only what changed since the last install is compiled again.
+bytecode: | $(STAMP)
+	$(BIN)/python -m compileall -q flows tasks infra tests
 
 $(DEMO): | $(STAMP)
 	$(BIN)/imagelake demo-data $(DEMO)

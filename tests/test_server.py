@@ -173,9 +173,12 @@ def flow_run_processes(prefect_home: Path) -> list[psutil.Process]:
 
 
 @pytest.fixture(scope="module")
-def deployed(tmp_path_factory: pytest.TempPathFactory, digits_dir: Path):
+def deployed(tmp_path_factory: pytest.TempPathFactory, digits_dir: Path, ray_local):
     """`prefect server start`, the imagelake-process pool, `prefect deploy --all` and one process worker; all stopped
-    afterwards."""
+    afterwards. The worker's runs join this process's Ray (IMAGELAKE_RAY_ADDRESS, as a deployment's worker joins its
+    cluster) rather than each starting a Ray of its own."""
+    import ray
+
     root = tmp_path_factory.mktemp("prefect-server")
     server = PrefectServer(root)
     api = PatientClient(base_url=server.api_url, timeout=30)
@@ -189,7 +192,10 @@ def deployed(tmp_path_factory: pytest.TempPathFactory, digits_dir: Path):
         server.prefect("deploy", "--all")
         workspace = root / "workspace"
         worker_log = root / "worker.log"
-        server.start_worker(POOL, worker_log, {"IMAGELAKE_WORKSPACE": str(workspace)})
+        ray_address = ray.get_runtime_context().gcs_address
+        server.start_worker(
+            POOL, worker_log, {"IMAGELAKE_WORKSPACE": str(workspace), "IMAGELAKE_RAY_ADDRESS": ray_address}
+        )
         print(f"server up, deployed, worker started in {time.monotonic() - started:.0f} s")
         yield Deployed(server, api, workspace, digits_dir, worker_log)
     finally:
