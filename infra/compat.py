@@ -23,6 +23,10 @@ each worker result into what the reader yields | `replace_petastorm_results_read
 | ray 2.55.1 | `ray._private.services.resolve_ip_for_localhost` | `ray start` (ray.scripts.scripts) looks it up on the
 module at call time to swap 127.0.0.1 for a routable address | `keep_ray_loopback` |
 `test_keep_ray_loopback_keeps_127_0_0_1` |
+| ray 2.55.1 | `ray.init(_system_config={"enable_worker_prestart": False, "prestart_worker_first_driver": False})` | a
+local Ray's raylet starts no idle Python workers ahead of demand (by default one per logical CPU, up to the soft limit,
+which Ray Train's actors never take: they start workers of their own) | `RAY_NO_PRESTARTED_WORKERS` |
+`test_a_local_ray_holds_no_prestarted_workers` |
 | prefect 3.8.8 | `FlowRunContext.model_copy(update={"result_store": ...})` entered as a context manager | a copy of the
 flow run context, entered, becomes the current one: tasks inside it persist and look up stored results in its result
 store | `flow_run_context_with_result_storage` | `test_flow_run_context_swap_moves_task_results` |
@@ -106,6 +110,10 @@ def replace_petastorm_results_reader(reader: Any, new: Any) -> None:
 
 
 # --- ray -------------------------------------------------------------------------------------
+
+# A local Ray's system config: no idle Python workers started ahead of demand. Each cost about half a CPU second to
+# start and polled while idle (0.9 CPU seconds a minute for two), beside Spark on a small machine.
+RAY_NO_PRESTARTED_WORKERS = {"enable_worker_prestart": False, "prestart_worker_first_driver": False}
 
 
 @contextlib.contextmanager

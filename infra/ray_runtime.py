@@ -7,6 +7,7 @@ import os
 import time
 import warnings
 
+from imagelake.infra.compat import RAY_NO_PRESTARTED_WORKERS
 from imagelake.infra.console import claim_loggers
 from imagelake.infra.lifecycle import exit_on_cancel
 from imagelake.infra.settings import Settings
@@ -34,6 +35,7 @@ def connect_ray(settings: Settings) -> dict[str, float]:
                 include_dashboard=False,
                 _node_ip_address="127.0.0.1",
                 log_to_driver=settings.ray_log_to_driver,
+                _system_config=RAY_NO_PRESTARTED_WORKERS,
             )
         claim_loggers("ray")  # a handler that ray.init() may have added
         exit_on_cancel()  # ray.init() took SIGTERM over: a cancelled run must not end as Crashed

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -123,6 +124,27 @@ def test_keep_ray_loopback_keeps_127_0_0_1() -> None:
         assert services.canonicalize_bootstrap_address("127.0.0.1:6379") == "127.0.0.1:6379"
     assert services.resolve_ip_for_localhost is original
     assert original("10.1.2.3") == "10.1.2.3"
+
+
+def test_a_local_ray_holds_no_prestarted_workers(ray_local) -> None:
+    """The session's Ray is started as every local Ray is (connect_ray, with compat.RAY_NO_PRESTARTED_WORKERS): over
+    a few seconds, none of its processes is an idle Python worker (by default two here, one per core)."""
+    import psutil
+
+    def idle_workers() -> list[int]:
+        found = []
+        for process in psutil.Process().children(recursive=True):
+            try:
+                if process.cmdline()[:1] == ["ray::IDLE"]:
+                    found.append(process.pid)
+            except psutil.Error:
+                continue
+        return found
+
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        assert not idle_workers(), "idle Ray workers started ahead of demand"
+        time.sleep(0.25)
 
 
 # --- prefect ---------------------------------------------------------------------------------

@@ -25,13 +25,16 @@ from tests.servers import MlflowServer
 
 @pytest.mark.slow
 def test_two_runs_of_one_cache_key_at_once_train_once_and_register_one_version(
-    spark, lake: Lake, digits_dir: Path, tmp_path: Path, prefect_api: str
+    spark, lake: Lake, digits_dir: Path, tmp_path: Path, prefect_api: str, ray_local
 ) -> None:
+    import ray
+
     server = MlflowServer(tmp_path / "mlflow").start()
     try:
-        # Two hosts: their own workspaces (no file lock in common), one MLflow server, one Prefect server, shared
-        # storage.
+        # Two hosts: their own workspaces (no file lock in common), one MLflow server, one Prefect server, one Ray
+        # cluster (this process's), shared storage.
         shared = {
+            "IMAGELAKE_RAY_ADDRESS": ray.get_runtime_context().gcs_address,
             "IMAGELAKE_MLFLOW_TRACKING_URI": server.url,
             "IMAGELAKE_PREFECT_API_URL": prefect_api,
             "IMAGELAKE_RAY_STORAGE_ROOT": str(tmp_path / "ray"),

@@ -369,7 +369,7 @@ def test_pipeline_end_to_end_then_everything_is_cached(first_run: FirstRun) -> N
 
 @pytest.mark.ends_fixture  # it adds images to the first run's source and versions to its table and model
 def test_a_weaker_model_stays_challenger_and_new_images_make_a_new_version(
-    first_run: FirstRun, digits_dir: Path, tmp_path: Path
+    first_run: FirstRun, digits_dir: Path, tmp_path: Path, ray_local
 ) -> None:
     source, workspace, env, first = first_run.source, first_run.workspace, first_run.env, first_run.summary
     assert first["model_alias"] == "champion"
@@ -381,7 +381,12 @@ def test_a_weaker_model_stays_challenger_and_new_images_make_a_new_version(
     for png in pngs[3:5]:
         ImageOps.mirror(Image.open(png)).save(png.with_name("mirrored-" + png.name))  # new content
     (source / "7" / "notes.png").write_text("not an image")
-    second, _ = run_pipeline(source, workspace, env, "max_epochs=1", "base_lr=0.00001", "promotion_margin=0.05")
+    # This run joins the test process's Ray (as a run on a cluster does) instead of starting a Ray of its own: the
+    # first run and the retrain below start theirs as a user's command does.
+    import ray
+
+    joined = {**env, "IMAGELAKE_RAY_ADDRESS": ray.get_runtime_context().gcs_address}
+    second, _ = run_pipeline(source, workspace, joined, "max_epochs=1", "base_lr=0.00001", "promotion_margin=0.05")
     assert (second["delta_version"], second["rows_added"], second["rows"]) == (1, 2, 302)
     assert second["quarantined"] == {"not_an_image": 1}
     assert quarantine_artifact(second["flow_run_id"]) == [{"reason": "not_an_image", "files": 1}]
