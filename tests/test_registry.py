@@ -724,6 +724,7 @@ def test_the_promote_stage_retries_a_champion_the_store_cannot_serve_and_then_co
             tmp_path / "untrained",
             input_example=images,
             serialization_format="pt2",
+            pip_requirements=[f"torch=={torch.__version__.split('+')[0]}"],  # not inferred in a process of its own
         )
         champion = register(tmp_path / "untrained", remote)
         crown(client, settings, NAME, champion, "gate", "first")

@@ -586,11 +586,9 @@ def test_a_backfill_and_the_nightly_run_at_once_count_every_image_once_and_leave
     from imagelake.tasks.rules.promotion import CHAMPION
 
     landing, noise = tmp_path / "landing", np.random.default_rng(7)
-    for day in (
-        "2024-03-01",
-        "2024-03-02",
-        "2024-03-03",
-    ):  # images of their own: content the table holds elsewhere would be left out
+    # Two dates, which the backfill runs at once (max_concurrency=2) beside the nightly run: three runs, each its own
+    # process of the worker. Images of their own: content the table holds elsewhere would be left out.
+    for day in ("2024-03-01", "2024-03-02"):
         for label in ("0", "1", "2", "3"):
             (landing / f"date={day}" / label).mkdir(parents=True)
             for n in range(5):
@@ -613,7 +611,7 @@ def test_a_backfill_and_the_nightly_run_at_once_count_every_image_once_and_leave
                 {
                     "source": str(landing),
                     "start_date": "2024-03-01",
-                    "end_date": "2024-03-03",
+                    "end_date": "2024-03-02",
                     "max_concurrency": 2,
                     "dry_run": False,
                     "overrides": small,
@@ -633,7 +631,7 @@ def test_a_backfill_and_the_nightly_run_at_once_count_every_image_once_and_leave
         row["path"] for row in read_version(spark, table, Table(table).version(), "delta-rs").select("path").collect()
     ]
     landed = [path for path in paths if f"{landing}/" in path]
-    assert len(landed) == len(set(landed)) == 60, "every image of the landing folder once"
+    assert len(landed) == len(set(landed)) == 40, "every image of the landing folder once"
     settings = load_settings(overrides={"workspace": str(deployed.workspace)})
     client = mlflow_client(settings)
     assert alias_version(client, settings.model_name, CHAMPION) is not None

@@ -99,7 +99,13 @@ def champion(tmp_path_factory: pytest.TempPathFactory):
     version = mlflow.register_model(info.model_uri, NAME, tags=tags).version
     client.set_registered_model_alias(NAME, "champion", version)
     with mlflow.start_run(experiment_id=experiment):
-        old = mlflow.pytorch.log_model(model, name="model", input_example=examples, serialization_format="pt2")
+        old = mlflow.pytorch.log_model(
+            model,
+            name="model",
+            input_example=examples,
+            serialization_format="pt2",
+            pip_requirements=[f"torch=={torch.__version__.split('+')[0]}"],  # not inferred in a process of its own
+        )
     mlflow.register_model(old.model_uri, NAME, tags={**tags, "labels": "apples,leaves,blueberries"})
     yield store, root
     mlflow.set_tracking_uri(before[0])
