@@ -48,7 +48,9 @@ PREFECT_SERVER = "prefect.server.api.server:create_app"  # what both Prefect's t
 def run_cli_counting_servers(
     args: list[str], env: dict[str, str], timeout: int = 900
 ) -> tuple[subprocess.CompletedProcess, set[int]]:
-    """run_cli, and the Prefect server processes the command started meanwhile (looked for twice a second)."""
+    """run_cli, and the Prefect server processes the command started meanwhile (looked for twice a second). A process
+    whose parent is such a server is not another one: a server's fork for a moment, before it runs a command of its own
+    (ctypes looking for a library runs ldconfig), shows the server's command line."""
     import psutil
 
     command = subprocess.Popen([IMAGELAKE, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -62,15 +64,17 @@ def run_cli_counting_servers(
     reader.start()
     parent = psutil.Process(command.pid)
     while reader.is_alive():
+        seen: dict[int, int] = {}  # server-like process -> its parent, in this look
         try:
             for child in parent.children(recursive=True):
                 try:
                     if any(PREFECT_SERVER in part for part in child.cmdline()):
-                        servers.add(child.pid)
+                        seen[child.pid] = child.ppid()
                 except psutil.Error:
                     pass
         except psutil.Error:
             pass
+        servers.update(pid for pid, ppid in seen.items() if ppid not in seen and ppid not in servers)
         reader.join(0.5)
     return subprocess.CompletedProcess([IMAGELAKE, *args], command.returncode, out[0], out[1]), servers
 
