@@ -411,31 +411,6 @@ def test_on_imagelake_s_kubernetes_pool_a_run_may_not_bring_its_own_image_comman
         deployed.api.delete(f"/work_pools/{pool}")
 
 
-def test_a_custom_run_through_the_ui_api_call_completes_and_publishes_its_summary(deployed: Deployed) -> None:
-    adhoc = deployed.deployment("imagelake-adhoc", "adhoc")
-    # The small CNN on one worker: the form's default model is what the browser's run trains (the test below).
-    params = run_params(adhoc, deployed.source, num_workers=1, model_arch="small_cnn")
-    created = deployed.create_run(adhoc, custom_run_body(adhoc, {"params": params}, "api-custom-run"))
-    assert created.status_code == 201, created.text
-    run = deployed.wait_for_run(created.json()["id"])
-
-    assert run["deployment_id"] == adhoc["id"] and run["parameters"] == {"params": params}
-    artifacts = deployed.summary_artifacts(run["id"])
-    assert len(artifacts) == 1, artifacts
-    summary = report_facts(artifacts[0]["data"])
-    assert summary["epochs_run"] == "1", artifacts[0]["data"]
-    # The table the run wrote holds every image of its source once. (Other tests of this file land images of their own
-    # in the same workspace, before or after this one: the table's total depends on the order.)
-    from imagelake.infra.delta import column_values
-
-    version = int(summary["delta_version"])
-    paths = column_values(str(deployed.workspace / "tables" / "images"), "path", version)
-    mine = [path for path in paths if f"{deployed.source}/" in path]
-    assert len(mine) == len(set(mine)) == 300, (len(mine), len(set(mine)), summary)
-    # The worker's IMAGELAKE_WORKSPACE took the run's output, not the repository's .imagelake.
-    assert str(deployed.workspace) in artifacts[0]["data"] and (deployed.workspace / "mlflow.db").is_file()
-
-
 @pytest.fixture(scope="module")
 def chromium() -> Path:
     """Debian's Chromium; its absence fails the test (before any server starts) unless IMAGELAKE_SKIP_BROWSER=1."""
@@ -519,10 +494,24 @@ def test_a_custom_run_from_the_prefect_ui_form(chromium: Path, deployed: Deploye
 
     run = deployed.api.get(f"/flow_runs/{flow_run_id}").json()
     assert run["parameters"] == {"params": run_params(adhoc, deployed.source, max_epochs=2, num_workers=1)}
-    assert run["deployment_id"] == adhoc["id"] and len(deployed.summary_artifacts(flow_run_id)) == 1
-    # The API test builds its request the way this form does; nothing but the run's name and parameters may differ.
+    assert run["deployment_id"] == adhoc["id"]
+    # The other tests' ad-hoc runs (through the API) build their requests the way this form does: nothing but the
+    # run's name and parameters may differ.
     expected = custom_run_body(adhoc, run["parameters"], sent["name"])
     assert sent == expected
+    artifacts = deployed.summary_artifacts(flow_run_id)
+    assert len(artifacts) == 1, artifacts
+    summary = report_facts(artifacts[0]["data"])
+    assert summary["epochs_run"] == "2", artifacts[0]["data"]
+    # The table the run wrote holds every image of its source once. (Other tests of this file land images of their own
+    # in the same workspace, before or after this one: the table's total depends on the order.)
+    from imagelake.infra.delta import column_values
+
+    paths = column_values(str(deployed.workspace / "tables" / "images"), "path", int(summary["delta_version"]))
+    mine = [path for path in paths if f"{deployed.source}/" in path]
+    assert len(mine) == len(set(mine)) == 300, (len(mine), len(set(mine)), summary)
+    # The worker's IMAGELAKE_WORKSPACE took the run's output, not the repository's .imagelake.
+    assert str(deployed.workspace) in artifacts[0]["data"] and (deployed.workspace / "mlflow.db").is_file()
 
     # The search's form: its space, typed as text, reached the flow, which read it and refused a value no run may set
     # before any stage ran, naming the setting.
@@ -691,6 +680,12 @@ def test_a_nightly_and_an_ad_hoc_run_of_the_same_data_at_once_train_once_and_nev
         deployed.wait_for_run(created.json()["id"], timeout=2 * RUN_TIMEOUT)
         [artifact] = deployed.summary_artifacts(created.json()["id"])
         summaries.append(report_facts(artifact["data"]))
+    # The ad-hoc run is the one the UI's custom-run call makes (the browser test checks the request is the form's).
+    ad_hoc = deployed.api.get(f"/flow_runs/{runs[1].json()['id']}").json()
+    assert ad_hoc["deployment_id"] == adhoc["id"] and ad_hoc["parameters"] == {
+        "params": run_params(adhoc, landing, **small)
+    }
+    assert [summary["epochs_run"] for summary in summaries] == ["2", "2"], summaries
     stages = ran_at_once(deployed, *(created.json()["id"] for created in runs))
     print(f"{len(stages)} pairs of stages ran at once, e.g. {stages[:3]}")
     first, second = summaries
