@@ -41,6 +41,9 @@ JSON-lines file under `_delta_log` naming the data files it adds (and removes) b
 of them `{"commitInfo": {...}}` | a commit's version is its file's name; delta-rs writes a commit's custom metadata as
 keys of its `commitInfo`, Spark its `userMetadata` as one | `delta_log_commits` |
 `test_delta_log_commits_numbered_by_file_name` |
+| ray 2.55.1 | `RayTrainReportCallback.tmpdir_prefix` | the folder under `tempfile.gettempdir()` in which the callback
+stages each epoch's checkpoint; it removes each epoch's subfolder once reported, never the folder |
+`report_callback_staging` | `tests/test_training.py::test_the_same_data_settings_and_seed_train_the_same_model` |
 | torch 2.13.0 | the layout of a `torch.export.save` archive (`torch.export.pt2_archive`) | tensors are raw bytes
 named `weight_N` / `tensor_N` unless their payload config says `use_pickle`; anything else (a pickled weight or
 constant, a custom or opaque object, a legacy `.pt` of weights, sample inputs that are not plain tensors) is
@@ -245,3 +248,8 @@ def program_refusal(path: str | Path) -> str | None:
                 except Exception as exc:  # noqa: BLE001 - anything torch's data-only loader refuses is refused here
                     return f"its sample inputs are not plain tensors ({type(exc).__name__})"
     return None
+
+
+def report_callback_staging(callback: Any) -> Path:
+    """The folder in which Ray Train's `RayTrainReportCallback` stages each epoch's checkpoint before reporting it."""
+    return Path(callback.tmpdir_prefix)

@@ -3,6 +3,7 @@ checkpoint."""
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
@@ -22,6 +23,7 @@ from ray.train.lightning import (
     prepare_trainer,
 )
 
+from imagelake.infra.compat import report_callback_staging
 from imagelake.infra.errors import PermanentError
 from imagelake.tasks.data.cache_files import split_format
 from imagelake.tasks.rules.training import step_path
@@ -369,7 +371,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     pl.seed_everything(config["seed"], workers=True)
     checkpoint = ray.train.get_checkpoint()
     resume, resumed_epoch = resume_point(checkpoint.path if checkpoint else None, config.get("run_path"))
-    callbacks: list[Callback] = [RayTrainReportCallback()]
+    report = RayTrainReportCallback()
+    callbacks: list[Callback] = [report]
     nodes = worker_nodes(world)
     if rank == 0 and config.get("mlflow_run_id"):
         from mlflow import MlflowClient
@@ -390,13 +393,20 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         print(f"imagelake: rank {rank} resumes after epoch {resumed_epoch} from {resume}", flush=True)
     started = time.perf_counter()
     with train_batches, val_batches:
-        trainer.fit(
-            make_model(config, len(train_batches)),
-            train_dataloaders=train_batches,
-            val_dataloaders=val_batches,
-            ckpt_path=resume,
-            weights_only=True,  # a checkpoint on shared storage is read as data, never unpickled as code
-        )
+        try:
+            trainer.fit(
+                make_model(config, len(train_batches)),
+                train_dataloaders=train_batches,
+                val_dataloaders=val_batches,
+                ckpt_path=resume,
+                weights_only=True,  # a checkpoint on shared storage is read as data, never unpickled as code
+            )
+        finally:
+            # Ray's callback stages each epoch's checkpoint in a folder of the system's temporary folder and removes
+            # the epoch's files once reported, never that folder: without this, every run left one behind. Another
+            # rank of this machine may still be reporting into it: then the folder is not empty yet and stays for it.
+            with contextlib.suppress(OSError):
+                report_callback_staging(report).rmdir()
     if rank == 0 and config.get("mlflow_run_id"):
         from mlflow import MlflowClient
 
