@@ -161,7 +161,6 @@ STARTING_FIXTURES = {
     "lake",
     "prefect_api",
     "digits_cached",
-    "cached",
     "registry",
     "deployed",
     "cluster_run",
@@ -169,7 +168,7 @@ STARTING_FIXTURES = {
 }
 # These run flows or training in the test's own process: Spark (with the S3 settings) and Ray start first, the same
 # way whichever test of the session comes first.
-IN_PROCESS_PIPELINE = {"prefect_api", "digits_cached", "cached"}
+IN_PROCESS_PIPELINE = {"prefect_api", "digits_cached"}
 RAY_TEST_CPUS = 4  # logical CPUs of the session's Ray: enough for the largest training a test runs (2 workers)
 
 

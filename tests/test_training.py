@@ -25,15 +25,6 @@ from tests.faults import KillWorkerOnce, inject
 from tests.lake import Lake, copy_digits
 
 
-@pytest.fixture
-def cached(spark, lake: Lake, digits_dir: Path, tmp_path: Path, settings):
-    """A small cached dataset: 100 digits at 24x24, split and cached."""
-    copy_digits(digits_dir, tmp_path / "src", labels=tuple(str(d) for d in range(10)), per_label=10)
-    _, _, written = lake.run(tmp_path / "src")
-    plan = plan_splits(spark, written, settings.model_copy(update={"image_size": 24}))
-    return cache_splits(spark, plan, 24, settings.cache_uri)
-
-
 def epochs_logged(settings, run_id: str) -> list[int]:
     return sorted(m.step for m in mlflow_client(settings).get_metric_history(run_id, "val_loss"))
 
@@ -51,14 +42,14 @@ def assert_resumed(settings, run_id: str) -> None:
 
 @pytest.mark.slow
 def test_a_worker_killed_mid_run_resumes_from_the_last_checkpoint(
-    cached, settings, tmp_path: Path, monkeypatch
+    digits_cached, settings, tmp_path: Path, monkeypatch
 ) -> None:
     marker = tmp_path / "killed"
     inject(monkeypatch, KillWorkerOnce(1, 2, str(marker)))
     settings = settings.model_copy(
         update={"max_epochs": 4, "early_stopping_patience": 10, "max_failures": 1, "batch_size": 16}
     )
-    trained = train_model(cached, settings)
+    trained = train_model(digits_cached, settings)
     assert marker.read_text().startswith("killed at epoch 2"), "rank 1 was killed once"
     assert trained.epochs_run == 4
     assert trained.fit_seconds > 0, "rank 0 logs how long the fitting took"
@@ -107,12 +98,12 @@ def test_a_retried_training_task_resumes_the_same_run(
 
 
 @pytest.mark.slow
-def test_the_same_data_settings_and_seed_train_the_same_model(cached, settings, tmp_path: Path) -> None:
+def test_the_same_data_settings_and_seed_train_the_same_model(digits_cached, settings, tmp_path: Path) -> None:
     """Two trainings from scratch on two workers (DDP: the harder case; one worker is the same loop without the
     all-reduce): every epoch's metrics and the best checkpoint's weights are the same."""
     settings = settings.model_copy(update={"max_epochs": 3, "batch_size": 8, "num_workers": 2, "loader_workers": 3})
     runs = [
-        train_model(cached, settings.model_copy(update={"ray_storage_root": str(tmp_path / f"ray-{i}")}))
+        train_model(digits_cached, settings.model_copy(update={"ray_storage_root": str(tmp_path / f"ray-{i}")}))
         for i in range(2)
     ]
     client = mlflow_client(settings)
@@ -167,7 +158,7 @@ def test_learning_rate_scales_with_the_workers(rule: str, expected: float) -> No
     assert scaled_learning_rate(1e-3, 4, rule) == pytest.approx(expected)
 
 
-def test_the_baseline_fits_a_random_sample_of_the_same_split_and_beats_chance(cached) -> None:
+def test_the_baseline_fits_a_random_sample_of_the_same_split_and_beats_chance(digits_cached) -> None:
     """The run's floor reads the cached splits as training does: thumbnails of the chosen rows, at most `limit` of
     them."""
     import numpy as np
@@ -176,15 +167,13 @@ def test_the_baseline_fits_a_random_sample_of_the_same_split_and_beats_chance(ca
     from imagelake.tasks.registry.baseline import fit_baseline, thumbnails
     from imagelake.tasks.stages.promote import read_split
 
-    whole = fit_baseline(cached.splits["train"], cached.splits["test"], 24, cached.counts, seed=0)
-    assert (whole.train_rows, whole.test_rows) == (cached.counts["train"], cached.counts["test"])
+    splits, counts = digits_cached.splits, digits_cached.counts
+    whole = fit_baseline(splits["train"], splits["test"], 24, counts, seed=0)
+    assert (whole.train_rows, whole.test_rows) == (counts["train"], counts["test"])
     assert whole.accuracy > 0.3, f"chance is 0.1; got {whole.accuracy}"
-    assert (
-        fit_baseline(cached.splits["train"], cached.splits["test"], 24, cached.counts, seed=0, limit=20).train_rows
-        == 20
-    )
-    images, labels = read_split(cached.splits["train"], 24)
-    some, their_labels = thumbnails(cached.splits["train"], 24, cached.counts["train"], limit=5, seed=3)
+    assert fit_baseline(splits["train"], splits["test"], 24, counts, seed=0, limit=20).train_rows == 20
+    images, labels = read_split(splits["train"], 24)
+    some, their_labels = thumbnails(splits["train"], 24, counts["train"], limit=5, seed=3)
     chosen = np.sort(np.random.default_rng(3).choice(len(labels), size=5, replace=False))
     expected = (
         F.adaptive_avg_pool2d(torch.from_numpy(images[chosen]).permute(0, 3, 1, 2).float(), 32).flatten(1).numpy() / 255
